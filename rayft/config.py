@@ -1,0 +1,396 @@
+"""Typed run configuration: YAML + `--override section.key=value`, checked before anything expensive starts.
+
+Field names and defaults of `model`, `lora`, `data` and `train` follow the seed recipe's dataclasses and YAML so
+users' existing files load unchanged; `fsdp` and `ray` are rayft's own. Every user mistake becomes a
+`ConfigError` that names the key (and the closest valid key for typos) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration or paths; the message is meant to be shown as is."""
+
+
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+STRATEGIES = ("no", "steps", "epoch")
+DTYPES = ("float32", "bfloat16", "float16")
+PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str = "/data/input/Models/Mistral-Small-4-119B-2603"
+    torch_dtype: str = "bfloat16"
+    # Accepted for seed compatibility only: FSDP decides placement, so "auto" device maps are ignored.
+    device_map: str | None = "auto"
+    use_cache: bool = False
+    attn_implementation: str | None = None
+    # Where the tokenizer lives when it is not next to the weights.
+    tokenizer_name_or_path: str | None = None
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    bias: str = "none"
+    task_type: str = "CAUSAL_LM"
+
+
+@dataclass
+class DataConfig:
+    dataset_name_or_path: str = "/data/input/Datasets/wikitext"
+    dataset_config_name: str | None = "wikitext-2-raw-v1"
+    text_field: str = "text"
+    train_split: str = "train"
+    val_split: str | None = "validation"
+    max_length: int = 1024
+    prompt_template: str | None = None
+    # Share of the training records held out for evaluation when the dataset has no validation split.
+    val_ratio: float = 0.05
+    # Ray Data actors that tokenize in parallel with training (each holds one tokenizer).
+    tokenize_workers: int = 2
+    # Rows each worker shuffles locally while streaming; 0 keeps the read order.
+    shuffle_buffer_size: int = 1000
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "/data/output/Models/mistral4small-lora-fsdp"
+    num_train_epochs: int = 1
+    # Stops after this many optimizer steps when > 0, whatever num_train_epochs says.
+    max_steps: int = -1
+    per_device_train_batch_size: int = 1
+    per_device_eval_batch_size: int = 1
+    gradient_accumulation_steps: int = 16
+    gradient_checkpointing: bool = False
+    optim: str = "adamw_torch"
+    learning_rate: float = 1e-4
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.05
+    # Takes precedence over warmup_ratio when > 0 (the newer transformers spelling).
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    bf16: bool = True
+    fp16: bool = False
+    logging_steps: int = 25
+    eval_strategy: str = "steps"
+    eval_steps: int = 200
+    save_strategy: str = "steps"
+    save_steps: int = 200
+    save_total_limit: int | None = 3
+    load_best_model_at_end: bool = False
+    report_to: str | None = None
+    seed: int = 42
+    # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
+    ddp_find_unused_parameters: bool = False
+
+
+@dataclass
+class FsdpConfig:
+    # Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward (ZeRO-2).
+    reshard_after_forward: bool = True
+    # Compute dtype of gathered weights; "auto" = bfloat16 on GPU when train.bf16, float32 on CPU.
+    param_dtype: str = "auto"
+    reduce_dtype: str = "float32"
+    cpu_offload: bool = False
+    # Recompute each decoder layer in backward (train.gradient_checkpointing turns this on too).
+    activation_checkpointing: bool = False
+    # Layers whose all-gather is issued ahead of time; 0 leaves it to FSDP2's implicit prefetching.
+    forward_prefetch: int = 1
+    backward_prefetch: int = 1
+
+
+@dataclass
+class RayConfig:
+    # Cluster to join; None = the one `ray job submit` runs us in (RAY_ADDRESS), else a new local one.
+    address: str | None = None
+    num_workers: int = 2
+    # None = use GPUs when the cluster has any.
+    use_gpu: bool | None = None
+    resources_per_worker: dict[str, float] | None = None
+    # One worker per node by default: each worker owns a whole node's GPU(s) and its NIC.
+    placement_strategy: str = "STRICT_SPREAD"
+    # None = train.output_dir, so checkpoints land next to the final adapter on the shared volume.
+    storage_path: str | None = None
+    name: str = "ray_run"
+    max_failures: int = 1
+    # Logical CPUs of the local cluster started when there is none to join (more than cores, so
+    # Ray Data tasks are not starved by the training workers).
+    local_num_cpus: int = 8
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "lora": LoraConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "fsdp": FsdpConfig,
+    "ray": RayConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)}), got {raw!r}")
+        sections = {}
+        for name, values in raw.items():
+            section_type = SECTIONS.get(name)
+            if section_type is None:
+                raise ConfigError(f"{source}: unknown section '{name}'{_suggest(name, SECTIONS)}")
+            sections[name] = _build_section(name, section_type, values, source)
+        cfg = cls(**sections)
+        cfg.check()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def storage_path(self) -> str:
+        return str(Path(self.ray.storage_path or self.train.output_dir).expanduser().resolve())
+
+    def check(self) -> None:
+        """Refuse out-of-range values and combinations that cannot work."""
+        t, d, lo, r, f, m = self.train, self.data, self.lora, self.ray, self.fsdp, self.model
+        _positive("train.learning_rate", t.learning_rate)
+        _at_least("train.num_train_epochs", t.num_train_epochs, 1)
+        _at_least("train.per_device_train_batch_size", t.per_device_train_batch_size, 1)
+        _at_least("train.per_device_eval_batch_size", t.per_device_eval_batch_size, 1)
+        _at_least("train.gradient_accumulation_steps", t.gradient_accumulation_steps, 1)
+        _at_least("train.logging_steps", t.logging_steps, 1)
+        _at_least("train.eval_steps", t.eval_steps, 1)
+        _at_least("train.save_steps", t.save_steps, 1)
+        _at_least("train.warmup_steps", t.warmup_steps, 0)
+        _at_least("train.weight_decay", t.weight_decay, 0)
+        _positive("train.max_grad_norm", t.max_grad_norm)
+        if t.max_steps != -1:
+            _at_least("train.max_steps", t.max_steps, 1, hint=" (or -1 to train for num_train_epochs)")
+        if t.save_total_limit is not None:
+            _at_least("train.save_total_limit", t.save_total_limit, 1, hint=" (or null to keep every checkpoint)")
+        if not 0 <= t.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+        _one_of("train.lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
+        _one_of("train.optim", t.optim, OPTIMIZERS)
+        _one_of("train.eval_strategy", t.eval_strategy, STRATEGIES)
+        _one_of("train.save_strategy", t.save_strategy, STRATEGIES)
+        if t.fp16:
+            raise ConfigError("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false")
+        if t.report_to not in (None, "none"):
+            raise ConfigError(f"train.report_to: '{t.report_to}' is not supported yet; use none")
+        if t.load_best_model_at_end:
+            raise ConfigError(
+                "train.load_best_model_at_end: true is not supported yet; the newest "
+                "train.save_total_limit checkpoints are kept, set it to false"
+            )
+
+        _at_least("data.max_length", d.max_length, 2)
+        _at_least("data.tokenize_workers", d.tokenize_workers, 1)
+        _at_least("data.shuffle_buffer_size", d.shuffle_buffer_size, 0)
+        if not 0 <= d.val_ratio < 1:
+            raise ConfigError(f"data.val_ratio must be in [0, 1), got {d.val_ratio}")
+        if d.prompt_template is not None:
+            raise ConfigError("data.prompt_template is not supported yet; leave it null for plain text data")
+
+        _at_least("lora.r", lo.r, 1)
+        _positive("lora.lora_alpha", lo.lora_alpha)
+        if not 0 <= lo.lora_dropout < 1:
+            raise ConfigError(f"lora.lora_dropout must be in [0, 1), got {lo.lora_dropout}")
+        if not lo.target_modules:
+            raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+        _one_of("lora.bias", lo.bias, ("none", "all", "lora_only"))
+        _one_of("lora.task_type", lo.task_type, ("CAUSAL_LM",))
+
+        _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))
+        _one_of("fsdp.param_dtype", f.param_dtype, (*DTYPES, "auto"))
+        _one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
+        _at_least("fsdp.forward_prefetch", f.forward_prefetch, 0)
+        _at_least("fsdp.backward_prefetch", f.backward_prefetch, 0)
+        if r.use_gpu is False:
+            self.check_cpu_precision()
+
+        _at_least("ray.num_workers", r.num_workers, 1)
+        _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
+        _at_least("ray.local_num_cpus", r.local_num_cpus, 1)
+        _one_of("ray.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
+        if not r.name or "/" in r.name:
+            raise ConfigError(f"ray.name must be a non-empty directory name, got {r.name!r}")
+        for key, amount in (r.resources_per_worker or {}).items():
+            if amount < 0:
+                raise ConfigError(f"ray.resources_per_worker.{key} must be >= 0, got {amount}")
+
+    def check_cpu_precision(self) -> None:
+        """gloo cannot all-gather bf16/fp16 (the process aborts), so CPU training computes in fp32."""
+        if self.fsdp.param_dtype not in ("auto", "float32") or self.fsdp.reduce_dtype != "float32":
+            raise ConfigError(
+                "fsdp.param_dtype/reduce_dtype must be float32 (or auto) when training on CPU: "
+                "the gloo backend cannot gather bf16/fp16 tensors"
+            )
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file (None = all defaults) and apply `section.key=value` overrides on top."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        values = raw.setdefault(section, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping")
+        values[key] = value
+    return Config.from_dict(raw, source)
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    dotted, sep, text = item.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--override '{item}': expected section.key=value, e.g. train.learning_rate=2e-4")
+    if section not in SECTIONS:
+        raise ConfigError(f"--override '{item}': unknown section '{section}'{_suggest(section, SECTIONS)}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--override '{item}': value is not valid YAML: {e}") from None
+    return section, key, value
+
+
+def _build_section(name: str, section_type: type, values: Any, source: str) -> Any:
+    if values is None:
+        return section_type()
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: section '{name}' must be a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(section_type)
+    known = {f.name for f in dataclasses.fields(section_type)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key '{name}.{key}'{_suggest(str(key), known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+    return section_type(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against the field's annotation; accept the lenient forms YAML produces (e.g. '1e-4')."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if value is None:
+        raise ConfigError(f"{key} must not be null (expected {_type_name(hint)})")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif origin is list:
+        (item_type,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        _, value_type = typing.get_args(hint)
+        if isinstance(value, dict):
+            return {str(k): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
+    raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return f"a mapping of names to {_type_name(typing.get_args(hint)[1])}"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, str(hint))
+
+
+def _suggest(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f"; valid: {', '.join(sorted(choices))}"
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _at_least(key: str, value: float, low: float, hint: str = "") -> None:
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low}, got {value}{hint}")
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{key}: unknown value '{value}'{hint}; choose one of {', '.join(choices)}")

@@ -1,0 +1,127 @@
+"""The model each worker trains: causal LM → PEFT LoRA → FSDP2 (`fully_shard` per decoder layer, then the root)."""
+
+from __future__ import annotations
+
+import logging
+
+import peft
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from rayft.config import Config, ConfigError, FsdpConfig, LoraConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_model(cfg: Config, on_gpu: bool) -> peft.PeftModel:
+    model = load_base_model(cfg.model)
+    if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
+        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = apply_lora(model, cfg.lora)
+    apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu))
+    return model
+
+
+def load_base_model(model_cfg: ModelConfig) -> PreTrainedModel:
+    dtype = model_cfg.torch_dtype if model_cfg.torch_dtype == "auto" else getattr(torch, model_cfg.torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_cfg.model_name_or_path,
+        dtype=dtype,
+        attn_implementation=model_cfg.attn_implementation,
+        use_cache=model_cfg.use_cache,
+    )
+    model.config.use_cache = model_cfg.use_cache
+    return model
+
+
+def lora_config(lora: LoraConfig) -> peft.LoraConfig:
+    return peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=list(lora.target_modules),
+        bias=lora.bias,
+        task_type=peft.TaskType.CAUSAL_LM,
+    )
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> peft.PeftModel:
+    """Wrap with LoRA; a target list that matches nothing is a config error, not a silent no-op."""
+    try:
+        return peft.get_peft_model(model, lora_config(lora))
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+            raise
+        raise ConfigError(
+            f"lora.target_modules {lora.target_modules} match no module of {type(model).__name__}; "
+            f"its linear layers are: {', '.join(linear_module_names(model))}"
+        ) from None
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+
+
+def check_lora_targets(model_cfg: ModelConfig, lora: LoraConfig) -> list[str]:
+    """Resolve LoRA targets on a weightless (meta) copy of the model; returns the adapted module names."""
+    config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    peft_model = apply_lora(model, lora)
+    return sorted(
+        name.removeprefix("base_model.model.")
+        for name, m in peft_model.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    )
+
+
+def mixed_precision(cfg: Config, on_gpu: bool) -> MixedPrecisionPolicy:
+    if cfg.fsdp.param_dtype == "auto":
+        param_dtype = torch.bfloat16 if (on_gpu and cfg.train.bf16) else torch.float32
+    else:
+        param_dtype = getattr(torch, cfg.fsdp.param_dtype)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.fsdp.reduce_dtype))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP shards one by one: the classes the model declares as not splittable."""
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    block_names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in base.modules() if type(m).__name__ in block_names]
+    if not layers:
+        raise RuntimeError(f"{type(base).__name__} declares no decoder layer class (_no_split_modules) to shard")
+    return layers
+
+
+def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPolicy) -> None:
+    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head)."""
+    offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(
+            layer, mp_policy=mp_policy, reshard_after_forward=fsdp.reshard_after_forward, offload_policy=offload
+        )
+    # The root's weights are needed again right at the start of backward: keep them gathered.
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
+    for i, layer in enumerate(layers):
+        if fsdp.forward_prefetch:
+            ahead = layers[i + 1 : i + 1 + fsdp.forward_prefetch]
+            if ahead:
+                layer.set_modules_to_forward_prefetch(ahead)
+        if fsdp.backward_prefetch:
+            behind = layers[max(0, i - fsdp.backward_prefetch) : i][::-1]
+            if behind:
+                layer.set_modules_to_backward_prefetch(behind)
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of the unsharded model."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel() if not hasattr(p, "full_tensor") else p.shape.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total

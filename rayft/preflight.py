@@ -1,0 +1,62 @@
+"""Checks that need the filesystem but no cluster: run by `rayft validate` and before every training run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayft.config import Config, ConfigError
+from rayft.sources import SplitFiles, resolve_splits
+from rayft.tokenizer import tokenizer_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model")
+
+
+@dataclass
+class Preflight:
+    train: SplitFiles
+    validation: SplitFiles | None
+    lora_modules: list[str]
+
+
+def preflight(cfg: Config) -> Preflight:
+    _check_model_dir(Path(cfg.model.model_name_or_path).expanduser())
+    _check_tokenizer(Path(tokenizer_path(cfg.model)).expanduser())
+    train, validation = resolve_splits(cfg.data)
+    _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
+    if cfg.ray.storage_path and "://" not in cfg.ray.storage_path:
+        _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
+
+    from rayft.model import check_lora_targets  # torch/transformers import: only once the cheap checks passed
+
+    return Preflight(train, validation, check_lora_targets(cfg.model, cfg.lora))
+
+
+def _check_model_dir(path: Path) -> None:
+    key = "model.model_name_or_path"
+    if not path.exists():
+        raise ConfigError(
+            f"{key}: {path} does not exist (a local model directory is expected; download hub models to the "
+            "shared volume first)"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: {path} has no config.json; point it at a Hugging Face model directory")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ConfigError(f"{key}: {path} has no *.safetensors weights")
+
+
+def _check_tokenizer(path: Path) -> None:
+    if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
+            "set model.tokenizer_name_or_path to the directory that has one"
+        )
+
+
+def _check_writable(key: str, path: Path) -> None:
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ConfigError(f"{key}: cannot create {path} ({existing} is not a writable directory)")
