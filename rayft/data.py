@@ -33,7 +33,9 @@ class Datasets:
 
 
 def build_datasets(cfg: Config) -> Datasets:
-    """Runs on the driver: builds the lazy pipelines and counts rows; nothing is tokenized yet."""
+    """Runs on the driver: builds the lazy training pipeline and counts its rows; tokenizes validation."""
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # tqdm bars turn `ray job logs` into noise; the dashboard shows progress
     train_files, val_files = resolve_splits(cfg.data)
     train = _text_records(train_files, cfg.data)
     validation = _text_records(val_files, cfg.data) if val_files else None
@@ -47,13 +49,15 @@ def build_datasets(cfg: Config) -> Datasets:
             f"data: split '{cfg.data.train_split}' of {cfg.data.dataset_name_or_path} has no non-empty "
             f"'{cfg.data.text_field}' values"
         )
-    validation_rows = validation.count() if validation is not None else 0
-    if validation is not None and validation_rows == 0:
-        validation = None
+    tokenized_validation, validation_rows = None, 0
+    if validation is not None:
+        # Evaluation reruns many times over a small split: tokenize it once and keep it in the object store.
+        tokenized_validation = _tokenized(validation, cfg).materialize()
+        validation_rows = tokenized_validation.count()
     return Datasets(
         train=_tokenized(train, cfg),
         train_rows=train_rows,
-        validation=_tokenized(validation, cfg) if validation is not None else None,
+        validation=tokenized_validation if validation_rows else None,
         validation_rows=validation_rows,
     )
 

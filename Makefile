@@ -1,0 +1,24 @@
+# Two entry points for a fresh machine: `make demo` (the job end to end) and `make test` (lint + tests).
+# Both create .venv and install rayft with the pinned versions of constraints.txt (CPU torch here).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) jobs/mistral4.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -v -p no:cacheprovider

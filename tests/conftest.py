@@ -1,0 +1,161 @@
+"""Shared fixtures: the tiny Mistral + wikitext files (built once), and a real two-node local Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayft import demo
+
+REPO = Path(__file__).resolve().parents[1]
+SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
+RAY_BIN = Path(sys.executable).parent / "ray"
+
+
+@dataclass
+class Fixtures:
+    model: Path
+    dataset: Path
+
+
+@pytest.fixture(scope="session")
+def fixtures(tmp_path_factory) -> Fixtures:
+    root = tmp_path_factory.mktemp("fixtures")
+    return Fixtures(model=demo.make_tiny_mistral(root / "tiny-mistral"), dataset=demo.make_wikitext(root / "wikitext"))
+
+
+def tiny_config(fx: Fixtures, output_dir: Path, **train_overrides) -> dict:
+    """The demo's settings pointed at the test fixtures."""
+    cfg = demo.demo_config(fx.model.parent)
+    cfg["model"]["model_name_or_path"] = str(fx.model)
+    cfg["data"]["dataset_name_or_path"] = str(fx.dataset)
+    cfg["train"]["output_dir"] = str(output_dir)
+    cfg["train"].update(train_overrides)
+    return cfg
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    address: str
+    dashboard: str
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory) -> RayCluster:
+    """Head + one worker node via `ray start --block` on free ports; only these processes are stopped after."""
+    if RAY_BIN.exists() is False:
+        pytest.fail(f"ray CLI not found next to {sys.executable}")
+    temp_dir = Path("/tmp") / f"rayft-test-{os.getpid()}"  # short: Ray's socket paths have a length limit
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--block", "--num-cpus", "4", "--disable-usage-stats"]
+    head = subprocess.Popen(
+        [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
+         *common],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    procs = [head]
+    address = f"127.0.0.1:{gcs_port}"
+    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        _wait_for_dashboard(dashboard, head)
+        procs.append(
+            subprocess.Popen(
+                [
+                    str(RAY_BIN),
+                    "start",
+                    "--address",
+                    address,
+                    "--node-ip-address",
+                    "127.0.0.1",
+                    "--dashboard-agent-listen-port",
+                    str(_free_port()),
+                    *common,
+                ],
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        _wait_for_nodes(address, env, 2)
+        yield RayCluster(address=address, dashboard=dashboard, env=env)
+    finally:
+        for p in reversed(procs):
+            _stop_group(p)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ray start --head exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    pytest.fail(f"Ray dashboard at {url} did not come up in {timeout}s")
+
+
+def _wait_for_nodes(address: str, env: dict[str, str], count: int, timeout: float = 120) -> None:
+    probe = (
+        f"import ray; ray.init(address='{address}', logging_level='ERROR'); "
+        "print(len([n for n in ray.nodes() if n['Alive']]))"
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= count:
+            return
+        time.sleep(2)
+    pytest.fail(f"Ray cluster at {address} did not reach {count} nodes in {timeout}s")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the `ray start --block` process group (it tears down its node), SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def submit_job(cluster: RayCluster, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir <repo> -- python jobs/mistral4.py ARGS`, blocking until the job ends."""
+    return subprocess.run(
+        [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
+         "python", "jobs/mistral4.py", *args],
+        env=cluster.env, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )  # fmt: skip

@@ -1,0 +1,73 @@
+"""User errors end with exit code 2 and one short message naming the key or path, from both `rayft validate`
+and the job entrypoint, before any cluster work starts; a good config validates with exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, Fixtures, tiny_config, write_yaml
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def _validate(config, *overrides: str) -> subprocess.CompletedProcess:
+    extra = [a for o in overrides for a in ("--override", o)]
+    return _run("-m", "rayft.cli", "validate", "--config", str(config), *extra)
+
+
+def _job(config, *overrides: str) -> subprocess.CompletedProcess:
+    extra = [a for o in overrides for a in ("--override", o)]
+    return _run("jobs/mistral4.py", "--config", str(config), *extra)
+
+
+CASES = {
+    "unknown section": (["trainer.learning_rate=1e-4"], "unknown section 'trainer'"),
+    "typo'd key": (["train.learnin_rate=1e-4"], "did you mean 'learning_rate'"),
+    "wrong type": (["train.num_train_epochs=many"], "train.num_train_epochs must be an integer"),
+    "negative learning rate": (["train.learning_rate=-0.001"], "train.learning_rate must be > 0"),
+    "zero workers": (["ray.num_workers=0"], "ray.num_workers must be >= 1"),
+    "unknown scheduler": (["train.lr_scheduler_type=cosine_annealing"], "train.lr_scheduler_type"),
+    "missing model path": (["model.model_name_or_path=/nonexistent/model"], "/nonexistent/model does not exist"),
+    "missing dataset path": (["data.dataset_name_or_path=/nonexistent/data"], "/nonexistent/data does not exist"),
+    "LoRA targets match nothing": (["lora.target_modules=[q_a_proj]"], "its linear layers are"),
+}
+
+
+@pytest.fixture(scope="module")
+def good_config(fixtures: Fixtures, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    return write_yaml(tmp / "tiny.yaml", tiny_config(fixtures, tmp / "out"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("command", [_validate, _job], ids=["rayft validate", "job"])
+def test_user_errors_exit_2_with_a_short_message(command, case, good_config):
+    overrides, needle = CASES[case]
+    result = command(good_config, *overrides)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_good_config_validates(good_config):
+    result = _validate(good_config)
+    assert result.returncode == 0, result.stderr
+    assert "config ok" in result.stdout and "LoRA modules: 15" in result.stdout
+
+
+def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tmp_path):
+    from conftest import SEED_CONFIG
+
+    result = _validate(SEED_CONFIG)
+    assert result.returncode == 2 and "model.model_name_or_path" in result.stderr
+    result = _validate(
+        SEED_CONFIG,
+        f"model.model_name_or_path={fixtures.model}",
+        f"data.dataset_name_or_path={fixtures.dataset}",
+        f"train.output_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr
