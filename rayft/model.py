@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import peft
 import torch
@@ -68,9 +69,10 @@ def linear_module_names(model: nn.Module) -> list[str]:
 def check_lora_targets(model_cfg: ModelConfig, lora: LoraConfig) -> list[str]:
     """Resolve LoRA targets on a weightless (meta) copy of the model; returns the adapted module names."""
     config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
         model = AutoModelForCausalLM.from_config(config)
-    peft_model = apply_lora(model, lora)
+        peft_model = apply_lora(model, lora)
     return sorted(
         name.removeprefix("base_model.model.")
         for name, m in peft_model.named_modules()
