@@ -38,11 +38,11 @@ class Outcome:
 def train(cfg: Config) -> Outcome:
     checked = preflight(cfg)
     log.info("LoRA on %d modules (%s ...)", len(checked.lora_modules), ", ".join(checked.lora_modules[:3]))
-    connect(cfg.ray)
+    started_locally = connect(cfg.ray)
     use_gpu = resolve_use_gpu(cfg.ray)
     if not use_gpu:
         cfg.check_cpu_precision()
-    _warn_if_unplaceable(cfg.ray)
+    _check_placement(cfg.ray, cluster_can_grow=not started_locally)
 
     datasets = build_datasets(cfg)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
@@ -85,17 +85,18 @@ def train(cfg: Config) -> Outcome:
     )
 
 
-def connect(ray_cfg: RayConfig) -> None:
-    """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), or start a private local one."""
+def connect(ray_cfg: RayConfig) -> bool:
+    """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), or start a private local one (→ True)."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the dashboard's Train view needs it
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
-        log.info("no Ray cluster given (ray.address / RAY_ADDRESS): starting a local one")
-        ray.init(address="local", num_cpus=ray_cfg.local_num_cpus, runtime_env={"env_vars": WORKER_ENV})
+        return False
+    log.info("no Ray cluster given (ray.address / RAY_ADDRESS): starting a local one")
+    ray.init(address="local", num_cpus=ray_cfg.local_num_cpus, runtime_env={"env_vars": WORKER_ENV})
+    return True
 
 
 def resolve_use_gpu(ray_cfg: RayConfig) -> bool:
@@ -107,14 +108,21 @@ def resolve_use_gpu(ray_cfg: RayConfig) -> bool:
     return ray_cfg.use_gpu
 
 
-def _warn_if_unplaceable(ray_cfg: RayConfig) -> None:
+def _check_placement(ray_cfg: RayConfig, cluster_can_grow: bool) -> None:
+    """STRICT_SPREAD with fewer nodes than workers waits for nodes: an error where none can ever join."""
     if ray_cfg.placement_strategy != "STRICT_SPREAD":
         return
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    if nodes < ray_cfg.num_workers:
-        log.warning(
-            "ray.placement_strategy STRICT_SPREAD needs %d nodes (one per worker) but the cluster has %d now; "
-            "the run waits until enough nodes join (set ray.placement_strategy: PACK to share a node)",
-            ray_cfg.num_workers,
-            nodes,
+    if nodes >= ray_cfg.num_workers:
+        return
+    if not cluster_can_grow:
+        raise ConfigError(
+            f"ray.placement_strategy: STRICT_SPREAD puts each of the {ray_cfg.num_workers} workers on its own node, "
+            f"but the local Ray cluster has {nodes}; set ray.placement_strategy: PACK to train on one machine"
         )
+    log.warning(
+        "ray.placement_strategy STRICT_SPREAD needs %d nodes (one per worker) but the cluster has %d now; "
+        "the run waits until enough nodes join (set ray.placement_strategy: PACK to share a node)",
+        ray_cfg.num_workers,
+        nodes,
+    )

@@ -20,7 +20,7 @@ def build_model(cfg: Config, on_gpu: bool) -> peft.PeftModel:
     model = load_base_model(cfg.model)
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(model, cfg.lora)
     apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu))
     return model
@@ -92,7 +92,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP shards one by one: the classes the model declares as not splittable."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     block_names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in base.modules() if type(m).__name__ in block_names]
+    # MRO, not type(m): fully_shard swaps a module's class for a generated `FSDP<Name>` subclass.
+    layers = [m for m in base.modules() if any(c.__name__ in block_names for c in type(m).__mro__)]
     if not layers:
         raise RuntimeError(f"{type(base).__name__} declares no decoder layer class (_no_split_modules) to shard")
     return layers

@@ -3,6 +3,7 @@ and the job entrypoint, before any cluster work starts; a good config validates 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ from conftest import REPO, Fixtures, tiny_config, write_yaml
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join a cluster by accident
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
 
 
 def _validate(config, *overrides: str) -> subprocess.CompletedProcess:
@@ -71,3 +73,10 @@ def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tm
         f"train.output_dir={tmp_path}",
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_strict_spread_on_a_one_node_local_cluster_is_refused_not_hung(good_config):
+    """No cluster to join → a local one-node Ray starts; it can never place 2 workers on 2 nodes."""
+    result = _job(good_config, "ray.placement_strategy=STRICT_SPREAD")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "ray.placement_strategy: STRICT_SPREAD" in result.stderr and "PACK" in result.stderr

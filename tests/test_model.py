@@ -1,0 +1,57 @@
+"""LoRA + FSDP2 model assembly on a one-rank gloo process group (the two-rank path runs in the e2e tests)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import Fixtures, tiny_config
+
+from rayft.config import Config, ConfigError, LoraConfig, ModelConfig
+from rayft.model import build_model, check_lora_targets, decoder_layers, mixed_precision
+
+
+@pytest.fixture
+def process_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_lora_targets_resolve_on_meta_and_wrong_names_are_refused(fixtures: Fixtures):
+    model = ModelConfig(model_name_or_path=str(fixtures.model))
+    targets = check_lora_targets(model, LoraConfig(target_modules=["q_proj", "v_proj"]))
+    assert targets == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+    with pytest.raises(ConfigError, match=r"match no module of MistralForCausalLM.*q_proj"):
+        check_lora_targets(model, LoraConfig(target_modules=["q_a_proj", "kv_b_proj"]))
+
+
+def test_mixed_precision_defaults_follow_the_device():
+    cfg = Config.from_dict({"train": {"bf16": True}})
+    assert mixed_precision(cfg, on_gpu=True).param_dtype == torch.bfloat16
+    assert mixed_precision(cfg, on_gpu=False).param_dtype == torch.float32
+    assert mixed_precision(cfg, on_gpu=True).reduce_dtype == torch.float32
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_sharded_lora_model_trains_only_the_adapter(fixtures: Fixtures, tmp_path, process_group, checkpointing):
+    raw = tiny_config(fixtures, tmp_path)
+    raw["fsdp"] = {"activation_checkpointing": checkpointing}
+    model = build_model(Config.from_dict(raw), on_gpu=False)
+    assert all(hasattr(layer, "unshard") for layer in decoder_layers(model))  # each layer is an FSDP unit
+    assert model.get_base_model().is_activation_checkpointing is checkpointing
+    frozen = {n: p.full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2]])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p.full_tensor(), frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
