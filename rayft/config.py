@@ -47,6 +47,9 @@ class ModelConfig:
     attn_implementation: str | None = None
     # Where the tokenizer lives when it is not next to the weights.
     tokenizer_name_or_path: str | None = None
+    # sharded: each rank reads only its own FSDP shards from the safetensors files (no rank holds the model);
+    # full: every rank loads the whole model with from_pretrained, then shards it (needs host RAM for all of it).
+    load_mode: str = "sharded"
 
 
 @dataclass
@@ -236,6 +239,7 @@ class Config:
         _one_of("lora.task_type", lo.task_type, ("CAUSAL_LM",))
 
         _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))
+        _one_of("model.load_mode", m.load_mode, ("sharded", "full"))
         _one_of("fsdp.param_dtype", f.param_dtype, (*DTYPES, "auto"))
         _one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
         _at_least("fsdp.forward_prefetch", f.forward_prefetch, 0)

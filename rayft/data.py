@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import ray.data
 import torch
+from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
 from rayft.sources import SplitFiles, resolve_splits
@@ -107,14 +108,19 @@ class Tokenize:
         return {"input_ids": ids}
 
 
-def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:
+class PadCollate(NumpyBatchCollateFn):
     """Right-pad to the longest sequence in the batch; padding is masked out of attention and loss."""
-    seqs = batch["input_ids"]
-    longest = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)] = torch.from_numpy(np.asarray(s, dtype=np.int64))
-        attention_mask[i, : len(s)] = 1
-    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        seqs = batch["input_ids"]
+        longest = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            input_ids[i, : len(s)] = torch.from_numpy(np.asarray(s, dtype=np.int64))
+            attention_mask[i, : len(s)] = 1
+        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

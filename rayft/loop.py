@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rayft.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
 from rayft.config import Config
-from rayft.data import collate
+from rayft.data import PadCollate
 from rayft.model import build_model, parameter_counts
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
@@ -37,7 +37,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(t.seed)
 
     tokenizer = load_tokenizer(cfg.model)
-    model = build_model(cfg, on_gpu)
+    model = build_model(cfg, on_gpu, device)
     model.train()
     optimizer = build_optimizer(model, t, on_gpu)
     scheduler = build_scheduler(optimizer, t, plan)
@@ -79,7 +79,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     while progress.step < plan.total_steps:
         batches = train_shard.iter_torch_batches(
             batch_size=t.per_device_train_batch_size,
-            collate_fn=partial(collate, pad_id=pad_id),
+            collate_fn=PadCollate(pad_id),
             local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
             local_shuffle_seed=t.seed + progress.epoch,
         )
@@ -141,11 +141,12 @@ def evaluate(model, shard, batch_size: int, pad_id: int, device: torch.device) -
     """Token-weighted mean loss over every rank's validation shard."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=partial(collate, pad_id=pad_id)):
+    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=PadCollate(pad_id)):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         predicted = (batch["labels"][:, 1:] != -100).sum()
         loss = model(**batch).loss
         totals += torch.stack([loss.double() * predicted, predicted.double()])
+    model.reshard()  # no backward follows: free the root's gathered weights now
     model.train()
     dist.all_reduce(totals)
     return totals[0].item() / totals[1].item() if totals[1] > 0 else math.nan

@@ -4,38 +4,79 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 import peft
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import Config, ConfigError, FsdpConfig, LoraConfig, ModelConfig
+from rayft.weights import buffers_kept, load_sharded_
 
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: Config, on_gpu: bool) -> peft.PeftModel:
-    model = load_base_model(cfg.model)
+def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
+    """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
+    `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
+    sharded = cfg.model.load_mode == "sharded"
+    model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(model, cfg.lora)
     apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu))
+    if sharded:
+        with buffers_kept(model):
+            model.to_empty(device=device or torch.device("cpu"))
+        load_sharded_(model, Path(cfg.model.model_name_or_path))
     return model
 
 
+def text_config(model_dir: str) -> PretrainedConfig:
+    """The causal LM's config; for a vision+text wrapper (Mistral3, llava) its `text_config` — the vision tower
+    is never built. The checkpoint's quantization_config is dropped: rayft dequantises while loading."""
+    config = AutoConfig.from_pretrained(model_dir)
+    inner = getattr(config, "text_config", None)
+    if inner is not None and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        config = inner
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    return config
+
+
+def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
+    """The architecture with parameters on the meta device (no memory) and real buffers (rotary tables)."""
+    config = text_config(model_cfg.model_name_or_path)
+    config.use_cache = model_cfg.use_cache
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=_dtype(model_cfg, config), attn_implementation=model_cfg.attn_implementation
+        )
+
+
 def load_base_model(model_cfg: ModelConfig) -> PreTrainedModel:
-    dtype = model_cfg.torch_dtype if model_cfg.torch_dtype == "auto" else getattr(torch, model_cfg.torch_dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_cfg.model_name_or_path,
-        dtype=dtype,
+        dtype=_dtype(model_cfg, None) if model_cfg.torch_dtype != "auto" else "auto",
         attn_implementation=model_cfg.attn_implementation,
         use_cache=model_cfg.use_cache,
     )
     model.config.use_cache = model_cfg.use_cache
     return model
+
+
+def _dtype(model_cfg: ModelConfig, config: PretrainedConfig | None) -> torch.dtype:
+    if model_cfg.torch_dtype != "auto":
+        return getattr(torch, model_cfg.torch_dtype)
+    declared = getattr(config, "dtype", None) if config is not None else None
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else torch.bfloat16
 
 
 def lora_config(lora: LoraConfig) -> peft.LoraConfig:
@@ -68,7 +109,7 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 def check_lora_targets(model_cfg: ModelConfig, lora: LoraConfig) -> list[str]:
     """Resolve LoRA targets on a weightless (meta) copy of the model; returns the adapted module names."""
-    config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
+    config = text_config(model_cfg.model_name_or_path)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
         model = AutoModelForCausalLM.from_config(config)

@@ -9,7 +9,7 @@ import pytest
 from conftest import Fixtures
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
-from rayft.data import IGNORE_INDEX, Tokenize, collate
+from rayft.data import IGNORE_INDEX, PadCollate, Tokenize
 from rayft.schedule import make_plan
 from rayft.sources import resolve_splits
 
@@ -41,7 +41,7 @@ def test_tokenize_adds_bos_eos_and_truncates(fixtures: Fixtures):
 
 
 def test_collate_pads_right_and_masks_padding_out_of_the_loss():
-    batch = collate({"input_ids": np.array([np.array([1, 5, 2]), np.array([1, 2])], dtype=object)}, pad_id=11)
+    batch = PadCollate(pad_id=11)({"input_ids": np.array([np.array([1, 5, 2]), np.array([1, 2])], dtype=object)})
     assert batch["input_ids"].tolist() == [[1, 5, 2], [1, 2, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].tolist() == [[1, 5, 2], [1, 2, IGNORE_INDEX]]
