@@ -84,7 +84,7 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     )
     if dist.get_rank() == 0:
-        model.save_pretrained(str(directory), state_dict=full, safe_serialization=True)
+        model.save_pretrained(str(directory), state_dict=full, safe_serialization=True, save_embedding_layers=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
     dist.barrier()

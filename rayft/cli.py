@@ -70,7 +70,13 @@ def _validate(cfg: Config) -> int:
         else f"none (holding out {cfg.data.val_ratio:.0%})"
     )
     print(f"config ok\n  train data: {len(checked.train.paths)} {checked.train.format} file(s)\n  validation: {val}")
-    print(f"  LoRA modules: {len(checked.lora_modules)} ({', '.join(checked.lora_modules[:4])}, ...)")
+    lora = checked.lora
+    print(f"  model: {lora.architecture}, {checked.total_params:,} params")
+    print(
+        f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.trainable_params:,}"
+    )
+    if lora.warning:
+        print(f"rayft: warning: {lora.warning}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -57,7 +57,8 @@ class LoraConfig:
     r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # "auto" = the right set for the architecture (see rayft.lora.AUTO_TARGETS), else module names.
+    target_modules: list[str] = field(default_factory=lambda: ["auto"])
     bias: str = "none"
     task_type: str = "CAUSAL_LM"
 

@@ -37,7 +37,15 @@ class Outcome:
 
 def train(cfg: Config) -> Outcome:
     checked = preflight(cfg)
-    log.info("LoRA on %d modules (%s ...)", len(checked.lora_modules), ", ".join(checked.lora_modules[:3]))
+    log.info(
+        "%s: LoRA on %d modules (%s), %s trainable params",
+        checked.lora.architecture,
+        len(checked.lora.modules),
+        ", ".join(checked.lora.names),
+        f"{checked.trainable_params:,}",
+    )
+    if checked.lora.warning:
+        log.warning(checked.lora.warning)
     started_locally = connect(cfg.ray)
     use_gpu = resolve_use_gpu(cfg.ray)
     if not use_gpu:

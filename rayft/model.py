@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 import peft
 import torch
+import transformers
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from rayft.config import Config, ConfigError, FsdpConfig, LoraConfig, ModelConfig
+from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
+from rayft.lora import apply_lora
 from rayft.weights import buffers_kept, load_sharded_
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,22 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
     config = text_config(model_cfg.model_name_or_path)
     config.use_cache = model_cfg.use_cache
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(
+        return causal_lm_class(config)._from_config(
             config, dtype=_dtype(model_cfg, config), attn_implementation=model_cfg.attn_implementation
         )
+
+
+def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The causal-LM class for a config; Mistral4 is missing from AutoModelForCausalLM in transformers 5.x."""
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    name = type(config).__name__.removesuffix("Config") + "ForCausalLM"
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ConfigError(
+            f"model.model_name_or_path: no causal LM class for {type(config).__name__} (looked for {name})"
+        )
+    return cls
 
 
 def load_base_model(model_cfg: ModelConfig) -> PreTrainedModel:
@@ -77,48 +91,6 @@ def _dtype(model_cfg: ModelConfig, config: PretrainedConfig | None) -> torch.dty
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else torch.bfloat16
-
-
-def lora_config(lora: LoraConfig) -> peft.LoraConfig:
-    return peft.LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.lora_alpha,
-        lora_dropout=lora.lora_dropout,
-        target_modules=list(lora.target_modules),
-        bias=lora.bias,
-        task_type=peft.TaskType.CAUSAL_LM,
-    )
-
-
-def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> peft.PeftModel:
-    """Wrap with LoRA; a target list that matches nothing is a config error, not a silent no-op."""
-    try:
-        return peft.get_peft_model(model, lora_config(lora))
-    except ValueError as e:
-        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
-            raise
-        raise ConfigError(
-            f"lora.target_modules {lora.target_modules} match no module of {type(model).__name__}; "
-            f"its linear layers are: {', '.join(linear_module_names(model))}"
-        ) from None
-
-
-def linear_module_names(model: nn.Module) -> list[str]:
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-
-
-def check_lora_targets(model_cfg: ModelConfig, lora: LoraConfig) -> list[str]:
-    """Resolve LoRA targets on a weightless (meta) copy of the model; returns the adapted module names."""
-    config = text_config(model_cfg.model_name_or_path)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
-        model = AutoModelForCausalLM.from_config(config)
-        peft_model = apply_lora(model, lora)
-    return sorted(
-        name.removeprefix("base_model.model.")
-        for name, m in peft_model.named_modules()
-        if isinstance(m, peft.tuners.lora.LoraLayer)
-    )
 
 
 def mixed_precision(cfg: Config, on_gpu: bool) -> MixedPrecisionPolicy:

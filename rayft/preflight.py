@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayft.config import Config, ConfigError
+from rayft.lora import LoraTargets
 from rayft.sources import SplitFiles, resolve_splits
 from rayft.tokenizer import tokenizer_path
 
@@ -17,7 +18,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "to
 class Preflight:
     train: SplitFiles
     validation: SplitFiles | None
-    lora_modules: list[str]
+    lora: LoraTargets
+    trainable_params: int
+    total_params: int
 
 
 def preflight(cfg: Config) -> Preflight:
@@ -28,9 +31,25 @@ def preflight(cfg: Config) -> Preflight:
     if cfg.ray.storage_path and "://" not in cfg.ray.storage_path:
         _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
 
-    from rayft.model import check_lora_targets  # torch/transformers import: only once the cheap checks passed
+    targets, trainable, total = inspect_lora(cfg)
+    return Preflight(train, validation, targets, trainable, total)
 
-    return Preflight(train, validation, check_lora_targets(cfg.model, cfg.lora))
+
+def inspect_lora(cfg: Config) -> tuple[LoraTargets, int, int]:
+    """Resolve LoRA on a weightless copy of the model: (targets, trainable params, total params)."""
+    import warnings
+
+    import peft
+
+    from rayft.lora import peft_config, resolve_targets
+    from rayft.model import empty_model, parameter_counts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
+        model = empty_model(cfg.model)
+        targets = resolve_targets(model, cfg.lora)
+        trainable, total = parameter_counts(peft.get_peft_model(model, peft_config(cfg.lora, targets.names)))
+    return targets, trainable, total
 
 
 def _check_model_dir(path: Path) -> None:

@@ -1,7 +1,7 @@
 """Fill an FSDP2-sharded model from safetensors files: each rank reads only the rows it owns.
 
 No rank ever holds the whole checkpoint: every parameter's local shard (dim-0 rows, FSDP2's `Shard(0)`) is read
-through a memory-mapped `get_slice`, mapped from the checkpoint's key layout, dequantised from FP8 when the
+as exactly those bytes of the file, mapped from the checkpoint's key layout, dequantised from FP8 when the
 checkpoint is quantised (static per-tensor or per-expert scales, applied per slice) and cast to the model dtype.
 """
 
@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
 PEFT_PREFIX = "base_model.model."
 
 
@@ -27,42 +30,75 @@ class CheckpointKeyError(RuntimeError):
     """A model tensor has no counterpart in the checkpoint: loading must fail, never leave random weights."""
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor's data in the file
+
+
 class SafetensorsCheckpoint:
-    """Lazy, memory-mapped view over the `*.safetensors` files of a model directory."""
+    """Reads row ranges of the tensors in a model directory's `*.safetensors` files.
+
+    Only the headers are parsed up front; `rows()` reads exactly the requested bytes with `readinto` into the
+    destination tensor — no mmap, so a rank's resident memory holds its own rows only, not the file pages it
+    touched, and a network volume serves just those byte ranges.
+    """
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        else:
-            self.weight_map = {}
-            for file in sorted(self.directory.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as f:
-                    self.weight_map.update(dict.fromkeys(f.keys(), file.name))
-        self._handles: dict[str, object] = {}
+        self.entries: dict[str, _Entry] = {}
+        for file in sorted(self.directory.glob("*.safetensors")):
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            for key, info in header.items():
+                if key != "__metadata__":
+                    start = 8 + header_len + info["data_offsets"][0]
+                    self.entries[key] = _Entry(file, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), start)
+        self._files: dict[Path, BinaryIO] = {}
 
     def __contains__(self, key: str) -> bool:
-        return key in self.weight_map
+        return key in self.entries
 
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of a tensor (the whole tensor when it is 0-d)."""
-        tensor_slice = self._handle(key).get_slice(key)
-        if not tensor_slice.get_shape():
-            return self._handle(key).get_tensor(key)
-        return tensor_slice[start:stop]
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {key: entry.file.name for key, entry in self.entries.items()}
 
     def shape(self, key: str) -> list[int]:
-        return list(self._handle(key).get_slice(key).get_shape())
+        return list(self.entries[key].shape)
 
-    def _handle(self, key: str):
-        file = self.weight_map[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.directory / file), framework="pt")
-        return self._handles[file]
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor along dim 0 (the whole tensor when it is 0-d)."""
+        entry = self.entries[key]
+        if not entry.shape:
+            out, first = torch.empty((), dtype=entry.dtype), 0
+        else:
+            out, first = torch.empty((stop - start, *entry.shape[1:]), dtype=entry.dtype), start
+        row_bytes = out[0].numel() * out.element_size() if out.ndim else 0
+        buffer = memoryview(out.view(torch.uint8).numpy() if out.ndim else out.reshape(1).view(torch.uint8).numpy())
+        f = self._files.get(entry.file) or self._files.setdefault(entry.file, open(entry.file, "rb"))  # noqa: SIM115
+        f.seek(entry.offset + first * row_bytes)
+        done = 0
+        while done < len(buffer):
+            n = f.readinto(buffer[done:])
+            if not n:
+                raise CheckpointKeyError(f"{entry.file} ends inside tensor '{key}' (truncated download?)")
+            done += n
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
@@ -96,10 +132,13 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
                 except CheckpointKeyError:
                     missing.append(model_param_name(name))
                     continue
-                if local.numel() == 0:
-                    continue
-                rows = checkpoint.rows(key, start, start + local.shape[0])
-                local.copy_(dequantize(rows, key, checkpoint, start).to(local.dtype))
+                # Bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a fixed size
+                # however large the tensor (a 128-expert fused weight is GBs).
+                step = max(1, CHUNK_BYTES // max(1, 4 * local[0].numel())) if local.ndim else 1
+                for lo in range(0, max(local.shape[0] if local.ndim else 1, 0), step):
+                    hi = min(lo + step, local.shape[0]) if local.ndim else 1
+                    rows = dequantize(checkpoint.rows(key, start + lo, start + hi), key, checkpoint, start + lo)
+                    (local[lo:hi] if local.ndim else local).copy_(rows)
     finally:
         checkpoint.close()
     if missing:

@@ -34,6 +34,14 @@ def fixtures(tmp_path_factory) -> Fixtures:
     return Fixtures(model=demo.make_tiny_mistral(root / "tiny-mistral"), dataset=demo.make_wikitext(root / "wikitext"))
 
 
+@pytest.fixture(scope="session")
+def mistral4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """A tiny Mistral-Small-4 in the hub's exact layout (Mistral3 wrapper, FP8 static scales, fused experts)."""
+    from rayft.hub_layout import make_tiny_mistral_small4
+
+    return make_tiny_mistral_small4(tmp_path_factory.mktemp("hub") / "mistral-small-4", tokenizer_from=fixtures.model)
+
+
 def tiny_config(fx: Fixtures, output_dir: Path, **train_overrides) -> dict:
     """The demo's settings pointed at the test fixtures."""
     cfg = demo.demo_config(fx.model.parent)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 from rayft.config import LoraConfig
-from rayft.model import lora_config
+from rayft.lora import peft_config
 
 pytestmark = pytest.mark.ray
 
@@ -68,7 +68,7 @@ def _assert_adapter_matches_training_state(model_dir: Path, final: Path, dcp_dir
 
     dcp_to_torch_save(dcp_dir, tmp / "state.pt")
     trained = torch.load(tmp / "state.pt", weights_only=False)["model"]
-    reference = get_peft_model(_base(model_dir), lora_config(LoraConfig(**cfg["lora"])))
+    reference = get_peft_model(_base(model_dir), peft_config(LoraConfig(**cfg["lora"]), cfg["lora"]["target_modules"]))
     missing, unexpected = reference.load_state_dict(trained, strict=False)
     assert not unexpected and not [k for k in missing if "lora_" in k]
     for key, tensor in trained.items():  # full, unsharded shapes in the export

@@ -85,3 +85,48 @@ def test_a_tensor_missing_from_the_checkpoint_fails_loudly(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=True))
     with pytest.raises(CheckpointKeyError, match=r"lacks 2 model tensors: 0\.weight, 0\.bias"):
         load_sharded_(model, tmp_path)
+
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def _dequantised_reference(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every language-model tensor of the hub files as fp32 (`fp8 * scale`), keyed like the llava layout."""
+    checkpoint = SafetensorsCheckpoint(model_dir)
+    out = {}
+    for key in checkpoint.weight_map:
+        if key.startswith("language_model.") and not key.endswith(("_scale_inv", "activation_scale")):
+            rows = checkpoint.rows(key, 0, checkpoint.shape(key)[0])
+            out[key] = dequantize(rows, key, checkpoint, 0).to(torch.float32)
+    return out
+
+
+def _hub_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        assert type(model.get_base_model()).__name__.endswith("Mistral4ForCausalLM")
+        reference = _dequantised_reference(model_dir) if rank == 0 else {}
+        seen = set()
+        for name, param in model.named_parameters():
+            full = param.full_tensor()
+            if rank == 0 and ".lora_" not in name:
+                key = "language_model." + model_param_name(name)
+                assert full.dtype == torch.bfloat16, name
+                assert torch.equal(full, reference[key].to(full.dtype)), name
+                seen.add(key)
+        if rank == 0:
+            assert seen == set(reference), set(reference) ^ seen  # experts, router, norms, head: all of it
+            assert any("experts.gate_up_proj" in k for k in seen)
+        assert not any("vision_tower" in n or "multi_modal" in n for n, _ in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_hub_layout_loads_dequantised_on_two_ranks(fixtures: Fixtures, mistral4_hub, tmp_path):
+    model_dir = mistral4_hub
+    raw = tiny_config(fixtures, tmp_path)
+    raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="bfloat16")
+    raw["lora"]["target_modules"] = MLA_TARGETS
+    mp.spawn(_hub_rank, args=(2, _free_port(), raw, str(model_dir)), nprocs=2)

@@ -1,0 +1,177 @@
+"""Peak host memory of each rank while the model is loaded: rayft's sharded loading vs `from_pretrained` everywhere.
+
+Two gloo ranks build the same LoRA + FSDP2 model from the same checkpoint, once per mode:
+  sharded  meta init → LoRA → fully_shard → each rank reads only its own rows (rayft's default)
+  full     every rank runs `from_pretrained` on the whole checkpoint, then shards (what the seeds' recipe does
+           without rank-0 broadcast)
+plus `sharded` on an FP8 checkpoint in Mistral-Small-4's hub layout. Each rank resets the kernel's RSS high-water
+mark (/proc/self/clear_refs) just before loading and reports peak minus the RSS it had then.
+
+    python bench/load_memory.py [--size small|default] [--out bench/results/load_memory_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = {
+    # ~520 MB bf16 dense Mistral (131k vocab: embeddings and head dominate, as in the real model)
+    "default": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "hub_hidden": 384},
+    # seconds, for the smoke test
+    "small": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "hub_hidden": 64},
+}
+MIB = 2**20
+# Stated bound for sharded loading: each rank's peak increase ≤ half the checkpoint (its shard, 2 ranks) + this
+# fixed margin (read chunks of weights.CHUNK_BYTES, the LoRA parameters, allocator and Python object overhead).
+MARGIN_MIB = 128
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _rank(rank: int, world: int, port: int, raw: dict, results: str) -> None:
+    from rayft.config import Config
+    from rayft.model import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = Config.from_dict(raw)
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    before = _rss_kib("VmRSS")
+    started = time.perf_counter()
+    model = build_model(cfg, on_gpu=False)
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    peak = _rss_kib("VmHWM")
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    Path(results, f"rank{rank}.json").write_text(
+        json.dumps(
+            {"peak_minus_start_mib": (peak - before) / 1024, "local_params_mib": local / MIB, "seconds": seconds}
+        )
+    )
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(raw: dict, world: int = 2) -> list[dict]:
+    with tempfile.TemporaryDirectory() as results:
+        mp.spawn(_rank, args=(world, _free_port(), raw, results), nprocs=world)
+        return [json.loads(Path(results, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def checkpoint_mib(model_dir: Path) -> float:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / MIB
+
+
+def largest_tensor_mib(model_dir: Path) -> float:
+    from rayft.weights import SafetensorsCheckpoint
+
+    ckpt = SafetensorsCheckpoint(model_dir)
+    return (
+        max(torch.Size(e.shape).numel() * torch.empty((), dtype=e.dtype).element_size() for e in ckpt.entries.values())
+        / MIB
+    )
+
+
+def make_models(root: Path, size: dict) -> tuple[Path, Path]:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from rayft import demo, hub_layout
+
+    tokenizer = root / "tokenizer"
+    demo.make_tokenizer(tokenizer)
+    dense = root / "dense-bf16"
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=131072, hidden_size=size["hidden_size"], intermediate_size=size["intermediate_size"],
+        num_hidden_layers=size["num_hidden_layers"], num_attention_heads=8, num_key_value_heads=4,
+        head_dim=size["hidden_size"] // 8, tie_word_embeddings=False,
+    )  # fmt: skip
+    MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(str(dense))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dense / name).write_bytes((tokenizer / name).read_bytes())
+    hub = hub_layout.make_tiny_mistral_small4(
+        root / "mistral-small-4-fp8", tokenizer_from=tokenizer, hidden_size=size["hub_hidden"]
+    )
+    return dense, hub
+
+
+def run(size_name: str) -> dict:
+    import peft
+    import transformers
+
+    size = SIZES[size_name]
+    with tempfile.TemporaryDirectory() as tmp:
+        dense, hub = make_models(Path(tmp), size)
+        base = {"lora": {"target_modules": ["auto"], "lora_dropout": 0.0}, "ray": {"use_gpu": False}}
+        cases = {
+            "sharded": (dense, {"model": {"model_name_or_path": str(dense), "torch_dtype": "bfloat16"}}),
+            "full_from_pretrained": (
+                dense,
+                {"model": {"model_name_or_path": str(dense), "torch_dtype": "bfloat16", "load_mode": "full"}},
+            ),
+            "sharded_fp8_hub_layout": (hub, {"model": {"model_name_or_path": str(hub), "torch_dtype": "bfloat16"}}),
+        }
+        results = {}
+        for name, (model_dir, raw) in cases.items():
+            ranks = measure({**base, **raw})
+            ckpt = checkpoint_mib(model_dir)
+            peak = max(r["peak_minus_start_mib"] for r in ranks)
+            results[name] = {
+                "checkpoint_mib": round(ckpt, 1),
+                "bound_mib": round(ckpt / 2 + MARGIN_MIB, 1),
+                "within_bound": peak <= ckpt / 2 + MARGIN_MIB,
+                "largest_tensor_mib": round(largest_tensor_mib(model_dir), 1),
+                "per_rank": ranks,
+                "max_peak_over_checkpoint": round(peak / ckpt, 3),
+            }
+    sharded, full = results["sharded"], results["full_from_pretrained"]
+    return {
+        "benchmark": "load_memory",
+        "what": "peak host RSS increase per rank while building LoRA+FSDP2 model, 2 gloo ranks",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+        "size": size_name,
+        "results": results,
+        "full_over_sharded_peak": round(
+            max(r["peak_minus_start_mib"] for r in full["per_rank"])
+            / max(max(r["peak_minus_start_mib"] for r in sharded["per_rank"]), 1e-9),
+            2,
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=SIZES, default="default")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "load_memory_cpu.json")
+    args = parser.parse_args()
+    report = run(args.size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

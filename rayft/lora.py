@@ -1,0 +1,94 @@
+"""Which modules get LoRA, per architecture, and the PEFT wrapping itself.
+
+The seed recipe's list (`q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`) is right for dense
+Mistral/Llama but on Mistral4 (MLA attention + MoE) it silently matches only `o_proj` and the shared expert's MLP.
+So `auto` picks the set per architecture, and an explicit list is checked name by name before training: names
+that match nothing are reported loudly with the model's real module names; a list matching nothing is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import peft
+from torch import nn
+
+from rayft.config import ConfigError, LoraConfig
+
+log = logging.getLogger("rayft")
+
+DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Multi-head latent attention's projections; with MoE, gate/up/down exist only in the shared expert (the routed
+# experts are fused 3D parameters, not modules).
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+AUTO_TARGETS = {
+    "mistral4": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
+}
+ADAPTABLE = (nn.Linear, nn.Embedding)
+
+
+@dataclass
+class LoraTargets:
+    """What a `lora` section resolves to on a given model."""
+
+    architecture: str
+    names: list[str]  # handed to PEFT
+    modules: list[str]  # the module paths that get an adapter
+    unmatched: list[str]  # requested names that match no module
+    candidates: list[str]  # the model's adaptable module names, for messages
+
+    @property
+    def warning(self) -> str | None:
+        if not self.unmatched:
+            return None
+        matched = [n for n in self.names if n not in self.unmatched]
+        return (
+            f"lora.target_modules: {', '.join(self.unmatched)} match nothing in {self.architecture}, so LoRA goes "
+            f"only on {', '.join(matched)} ({len(self.modules)} modules). Its projections are: "
+            f"{', '.join(self.candidates)}; `target_modules: auto` picks the set for this architecture."
+        )
+
+
+def target_names(lora: LoraConfig, model_type: str) -> list[str]:
+    if list(lora.target_modules) == ["auto"]:
+        return list(AUTO_TARGETS.get(model_type, DENSE_TARGETS))
+    return list(lora.target_modules)
+
+
+def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
+    names = target_names(lora, getattr(model.config, "model_type", ""))
+    adaptable = [n for n, m in model.named_modules() if isinstance(m, ADAPTABLE)]
+    hits = {t: [m for m in adaptable if m == t or m.endswith(f".{t}")] for t in names}
+    targets = LoraTargets(
+        architecture=type(model).__name__,
+        names=names,
+        modules=sorted({m for found in hits.values() for m in found}),
+        unmatched=[t for t, found in hits.items() if not found],
+        candidates=sorted({m.rsplit(".", 1)[-1] for m in adaptable}),
+    )
+    if not targets.modules:
+        raise ConfigError(
+            f"lora.target_modules {names} match no module of {targets.architecture}; "
+            f"its linear layers are: {', '.join(targets.candidates)}"
+        )
+    return targets
+
+
+def peft_config(lora: LoraConfig, names: list[str]) -> peft.LoraConfig:
+    return peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=names,
+        bias=lora.bias,
+        task_type=peft.TaskType.CAUSAL_LM,
+    )
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
+    targets = resolve_targets(model, lora)
+    if targets.warning:
+        log.warning(targets.warning)
+    return peft.get_peft_model(model, peft_config(lora, targets.names))

@@ -1,0 +1,64 @@
+"""LoRA target resolution per architecture, on weightless (meta) models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, SEED_CONFIG, Fixtures
+
+from rayft.config import ConfigError, LoraConfig, ModelConfig
+from rayft.lora import DENSE_TARGETS, MLA_TARGETS, resolve_targets
+from rayft.model import empty_model
+
+SEED_TARGETS = list(DENSE_TARGETS)
+
+
+def _resolve(model_dir, targets):
+    return resolve_targets(
+        empty_model(ModelConfig(model_name_or_path=str(model_dir))), LoraConfig(target_modules=targets)
+    )
+
+
+def test_dense_mistral_takes_the_seed_list_whole(fixtures: Fixtures):
+    targets = _resolve(fixtures.model, SEED_TARGETS)
+    assert targets.unmatched == [] and targets.warning is None
+    assert len(targets.modules) == 2 * 7
+    assert _resolve(fixtures.model, ["auto"]).names == SEED_TARGETS
+
+
+def test_names_that_match_nothing_are_refused_with_the_real_names(fixtures: Fixtures):
+    with pytest.raises(ConfigError, match=r"match no module of MistralForCausalLM.*q_proj"):
+        _resolve(fixtures.model, ["q_a_proj", "kv_b_proj"])
+
+
+def test_seed_list_on_mistral4_warns_what_actually_matched(mistral4_hub):
+    targets = _resolve(mistral4_hub, SEED_TARGETS)
+    assert targets.architecture == "Mistral4ForCausalLM"
+    assert targets.unmatched == ["q_proj", "k_proj", "v_proj"]
+    assert all(m.endswith(("o_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"))
+               for m in targets.modules)  # fmt: skip
+    warning = targets.warning
+    assert "q_proj, k_proj, v_proj match nothing in Mistral4ForCausalLM" in warning
+    assert "q_a_proj" in warning and "kv_a_proj_with_mqa" in warning and "auto" in warning
+
+
+def test_auto_on_mistral4_is_mla_plus_shared_expert_and_never_the_vision_tower(mistral4_hub):
+    targets = _resolve(mistral4_hub, ["auto"])
+    assert targets.names == [*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"] and not targets.unmatched
+    assert len(targets.modules) == 2 * 8
+    assert not [m for m in targets.modules if "vision" in m or "projector" in m]
+
+
+def test_validate_prints_the_warning_for_the_seed_yaml_on_mistral4(mistral4_hub, fixtures: Fixtures, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "validate", "--config", str(SEED_CONFIG),
+         "--override", f"model.model_name_or_path={mistral4_hub}",
+         "--override", f"data.dataset_name_or_path={fixtures.dataset}",
+         "--override", f"train.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Mistral4ForCausalLM" in result.stdout and "trainable params" in result.stdout
+    assert "warning: lora.target_modules: q_proj, k_proj, v_proj match nothing" in result.stderr
