@@ -102,3 +102,24 @@ def test_seed_yaml_trains_with_only_paths_overridden(ray_cluster: RayCluster, fi
     assert progress and progress[-1][2] is not None, "the final step reports an eval loss"
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert len(list((out / "ray_run").glob("checkpoint-*"))) == 1  # save_steps 200 > steps: only the final one
+
+
+def test_hub_layout_mistral_small4_fine_tunes_through_ray_job_submit(
+    ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path
+):
+    """FP8 Mistral3-wrapped checkpoint → sharded per-rank loading → LoRA on the MLA + shared-expert set (auto)."""
+    out = tmp_path / "m4-out"
+    cfg = tiny_config(fixtures, out, max_steps=8, logging_steps=2, eval_steps=8, save_steps=8, learning_rate=1e-2)
+    cfg["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="bfloat16")
+    cfg["lora"]["target_modules"] = ["auto"]
+    logs = _assert_succeeded(submit_job(ray_cluster, "--config", str(write_yaml(tmp_path / "m4.yaml", cfg))))
+    assert "Mistral4ForCausalLM: LoRA on 16 modules" in logs
+    losses = [loss for _, loss, _ in _progress(logs)]
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+
+    adapter = load_file(out / "final" / "adapter_model.safetensors")
+    modules = {k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in adapter}
+    assert modules == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"}  # fmt: skip
+    assert len(adapter) == 2 * 2 * 8  # A and B x 2 layers x 8 modules, nothing from the vision tower
+    assert all(adapter[k].abs().sum() > 0 for k in adapter if ".lora_B." in k)
