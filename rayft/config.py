@@ -61,6 +61,8 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["auto"])
     bias: str = "none"
     task_type: str = "CAUSAL_LM"
+    # Also adapt the routed experts (fused 3D parameters, via PEFT target_parameters): one LoRA per expert.
+    target_experts: bool = False
 
 
 @dataclass
@@ -237,6 +239,16 @@ class Config:
         if not lo.target_modules:
             raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
         _one_of("lora.bias", lo.bias, ("none", "all", "lora_only"))
+        if lo.target_experts and lo.lora_dropout != 0:
+            raise ConfigError(
+                f"lora.target_experts: true needs lora.lora_dropout: 0 (got {lo.lora_dropout}): PEFT's LoRA on "
+                "expert parameters has no dropout"
+            )
+        if lo.target_experts and not (f.activation_checkpointing or t.gradient_checkpointing):
+            raise ConfigError(
+                "lora.target_experts: true needs fsdp.activation_checkpointing: true (or train.gradient_checkpointing):"
+                " every expert's W + BA is materialised in forward, keeping it for backward does not fit"
+            )
         _one_of("lora.task_type", lo.task_type, ("CAUSAL_LM",))
 
         _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))

@@ -35,6 +35,7 @@ class LoraTargets:
 
     architecture: str
     names: list[str]  # handed to PEFT
+    parameters: list[str]  # expert parameters handed to PEFT's target_parameters
     modules: list[str]  # the module paths that get an adapter
     unmatched: list[str]  # requested names that match no module
     candidates: list[str]  # the model's adaptable module names, for messages
@@ -64,10 +65,13 @@ def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
     targets = LoraTargets(
         architecture=type(model).__name__,
         names=names,
+        parameters=expert_parameters(model) if lora.target_experts else [],
         modules=sorted({m for found in hits.values() for m in found}),
         unmatched=[t for t, found in hits.items() if not found],
         candidates=sorted({m.rsplit(".", 1)[-1] for m in adaptable}),
     )
+    if lora.target_experts and not targets.parameters:
+        raise ConfigError(f"lora.target_experts: true but {targets.architecture} has no fused expert parameters")
     if not targets.modules:
         raise ConfigError(
             f"lora.target_modules {names} match no module of {targets.architecture}; "
@@ -76,12 +80,23 @@ def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
     return targets
 
 
-def peft_config(lora: LoraConfig, names: list[str]) -> peft.LoraConfig:
+def expert_parameters(model: nn.Module) -> list[str]:
+    """Relative names (`mlp.experts.gate_up_proj`) of the routed experts' fused 3D weights."""
+    found = set()
+    for name, param in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        if param.ndim == 3 and module.endswith("experts"):
+            found.add(".".join([*module.split(".")[-2:], leaf]))
+    return sorted(found)
+
+
+def peft_config(lora: LoraConfig, names: list[str], parameters: list[str] | None = None) -> peft.LoraConfig:
     return peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
         target_modules=names,
+        target_parameters=parameters or None,
         bias=lora.bias,
         task_type=peft.TaskType.CAUSAL_LM,
     )
@@ -91,4 +106,4 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     targets = resolve_targets(model, lora)
     if targets.warning:
         log.warning(targets.warning)
-    return peft.get_peft_model(model, peft_config(lora, targets.names))
+    return peft.get_peft_model(model, peft_config(lora, targets.names, targets.parameters))

@@ -48,7 +48,9 @@ def inspect_lora(cfg: Config) -> tuple[LoraTargets, int, int]:
         warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
         model = empty_model(cfg.model)
         targets = resolve_targets(model, cfg.lora)
-        trainable, total = parameter_counts(peft.get_peft_model(model, peft_config(cfg.lora, targets.names)))
+        trainable, total = parameter_counts(
+            peft.get_peft_model(model, peft_config(cfg.lora, targets.names, targets.parameters))
+        )
     return targets, trainable, total
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -113,7 +114,7 @@ def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
 
 def model_param_name(name: str) -> str:
     """The base model's own name for a parameter of the PEFT-wrapped model."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(PEFT_PREFIX))  # nested wrappers: experts
 
 
 def load_sharded_(model: nn.Module, directory: Path) -> None:

@@ -48,6 +48,9 @@ def test_round_trips_through_a_plain_dict():
         ({"ray": {"placement_strategy": "SPREAD_STRICT"}}, ["ray.placement_strategy"]),
         ({"ray": {"use_gpu": False}, "fsdp": {"param_dtype": "bfloat16"}}, ["fsdp.param_dtype", "gloo"]),
         ({"data": {"val_ratio": 1.5}}, ["data.val_ratio"]),
+        ({"lora": {"target_experts": True}, "fsdp": {"activation_checkpointing": True}}, ["lora.lora_dropout: 0"]),
+        ({"lora": {"target_experts": True, "lora_dropout": 0}}, ["fsdp.activation_checkpointing: true"]),
+        ({"model": {"load_mode": "rank0"}}, ["model.load_mode", "sharded"]),
     ],
 )
 def test_bad_values_name_the_key(raw, needles):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +132,40 @@ def test_fp8_hub_layout_loads_dequantised_on_two_ranks(fixtures: Fixtures, mistr
     raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="bfloat16")
     raw["lora"]["target_modules"] = MLA_TARGETS
     mp.spawn(_hub_rank, args=(2, _free_port(), raw, str(model_dir)), nprocs=2)
+
+
+def _expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    from rayft.checkpoint import save_adapter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        expert_lora = {n: p for n, p in model.named_parameters() if ".experts." in n and ".lora_" in n}
+        assert len(expert_lora) == 2 * 2 * 2  # A, B x gate_up, down x 2 layers
+        torch.manual_seed(rank)
+        ids = torch.randint(3, 1000, (2, 24))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(2):  # the second step's B != 0, so every A and B gets a gradient
+            model(input_ids=ids, labels=ids).loss.backward()
+            grads = {n: p.grad.to_local() for n, p in expert_lora.items()}
+            optimizer.step()
+            optimizer.zero_grad()
+        for name, grad in grads.items():
+            assert grad.numel() > 0 and grad.abs().sum() > 0, f"rank {rank}: zero gradient on its shard of {name}"
+        save_adapter(model, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_routed_expert_lora_trains_on_every_rank_and_saves(fixtures: Fixtures, mistral4_hub, tmp_path):
+    raw = tiny_config(fixtures, tmp_path)
+    raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="bfloat16")
+    raw["lora"].update(target_modules=["auto"], target_experts=True, lora_dropout=0.0)
+    raw["fsdp"] = {"activation_checkpointing": True}
+    mp.spawn(_expert_lora_rank, args=(2, _free_port(), raw, str(tmp_path / "adapter")), nprocs=2)
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    experts = {k: v for k, v in adapter.items() if ".experts." in k}
+    assert len(experts) == 8 and all(v.abs().sum() > 0 for v in experts.values())
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
