@@ -1,4 +1,4 @@
-"""`rayft train | validate`: exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails."""
+"""`rayft train | validate | export`: exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rayft %(message)s", datefmt="%H:%M:%S")
     try:
+        if args.command == "export":
+            return _export(args)
         cfg = _load(args)
         if args.command == "validate":
             return _validate(cfg)
@@ -45,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="SECTION.KEY=VALUE",
             help="override one key, value parsed as YAML (repeatable)",
         )
+    about = "copy a trained adapter, or merge it into a standalone text-only checkpoint"
+    p = sub.add_parser("export", help=about, description=about)
+    p.add_argument("--adapter", required=True, help="PEFT adapter dir (output_dir/final or a checkpoint's adapter/)")
+    p.add_argument("--base", required=True, help="the base model directory the adapter was trained on")
+    p.add_argument("--out", required=True, help="where to write the export")
+    p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
     return parser
 
 
@@ -58,6 +67,14 @@ def _load(args: argparse.Namespace) -> Config:
     DEMO_ROOT.mkdir(exist_ok=True)
     demo_file.write_text(yaml.safe_dump(demo.prepare(DEMO_ROOT)))
     return load_config(demo_file, args.override)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rayft.export import export
+
+    out = export(Path(args.adapter), Path(args.base), Path(args.out), merge=args.merge, dtype=args.dtype)
+    print(f"rayft: {'merged model' if args.merge else 'adapter'} written to {out}")
+    return EXIT_OK
 
 
 def _validate(cfg: Config) -> int:
