@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import peft
@@ -17,8 +16,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
 from rayft.lora import apply_lora
 from rayft.weights import buffers_kept, load_sharded_
-
-log = logging.getLogger(__name__)
 
 
 def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
@@ -134,10 +131,6 @@ def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPoli
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters of the unsharded model."""
-    trainable = total = 0
-    for p in model.parameters():
-        n = p.numel() if not hasattr(p, "full_tensor") else p.shape.numel()
-        total += n
-        trainable += n if p.requires_grad else 0
-    return trainable, total
+    """(trainable, total) parameters of the unsharded model (a DTensor's numel is its global size)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
