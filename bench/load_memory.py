@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import MIB, free_port, machine, reset_peak_rss, rss_kib
 
 SIZES = {
     # ~520 MB bf16 dense Mistral (131k vocab: embeddings and head dominate, as in the real model)
@@ -31,17 +30,9 @@ SIZES = {
     # seconds, for the smoke test
     "small": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "hub_hidden": 64},
 }
-MIB = 2**20
 # Stated bound for sharded loading: each rank's peak increase ≤ half the checkpoint (its shard, 2 ranks) + this
 # fixed margin (read chunks of weights.CHUNK_BYTES, the LoRA parameters, allocator and Python object overhead).
 MARGIN_MIB = 128
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _rank(rank: int, world: int, port: int, raw: dict, results: str) -> None:
@@ -52,13 +43,12 @@ def _rank(rank: int, world: int, port: int, raw: dict, results: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = Config.from_dict(raw)
     dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _rss_kib("VmRSS")
+    before = reset_peak_rss()
     started = time.perf_counter()
     model = build_model(cfg, on_gpu=False)
     dist.barrier()
     seconds = time.perf_counter() - started
-    peak = _rss_kib("VmHWM")
+    peak = rss_kib("VmHWM")
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     Path(results, f"rank{rank}.json").write_text(
         json.dumps(
@@ -68,15 +58,9 @@ def _rank(rank: int, world: int, port: int, raw: dict, results: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(raw: dict, world: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory() as results:
-        mp.spawn(_rank, args=(world, _free_port(), raw, results), nprocs=world)
+        mp.spawn(_rank, args=(world, free_port(), raw, results), nprocs=world)
         return [json.loads(Path(results, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -118,9 +102,6 @@ def make_models(root: Path, size: dict) -> tuple[Path, Path]:
 
 
 def run(size_name: str) -> dict:
-    import peft
-    import transformers
-
     size = SIZES[size_name]
     with tempfile.TemporaryDirectory() as tmp:
         dense, hub = make_models(Path(tmp), size)
@@ -150,8 +131,7 @@ def run(size_name: str) -> dict:
     return {
         "benchmark": "load_memory",
         "what": "peak host RSS increase per rank while building LoRA+FSDP2 model, 2 gloo ranks",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+        **machine(),
         "size": size_name,
         "results": results,
         "full_over_sharded_peak": round(

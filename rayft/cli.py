@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "plan":
+            return _plan(args)
         cfg = _load(args)
         if args.command == "validate":
             return _validate(cfg)
@@ -47,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
             metavar="SECTION.KEY=VALUE",
             help="override one key, value parsed as YAML (repeatable)",
         )
+    about = "per-GPU memory plan of the run for one or more cluster sizes (no GPU, no weights needed)"
+    p = sub.add_parser("plan", help=about, description=about)
+    p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
+    p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--preset", choices=["mistral-small-4"], help="plan the real model without its files")
+    p.add_argument("--num-nodes", type=int, nargs="+", default=[3], help="one or more cluster sizes")
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--gpu", choices=["h200", "h100"], default="h200")
     about = "copy a trained adapter, or merge it into a standalone text-only checkpoint"
     p = sub.add_parser("export", help=about, description=about)
     p.add_argument("--adapter", required=True, help="PEFT adapter dir (output_dir/final or a checkpoint's adapter/)")
@@ -67,6 +77,26 @@ def _load(args: argparse.Namespace) -> Config:
     DEMO_ROOT.mkdir(exist_ok=True)
     demo_file.write_text(yaml.safe_dump(demo.prepare(DEMO_ROOT)))
     return load_config(demo_file, args.override)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rayft.plan import format_plans, meta_structure, plan_memory
+
+    cfg = load_config(args.config, args.override)
+    config = None
+    if args.preset == "mistral-small-4":
+        from transformers import Mistral4Config
+
+        config = Mistral4Config()  # transformers' defaults are Mistral-Small-4-119B-2603's text model
+    elif not (Path(cfg.model.model_name_or_path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.model_name_or_path: no config.json in {cfg.model.model_name_or_path}; "
+            "point it at the model or use --preset mistral-small-4"
+        )
+    s = meta_structure(cfg, config)
+    plans = [plan_memory(cfg, s, n * args.gpus_per_node, on_gpu=True, gpu=args.gpu) for n in args.num_nodes]
+    print(format_plans(plans, s, cfg.data.max_length * cfg.train.per_device_train_batch_size))
+    return EXIT_OK
 
 
 def _export(args: argparse.Namespace) -> int:

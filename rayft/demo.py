@@ -50,7 +50,7 @@ def make_tokenizer(directory: Path) -> None:
     shutil.rmtree(staging)
 
 
-def make_tiny_mistral(directory: Path, seed: int = 0) -> Path:
+def make_tiny_mistral(directory: Path, seed: int = 0, **overrides: int) -> Path:
     """Random-init dense Mistral (~17M params, almost all in the 131k-row embeddings) + tokenizer."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
@@ -59,7 +59,7 @@ def make_tiny_mistral(directory: Path, seed: int = 0) -> Path:
         return directory
     make_tokenizer(directory)
     torch.manual_seed(seed)
-    model = MistralForCausalLM(MistralConfig(vocab_size=131072, **TINY_MISTRAL))
+    model = MistralForCausalLM(MistralConfig(vocab_size=131072, **{**TINY_MISTRAL, **overrides}))
     model.save_pretrained(str(directory))
     return directory
 

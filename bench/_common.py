@@ -1,0 +1,41 @@
+"""Helpers shared by the benchmarks: host memory high-water marks, free ports, machine facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from pathlib import Path
+
+MIB = 2**20
+
+
+def rss_kib(field: str = "VmRSS") -> int:
+    """VmRSS (now) or VmHWM (peak since the last reset_peak_rss) of this process, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's RSS high-water mark to the current RSS; returns that RSS in KiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss_kib("VmRSS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> dict:
+    import peft
+    import torch
+    import transformers
+
+    return {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+    }
