@@ -51,10 +51,11 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
     """The architecture with parameters on the meta device (no memory) and real buffers (rotary tables)."""
     config = text_config(model_cfg.model_name_or_path)
     config.use_cache = model_cfg.use_cache
+    kwargs = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
+    if getattr(config, "num_experts_per_tok", None):
+        kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
     with init_empty_weights(include_buffers=False):
-        return causal_lm_class(config)._from_config(
-            config, dtype=_dtype(model_cfg, config), attn_implementation=model_cfg.attn_implementation
-        )
+        return causal_lm_class(config)._from_config(config, **kwargs)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:

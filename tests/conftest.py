@@ -42,6 +42,49 @@ def mistral4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
     return make_tiny_mistral_small4(tmp_path_factory.mktemp("hub") / "mistral-small-4", tokenizer_from=fixtures.model)
 
 
+@pytest.fixture(scope="session")
+def trained_expert_adapter(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> Path:
+    """LoRA on the MLA set + routed experts of the FP8 hub model, trained 2 steps under FSDP2 on 2 gloo ranks."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("expert-adapter")
+    raw = tiny_config(fixtures, out)
+    raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="bfloat16")
+    raw["lora"].update(target_modules=["auto"], target_experts=True, lora_dropout=0.0)
+    raw["fsdp"] = {"activation_checkpointing": True}
+    mp.spawn(_train_expert_lora_rank, args=(2, free_port(), raw, str(out / "adapter")), nprocs=2)
+    return out / "adapter"
+
+
+def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rayft.checkpoint import save_adapter
+    from rayft.config import Config
+    from rayft.model import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        expert_lora = {n: p for n, p in model.named_parameters() if ".experts." in n and ".lora_" in n}
+        assert len(expert_lora) == 2 * 2 * 2  # A, B x gate_up, down x 2 layers
+        torch.manual_seed(rank)
+        ids = torch.randint(3, 1000, (2, 24))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(2):  # the second step's B != 0, so every A and B gets a gradient
+            model(input_ids=ids, labels=ids).loss.backward()
+            grads = {n: p.grad.to_local() for n, p in expert_lora.items()}
+            optimizer.step()
+            optimizer.zero_grad()
+        for name, grad in grads.items():
+            assert grad.numel() > 0 and grad.abs().sum() > 0, f"rank {rank}: zero gradient on its shard of {name}"
+        save_adapter(model, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
 def tiny_config(fx: Fixtures, output_dir: Path, **train_overrides) -> dict:
     """The demo's settings pointed at the test fixtures."""
     cfg = demo.demo_config(fx.model.parent)
@@ -57,7 +100,7 @@ def write_yaml(path: Path, data: dict) -> Path:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,7 +119,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     if RAY_BIN.exists() is False:
         pytest.fail(f"ray CLI not found next to {sys.executable}")
     temp_dir = Path("/tmp") / f"rayft-test-{os.getpid()}"  # short: Ray's socket paths have a length limit
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--block", "--num-cpus", "4", "--disable-usage-stats"]
     head = subprocess.Popen(
@@ -100,7 +143,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
                     "--node-ip-address",
                     "127.0.0.1",
                     "--dashboard-agent-listen-port",
-                    str(_free_port()),
+                    str(free_port()),
                     *common,
                 ],
                 env=env,

@@ -7,13 +7,11 @@ import subprocess
 import sys
 
 import peft
-import pytest
 import torch
 from conftest import REPO
 from transformers import Mistral4ForCausalLM
 
-from rayft.config import LoraConfig, ModelConfig
-from rayft.lora import apply_lora
+from rayft.config import ModelConfig
 from rayft.model import empty_model
 from rayft.weights import buffers_kept, load_sharded_
 
@@ -25,22 +23,6 @@ def _dequantised_model(base, dtype="float32"):
     with buffers_kept(model):
         model.to_empty(device=torch.device("cpu"))
     return model
-
-
-@pytest.fixture(scope="module")
-def expert_adapter(mistral4_hub, tmp_path_factory):
-    """An adapter on the MLA set + routed experts with non-zero B (as after training)."""
-    model = apply_lora(_dequantised_model(mistral4_hub), LoraConfig(target_experts=True, lora_dropout=0.0))
-    load_sharded_(model, mistral4_hub)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.normal_(std=0.05)
-    out = tmp_path_factory.mktemp("adapter")
-    model.save_pretrained(str(out))
-    assert json.loads((out / "adapter_config.json").read_text())["target_parameters"]
-    return out
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
@@ -55,9 +37,11 @@ def _adapter_logits(base, adapter) -> torch.Tensor:
         return peft.PeftModel.from_pretrained(model, str(adapter)).eval()(input_ids=PROBE).logits
 
 
-def test_merged_export_loads_in_plain_transformers_and_matches_the_adapter(mistral4_hub, expert_adapter, tmp_path):
+def test_merged_export_loads_in_plain_transformers_and_matches_the_adapter(
+    mistral4_hub, trained_expert_adapter, tmp_path
+):
     out = tmp_path / "merged"
-    result = _export("--adapter", str(expert_adapter), "--base", str(mistral4_hub), "--out", str(out),
+    result = _export("--adapter", str(trained_expert_adapter), "--base", str(mistral4_hub), "--out", str(out),
                      "--merge", "--dtype", "float32")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     merged = Mistral4ForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # no rayft, no PEFT
@@ -65,7 +49,7 @@ def test_merged_export_loads_in_plain_transformers_and_matches_the_adapter(mistr
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     with torch.no_grad():
         got = merged.eval()(input_ids=PROBE).logits
-    want = _adapter_logits(mistral4_hub, expert_adapter)
+    want = _adapter_logits(mistral4_hub, trained_expert_adapter)
     base_only = _dequantised_model(mistral4_hub)
     load_sharded_(base_only, mistral4_hub)
     with torch.no_grad():
@@ -73,13 +57,13 @@ def test_merged_export_loads_in_plain_transformers_and_matches_the_adapter(mistr
     assert (got - want).abs().max().item() < 1e-4
 
 
-def test_plain_export_copies_the_adapter_and_points_it_at_the_base(mistral4_hub, expert_adapter, tmp_path):
+def test_plain_export_copies_the_adapter_and_points_it_at_the_base(mistral4_hub, trained_expert_adapter, tmp_path):
     out = tmp_path / "adapter"
-    result = _export("--adapter", str(expert_adapter), "--base", str(mistral4_hub), "--out", str(out))
+    result = _export("--adapter", str(trained_expert_adapter), "--base", str(mistral4_hub), "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(mistral4_hub)
     assert (out / "adapter_model.safetensors").read_bytes() == (
-        expert_adapter / "adapter_model.safetensors"
+        trained_expert_adapter / "adapter_model.safetensors"
     ).read_bytes()
     assert (out / "tokenizer.json").is_file()
 

@@ -45,6 +45,8 @@ def test_seed_list_on_mistral4_warns_what_actually_matched(mistral4_hub):
 
 
 def test_auto_on_mistral4_is_mla_plus_shared_expert_and_never_the_vision_tower(mistral4_hub):
+    model = empty_model(ModelConfig(model_name_or_path=str(mistral4_hub)))
+    assert model.config._experts_implementation == "grouped_mm"
     targets = _resolve(mistral4_hub, ["auto"])
     assert targets.names == [*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"] and not targets.unmatched
     assert len(targets.modules) == 2 * 8

@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import Fixtures, tiny_config
+from conftest import Fixtures, free_port, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rayft.config import Config
 from rayft.model import build_model
 from rayft.weights import CheckpointKeyError, SafetensorsCheckpoint, dequantize, load_sharded_, model_param_name
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -> None:
@@ -53,7 +45,7 @@ def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -
 def test_two_ranks_load_only_their_shards_and_match_the_checkpoint(fixtures: Fixtures, tmp_path):
     raw = tiny_config(fixtures, tmp_path)
     assert raw["model"].get("load_mode", "sharded") == "sharded"
-    mp.spawn(_sharded_rank, args=(2, _free_port(), raw, str(fixtures.model)), nprocs=2)
+    mp.spawn(_sharded_rank, args=(2, free_port(), raw, str(fixtures.model)), nprocs=2)
 
 
 def _fp8_checkpoint(tmp_path) -> tuple[SafetensorsCheckpoint, dict[str, torch.Tensor]]:
@@ -131,41 +123,13 @@ def test_fp8_hub_layout_loads_dequantised_on_two_ranks(fixtures: Fixtures, mistr
     raw = tiny_config(fixtures, tmp_path)
     raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="bfloat16")
     raw["lora"]["target_modules"] = MLA_TARGETS
-    mp.spawn(_hub_rank, args=(2, _free_port(), raw, str(model_dir)), nprocs=2)
+    mp.spawn(_hub_rank, args=(2, free_port(), raw, str(model_dir)), nprocs=2)
 
 
-def _expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
-    from rayft.checkpoint import save_adapter
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = build_model(Config.from_dict(raw), on_gpu=False)
-        expert_lora = {n: p for n, p in model.named_parameters() if ".experts." in n and ".lora_" in n}
-        assert len(expert_lora) == 2 * 2 * 2  # A, B x gate_up, down x 2 layers
-        torch.manual_seed(rank)
-        ids = torch.randint(3, 1000, (2, 24))
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        for _ in range(2):  # the second step's B != 0, so every A and B gets a gradient
-            model(input_ids=ids, labels=ids).loss.backward()
-            grads = {n: p.grad.to_local() for n, p in expert_lora.items()}
-            optimizer.step()
-            optimizer.zero_grad()
-        for name, grad in grads.items():
-            assert grad.numel() > 0 and grad.abs().sum() > 0, f"rank {rank}: zero gradient on its shard of {name}"
-        save_adapter(model, Path(out))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_routed_expert_lora_trains_on_every_rank_and_saves(fixtures: Fixtures, mistral4_hub, tmp_path):
-    raw = tiny_config(fixtures, tmp_path)
-    raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="bfloat16")
-    raw["lora"].update(target_modules=["auto"], target_experts=True, lora_dropout=0.0)
-    raw["fsdp"] = {"activation_checkpointing": True}
-    mp.spawn(_expert_lora_rank, args=(2, _free_port(), raw, str(tmp_path / "adapter")), nprocs=2)
-    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+def test_routed_expert_lora_trains_on_every_rank_and_saves(trained_expert_adapter):
+    """The fixture trained it on 2 ranks, asserting non-zero gradients on each rank's shards of every expert LoRA."""
+    adapter = load_file(trained_expert_adapter / "adapter_model.safetensors")
     experts = {k: v for k, v in adapter.items() if ".experts." in k}
     assert len(experts) == 8 and all(v.abs().sum() > 0 for v in experts.values())
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config = json.loads((trained_expert_adapter / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
