@@ -106,7 +106,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
             metrics: dict[str, Any] = {}
             if step % t.logging_steps == 0 or done:
-                metrics = _train_metrics(window, window_start, grad_norm, scheduler, progress, plan, micro)
+                metrics = _train_metrics(window, window_start, grad_norm, scheduler)
                 window.zero_()
                 window_start = time.perf_counter()
             if val_shard is not None and _due(t.eval_strategy, t.eval_steps, step, done, micro, plan):
@@ -160,7 +160,7 @@ def _due(strategy: str, every: int, step: int, done: bool, micro: int, plan: Pla
     return False
 
 
-def _train_metrics(window, started, grad_norm, scheduler, progress, plan, micro) -> dict[str, Any]:
+def _train_metrics(window, started: float, grad_norm, scheduler) -> dict[str, Any]:
     """Window means over all ranks: loss per micro-batch, tokens/s of the whole group."""
     totals = window.clone()
     dist.all_reduce(totals)
