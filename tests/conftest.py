@@ -121,6 +121,9 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     temp_dir = Path("/tmp") / f"rayft-test-{os.getpid()}"  # short: Ray's socket paths have a length limit
     gcs_port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    # As on a real cluster, whose image's `python` has everything: job entrypoints (`python jobs/...`) resolve
+    # `python` through PATH, so this interpreter's bin/ comes first (CI does not activate the venv).
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     common = ["--block", "--num-cpus", "4", "--disable-usage-stats"]
     head = subprocess.Popen(
         [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
