@@ -39,3 +39,18 @@ def machine() -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
     }
+
+
+def cli(doc: str, sizes: dict, run, result_name: str) -> None:
+    """`--size` / `--out` for a benchmark: run it, write its JSON to bench/results/<result_name>, print it."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--size", choices=sizes, default="default")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / result_name)
+    args = parser.parse_args()
+    report = run(args.size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))

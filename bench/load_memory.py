@@ -12,7 +12,6 @@ mark (/proc/self/clear_refs) just before loading and reports peak minus the RSS 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import MIB, free_port, machine, reset_peak_rss, rss_kib
+from _common import MIB, cli, free_port, machine, reset_peak_rss, rss_kib
 
 SIZES = {
     # ~520 MB bf16 dense Mistral (131k vocab: embeddings and head dominate, as in the real model)
@@ -82,6 +81,7 @@ def make_models(root: Path, size: dict) -> tuple[Path, Path]:
     from transformers import MistralConfig, MistralForCausalLM
 
     from rayft import demo, hub_layout
+    from rayft.tokenizer import copy_tokenizer_files
 
     tokenizer = root / "tokenizer"
     demo.make_tokenizer(tokenizer)
@@ -93,8 +93,7 @@ def make_models(root: Path, size: dict) -> tuple[Path, Path]:
         head_dim=size["hidden_size"] // 8, tie_word_embeddings=False,
     )  # fmt: skip
     MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(str(dense))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (dense / name).write_bytes((tokenizer / name).read_bytes())
+    copy_tokenizer_files(tokenizer, dense)
     hub = hub_layout.make_tiny_mistral_small4(
         root / "mistral-small-4-fp8", tokenizer_from=tokenizer, hidden_size=size["hub_hidden"]
     )
@@ -142,16 +141,5 @@ def run(size_name: str) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=SIZES, default="default")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "load_memory_cpu.json")
-    args = parser.parse_args()
-    report = run(args.size)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    cli(__doc__, SIZES, run, "load_memory_cpu.json")

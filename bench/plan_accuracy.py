@@ -10,7 +10,6 @@ to it with the ratio, with activation checkpointing off and on.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import free_port, machine, reset_peak_rss, rss_kib
+from _common import cli, free_port, machine, reset_peak_rss, rss_kib
 
 SIZES = {
     "default": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "max_length": 1024},
@@ -83,16 +82,5 @@ def run(size_name: str) -> dict:
     return {"benchmark": "plan_accuracy", **machine(), "size": size_name, "sequence": max_length, "cases": cases}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=SIZES, default="default")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plan_accuracy_cpu.json")
-    args = parser.parse_args()
-    report = run(args.size)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    cli(__doc__, SIZES, run, "plan_accuracy_cpu.json")

@@ -49,13 +49,7 @@ def save_checkpoint(
     metrics: dict[str, Any],
 ) -> None:
     """Collective: every rank writes its own shards; rank 0 adds the adapter and trainer_state.json."""
-    state = {
-        "model": get_model_state_dict(model, options=_TRAINABLE),
-        "optim": get_optimizer_state_dict(model, optimizer, options=_TRAINABLE),
-        "scheduler": scheduler.state_dict(),
-        "progress": asdict(progress),
-    }
-    dcp.save(state, checkpoint_id=str(directory / STATE_DIR))
+    dcp.save(_training_state(model, optimizer, scheduler, progress), checkpoint_id=str(directory / STATE_DIR))
     save_adapter(model, directory / ADAPTER_DIR)
     if dist.get_rank() == 0:
         (directory / TRAINER_STATE).write_text(json.dumps({**asdict(progress), "metrics": metrics}, indent=2))
@@ -65,17 +59,22 @@ def load_checkpoint(
     directory: Path, model: peft.PeftModel, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> Progress:
     """Collective: each rank reads the shards it owns back into the sharded model and optimizer."""
-    state = {
-        "model": get_model_state_dict(model, options=_TRAINABLE),
-        "optim": get_optimizer_state_dict(model, optimizer, options=_TRAINABLE),
-        "scheduler": scheduler.state_dict(),
-        "progress": asdict(Progress()),
-    }
+    state = _training_state(model, optimizer, scheduler, Progress())
     dcp.load(state, checkpoint_id=str(directory / STATE_DIR))
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_TRAINABLE)
     scheduler.load_state_dict(state["scheduler"])
     return Progress(**state["progress"])
+
+
+def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str, Any]:
+    """What DCP writes and reads back: trainable params (sharded), optimizer, scheduler, progress."""
+    return {
+        "model": get_model_state_dict(model, options=_TRAINABLE),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_TRAINABLE),
+        "scheduler": scheduler.state_dict(),
+        "progress": asdict(progress),
+    }
 
 
 def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:

@@ -15,15 +15,9 @@ from pathlib import Path
 import torch
 
 from rayft.config import DTYPES, ConfigError, ModelConfig
+from rayft.tokenizer import copy_tokenizer_files, has_tokenizer
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tekken.json",
-    "tokenizer.model",
-)
 
 
 def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bfloat16") -> Path:
@@ -38,7 +32,7 @@ def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bflo
         config = json.loads((out / "adapter_config.json").read_text())
         config["base_model_name_or_path"] = str(base.resolve())
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    _copy_tokenizer(adapter if any((adapter / f).exists() for f in TOKENIZER_FILES) else base, out)
+    copy_tokenizer_files(adapter if has_tokenizer(adapter) else base, out)
     return out
 
 
@@ -65,9 +59,3 @@ def _check_inputs(adapter: Path, base: Path, dtype: str) -> None:
         raise ConfigError(f"--base {base}: not a model directory (no config.json)")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-
-
-def _copy_tokenizer(source: Path, out: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)

@@ -123,6 +123,7 @@ def make_tiny_mistral_small4(
     }
     (directory / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
     if tokenizer_from is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            (directory / name).write_bytes((Path(tokenizer_from) / name).read_bytes())
+        from rayft.tokenizer import copy_tokenizer_files
+
+        copy_tokenizer_files(Path(tokenizer_from), directory)
     return directory

@@ -102,8 +102,14 @@ def peft_config(lora: LoraConfig, names: list[str], parameters: list[str] | None
     )
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
+def wrap(model: nn.Module, lora: LoraConfig) -> tuple[peft.PeftModel, LoraTargets]:
     targets = resolve_targets(model, lora)
+    return peft.get_peft_model(model, peft_config(lora, targets.names, targets.parameters)), targets
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
+    """`wrap`, saying in the log when part of an explicit target list matched nothing."""
+    peft_model, targets = wrap(model, lora)
     if targets.warning:
         log.warning(targets.warning)
-    return peft.get_peft_model(model, peft_config(lora, targets.names, targets.parameters))
+    return peft_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import peft
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
-from rayft.lora import apply_lora
+from rayft.lora import LoraTargets, apply_lora, wrap
 from rayft.weights import buffers_kept, load_sharded_
 
 
@@ -56,6 +57,14 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
         kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
     with init_empty_weights(include_buffers=False):
         return causal_lm_class(config)._from_config(config, **kwargs)
+
+
+def weightless_lora_model(cfg: Config, config: PretrainedConfig | None = None) -> tuple[peft.PeftModel, LoraTargets]:
+    """The LoRA-wrapped model with every tensor on the meta device, for checks and plans: no memory, no weights."""
+    config = config if config is not None else text_config(cfg.model.model_name_or_path)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
+        return wrap(causal_lm_class(config)._from_config(config), cfg.lora)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from rayft.config import Config
@@ -108,18 +107,11 @@ def _count(n: int) -> str:
 
 
 def meta_structure(cfg: Config, config=None) -> Structure:
-    """Build the model weightless (from `config`, or the config of model.model_name_or_path) with its LoRA."""
-    import warnings
+    """Structure of the weightless LoRA model (from `config`, or the config of model.model_name_or_path)."""
+    from rayft.model import weightless_lora_model
 
-    from rayft.lora import apply_lora
-    from rayft.model import causal_lm_class, text_config
-
-    if config is None:
-        config = text_config(cfg.model.model_name_or_path)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model = apply_lora(causal_lm_class(config)._from_config(config), cfg.lora)
-    return structure(model, config)
+    model, _ = weightless_lora_model(cfg, config)
+    return structure(model, model.config)
 
 
 def format_plans(plans: list[MemoryPlan], s: Structure, tokens: int) -> str:

@@ -9,9 +9,7 @@ from pathlib import Path
 from rayft.config import Config, ConfigError
 from rayft.lora import LoraTargets
 from rayft.sources import SplitFiles, resolve_splits
-from rayft.tokenizer import tokenizer_path
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model")
+from rayft.tokenizer import TOKENIZER_FILES, has_tokenizer, tokenizer_path
 
 
 @dataclass
@@ -37,21 +35,10 @@ def preflight(cfg: Config) -> Preflight:
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, int, int]:
     """Resolve LoRA on a weightless copy of the model: (targets, trainable params, total params)."""
-    import warnings
+    from rayft.model import parameter_counts, weightless_lora_model
 
-    import peft
-
-    from rayft.lora import peft_config, resolve_targets
-    from rayft.model import empty_model, parameter_counts
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
-        model = empty_model(cfg.model)
-        targets = resolve_targets(model, cfg.lora)
-        trainable, total = parameter_counts(
-            peft.get_peft_model(model, peft_config(cfg.lora, targets.names, targets.parameters))
-        )
-    return targets, trainable, total
+    model, targets = weightless_lora_model(cfg)
+    return (targets, *parameter_counts(model))
 
 
 def _check_model_dir(path: Path) -> None:
@@ -68,7 +55,7 @@ def _check_model_dir(path: Path) -> None:
 
 
 def _check_tokenizer(path: Path) -> None:
-    if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not path.is_dir() or not has_tokenizer(path):
         raise ConfigError(
             f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
             "set model.tokenizer_name_or_path to the directory that has one"

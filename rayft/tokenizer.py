@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rayft.config import ModelConfig
+
+# Any of these makes a directory a tokenizer directory; special_tokens_map.json travels with them when copied.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model")
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> None:
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json"):
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(destination) / name)
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
 
 # Mistral's tekken vocabulary reserves these ids; tokenizer files converted from it do not declare them.
 MISTRAL_SPECIALS = {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}

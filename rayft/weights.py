@@ -128,18 +128,20 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
                 if ".lora_" in name:
                     _init_lora_(name, local)
                     continue
+                base_name = model_param_name(name)
                 try:
-                    key = checkpoint_key(model_param_name(name), checkpoint)
+                    key = checkpoint_key(base_name, checkpoint)
                 except CheckpointKeyError:
-                    missing.append(model_param_name(name))
+                    missing.append(base_name)
                     continue
                 # Bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a fixed size
                 # however large the tensor (a 128-expert fused weight is GBs).
-                step = max(1, CHUNK_BYTES // max(1, 4 * local[0].numel())) if local.ndim else 1
-                for lo in range(0, max(local.shape[0] if local.ndim else 1, 0), step):
-                    hi = min(lo + step, local.shape[0]) if local.ndim else 1
-                    rows = dequantize(checkpoint.rows(key, start + lo, start + hi), key, checkpoint, start + lo)
-                    (local[lo:hi] if local.ndim else local).copy_(rows)
+                step = max(1, CHUNK_BYTES // max(1, 4 * local[0].numel()))
+                for lo in range(0, local.shape[0], step):
+                    hi = min(lo + step, local.shape[0])
+                    local[lo:hi].copy_(
+                        dequantize(checkpoint.rows(key, start + lo, start + hi), key, checkpoint, start + lo)
+                    )
     finally:
         checkpoint.close()
     if missing:
