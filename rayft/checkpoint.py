@@ -1,7 +1,9 @@
 """Training-state checkpoints (sharded DCP, written by every rank) and the gathered PEFT adapter.
 
 A checkpoint directory holds:
-  state/                 torch.distributed.checkpoint shards: LoRA params, optimizer, scheduler, progress
+  state/                 torch.distributed.checkpoint shards, written by every rank in parallel: LoRA params,
+                         optimizer, scheduler, progress (step, epoch, batches of the epoch consumed) and each
+                         rank's RNG states, so a resumed run continues exactly where this one stood
   adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered on rank 0
   trainer_state.json     step, epoch and the metrics reported with it
 The frozen base model is never written.
@@ -10,10 +12,12 @@ The frozen base model is never written.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import peft
 import torch
 import torch.distributed as dist
@@ -36,8 +40,13 @@ _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 @dataclass
 class Progress:
+    """Where training stands; the data position is in micro-batches of the current epoch, per rank."""
+
     step: int = 0
     epoch: int = 0
+    batches_in_epoch: int = 0
+    # Ranks that wrote the checkpoint: a resume on another world size maps the data position and RNGs.
+    world_size: int = 1
 
 
 def save_checkpoint(
@@ -58,23 +67,59 @@ def save_checkpoint(
 def load_checkpoint(
     directory: Path, model: peft.PeftModel, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> Progress:
-    """Collective: each rank reads the shards it owns back into the sharded model and optimizer."""
-    state = _training_state(model, optimizer, scheduler, Progress())
-    dcp.load(state, checkpoint_id=str(directory / STATE_DIR))
+    """Collective: each rank reads the shards it owns back into the sharded model and optimizer.
+
+    DCP reshards on load, so a checkpoint written by N ranks resumes on M. Each rank gets back its own RNG
+    states when the writer had that rank; otherwise it keeps its seeded ones (the run is then no longer
+    bit-for-bit the same, which a different world size never is anyway).
+    """
+    checkpoint_id = str(directory / STATE_DIR)
+    saved = {"progress": asdict(Progress())}
+    dcp.load(saved, checkpoint_id=checkpoint_id)
+    progress = Progress(**saved["progress"])
+
+    state = _training_state(model, optimizer, scheduler, progress)
+    rank = dist.get_rank()
+    if rank >= progress.world_size:
+        del state["rng"]
+    dcp.load(state, checkpoint_id=checkpoint_id)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_TRAINABLE)
     scheduler.load_state_dict(state["scheduler"])
-    return Progress(**state["progress"])
+    if "rng" in state:
+        _set_rng_state(state["rng"][f"rank{rank}"])
+    return progress
 
 
 def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str, Any]:
-    """What DCP writes and reads back: trainable params (sharded), optimizer, scheduler, progress."""
+    """What DCP writes and reads back. RNG states differ per rank, so each rank has its own key."""
     return {
         "model": get_model_state_dict(model, options=_TRAINABLE),
         "optim": get_optimizer_state_dict(model, optimizer, options=_TRAINABLE),
         "scheduler": scheduler.state_dict(),
         "progress": asdict(progress),
+        "rng": {f"rank{dist.get_rank()}": _rng_state()},
     }
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every generator a step can draw from: LoRA dropout (torch, per device) and anything in Python/NumPy."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:

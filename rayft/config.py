@@ -35,6 +35,8 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 STRATEGIES = ("no", "steps", "epoch")
 DTYPES = ("float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
+# What evaluation reports (as eval_<name>), so what checkpoints can be ranked by.
+BEST_METRICS = ("loss",)
 
 
 @dataclass
@@ -107,8 +109,17 @@ class TrainConfig:
     eval_steps: int = 200
     save_strategy: str = "steps"
     save_steps: int = 200
+    # Checkpoints Ray keeps on the storage path (the best by metric_for_best_model plus the latest).
     save_total_limit: int | None = 3
+    # At the end, output_dir/final is the best checkpoint's adapter (output_dir/best says which step).
     load_best_model_at_end: bool = False
+    # Ranks checkpoints for retention and load_best_model_at_end; HF spelling ("loss" means "eval_loss").
+    metric_for_best_model: str | None = "eval_loss"
+    # None = lower is better for a loss, higher otherwise (as in transformers).
+    greater_is_better: bool | None = None
+    # Start from a checkpoint directory (also another run's), or "latest" = insist on continuing this run.
+    # A run whose storage already has checkpoints always continues from its own latest one.
+    resume_from_checkpoint: str | None = None
     report_to: str | None = None
     seed: int = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
@@ -143,7 +154,10 @@ class RayConfig:
     # None = train.output_dir, so checkpoints land next to the final adapter on the shared volume.
     storage_path: str | None = None
     name: str = "ray_run"
+    # Worker-group restarts after a failure (a dead worker, a lost node); each resumes from the latest checkpoint.
     max_failures: int = 1
+    # async: training goes on while the checkpoint is copied to storage_path; sync: it waits for the copy.
+    checkpoint_upload: str = "async"
     # Logical CPUs of the local cluster started when there is none to join (more than cores, so
     # Ray Data tasks are not starved by the training workers).
     local_num_cpus: int = 8
@@ -188,7 +202,26 @@ class Config:
 
     @property
     def storage_path(self) -> str:
-        return str(Path(self.ray.storage_path or self.train.output_dir).expanduser().resolve())
+        """Absolute local path (a shared volume on a cluster) or a pyarrow URI such as s3://bucket/runs."""
+        path = self.ray.storage_path or self.train.output_dir
+        if "://" in path:
+            return path
+        return str(Path(path).expanduser().resolve())
+
+    @property
+    def run_uri(self) -> str:
+        return f"{self.storage_path.rstrip('/')}/{self.ray.name}"
+
+    @property
+    def best_metric(self) -> tuple[str, str] | None:
+        """(metric, "min"|"max") that ranks checkpoints, or None when checkpoints are kept newest-first."""
+        t = self.train
+        if t.metric_for_best_model is None or t.eval_strategy == "no":
+            return None
+        metric = t.metric_for_best_model
+        metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+        greater = t.greater_is_better if t.greater_is_better is not None else not metric.endswith("loss")
+        return metric, "max" if greater else "min"
 
     def check(self) -> None:
         """Refuse out-of-range values and combinations that cannot work."""
@@ -218,11 +251,22 @@ class Config:
             raise ConfigError("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false")
         if t.report_to not in (None, "none"):
             raise ConfigError(f"train.report_to: '{t.report_to}' is not supported yet; use none")
-        if t.load_best_model_at_end:
+        if t.metric_for_best_model is not None:
+            metric = t.metric_for_best_model.removeprefix("eval_")
+            if metric not in BEST_METRICS:
+                raise ConfigError(
+                    f"train.metric_for_best_model: unknown metric '{t.metric_for_best_model}'; "
+                    f"evaluation reports {', '.join('eval_' + m for m in BEST_METRICS)}"
+                )
+        if t.load_best_model_at_end and self.best_metric is None:
             raise ConfigError(
-                "train.load_best_model_at_end: true is not supported yet; the newest "
-                "train.save_total_limit checkpoints are kept, set it to false"
+                "train.load_best_model_at_end: true needs checkpoints ranked by an evaluation metric: set "
+                "train.eval_strategy (steps or epoch) and train.metric_for_best_model (e.g. eval_loss)"
             )
+        if t.load_best_model_at_end and t.save_strategy == "no":
+            raise ConfigError("train.load_best_model_at_end: true needs train.save_strategy steps or epoch")
+        if t.resume_from_checkpoint is not None and not t.resume_from_checkpoint.strip():
+            raise ConfigError("train.resume_from_checkpoint must be a checkpoint directory, 'latest' or null")
 
         _at_least("data.max_length", d.max_length, 2)
         _at_least("data.tokenize_workers", d.tokenize_workers, 1)
@@ -263,6 +307,7 @@ class Config:
         _at_least("ray.num_workers", r.num_workers, 1)
         _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
         _at_least("ray.local_num_cpus", r.local_num_cpus, 1)
+        _one_of("ray.checkpoint_upload", r.checkpoint_upload, ("async", "sync"))
         _one_of("ray.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
         if not r.name or "/" in r.name:
             raise ConfigError(f"ray.name must be a non-empty directory name, got {r.name!r}")
@@ -364,6 +409,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+        if value is False and key.endswith("_strategy"):  # YAML 1.1 reads an unquoted `no` as false
+            return "no"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     elif origin is list:

@@ -9,16 +9,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray.data
-import torch
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
 from rayft.sources import SplitFiles, resolve_splits
-from rayft.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and transformers are imported where they are used: Ray Data task workers unpickle this module's functions
+# and would otherwise each spend seconds importing both just to filter text.
 
 IGNORE_INDEX = -100
 
@@ -37,6 +41,9 @@ def build_datasets(cfg: Config) -> Datasets:
     """Runs on the driver: builds the lazy training pipeline and counts its rows; tokenizes validation."""
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # tqdm bars turn `ray job logs` into noise; the dashboard shows progress
+    # The same records in the same order to the same rank every run (also turns off locality-based dispatch):
+    # a resumed run skips exactly the batches it already trained on.
+    context.execution_options.preserve_order = True
     train_files, val_files = resolve_splits(cfg.data)
     train = _text_records(train_files, cfg.data)
     validation = _text_records(val_files, cfg.data) if val_files else None
@@ -97,6 +104,8 @@ class Tokenize:
     """Ray Data actor: loads the tokenizer once, turns text into `[bos] ids [eos]` cut to max_length."""
 
     def __init__(self, model: dict[str, Any], max_length: int):
+        from rayft.tokenizer import load_tokenizer
+
         self.tokenizer = load_tokenizer(ModelConfig(**model))
         self.max_length = max_length
         self.bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
@@ -115,6 +124,8 @@ class PadCollate(NumpyBatchCollateFn):
         self.pad_id = pad_id
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        import torch
+
         seqs = batch["input_ids"]
         longest = max(len(s) for s in seqs)
         input_ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,13 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from rayft.checkpoint import ADAPTER_DIR, TRAINER_STATE
 from rayft.config import Config, ConfigError, RayConfig
 from rayft.data import build_datasets
 from rayft.loop import train_loop_per_worker
 from rayft.preflight import preflight
-from rayft.schedule import make_plan
+from rayft.rundir import RunDir
+from rayft.schedule import Plan, make_plan
 
 log = logging.getLogger("rayft")
 
@@ -36,6 +39,7 @@ class Outcome:
 
 
 def train(cfg: Config) -> Outcome:
+    cfg = _with_absolute_paths(cfg)
     checked = preflight(cfg)
     log.info(
         "%s: LoRA on %d modules (%s), %s trainable params",
@@ -46,6 +50,8 @@ def train(cfg: Config) -> Outcome:
     )
     if checked.lora.warning:
         log.warning(checked.lora.warning)
+    run = RunDir(cfg.run_uri)
+    resume_from = _resume_source(cfg, run)
     started_locally = connect(cfg.ray)
     use_gpu = resolve_use_gpu(cfg.ray)
     if not use_gpu:
@@ -64,10 +70,17 @@ def train(cfg: Config) -> Outcome:
     splits = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
+    best = _best_metric(cfg, plan)
 
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "plan": asdict(plan)},
+        train_loop_config={
+            "config": cfg.to_dict(),
+            "plan": asdict(plan),
+            "run_uri": run.uri,
+            "best_metric": best[0] if best else None,
+            "resume_from": resume_from,
+        },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.ray.num_workers,
@@ -78,19 +91,105 @@ def train(cfg: Config) -> Outcome:
         run_config=ray.train.RunConfig(
             name=cfg.ray.name,
             storage_path=cfg.storage_path,
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.save_total_limit),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=cfg.train.save_total_limit,
+                checkpoint_score_attribute=best[0] if best else None,
+                checkpoint_score_order=best[1] if best else "max",
+            ),
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
             worker_runtime_env={"env_vars": WORKER_ENV},
         ),
         datasets=splits,
     )
     result = trainer.fit()
+    final = Path(cfg.train.output_dir) / "final"
+    if cfg.train.load_best_model_at_end and best and result.best_checkpoints:
+        _install_best(result.best_checkpoints, best, final)
     return Outcome(
-        final_adapter=Path(cfg.train.output_dir).expanduser().resolve() / "final",
-        run_dir=Path(cfg.storage_path) / cfg.ray.name,
+        final_adapter=final,
+        run_dir=Path(run.uri),
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
         metrics=dict(result.metrics or {}),
     )
+
+
+def _with_absolute_paths(cfg: Config) -> Config:
+    """Workers do not share the driver's working directory: hand them absolute paths."""
+    cfg = Config.from_dict(cfg.to_dict())
+    cfg.train.output_dir = _absolute(cfg.train.output_dir)
+    cfg.ray.storage_path = cfg.storage_path
+    for section, key in (
+        ("model", "model_name_or_path"),
+        ("model", "tokenizer_name_or_path"),
+        ("data", "dataset_name_or_path"),
+    ):
+        value = getattr(getattr(cfg, section), key)
+        if value and Path(value).expanduser().exists():
+            setattr(getattr(cfg, section), key, _absolute(value))
+    if cfg.train.resume_from_checkpoint not in (None, "latest") and "://" not in cfg.train.resume_from_checkpoint:
+        cfg.train.resume_from_checkpoint = _absolute(cfg.train.resume_from_checkpoint)
+    return cfg
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _best_metric(cfg: Config, plan: Plan) -> tuple[str, str] | None:
+    """The (metric, order) Ray ranks checkpoints by: kept are the save_total_limit best plus the latest."""
+    best = cfg.best_metric
+    if best is None or cfg.train.save_strategy == "no":
+        return None
+    if not plan.has_validation:
+        if cfg.train.load_best_model_at_end:
+            raise ConfigError(
+                f"train.load_best_model_at_end: true, but there is no validation data to compute {best[0]} "
+                f"({plan.validation_rows} records for {plan.world_size} workers); add a validation split or "
+                "raise data.val_ratio"
+            )
+        log.warning("no validation data: checkpoints are kept newest-first instead of by %s", best[0])
+        return None
+    log.info(
+        "checkpoints ranked by %s (%s is better): Ray keeps the %s best plus the latest; each save evaluates",
+        best[0],
+        "higher" if best[1] == "max" else "lower",
+        cfg.train.save_total_limit or "all",
+    )
+    return best
+
+
+def _resume_source(cfg: Config, run: RunDir) -> str | None:
+    """This run's own checkpoints win (Ray resumes from them); resume_from_checkpoint seeds a fresh run."""
+    wanted = cfg.train.resume_from_checkpoint
+    if run.has_registered_checkpoints():
+        log.info("%s has checkpoints: continuing that run from its latest one", run.uri)
+        if wanted not in (None, "latest"):
+            log.warning("train.resume_from_checkpoint=%s ignored: the run continues from its own checkpoints", wanted)
+        return None
+    if wanted == "latest":
+        raise ConfigError(
+            f"train.resume_from_checkpoint: latest, but {run.uri} has no checkpoint to continue from "
+            "(check ray.storage_path and ray.name, or drop the setting to start fresh)"
+        )
+    if wanted is not None:
+        log.info("starting from checkpoint %s", wanted)
+    return wanted
+
+
+def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) -> None:
+    """load_best_model_at_end: output_dir/final becomes the best checkpoint's adapter; output_dir/best keeps a
+    copy with that checkpoint's trainer_state.json (which step, which score)."""
+    metric, order = best
+    scored = [(c, m) for c, m in best_checkpoints if isinstance(m.get(metric), (int, float))]
+    checkpoint, metrics = (max if order == "max" else min)(scored, key=lambda cm: cm[1][metric])
+    with checkpoint.as_directory() as d:
+        for name in os.listdir(Path(d) / ADAPTER_DIR):
+            shutil.copy2(Path(d) / ADAPTER_DIR / name, final / name)
+        best_dir = final.parent / "best"
+        shutil.rmtree(best_dir, ignore_errors=True)
+        shutil.copytree(final, best_dir)
+        shutil.copy2(Path(d) / TRAINER_STATE, best_dir / TRAINER_STATE)
+    log.info("load_best_model_at_end: %s = step %s (%s %.6g)", final, metrics.get("step"), metric, metrics[metric])
 
 
 def connect(ray_cfg: RayConfig) -> bool:

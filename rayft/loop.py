@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import time
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,13 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from ray.train import CheckpointUploadMode
 
 from rayft.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
 from rayft.config import Config
 from rayft.data import PadCollate
 from rayft.model import build_model, parameter_counts
+from rayft.rundir import RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
 
@@ -30,45 +33,49 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg = Config.from_dict(loop_config["config"])
     plan = Plan(**loop_config["plan"])
     t = cfg.train
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
     device = ray.train.torch.get_device()
     on_gpu = device.type == "cuda"
     _setup_logging(rank)
     torch.manual_seed(t.seed)
+    run = RunDir(cfg.run_uri)
+    spool = _checkpoint_spool(cfg.ray.name, rank, clean=context.get_local_rank() == 0)
 
     tokenizer = load_tokenizer(cfg.model)
     model = build_model(cfg, on_gpu, device)
     model.train()
     optimizer = build_optimizer(model, t, on_gpu)
     scheduler = build_scheduler(optimizer, t, plan)
-    trainable, total = parameter_counts(model)
-    log.info(
-        "world %d | trainable params %s / %s (%.3f%%) | %d steps (%d per epoch), warmup %d | "
-        "effective batch %d = %d per device x %d accumulation x %d workers",
-        plan.world_size,
-        f"{trainable:,}",
-        f"{total:,}",
-        100 * trainable / total,
-        plan.total_steps,
-        plan.steps_per_epoch,
-        plan.warmup_steps,
-        t.per_device_train_batch_size * t.gradient_accumulation_steps * plan.world_size,
-        t.per_device_train_batch_size,
-        t.gradient_accumulation_steps,
-        plan.world_size,
-    )
+    _log_start(model, plan, t)
 
-    progress = Progress()
-    resume_from = ray.train.get_checkpoint()
-    if resume_from is not None:
-        with resume_from.as_directory() as d:
-            progress = load_checkpoint(Path(d), model, optimizer, scheduler)
-        log.info("resumed from %s at step %d (epoch %d)", resume_from.path, progress.step, progress.epoch)
+    progress, history = _resume(
+        loop_config.get("resume_from"), run, model, optimizer, scheduler, plan, t.gradient_accumulation_steps, rank
+    )
 
     pad_id = tokenizer.pad_token_id
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
     evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, pad_id, device)
+    best_metric = loop_config.get("best_metric")
+
+    started, saving_s = time.perf_counter(), 0.0
+
+    def save(metrics: dict[str, Any]) -> None:
+        nonlocal saving_s
+        if best_metric and best_metric not in metrics:  # every checkpoint must carry its score
+            metrics[best_metric] = evaluate_now()
+        saving_s += _report_with_checkpoint(
+            model, optimizer, scheduler, progress, metrics, spool, cfg.ray.checkpoint_upload
+        )
+
+    def record(metrics: dict[str, Any]) -> None:
+        _log_progress(metrics, plan)
+        if rank == 0:
+            # What saving cost so far in this attempt: the share of wall time training stood still.
+            elapsed = time.perf_counter() - started
+            history.append({**metrics, "checkpoint_stall_s": round(saving_s, 4), "elapsed_s": round(elapsed, 3)})
+            run.write_metrics(history)
 
     # loss sum over micro-batches, micro-batches, tokens; stays on the device (no host sync per micro-step)
     window = torch.zeros(3, dtype=torch.float64, device=device)
@@ -83,7 +90,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
             local_shuffle_seed=t.seed + progress.epoch,
         )
-        for micro, batch in enumerate(batches):
+        # A resumed epoch replays the same deterministic stream and skips what was already trained on.
+        skip = progress.batches_in_epoch
+        for micro, batch in enumerate(islice(batches, skip, None), start=skip):
             group_start = micro - micro % accum
             in_group = min(accum, plan.micro_batches_per_epoch - group_start)
             closes_group = micro - group_start + 1 == in_group
@@ -102,6 +111,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             progress.step += 1
+            progress.batches_in_epoch = micro + 1
             step, done = progress.step, progress.step >= plan.total_steps
 
             metrics: dict[str, Any] = {}
@@ -112,28 +122,84 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if val_shard is not None and _due(t.eval_strategy, t.eval_steps, step, done, micro, plan):
                 metrics["eval_loss"] = evaluate_now()
                 last_evaluated = step
-            if metrics:
+            saving = _due(t.save_strategy, t.save_steps, step, done, micro, plan)
+            if metrics or saving:
                 metrics.update(step=step, epoch=round(progress.epoch + (micro + 1) / plan.micro_batches_per_epoch, 4))
-                _log_progress(metrics, plan)
-            if _due(t.save_strategy, t.save_steps, step, done, micro, plan):
-                _report_with_checkpoint(model, optimizer, scheduler, progress, metrics)
+            if saving:
+                save(metrics)
                 last_saved = step
             elif metrics:
                 ray.train.report(metrics)
+            if "loss" in metrics or "eval_loss" in metrics:
+                record(metrics)
             if done:
                 break
         else:
             progress.epoch += 1
+            progress.batches_in_epoch = 0
 
-    final_metrics: dict[str, Any] = {"step": progress.step}
-    if val_shard is not None and last_evaluated != progress.step:
-        final_metrics["eval_loss"] = evaluate_now()
     if t.save_strategy != "no" and last_saved != progress.step:
-        _report_with_checkpoint(model, optimizer, scheduler, progress, final_metrics)
+        final_metrics: dict[str, Any] = {"step": progress.step}
+        if val_shard is not None and last_evaluated != progress.step:
+            final_metrics["eval_loss"] = evaluate_now()
+        save(final_metrics)
     final_dir = Path(t.output_dir) / "final"
     save_adapter(model, final_dir, tokenizer)
     if rank == 0:
         log.info("final adapter written to %s", final_dir)
+
+
+def _resume(
+    explicit: str | None, run: RunDir, model, optimizer, scheduler, plan: Plan, accum: int, rank: int
+) -> tuple[Progress, list[dict[str, Any]]]:
+    """Continue from this run's latest registered checkpoint (a restart after a failure, or the same job run
+    again), else from `train.resume_from_checkpoint`, else start fresh. Returns the progress and, on rank 0,
+    the metrics history up to it."""
+    own = ray.train.get_checkpoint()
+    checkpoint = own or (ray.train.Checkpoint(explicit) if explicit else None)
+    progress = Progress(world_size=plan.world_size)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            progress = load_checkpoint(Path(d), model, optimizer, scheduler)
+        log.info(
+            "resumed from %s: step %d, epoch %d, %d batches into the epoch (written by %d workers)",
+            checkpoint.path,
+            progress.step,
+            progress.epoch,
+            progress.batches_in_epoch,
+            progress.world_size,
+        )
+        progress = _remap_position(progress, plan, accum)
+    if rank != 0:
+        return progress, []
+    # Checkpoint dirs newer than the resume point (all of them on a fresh start) were never registered:
+    # a worker died while saving them. Nothing can resume from them; they would only fill the volume.
+    keep = frozenset({Path(explicit).name}) if explicit and own is None else frozenset()
+    for name in run.remove_checkpoints_after(progress.step if own else -1, keep):
+        log.warning("removed %s/%s: written by an attempt that failed before Ray registered it", run.uri, name)
+    history = [row for row in run.read_metrics() if row.get("step", 0) <= progress.step] if checkpoint else []
+    return progress, history
+
+
+def _remap_position(progress: Progress, plan: Plan, accum: int) -> Progress:
+    """Express the data position for this run's world size and epoch length."""
+    if progress.world_size != plan.world_size:
+        consumed = progress.batches_in_epoch * progress.world_size // plan.world_size
+        log.warning(
+            "checkpoint written by %d workers, resuming on %d: continuing after ~%d of %d batches of epoch %d "
+            "(same data share; not bit-identical to an uninterrupted run)",
+            progress.world_size,
+            plan.world_size,
+            consumed,
+            plan.micro_batches_per_epoch,
+            progress.epoch,
+        )
+        progress.batches_in_epoch = consumed - consumed % accum
+        progress.world_size = plan.world_size
+    if progress.batches_in_epoch >= plan.micro_batches_per_epoch:
+        progress.epoch += 1
+        progress.batches_in_epoch = 0
+    return progress
 
 
 @torch.no_grad()
@@ -174,18 +240,63 @@ def _train_metrics(window, started: float, grad_norm, scheduler) -> dict[str, An
     }
 
 
-def _report_with_checkpoint(model, optimizer, scheduler, progress: Progress, metrics: dict[str, Any]) -> None:
-    """Each rank writes its shards to a local dir; Ray publishes the checkpoint once every rank reported."""
-    local = Path(tempfile.mkdtemp(prefix="rayft-ckpt-"))
-    try:
-        save_checkpoint(local, model, optimizer, scheduler, progress, metrics)
-        ray.train.report(
-            {**metrics, "step": progress.step},
-            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
-            checkpoint_dir_name=f"checkpoint-{progress.step:06d}",
-        )
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
+def _report_with_checkpoint(
+    model, optimizer, scheduler, progress: Progress, metrics: dict[str, Any], spool: Path, upload: str
+) -> float:
+    """Every rank writes its shards to local disk, then Ray copies them into one step-named dir on storage.
+
+    Ray registers the checkpoint (for retention and resume) only once every rank's copy finished, so a crash
+    mid-save leaves the previous checkpoint in charge. With async upload training goes on during the copy.
+    Returns the seconds training stood still.
+    """
+    started = time.perf_counter()
+    name = checkpoint_dir_name(progress.step)
+    local = spool / name
+    shutil.rmtree(local, ignore_errors=True)
+    local.mkdir(parents=True)
+    save_checkpoint(local, model, optimizer, scheduler, progress, metrics)
+    written = time.perf_counter() - started
+    ray.train.report(
+        dict(metrics),
+        checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+        checkpoint_dir_name=name,
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC,
+        delete_local_checkpoint_after_upload=True,
+    )
+    stalled = time.perf_counter() - started
+    log.info("%s: training paused %.2f s (state written in %.2f s, %s upload)", name, stalled, written, upload)
+    return stalled
+
+
+def _checkpoint_spool(run_name: str, rank: int, clean: bool) -> Path:
+    """Local staging dir for this rank's checkpoint shards. A killed worker leaves its half-written ones
+    behind: the first worker on each node clears the run's leftovers before anyone saves again."""
+    root = Path(tempfile.gettempdir()) / "rayft-checkpoints"
+    if clean:
+        for stale in root.glob(f"{run_name}-rank*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    spool = root / f"{run_name}-rank{rank}"
+    spool.mkdir(parents=True, exist_ok=True)
+    return spool
+
+
+def _log_start(model, plan: Plan, t) -> None:
+    trainable, total = parameter_counts(model)
+    log.info(
+        "world %d | trainable params %s / %s (%.3f%%) | %d steps (%d per epoch), warmup %d | "
+        "effective batch %d = %d per device x %d accumulation x %d workers",
+        plan.world_size,
+        f"{trainable:,}",
+        f"{total:,}",
+        100 * trainable / total,
+        plan.total_steps,
+        plan.steps_per_epoch,
+        plan.warmup_steps,
+        t.per_device_train_batch_size * t.gradient_accumulation_steps * plan.world_size,
+        t.per_device_train_batch_size,
+        t.gradient_accumulation_steps,
+        plan.world_size,
+    )
 
 
 def _log_progress(metrics: dict[str, Any], plan: Plan) -> None:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rayft.checkpoint import STATE_DIR
 from rayft.config import Config, ConfigError
 from rayft.lora import LoraTargets
 from rayft.sources import SplitFiles, resolve_splits
@@ -28,6 +29,7 @@ def preflight(cfg: Config) -> Preflight:
     _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
     if cfg.ray.storage_path and "://" not in cfg.ray.storage_path:
         _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
+    _check_resume_source(cfg.train.resume_from_checkpoint)
 
     targets, trainable, total = inspect_lora(cfg)
     return Preflight(train, validation, targets, trainable, total)
@@ -59,6 +61,19 @@ def _check_tokenizer(path: Path) -> None:
         raise ConfigError(
             f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
             "set model.tokenizer_name_or_path to the directory that has one"
+        )
+
+
+def _check_resume_source(source: str | None) -> None:
+    """A checkpoint dir is rayft's: DCP training state under state/ (the adapter alone cannot resume)."""
+    if source in (None, "latest") or "://" in source:
+        return
+    path = Path(source).expanduser()
+    if not (path / STATE_DIR / ".metadata").is_file():
+        found = "does not exist" if not path.exists() else f"has no {STATE_DIR}/.metadata (not a rayft checkpoint)"
+        raise ConfigError(
+            f"train.resume_from_checkpoint: {path} {found}; give a checkpoint-NNNNNN directory from a run's "
+            "storage path, 'latest' to continue this run, or null"
         )
 
 

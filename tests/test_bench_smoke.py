@@ -35,3 +35,20 @@ def test_plan_accuracy_benchmark_runs_both_cases(tmp_path):
     cases = json.loads(out.read_text())["cases"]
     assert set(cases) == {"activation_checkpointing=False", "activation_checkpointing=True"}
     assert all(c["measured_peak_mib"] > 0 and c["estimate_mib"] > 0 for c in cases.values())
+
+
+def test_checkpoint_cost_summary_reads_the_runs_cumulative_counters():
+    """bench/checkpoint_cost.py trains for minutes (never in CI); its arithmetic over metrics.jsonl is checked here."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from checkpoint_cost import summarise
+
+    rows = [
+        {"step": 1, "elapsed_s": 10.0, "checkpoint_stall_s": 0.5},
+        {"step": 2, "elapsed_s": 12.0, "checkpoint_stall_s": 1.0},
+        {"step": 3, "elapsed_s": 14.0, "checkpoint_stall_s": 1.5},
+    ]
+    summary = summarise(rows, saves=3)
+    assert summary["paused_s_per_checkpoint"] == 0.5 and summary["paused_s_total"] == 1.5
+    assert summary["train_s_after_first_step"] == 4.0
+    assert summary["share_of_training_saving"] == round(1.5 / 14.0, 4)
+    assert summarise(rows[:1], saves=0)["paused_s_per_checkpoint"] == 0.0

@@ -36,6 +36,10 @@ CASES = {
     "missing model path": (["model.model_name_or_path=/nonexistent/model"], "/nonexistent/model does not exist"),
     "missing dataset path": (["data.dataset_name_or_path=/nonexistent/data"], "/nonexistent/data does not exist"),
     "LoRA targets match nothing": (["lora.target_modules=[q_a_proj]"], "its linear layers are"),
+    "resume from a missing checkpoint": (
+        ["train.resume_from_checkpoint=/nonexistent/ckpt"],
+        "train.resume_from_checkpoint: /nonexistent/ckpt does not exist",
+    ),
 }
 
 

@@ -51,6 +51,16 @@ def test_round_trips_through_a_plain_dict():
         ({"lora": {"target_experts": True}, "fsdp": {"activation_checkpointing": True}}, ["lora.lora_dropout: 0"]),
         ({"lora": {"target_experts": True, "lora_dropout": 0}}, ["fsdp.activation_checkpointing: true"]),
         ({"model": {"load_mode": "rank0"}}, ["model.load_mode", "sharded"]),
+        (
+            {"train": {"load_best_model_at_end": True, "eval_strategy": "no"}},
+            ["load_best_model_at_end", "eval_strategy"],
+        ),
+        (
+            {"train": {"load_best_model_at_end": True, "save_strategy": "no"}},
+            ["load_best_model_at_end", "save_strategy"],
+        ),
+        ({"train": {"metric_for_best_model": "accuracy"}}, ["train.metric_for_best_model", "eval_loss"]),
+        ({"ray": {"checkpoint_upload": "lazy"}}, ["ray.checkpoint_upload", "async"]),
     ],
 )
 def test_bad_values_name_the_key(raw, needles):
@@ -78,3 +88,30 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(write_yaml(tmp_path / "list.yaml", [1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("train", "expected"),
+    [
+        ({}, ("eval_loss", "min")),
+        ({"metric_for_best_model": "loss"}, ("eval_loss", "min")),  # transformers' spelling: eval_ is implied
+        ({"greater_is_better": True}, ("eval_loss", "max")),
+        ({"metric_for_best_model": None}, None),
+        ({"eval_strategy": "no"}, None),  # nothing to rank by: newest-first retention
+    ],
+)
+def test_checkpoint_ranking_follows_the_transformers_fields(train, expected):
+    assert Config.from_dict({"train": train}).best_metric == expected
+
+
+def test_unquoted_no_strategies_mean_no(tmp_path):
+    """YAML 1.1 reads `save_strategy: no` as false; users mean the string."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  eval_strategy: no\n  save_strategy: no\n")
+    cfg = load_config(path)
+    assert cfg.train.eval_strategy == "no" and cfg.train.save_strategy == "no"
+
+
+def test_uri_storage_paths_are_kept_as_uris():
+    cfg = Config.from_dict({"ray": {"storage_path": "s3://bucket/runs", "name": "m4"}})
+    assert cfg.storage_path == "s3://bucket/runs" and cfg.run_uri == "s3://bucket/runs/m4"

@@ -89,13 +89,15 @@ def _base(model_dir: Path):
 
 
 def test_seed_yaml_trains_with_only_paths_overridden(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path):
-    """The seed recipe's YAML, unchanged, on the default STRICT_SPREAD placement (one worker per node)."""
+    """The seed recipe's YAML, unchanged, on the default STRICT_SPREAD placement (one worker per node); only the
+    paths point at the fixtures, and a step cap keeps CI short (16 micro-batches of up to 1024 tokens per step)."""
     out = tmp_path / "seed-out"
     job = submit_job(
         ray_cluster, "--config", str(SEED_CONFIG),
         "--override", f"model.model_name_or_path={fixtures.model}",
         "--override", f"data.dataset_name_or_path={fixtures.dataset}",
         "--override", f"train.output_dir={out}",
+        "--override", "train.max_steps=3",
     )  # fmt: skip
     logs = _assert_succeeded(job)
     progress = _progress(logs)
