@@ -80,7 +80,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # loss sum over micro-batches, micro-batches, tokens; stays on the device (no host sync per micro-step)
     window = torch.zeros(3, dtype=torch.float64, device=device)
     window_start = time.perf_counter()
-    last_saved = last_evaluated = -1
+    # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
+    last_saved, last_evaluated = progress.step, -1
     accum = t.gradient_accumulation_steps
     one = torch.ones((), dtype=torch.float64, device=device)
     while progress.step < plan.total_steps:
