@@ -21,4 +21,4 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -v -p no:cacheprovider
+	$(PY) -m pytest -v -p no:cacheprovider --durations=15

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from rayft import demo
 REPO = Path(__file__).resolve().parents[1]
 SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
 RAY_BIN = Path(sys.executable).parent / "ray"
+STEPS = 6  # of the checkpointing reference run
 
 
 @dataclass
@@ -93,6 +95,49 @@ def tiny_config(fx: Fixtures, output_dir: Path, **train_overrides) -> dict:
     cfg["train"]["output_dir"] = str(output_dir)
     cfg["train"].update(train_overrides)
     return cfg
+
+
+def checkpointing_config(fx: Fixtures, out: Path, **overrides) -> dict:
+    """The tiny job checkpointing (and evaluating) every step for STEPS steps; `section__key=value` overrides."""
+    cfg = tiny_config(
+        fx, out, max_steps=STEPS, logging_steps=1, eval_steps=1, save_steps=1, save_total_limit=2,
+        load_best_model_at_end=True, per_device_train_batch_size=2, learning_rate=3e-2,
+    )  # fmt: skip
+    cfg["data"]["max_length"] = 32
+    cfg["lora"]["lora_dropout"] = 0.1  # draws from each rank's RNG: exact resume must restore them
+    cfg["ray"]["max_failures"] = 2
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return cfg
+
+
+@dataclass
+class Run:
+    out: Path
+    log: Path
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / "ray_run"
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def checkpoint_dirs(self) -> set[str]:
+        return {p.name for p in self.run_dir.glob("checkpoint-*")}
+
+    def registered(self) -> set[str]:
+        """What Ray registered (its snapshot): only these count for retention and resume."""
+        try:
+            snapshot = json.loads((self.run_dir / "checkpoint_manager_snapshot.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return set()
+        return {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
 
 
 def write_yaml(path: Path, data: dict) -> Path:
@@ -213,3 +258,16 @@ def submit_job(cluster: RayCluster, *args: str, timeout: float = 900) -> subproc
          "python", "jobs/mistral4.py", *args],
         env=cluster.env, capture_output=True, text=True, timeout=timeout, cwd=REPO,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory) -> Run:
+    """The tiny job through `ray job submit`, checkpointing every step and never interrupted: the e2e tests read
+    it, and every recovery test must end with exactly its result."""
+    out = tmp_path_factory.mktemp("reference")
+    config = write_yaml(out / "config.yaml", checkpointing_config(fixtures, out))
+    job = submit_job(ray_cluster, "--config", str(config))
+    log = out / "driver.log"
+    log.write_text(job.stdout + job.stderr)
+    assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, log.read_text()[-6000:]
+    return Run(out, log)

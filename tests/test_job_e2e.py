@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SEED_CONFIG, Fixtures, RayCluster, submit_job, tiny_config, write_yaml
+import yaml
+from conftest import SEED_CONFIG, STEPS, Fixtures, RayCluster, Run, submit_job, tiny_config, write_yaml
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -32,28 +33,21 @@ def _assert_succeeded(job) -> str:
     return logs
 
 
-def test_tiny_job_trains_checkpoints_and_exports_a_correct_adapter(
-    ray_cluster: RayCluster, fixtures: Fixtures, tmp_path
-):
-    out = tmp_path / "out"
-    cfg = tiny_config(fixtures, out, num_train_epochs=1, logging_steps=3, eval_steps=10, save_steps=5)
-    job = submit_job(ray_cluster, "--config", str(write_yaml(tmp_path / "tiny.yaml", cfg)))
-    logs = _assert_succeeded(job)
-
+def test_tiny_job_trains_checkpoints_and_exports_a_correct_adapter(reference_run: Run, fixtures: Fixtures, tmp_path):
+    """The tiny job (2 workers, a checkpoint every step) as `ray job submit` ran it for the recovery tests."""
+    logs = reference_run.text()
     progress = _progress(logs)
-    assert len(progress) >= 5, logs[-4000:]
+    assert len(progress) >= STEPS, logs[-4000:]
     losses = [loss for _, loss, _ in progress]
     assert losses[-1] < losses[0] - 1.0, f"training loss did not go down: {losses}"
     assert any(ev is not None for _, _, ev in progress), "no eval_loss reported"
     assert "final adapter:" in logs
 
-    # Retention: 21 steps saved every 5 (+ the last) = 5 checkpoints, save_total_limit 2 keeps the newest two.
-    checkpoints = sorted((out / "ray_run").glob("checkpoint-*"))
-    assert [c.name for c in checkpoints] == ["checkpoint-000020", "checkpoint-000021"]
-
-    final = out / "final"
+    final = reference_run.out / "final"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in final.iterdir()}
-    _assert_adapter_matches_training_state(fixtures.model, final, checkpoints[-1] / "state", cfg, tmp_path)
+    last = reference_run.run_dir / f"checkpoint-{STEPS:06d}"
+    cfg = yaml.safe_load((reference_run.out / "config.yaml").read_text())
+    _assert_adapter_matches_training_state(fixtures.model, last / "adapter", last / "state", cfg, tmp_path)
 
 
 def _assert_adapter_matches_training_state(model_dir: Path, final: Path, dcp_dir: Path, cfg: dict, tmp: Path):

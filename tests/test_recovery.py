@@ -11,62 +11,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, Fixtures, RayCluster, tiny_config, write_yaml
+from conftest import REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.ray
 
-STEPS = 6
 # Metrics that depend only on what was trained (not on timing): must match the uninterrupted run.
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")
 RESUMED = re.compile(r"\(RayTrainWorker pid=\d+\).*resumed from \S+/checkpoint-(\d+): step (\d+)")
-
-
-def recovery_config(fx: Fixtures, out: Path, **overrides) -> dict:
-    cfg = tiny_config(
-        fx, out, max_steps=STEPS, logging_steps=1, eval_steps=1, save_steps=1, save_total_limit=2,
-        load_best_model_at_end=True, per_device_train_batch_size=2, learning_rate=3e-2,
-    )  # fmt: skip
-    cfg["data"]["max_length"] = 32
-    cfg["lora"]["lora_dropout"] = 0.1  # draws from each rank's RNG: exact resume must restore them
-    cfg["ray"]["max_failures"] = 2
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
-    return cfg
-
-
-@dataclass
-class Run:
-    out: Path
-    log: Path
-
-    @property
-    def run_dir(self) -> Path:
-        return self.out / "ray_run"
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def metrics(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def checkpoint_dirs(self) -> set[str]:
-        return {p.name for p in self.run_dir.glob("checkpoint-*")}
-
-    def registered(self) -> set[str]:
-        """What Ray registered (its snapshot): only these count for retention and resume."""
-        try:
-            snapshot = json.loads((self.run_dir / "checkpoint_manager_snapshot.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return set()
-        return {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
 
 
 class Driver:
@@ -150,15 +106,6 @@ def assert_same_training(run: Run, reference: Run) -> None:
     assert run.checkpoint_dirs() == reference.checkpoint_dirs()
 
 
-@pytest.fixture(scope="module")
-def reference_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory) -> Run:
-    """The uninterrupted run every recovery is compared with."""
-    out = tmp_path_factory.mktemp("reference")
-    run, driver = start(ray_cluster, recovery_config(fixtures, out), out)
-    finish(run, driver)
-    return run
-
-
 def test_retention_keeps_the_best_and_latest_and_final_is_the_best(reference_run: Run):
     rows = {r["step"]: r["eval_loss"] for r in reference_run.metrics()}
     assert sorted(rows) == list(range(1, STEPS + 1))
@@ -180,7 +127,7 @@ def test_killed_workers_and_a_killed_job_resume_exactly(
     the group: max_failures 2), then the whole job; the same command run again finishes it. The result is the
     uninterrupted run's, step for step."""
     out = tmp_path / "out"
-    cfg = recovery_config(fixtures, out)
+    cfg = checkpointing_config(fixtures, out)
     run, driver = start(ray_cluster, cfg, out)
     try:
         wait_until(lambda: "checkpoint-000001" in run.registered(), "the first checkpoint", run)
@@ -232,7 +179,7 @@ def test_another_runs_checkpoint_resumes_on_one_worker(
 ):
     source = reference_run.run_dir / f"checkpoint-{STEPS - 1:06d}"
     out = tmp_path / "one-worker"
-    cfg = recovery_config(fixtures, out, ray__num_workers=1, train__resume_from_checkpoint=str(source))
+    cfg = checkpointing_config(fixtures, out, ray__num_workers=1, train__resume_from_checkpoint=str(source))
     run, driver = start(ray_cluster, cfg, out)
     text = finish(run, driver)
     assert resumes(text) == [STEPS - 1] and f"resumed from {source}: " in text, text[-6000:]
@@ -261,7 +208,7 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
         test_cluster = RayCluster(address=cluster.address, dashboard="", env=env)
 
         out = tmp_path / "out"
-        cfg = recovery_config(
+        cfg = checkpointing_config(
             fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=1,
             ray__resources_per_worker={"CPU": 1, "trainer": 1},
         )  # fmt: skip
