@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
@@ -114,3 +115,30 @@ def test_state_written_by_two_ranks_loads_exactly_on_one(fixtures: Fixtures, tmp
     _assert_equal(loaded["optim"], expected["optim"], "optim")
     assert loaded["lr"] == expected["lr"]
     assert torch.equal(loaded["rng"], expected["rng"]), "rank 0's RNG state was not restored"
+
+
+def test_resume_latest_needs_a_run_with_checkpoints(tmp_path):
+    from rayft.config import Config, ConfigError
+    from rayft.launch import _resume_source
+    from rayft.rundir import RAY_SNAPSHOT, RunDir
+
+    cfg = Config.from_dict({"train": {"output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}})
+    run = RunDir(cfg.run_uri)
+    with pytest.raises(ConfigError, match=r"train\.resume_from_checkpoint: latest, but .* has no checkpoint"):
+        _resume_source(cfg, run)
+    Path(run.path).mkdir(parents=True)
+    (Path(run.path) / RAY_SNAPSHOT).write_text("{}")
+    assert _resume_source(cfg, run) is None  # Ray continues the run from its own registry
+    cfg.train.resume_from_checkpoint = str(tmp_path / "elsewhere" / "checkpoint-000004")
+    assert _resume_source(cfg, run) is None  # a run with checkpoints never jumps to another one
+
+
+def test_unregistered_checkpoint_dirs_after_the_resume_point_are_removed(tmp_path):
+    from rayft.rundir import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    for step in (2, 3, 4, 5):
+        (tmp_path / "run" / f"checkpoint-{step:06d}" / "state").mkdir(parents=True)
+    assert run.remove_checkpoints_after(3) == ["checkpoint-000004", "checkpoint-000005"]
+    assert sorted(run.checkpoints()) == [2, 3]
+    assert run.remove_checkpoints_after(-1, keep=frozenset({"checkpoint-000002"})) == ["checkpoint-000003"]
