@@ -18,6 +18,16 @@ from typing import Any
 import yaml
 
 
+def is_uri(path: str) -> bool:
+    """s3://, gs://, … (handled by pyarrow) rather than a local or shared-volume path."""
+    return "://" in path
+
+
+def eval_metric(name: str) -> str:
+    """transformers' spelling: metric names are evaluation metrics, `loss` means `eval_loss`."""
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
 class ConfigError(ValueError):
     """A mistake in the user's configuration or paths; the message is meant to be shown as is."""
 
@@ -35,8 +45,8 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 STRATEGIES = ("no", "steps", "epoch")
 DTYPES = ("float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
-# What evaluation reports (as eval_<name>), so what checkpoints can be ranked by.
-BEST_METRICS = ("loss",)
+# What evaluation reports, so what checkpoints can be ranked by.
+BEST_METRICS = ("eval_loss",)
 
 
 @dataclass
@@ -204,7 +214,7 @@ class Config:
     def storage_path(self) -> str:
         """Absolute local path (a shared volume on a cluster) or a pyarrow URI such as s3://bucket/runs."""
         path = self.ray.storage_path or self.train.output_dir
-        if "://" in path:
+        if is_uri(path):
             return path
         return str(Path(path).expanduser().resolve())
 
@@ -218,8 +228,7 @@ class Config:
         t = self.train
         if t.metric_for_best_model is None or t.eval_strategy == "no":
             return None
-        metric = t.metric_for_best_model
-        metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+        metric = eval_metric(t.metric_for_best_model)
         greater = t.greater_is_better if t.greater_is_better is not None else not metric.endswith("loss")
         return metric, "max" if greater else "min"
 
@@ -251,13 +260,11 @@ class Config:
             raise ConfigError("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false")
         if t.report_to not in (None, "none"):
             raise ConfigError(f"train.report_to: '{t.report_to}' is not supported yet; use none")
-        if t.metric_for_best_model is not None:
-            metric = t.metric_for_best_model.removeprefix("eval_")
-            if metric not in BEST_METRICS:
-                raise ConfigError(
-                    f"train.metric_for_best_model: unknown metric '{t.metric_for_best_model}'; "
-                    f"evaluation reports {', '.join('eval_' + m for m in BEST_METRICS)}"
-                )
+        if t.metric_for_best_model is not None and eval_metric(t.metric_for_best_model) not in BEST_METRICS:
+            raise ConfigError(
+                f"train.metric_for_best_model: unknown metric '{t.metric_for_best_model}'; "
+                f"evaluation reports {', '.join(BEST_METRICS)}"
+            )
         if t.load_best_model_at_end and self.best_metric is None:
             raise ConfigError(
                 "train.load_best_model_at_end: true needs checkpoints ranked by an evaluation metric: set "

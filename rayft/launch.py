@@ -14,7 +14,7 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft.checkpoint import ADAPTER_DIR, TRAINER_STATE
-from rayft.config import Config, ConfigError, RayConfig
+from rayft.config import Config, ConfigError, RayConfig, is_uri
 from rayft.data import build_datasets
 from rayft.loop import train_loop_per_worker
 from rayft.preflight import preflight
@@ -126,7 +126,7 @@ def _with_absolute_paths(cfg: Config) -> Config:
         value = getattr(getattr(cfg, section), key)
         if value and Path(value).expanduser().exists():
             setattr(getattr(cfg, section), key, _absolute(value))
-    if cfg.train.resume_from_checkpoint not in (None, "latest") and "://" not in cfg.train.resume_from_checkpoint:
+    if cfg.train.resume_from_checkpoint not in (None, "latest") and not is_uri(cfg.train.resume_from_checkpoint):
         cfg.train.resume_from_checkpoint = _absolute(cfg.train.resume_from_checkpoint)
     return cfg
 
@@ -180,8 +180,7 @@ def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) ->
     """load_best_model_at_end: output_dir/final becomes the best checkpoint's adapter; output_dir/best keeps a
     copy with that checkpoint's trainer_state.json (which step, which score)."""
     metric, order = best
-    scored = [(c, m) for c, m in best_checkpoints if isinstance(m.get(metric), (int, float))]
-    checkpoint, metrics = (max if order == "max" else min)(scored, key=lambda cm: cm[1][metric])
+    checkpoint, metrics = (max if order == "max" else min)(best_checkpoints, key=lambda cm: cm[1][metric])
     with checkpoint.as_directory() as d:
         for name in os.listdir(Path(d) / ADAPTER_DIR):
             shutil.copy2(Path(d) / ADAPTER_DIR / name, final / name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayft.checkpoint import STATE_DIR
-from rayft.config import Config, ConfigError
+from rayft.config import Config, ConfigError, is_uri
 from rayft.lora import LoraTargets
 from rayft.sources import SplitFiles, resolve_splits
 from rayft.tokenizer import TOKENIZER_FILES, has_tokenizer, tokenizer_path
@@ -27,7 +27,7 @@ def preflight(cfg: Config) -> Preflight:
     _check_tokenizer(Path(tokenizer_path(cfg.model)).expanduser())
     train, validation = resolve_splits(cfg.data)
     _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
-    if cfg.ray.storage_path and "://" not in cfg.ray.storage_path:
+    if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
         _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
     _check_resume_source(cfg.train.resume_from_checkpoint)
 
@@ -66,7 +66,7 @@ def _check_tokenizer(path: Path) -> None:
 
 def _check_resume_source(source: str | None) -> None:
     """A checkpoint dir is rayft's: DCP training state under state/ (the adapter alone cannot resume)."""
-    if source in (None, "latest") or "://" in source:
+    if source in (None, "latest") or is_uri(source):
         return
     path = Path(source).expanduser()
     if not (path / STATE_DIR / ".metadata").is_file():
