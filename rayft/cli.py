@@ -111,12 +111,12 @@ def _validate(cfg: Config) -> int:
     from rayft.preflight import preflight
 
     checked = preflight(cfg)
-    val = (
-        f"{len(checked.validation.paths)} file(s)"
-        if checked.validation
-        else f"none (holding out {cfg.data.val_ratio:.0%})"
-    )
-    print(f"config ok\n  train data: {len(checked.train.paths)} {checked.train.format} file(s)\n  validation: {val}")
+    val = checked.validation.describe() if checked.validation else f"none (holding out {cfg.data.val_ratio:.0%})"
+    records = checked.records
+    kind = records.kind + (", loss on completions only" if records.completion_only else "")
+    packing = f"packed into {cfg.data.max_length}-token blocks" if cfg.data.packing else "padded per batch"
+    print(f"config ok\n  train data: {checked.train.describe()}\n  validation: {val}")
+    print(f"  records: {kind}; {packing}")
     lora = checked.lora
     print(f"  model: {lora.architecture}, {checked.total_params:,} params")
     print(

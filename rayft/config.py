@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,20 @@ def eval_metric(name: str) -> str:
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
+def template_fields(template: str) -> list[str]:
+    """The record fields a `data.prompt_template` format string reads."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ConfigError(f"data.prompt_template: not a valid format string ({e}); use {{field}} names") from None
+    if not names or any(not n or not n.isidentifier() for n in names):
+        raise ConfigError(
+            f"data.prompt_template: use named placeholders of record fields, e.g. '### Question:\\n{{question}}\\n'; "
+            f"got {template!r}"
+        )
+    return names
+
+
 class ConfigError(ValueError):
     """A mistake in the user's configuration or paths; the message is meant to be shown as is."""
 
@@ -44,6 +59,7 @@ SCHEDULERS = (
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 STRATEGIES = ("no", "steps", "epoch")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages")
 PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 # What evaluation reports, so what checkpoints can be ranked by.
 BEST_METRICS = ("eval_loss",)
@@ -85,7 +101,29 @@ class DataConfig:
     train_split: str = "train"
     val_split: str | None = "validation"
     max_length: int = 1024
+    # Instruction data: a str.format template over the record's fields that renders the prompt, e.g.
+    # "### Question:\n{question}\n\n### Answer:\n"; the completion comes from `completion_field`.
     prompt_template: str | None = None
+    completion_field: str = "completion"
+    # Chat records: a list of {role, content} messages rendered with the tokenizer's chat template.
+    messages_field: str = "messages"
+    # auto: prompt_template → template; a messages column → chat; prompt + completion columns → prompt/completion;
+    # otherwise plain text from text_field.
+    format: str = "auto"
+    # Loss only on completion / assistant tokens (null = true for instruction and chat data).
+    completion_only_loss: bool | None = None
+    # Concatenate examples and cut max_length blocks; positions restart per document (padding-free batches).
+    packing: bool = False
+    # Wikitext stores one paragraph per record: join each article's lines (split at ` = Title = ` headings).
+    join_wikitext_articles: bool = False
+    # Keep the tokenized training split in Ray's object store (spilling to disk if needed) instead of re-reading
+    # and re-tokenizing it every epoch; null = when the source is at most 2 GiB.
+    cache_tokenized: bool | None = None
+    # Records that cannot become an example (missing field, not text, not UTF-8, bad JSON): skip and count them,
+    # or stop before training with the counts.
+    bad_records: str = "skip"
+    # Examples longer than max_length without packing: truncate or skip them (counted either way).
+    overlong: str = "truncate"
     # Share of the training records held out for evaluation when the dataset has no validation split.
     val_ratio: float = 0.05
     # Ray Data actors that tokenize in parallel with training (each holds one tokenizer).
@@ -280,8 +318,13 @@ class Config:
         _at_least("data.shuffle_buffer_size", d.shuffle_buffer_size, 0)
         if not 0 <= d.val_ratio < 1:
             raise ConfigError(f"data.val_ratio must be in [0, 1), got {d.val_ratio}")
+        _one_of("data.format", d.format, DATA_FORMATS)
+        _one_of("data.bad_records", d.bad_records, ("skip", "error"))
+        _one_of("data.overlong", d.overlong, ("truncate", "skip"))
         if d.prompt_template is not None:
-            raise ConfigError("data.prompt_template is not supported yet; leave it null for plain text data")
+            template_fields(d.prompt_template)  # raises on a malformed template
+            if d.format not in ("auto", "prompt_completion"):
+                raise ConfigError(f"data.prompt_template renders prompt/completion records; data.format is {d.format}")
 
         _at_least("lora.r", lo.r, 1)
         _positive("lora.lora_alpha", lo.lora_alpha)

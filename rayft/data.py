@@ -1,30 +1,66 @@
-"""Ray Data pipeline: read split files → keep non-empty text → tokenize in actors → batches on each worker.
+"""Ray Data pipeline: read a split → records to token ids in tokenizer actors → pack or keep → batches per worker.
 
-Tokenization runs on the cluster's CPUs in parallel with training; Ray Train's `DataConfig` then hands each
-worker an equal `streaming_split` so no rank runs out of batches while the others wait in a collective.
+Tokenization runs on the cluster's CPUs in parallel with training; Ray Train's `DataConfig` hands each worker an
+equal `streaming_split`, so no rank runs out of batches while the others wait in a collective. The driver runs
+the same stages once in counting mode before the workers start: that gives the row count the step plan needs and
+the skipped-record counts, and turns an empty or unreadable split into an error that names it. Small sources stay
+tokenized in the object store, so that pass is not repeated by every epoch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import ray.data
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
-from rayft.sources import SplitFiles, resolve_splits
+from rayft.records import SKIPS, RecordFormat, decode_line, join_wikitext_articles, record_format, segments
+from rayft.sources import SplitSource, resolve_splits
 
 if TYPE_CHECKING:
     import torch
 
 # torch and transformers are imported where they are used: Ray Data task workers unpickle this module's functions
-# and would otherwise each spend seconds importing both just to filter text.
+# and would otherwise each spend seconds importing both just to split lines.
 
+log = logging.getLogger("rayft")
 IGNORE_INDEX = -100
+TOKENIZE_BATCH = 256
+PACK_BATCH = 1024  # examples per packing batch: one short tail block per batch
+CACHE_AUTO_BYTES = 2 << 30
+
+
+@dataclass
+class SplitStats:
+    """What the counting pass saw in one split."""
+
+    records: int = 0  # read from the source (lines, rows)
+    examples: int = 0  # usable examples (articles when wikitext lines are joined)
+    rows: int = 0  # what the workers iterate: examples, or packed blocks
+    tokens: int = 0
+    truncated: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        text = f"{self.records:,} records, {self.examples:,} examples, {self.tokens:,} tokens"
+        if self.skipped:
+            text += (
+                f"; skipped {sum(self.skipped.values()):,} ("
+                + ", ".join(f"{reason} {n:,}" for reason, n in self.skipped.items())
+                + ")"
+            )
+        if self.truncated:
+            text += f"; {self.truncated:,} truncated to max_length"
+        return text
 
 
 @dataclass
@@ -35,90 +71,294 @@ class Datasets:
     train_rows: int
     validation: ray.data.Dataset | None
     validation_rows: int
+    train_stats: SplitStats = dataclasses.field(default_factory=SplitStats)
 
 
 def build_datasets(cfg: Config) -> Datasets:
-    """Runs on the driver: builds the lazy training pipeline and counts its rows; tokenizes validation."""
+    """Runs on the driver: resolves the splits, counts the training rows, tokenizes the validation split."""
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # tqdm bars turn `ray job logs` into noise; the dashboard shows progress
     # The same records in the same order to the same rank every run (also turns off locality-based dispatch):
     # a resumed run skips exactly the batches it already trained on.
     context.execution_options.preserve_order = True
-    train_files, val_files = resolve_splits(cfg.data)
-    train = _text_records(train_files, cfg.data)
-    validation = _text_records(val_files, cfg.data) if val_files else None
-    if validation is None and cfg.data.val_ratio > 0 and cfg.train.eval_strategy != "no":
+    d = cfg.data
+    train_src, val_src = resolve_splits(d)
+    fmt = record_format(d, train_src.columns(), train_src.what)
+    train = read_split(train_src)
+    validation = read_split(val_src) if val_src else None
+    if validation is None and d.val_ratio > 0 and cfg.train.eval_strategy != "no":
+        log.info("data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.val_ratio,
+                 train_src.what)  # fmt: skip
         # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
-        train, validation = train.train_test_split(test_size=cfg.data.val_ratio, shuffle=True, seed=cfg.train.seed)
+        train, validation = train.train_test_split(test_size=d.val_ratio, shuffle=True, seed=cfg.train.seed)
 
-    train_rows = train.count()
-    if train_rows == 0:
-        raise ConfigError(
-            f"data: split '{cfg.data.train_split}' of {cfg.data.dataset_name_or_path} has no non-empty "
-            f"'{cfg.data.text_field}' values"
-        )
-    tokenized_validation, validation_rows = None, 0
-    if validation is not None:
+    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d)
+    train_tokens = tokenize(train, train_src.format)
+    cache = _cache(d, train_src)
+
+    def count_train() -> tuple[ray.data.Dataset, SplitStats]:
+        # Cached: tokenized once, here; the count and every epoch then only re-pack from the object store.
+        tokens = train_tokens.materialize() if cache else train_tokens
+        return tokens, count(finished(tokens, d, counting=True), train_src.what)
+
+    def tokenize_validation() -> ray.data.Dataset | None:
         # Evaluation reruns many times over a small split: tokenize it once and keep it in the object store.
-        tokenized_validation = _tokenized(validation, cfg).materialize()
-        validation_rows = tokenized_validation.count()
+        if validation is None:
+            return None
+        return finished(tokenize(validation, (val_src or train_src).format), d).materialize()
+
+    # Both executions mostly wait on their tokenizer actors starting: overlap them.
+    with ThreadPoolExecutor(2, thread_name_prefix="rayft-data") as pool:
+        train_job, validation_job = pool.submit(count_train), pool.submit(tokenize_validation)
+        train_tokens, stats = train_job.result()
+        tokenized_validation = validation_job.result()
+    log.info("data: %s: %s → %d %s", train_src.what, stats.describe(), stats.rows,
+             f"blocks of {d.max_length} tokens" if d.packing else "examples")  # fmt: skip
+    _check_usable(stats, train_src.what, d)
+    validation_rows = tokenized_validation.count() if tokenized_validation is not None else 0
+    if validation_rows == 0 and val_src is not None:
+        raise ConfigError(f"data: {val_src.what} has no usable records; fix it or set data.val_split: null")
     return Datasets(
-        train=_tokenized(train, cfg),
-        train_rows=train_rows,
+        train=finished(train_tokens, d),
+        train_rows=stats.rows,
         validation=tokenized_validation if validation_rows else None,
         validation_rows=validation_rows,
+        train_stats=stats,
     )
 
 
-def _text_records(files: SplitFiles, data: DataConfig) -> ray.data.Dataset:
-    if files.format == "parquet":
-        ds = ray.data.read_parquet(list(files.paths))
-    elif files.format == "json":
-        ds = ray.data.read_json(list(files.paths))
-    else:
-        ds = ray.data.read_text(list(files.paths))
-    field = "text" if files.format == "text" else data.text_field
-    return ds.map_batches(partial(_non_empty_text, field=field), batch_format="numpy", batch_size=4096)
+def _cache(d: DataConfig, source: SplitSource) -> bool:
+    return d.cache_tokenized if d.cache_tokenized is not None else source.nbytes() <= CACHE_AUTO_BYTES
 
 
-def _non_empty_text(batch: dict[str, np.ndarray], field: str) -> dict[str, np.ndarray]:
-    """Keep only records whose text field is a non-blank string (wikitext is ~1/3 empty lines)."""
-    if field not in batch:
-        return {"text": np.array([], dtype=object)}
-    texts = [t for t in batch[field] if isinstance(t, str) and t.strip()]
-    return {"text": np.array(texts, dtype=object)}
+def _check_usable(stats: SplitStats, what: str, d: DataConfig) -> None:
+    if stats.rows == 0:
+        why = f" (skipped: {', '.join(f'{r} {n}' for r, n in stats.skipped.items())})" if stats.skipped else ""
+        raise ConfigError(f"data: {what} has no usable records{why}; check data.text_field / data.format")
+    if stats.skipped and d.bad_records == "error":
+        raise ConfigError(f"data: {what}: {stats.describe()}; set data.bad_records: skip to train on the rest")
 
 
-def _tokenized(ds: ray.data.Dataset, cfg: Config) -> ray.data.Dataset:
-    return ds.map_batches(
+def read_split(source: SplitSource) -> ray.data.Dataset:
+    """Parquet and `datasets` splits read as Arrow; text and JSON as raw lines, so that a broken line becomes a
+    counted skip in the tokenizer actors rather than a failed read task."""
+    if source.format == "hf":
+        return ray.data.from_huggingface(source.dataset)
+    if source.format == "parquet":
+        return ray.data.read_parquet(list(source.paths))
+    return ray.data.read_binary_files(list(source.paths)).map_batches(
+        partial(_split_lines, json_array_ok=source.format == "json"), batch_format="pyarrow", batch_size=1
+    )
+
+
+def _split_lines(batch: pa.Table, json_array_ok: bool) -> pa.Table:
+    lines: list[bytes] = []
+    for content in batch.column("bytes").to_pylist():
+        if json_array_ok and content.lstrip().startswith(b"["):
+            lines += _json_array_records(content)
+            continue
+        lines += [line.rstrip(b"\r") for line in content.split(b"\n")]
+        if lines and lines[-1] == b"":  # the file's final newline
+            lines.pop()
+    return pa.table({"_raw": pa.array(lines, type=pa.binary())})
+
+
+def _json_array_records(content: bytes) -> list[bytes]:
+    import json
+
+    try:
+        records = json.loads(content)
+    except ValueError:
+        return [content]  # counted as one bad_json record
+    return [json.dumps(r).encode() for r in records] if isinstance(records, list) else [content]
+
+
+def tokenized(raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig):
+    """Records → token rows in actors that each load the tokenizer once (skipped records stay, flagged)."""
+    return raw.map_batches(
         Tokenize,
-        fn_constructor_kwargs={"model": dataclasses.asdict(cfg.model), "max_length": cfg.data.max_length},
-        batch_format="numpy",
-        batch_size=256,
-        concurrency=(1, cfg.data.tokenize_workers),
+        fn_constructor_kwargs={
+            "model": dataclasses.asdict(model),
+            "fmt": dataclasses.asdict(fmt),
+            "source_format": source_format,
+            "max_length": data.max_length,
+            "packing": data.packing,
+            "overlong": data.overlong,
+        },
+        batch_format="pyarrow",
+        batch_size=TOKENIZE_BATCH,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=data.tokenize_workers),
         num_cpus=1,
     )
 
 
-class Tokenize:
-    """Ray Data actor: loads the tokenizer once, turns text into `[bos] ids [eos]` cut to max_length."""
+def finished(tokens: ray.data.Dataset, data: DataConfig, counting: bool = False) -> ray.data.Dataset:
+    """Drop flagged records and pack (or keep) the examples. `counting` ends in one statistics row per batch
+    instead of the data: the same stages over the same blocks, so the counts are those of the real stream."""
+    return tokens.map_batches(
+        partial(finish, max_length=data.max_length, packing=data.packing, counting=counting),
+        batch_format="pyarrow",
+        batch_size=PACK_BATCH,
+    )
 
-    def __init__(self, model: dict[str, Any], max_length: int):
+
+def count(stats_rows: ray.data.Dataset, what: str) -> SplitStats:
+    try:
+        rows = stats_rows.take_all()
+    except ConfigError:
+        raise
+    except Exception as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"data: reading {what} failed: {first}") from e
+    total = SplitStats()
+    for row in rows:
+        total.records += row["records"]
+        total.examples += row["examples"]
+        total.rows += row["rows"]
+        total.tokens += row["tokens"]
+        total.truncated += row["truncated"]
+        for reason in SKIPS:
+            if row[f"skip_{reason}"]:
+                total.skipped[reason] = total.skipped.get(reason, 0) + row[f"skip_{reason}"]
+    return total
+
+
+class Tokenize:
+    """Ray Data actor: records → token ids (+ a loss mask for instruction data), one output row per example.
+
+    Records that cannot be used stay as rows with a skip reason and no tokens, for the counting pass.
+    """
+
+    def __init__(
+        self, model: dict[str, Any], fmt: dict[str, Any], source_format: str, max_length: int, packing: bool,
+        overlong: str,
+    ):  # fmt: skip
         from rayft.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(ModelConfig(**model))
-        self.max_length = max_length
+        self.fmt = RecordFormat(**fmt)
+        self.source_format = source_format
+        self.max_length = None if packing else max_length
+        self.overlong = overlong
         self.bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         self.eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]]:
-        encoded = self.tokenizer(list(batch["text"]), add_special_tokens=False)["input_ids"]
-        ids = [np.asarray((self.bos + e + self.eos)[: self.max_length], dtype=np.int32) for e in encoded]
-        return {"input_ids": ids}
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        examples: list[tuple[list[tuple[str, bool]], bool, int]] = []  # (segments, add specials, records)
+        skipped: list[str] = []
+        for record, reason in self._records(batch):
+            found, specials, reason = segments(record, self.fmt, self.tokenizer) if record else (None, False, reason)
+            if found is None:
+                skipped.append(reason)
+            else:
+                examples.append((found, specials, 1))
+        if self.fmt.join_wikitext_articles and examples:
+            articles = join_wikitext_articles([seg[0][0] for seg, _, _ in examples])
+            examples = [([(text, True)], True, lines) for text, lines in articles]
+        return self._encode(examples, skipped)
+
+    def _records(self, batch: pa.Table):
+        if "_raw" in batch.column_names:
+            for raw in batch.column("_raw").to_pylist():
+                yield decode_line(raw, self.source_format)
+        else:
+            for record in batch.to_pylist():
+                yield record, ""
+
+    def _encode(self, examples, skipped: list[str]) -> pa.Table:
+        texts = [text for found, _, _ in examples for text, _ in found]
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+        ids_out, masks_out, skip_out, truncated_out, records_out = [], [], [], [], []
+        for found, specials, records in examples:
+            ids = list(self.bos) if specials else []
+            mask = [0 if self.fmt.completion_only else 1] * len(ids)
+            for _, trained in found:
+                piece = next(encoded)
+                ids += piece
+                mask += [1 if trained or not self.fmt.completion_only else 0] * len(piece)
+            if specials:
+                ids += self.eos
+                mask += [1] * len(self.eos)
+            reason, truncated = "", False
+            if self.max_length is not None and len(ids) > self.max_length:
+                if self.overlong == "skip":
+                    reason = "too_long"
+                else:
+                    ids, mask, truncated = ids[: self.max_length], mask[: self.max_length], True
+            if not reason and not any(mask):
+                reason = "no_completion"  # the prompt alone fills max_length
+            if reason:
+                ids, mask = [], []
+            ids_out.append(ids)
+            masks_out.append(mask)
+            skip_out.append(reason)
+            truncated_out.append(truncated)
+            records_out.append(records)
+        for reason in skipped:
+            ids_out.append([])
+            masks_out.append([])
+            skip_out.append(reason)
+            truncated_out.append(False)
+            records_out.append(1)
+        columns = {
+            "input_ids": pa.array(ids_out, type=pa.list_(pa.int32())),
+            "skip": pa.array(skip_out, type=pa.string()),
+            "truncated": pa.array(truncated_out, type=pa.bool_()),
+            "records": pa.array(records_out, type=pa.int32()),
+        }
+        if self.fmt.completion_only:
+            columns["loss_mask"] = pa.array(masks_out, type=pa.list_(pa.int8()))
+        return pa.table(columns)
+
+
+def finish(batch: pa.Table, max_length: int, packing: bool, counting: bool) -> pa.Table:
+    """Drop skipped records, pack if asked; in counting mode return one row of statistics instead."""
+    kept = batch.filter(pc.equal(batch.column("skip"), ""))
+    data_columns = [c for c in ("input_ids", "loss_mask") if c in kept.column_names]
+    out = pack(kept.select(data_columns), max_length) if packing else kept.select(data_columns)
+    if not counting:
+        return out
+    reasons = batch.column("skip").to_pylist()
+    row: dict[str, list[int]] = {
+        "records": [pc.sum(batch.column("records")).as_py() or 0],
+        "examples": [kept.num_rows],
+        "rows": [out.num_rows],
+        "tokens": [len(kept.column("input_ids").combine_chunks().flatten()) if kept.num_rows else 0],
+        "truncated": [sum(batch.column("truncated").to_pylist())],
+    }
+    for reason in SKIPS:
+        row[f"skip_{reason}"] = [reasons.count(reason)]
+    return pa.table(row)
+
+
+def pack(table: pa.Table, max_length: int) -> pa.Table:
+    """Concatenate the examples and cut `max_length` blocks (the last one shorter). Position ids restart at every
+    example and at every block start, so attention never crosses an example inside a block (see PackedCollate)."""
+    columns = {name: table.column(name).combine_chunks() for name in table.column_names}
+    ids = columns["input_ids"]
+    # flatten(), not .values: respects the array's own offset (non-zero for a sliced batch)
+    flat = {name: col.flatten().to_numpy(zero_copy_only=False) for name, col in columns.items()}
+    total = len(flat["input_ids"])
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    index = np.arange(total, dtype=np.int64)
+    positions = index - np.maximum(starts, index - index % max_length)
+    offsets = pa.array(np.append(np.arange(0, total, max_length), total).astype(np.int32))
+    blocks = {name: pa.ListArray.from_arrays(offsets, pa.array(values)) for name, values in flat.items()}
+    blocks["position_ids"] = pa.ListArray.from_arrays(offsets, pa.array(positions.astype(np.int32)))
+    return pa.table(blocks)
+
+
+def _labels(input_ids: np.ndarray, loss_mask: np.ndarray | None) -> np.ndarray:
+    labels = input_ids.astype(np.int64)
+    if loss_mask is not None:
+        labels[np.asarray(loss_mask) == 0] = IGNORE_INDEX
+    return labels
 
 
 class PadCollate(NumpyBatchCollateFn):
-    """Right-pad to the longest sequence in the batch; padding is masked out of attention and loss."""
+    """Right-pad to the longest example in the batch; padding is masked out of attention and loss, and so are
+    prompt tokens when the examples carry a loss mask."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -127,11 +367,39 @@ class PadCollate(NumpyBatchCollateFn):
         import torch
 
         seqs = batch["input_ids"]
+        masks = batch.get("loss_mask")
         longest = max(len(s) for s in seqs)
         input_ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(seqs), longest), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
         for i, s in enumerate(seqs):
-            input_ids[i, : len(s)] = torch.from_numpy(np.asarray(s, dtype=np.int64))
+            s = np.asarray(s)
+            input_ids[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
+            labels[i, : len(s)] = torch.from_numpy(_labels(s, None if masks is None else masks[i]))
             attention_mask[i, : len(s)] = 1
-        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class PackedCollate(NumpyBatchCollateFn):
+    """Padding-free: the batch's blocks become one row with position ids restarting per example. Without an
+    attention mask, transformers derives a per-example causal mask from the position ids (sdpa, eager, flex;
+    flash-attention uses them as variable-length boundaries), and the first token of each example is never a
+    target of the previous example's last one."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        import torch
+
+        input_ids = np.concatenate([np.asarray(b) for b in batch["input_ids"]])
+        positions = np.concatenate([np.asarray(b) for b in batch["position_ids"]])
+        masks = batch.get("loss_mask")
+        labels = _labels(input_ids, None if masks is None else np.concatenate([np.asarray(m) for m in masks]))
+        labels[positions == 0] = IGNORE_INDEX
+        return {
+            "input_ids": torch.from_numpy(input_ids.astype(np.int64))[None],
+            "position_ids": torch.from_numpy(positions.astype(np.int64))[None],
+            "labels": torch.from_numpy(labels)[None],
+        }
+
+
+def collate_fn(data: DataConfig, pad_id: int) -> NumpyBatchCollateFn:
+    return PackedCollate() if data.packing else PadCollate(pad_id)

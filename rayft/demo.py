@@ -131,10 +131,15 @@ def demo_config(root: Path) -> dict[str, Any]:
     return {
         "model": {"model_name_or_path": str(root / "tiny-mistral"), "torch_dtype": "float32"},
         "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": LORA_TARGETS},
-        "data": {"dataset_name_or_path": str(root / "wikitext"), "dataset_config_name": CONFIG_NAME, "max_length": 128},
+        "data": {
+            "dataset_name_or_path": str(root / "wikitext"),
+            "dataset_config_name": CONFIG_NAME,
+            "max_length": 64,
+            "packing": True,
+        },
         "train": {
             "output_dir": str(root / "output"),
-            "num_train_epochs": 2,
+            "num_train_epochs": 3,
             "per_device_train_batch_size": 4,
             "per_device_eval_batch_size": 8,
             "gradient_accumulation_steps": 2,

@@ -7,6 +7,7 @@ import math
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -20,7 +21,7 @@ from ray.train import CheckpointUploadMode
 
 from rayft.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
 from rayft.config import Config
-from rayft.data import PadCollate
+from rayft.data import collate_fn
 from rayft.model import build_model, parameter_counts
 from rayft.rundir import RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
@@ -53,10 +54,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop_config.get("resume_from"), run, model, optimizer, scheduler, plan, t.gradient_accumulation_steps, rank
     )
 
-    pad_id = tokenizer.pad_token_id
+    collate = collate_fn(cfg.data, tokenizer.pad_token_id)
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
-    evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, pad_id, device)
+    evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, collate, device)
     best_metric = loop_config.get("best_metric")
 
     started, saving_s = time.perf_counter(), 0.0
@@ -80,20 +81,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # loss sum over micro-batches, micro-batches, tokens; stays on the device (no host sync per micro-step)
     window = torch.zeros(3, dtype=torch.float64, device=device)
     window_start = time.perf_counter()
+    waited = DataWait()
     # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
     last_saved, last_evaluated = progress.step, -1
     accum = t.gradient_accumulation_steps
     one = torch.ones((), dtype=torch.float64, device=device)
     while progress.step < plan.total_steps:
-        batches = train_shard.iter_torch_batches(
-            batch_size=t.per_device_train_batch_size,
-            collate_fn=PadCollate(pad_id),
-            local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
-            local_shuffle_seed=t.seed + progress.epoch,
-        )
-        # A resumed epoch replays the same deterministic stream and skips what was already trained on.
         skip = progress.batches_in_epoch
-        for micro, batch in enumerate(islice(batches, skip, None), start=skip):
+        batches = epoch_batches(train_shard, cfg, plan, progress.epoch, skip, collate)
+        for micro, batch in enumerate(waited(batches), start=skip):
             group_start = micro - micro % accum
             in_group = min(accum, plan.micro_batches_per_epoch - group_start)
             closes_group = micro - group_start + 1 == in_group
@@ -101,7 +97,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss = model(**batch).loss
             (loss / in_group).backward()
-            window += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double()])
+            tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+            window += torch.stack([loss.detach().double(), one, torch.as_tensor(tokens, device=device).double()])
             if not closes_group:
                 continue
 
@@ -117,7 +114,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
             metrics: dict[str, Any] = {}
             if step % t.logging_steps == 0 or done:
-                metrics = _train_metrics(window, window_start, grad_norm, scheduler)
+                metrics = _train_metrics(window, window_start, grad_norm, scheduler, waited.take())
+                if (first := waited.take_first()) is not None:
+                    metrics["first_batch_wait_s"] = round(first, 3)
                 window.zero_()
                 window_start = time.perf_counter()
             if val_shard is not None and _due(t.eval_strategy, t.eval_steps, step, done, micro, plan):
@@ -203,12 +202,61 @@ def _remap_position(progress: Progress, plan: Plan, accum: int) -> Progress:
     return progress
 
 
+def epoch_batches(shard, cfg: Config, plan: Plan, epoch: int, skip: int, collate) -> Iterator[Any]:
+    """One epoch of this rank's micro-batches, reshuffled per epoch (seeded, so a rerun sees the same order).
+
+    A resumed epoch replays the same stream and skips what was already trained on. Every rank gets the same
+    number of batches (equal split), and never more than the plan counted, so all ranks leave the epoch at the
+    same micro-step and no collective waits on a rank that has run out.
+    """
+    batches = shard.iter_torch_batches(
+        batch_size=cfg.train.per_device_train_batch_size,
+        collate_fn=collate,
+        local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
+        local_shuffle_seed=cfg.train.seed + epoch,
+    )
+    return islice(batches, skip, plan.micro_batches_per_epoch)
+
+
+class DataWait:
+    """Seconds the loop spent waiting for its next batch since the last `take()`. The wait for the very first
+    batch is the pipeline's start-up, kept apart in `first`."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.first: float | None = None
+        self.first_reported = False
+
+    def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            started = time.perf_counter()
+            batch = next(batches, None)
+            waited = time.perf_counter() - started
+            if self.first is None and batch is not None:
+                self.first = waited
+                log.info("first batch after %.1f s (data pipeline start-up)", waited)
+            else:
+                self.seconds += waited
+            if batch is None:
+                return
+            yield batch
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def take_first(self) -> float | None:
+        """The first batch's wait, once (for the first logged row)."""
+        first, self.first_reported = (None if self.first_reported else self.first), self.first is not None
+        return first
+
+
 @torch.no_grad()
-def evaluate(model, shard, batch_size: int, pad_id: int, device: torch.device) -> float:
+def evaluate(model, shard, batch_size: int, collate, device: torch.device) -> float:
     """Token-weighted mean loss over every rank's validation shard."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=PadCollate(pad_id)):
+    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         predicted = (batch["labels"][:, 1:] != -100).sum()
         loss = model(**batch).loss
@@ -227,17 +275,21 @@ def _due(strategy: str, every: int, step: int, done: bool, micro: int, plan: Pla
     return False
 
 
-def _train_metrics(window, started: float, grad_norm, scheduler) -> dict[str, Any]:
-    """Window means over all ranks: loss per micro-batch, tokens/s of the whole group."""
+def _train_metrics(window, started: float, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
+    """Window means over all ranks: loss per micro-batch, tokens/s of the whole group, and the share of the
+    window the slowest rank spent waiting for data."""
+    elapsed = time.perf_counter() - started
     totals = window.clone()
     dist.all_reduce(totals)
-    elapsed = time.perf_counter() - started
+    waits = window.new_tensor([data_wait_s])
+    dist.all_reduce(waits, op=dist.ReduceOp.MAX)
     norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     return {
         "loss": totals[0].item() / max(totals[1].item(), 1),
         "learning_rate": scheduler.get_last_lr()[0],
         "grad_norm": norm.item(),
         "tokens_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
+        "data_wait_share": waits.item() / elapsed if elapsed > 0 else 0.0,
     }
 
 

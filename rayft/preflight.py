@@ -9,14 +9,16 @@ from pathlib import Path
 from rayft.checkpoint import STATE_DIR
 from rayft.config import Config, ConfigError, is_uri
 from rayft.lora import LoraTargets
-from rayft.sources import SplitFiles, resolve_splits
+from rayft.records import RecordFormat, record_format
+from rayft.sources import SplitSource, resolve_splits
 from rayft.tokenizer import TOKENIZER_FILES, has_tokenizer, tokenizer_path
 
 
 @dataclass
 class Preflight:
-    train: SplitFiles
-    validation: SplitFiles | None
+    train: SplitSource
+    validation: SplitSource | None
+    records: RecordFormat
     lora: LoraTargets
     trainable_params: int
     total_params: int
@@ -26,13 +28,14 @@ def preflight(cfg: Config) -> Preflight:
     _check_model_dir(Path(cfg.model.model_name_or_path).expanduser())
     _check_tokenizer(Path(tokenizer_path(cfg.model)).expanduser())
     train, validation = resolve_splits(cfg.data)
+    records = record_format(cfg.data, train.columns(), train.what)
     _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
     if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
         _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
     _check_resume_source(cfg.train.resume_from_checkpoint)
 
     targets, trainable, total = inspect_lora(cfg)
-    return Preflight(train, validation, targets, trainable, total)
+    return Preflight(train, validation, records, targets, trainable, total)
 
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, int, int]:

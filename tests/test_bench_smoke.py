@@ -52,3 +52,32 @@ def test_checkpoint_cost_summary_reads_the_runs_cumulative_counters():
     assert summary["train_s_after_first_step"] == 4.0
     assert summary["share_of_training_saving"] == round(1.5 / 14.0, 4)
     assert summarise(rows[:1], saves=0)["paused_s_per_checkpoint"] == 0.0
+
+
+def test_data_throughput_baseline_tokenizes_exactly_what_rayft_does(fixtures):
+    """The single-process `datasets.map` baseline of bench/data_throughput.py does the same work as rayft's
+    tokenizer stage (same tokens, bos/eos included), and its wait arithmetic over metrics.jsonl holds."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from data_throughput import _config, datasets_map, wait_summary
+
+    from rayft.data import Tokenize
+    from rayft.records import RecordFormat
+
+    raw = _config(fixtures.model, fixtures.dataset)
+    baseline = datasets_map(raw, pack=True)
+    tok = Tokenize(raw["model"], dataclasses.asdict(RecordFormat("text")), "parquet", 1024, True, "truncate")
+    table = pq.read_table(next(fixtures.dataset.glob("*/train-*.parquet")))
+    ours = sum(len(r["input_ids"]) for r in tok(table).to_pylist())
+    assert baseline["tokens"] == ours > 0
+
+    rows = [
+        {"step": 1, "elapsed_s": 10.0, "data_wait_share": 0.0, "first_batch_wait_s": 4.0},
+        {"step": 2, "elapsed_s": 12.0, "data_wait_share": 0.5},
+        {"step": 3, "elapsed_s": 20.0, "data_wait_share": 0.125},
+    ]
+    summary = wait_summary(rows)
+    assert summary["data_wait_share"] == round((1.0 + 1.0) / 20.0, 4) and summary["first_batch_wait_s"] == 4.0

@@ -1,0 +1,210 @@
+"""From raw records to examples: which text a record holds and which of its tokens carry the loss.
+
+An example is a list of segments `(text, trained)`: plain text is one trained segment; a prompt/completion record
+is an untrained prompt then a trained completion; a chat alternates between the two. A record that cannot be an
+example gets a skip reason instead, so the driver can count and report it: one bad line must never stop a run.
+Pure Python, run inside Ray Data tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rayft.config import ConfigError, DataConfig, template_fields
+
+# Why a record was skipped, in the order the driver reports them.
+SKIPS = ("empty", "missing_field", "not_text", "not_utf8", "bad_json", "chat_template", "too_long", "no_completion")
+Segments = list[tuple[str, bool]]
+# A top-level wikitext heading (" = Title = "), which starts an article; " = = Section = = " does not.
+WIKITEXT_TITLE = re.compile(r"^ ?= [^=].*[^=] = ?$")
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """How records of one dataset become examples (decided once on the driver from its fields)."""
+
+    kind: str  # text | prompt_completion | messages
+    text_field: str = "text"
+    prompt_template: str | None = None
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    completion_only: bool = False
+    join_wikitext_articles: bool = False
+
+
+def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFormat:
+    """Pick the record kind (`data.format: auto` looks at the fields) and check the fields it needs exist."""
+    kind = data.format
+    if kind == "auto":
+        if data.prompt_template is not None:
+            kind = "prompt_completion"
+        elif data.messages_field in columns:
+            kind = "messages"
+        elif "prompt" in columns and data.completion_field in columns:
+            kind = "prompt_completion"
+        else:
+            kind = "text"
+    if kind == "text":
+        needed = {data.text_field: "data.text_field"}
+    elif kind == "messages":
+        needed = {data.messages_field: "data.messages_field"}
+    else:
+        prompt_fields = template_fields(data.prompt_template) if data.prompt_template else ["prompt"]
+        needed = {name: "data.prompt_template" for name in prompt_fields}
+        needed[data.completion_field] = "data.completion_field"
+    missing = [f"'{name}' ({key})" for name, key in needed.items() if name not in columns]
+    if missing:
+        raise ConfigError(
+            f"{where}: records have no field {', '.join(missing)}; their fields are {', '.join(columns) or 'none'}. "
+            "Point the named key at one of them"
+        )
+    if data.completion_only_loss and kind == "text":
+        raise ConfigError(
+            "data.completion_only_loss: true needs instruction records (data.prompt_template, prompt/completion "
+            "fields) or chat messages; these are plain text"
+        )
+    if data.join_wikitext_articles and kind != "text":
+        raise ConfigError("data.join_wikitext_articles: true applies to plain text records only")
+    return RecordFormat(
+        kind=kind,
+        text_field=data.text_field,
+        prompt_template=data.prompt_template,
+        completion_field=data.completion_field,
+        messages_field=data.messages_field,
+        completion_only=kind != "text" if data.completion_only_loss is None else data.completion_only_loss,
+        join_wikitext_articles=data.join_wikitext_articles,
+    )
+
+
+def decode_line(raw: bytes, file_format: str) -> tuple[dict[str, Any] | None, str]:
+    """One line of a text or JSON Lines file → (record, "") or (None, skip reason)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not_utf8"
+    if file_format == "text":
+        return {"text": line}, ""
+    if not line.strip():
+        return None, "empty"
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None, "bad_json"
+    return (record, "") if isinstance(record, dict) else (None, "bad_json")
+
+
+def segments(record: dict[str, Any], fmt: RecordFormat, tokenizer: Any) -> tuple[Segments | None, bool, str]:
+    """(segments, needs bos/eos added, skip reason). Chat-rendered text carries its own special tokens."""
+    if fmt.kind == "text":
+        text, reason = _text(record, fmt.text_field)
+        return ([(text, True)] if text is not None else None), True, reason
+    if fmt.kind == "messages":
+        messages = record.get(fmt.messages_field)
+        if not _is_chat(messages):
+            return None, False, "missing_field" if messages is None else "not_text"
+        found = chat_segments(messages, tokenizer)
+        return found, False, "" if found else "chat_template"
+    return _prompt_completion(record, fmt, tokenizer)
+
+
+def _text(record: dict[str, Any], name: str) -> tuple[str | None, str]:
+    value = record.get(name)
+    if value is None:
+        return None, "missing_field"
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "not_utf8"
+    if not isinstance(value, str):
+        return None, "not_text"
+    if not value.strip():
+        return None, "empty"
+    return value, ""
+
+
+def _prompt_completion(record: dict[str, Any], fmt: RecordFormat, tokenizer: Any) -> tuple[Segments | None, bool, str]:
+    completion = record.get(fmt.completion_field)
+    if fmt.prompt_template is not None:
+        try:
+            prompt = fmt.prompt_template.format(**record)
+        except (KeyError, IndexError):
+            return None, True, "missing_field"
+    else:
+        prompt = record.get("prompt")
+    if _is_chat(prompt) and _is_chat(completion):
+        from trl.data_utils import apply_chat_template
+
+        try:
+            rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer)
+        except Exception:  # no template, or one that rejects these roles
+            return None, False, "chat_template"
+        return [(rendered["prompt"], False), (rendered["completion"], True)], False, ""
+    if prompt is None or completion is None:
+        return None, True, "missing_field"
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        return None, True, "not_text"
+    if not completion.strip():
+        return None, True, "empty"
+    return [(prompt, False), (completion, True)], True, ""
+
+
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> Segments | None:
+    """Render a conversation with the tokenizer's chat template and mark the assistant turns as trained.
+
+    Renders growing prefixes: turn i's prompt is the conversation up to it with the generation prompt, its
+    completion is what rendering turn i adds beyond that. Templates whose earlier output changes when turns are
+    added (some move the system prompt into the last user turn) fall back to training on the last assistant turn
+    only. None when the template cannot render the conversation.
+    """
+    try:
+        whole = _render(tokenizer, messages, generation_prompt=False)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            return None
+        found = _incremental(tokenizer, messages, turns, whole)
+        if found is None:
+            found = _incremental(tokenizer, messages, turns[-1:], whole)
+    except Exception:  # no template, or one that rejects these roles
+        return None
+    return found
+
+
+def _incremental(tokenizer: Any, messages: list[dict[str, Any]], turns: list[int], whole: str) -> Segments | None:
+    out: Segments = []
+    done = ""
+    for i in turns:
+        prompt = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
+        full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not (prompt.startswith(done) and full.startswith(prompt) and whole.startswith(full)):
+            return None
+        out += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        done = full
+    out.append((whole[len(done) :], False))
+    return [(text, trained) for text, trained in out if text]
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def join_wikitext_articles(texts: list[str]) -> list[tuple[str, int]]:
+    """Join paragraph lines into articles, each starting at a top-level heading. Returns (article, lines joined).
+    Lines before the first heading of the batch form an article of their own (the tail of one cut by a batch)."""
+    articles: list[tuple[str, int]] = []
+    lines: list[str] = []
+    for text in texts:
+        if WIKITEXT_TITLE.match(text.rstrip("\n")) and lines:
+            articles.append(("\n".join(lines), len(lines)))
+            lines = []
+        lines.append(text.strip("\n"))
+    if lines:
+        articles.append(("\n".join(lines), len(lines)))
+    return articles
