@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _common import cli, machine
 
-SIZES = {"default": {"articles": 12000, "repeats": 3, "train": True}, "small": {"articles": 200, "repeats": 1,
+SIZES = {"default": {"articles": 25000, "repeats": 2, "train": True}, "small": {"articles": 200, "repeats": 1,
                                                                                   "train": False}}  # fmt: skip
 MAX_LENGTH = 1024
 
@@ -39,15 +39,13 @@ def _config(model: Path, dataset: Path) -> dict:
 def ray_pipeline(raw: dict) -> dict:
     from functools import partial
 
-    import ray.data
-
     from rayft.config import Config
-    from rayft.data import finished, read_split, tokenized
+    from rayft.data import configure_ray_data, finished, read_split, tokenized
     from rayft.records import record_format
     from rayft.sources import resolve_splits
 
     cfg = Config.from_dict(raw)
-    ray.data.DataContext.get_current().execution_options.preserve_order = True  # as in training (exact resume)
+    configure_ray_data()  # as in training
     started = time.perf_counter()
     source, _ = resolve_splits(cfg.data)
     fmt = record_format(cfg.data, source.columns(), source.what)
@@ -117,6 +115,7 @@ def run(size: str) -> dict:
     import ray
 
     from rayft import demo
+    from rayft.config import Config
 
     s = SIZES[size]
     root = Path(tempfile.mkdtemp(prefix="rayft-data-bench-"))
@@ -146,7 +145,7 @@ def run(size: str) -> dict:
         "settings": {
             **s,
             "max_length": MAX_LENGTH,
-            "tokenize_workers": raw["data"]["tokenize_workers"],
+            "tokenize_workers": Config.from_dict(raw).data.tokenize_workers,
             "tokenizer": "tekken (mistral-common, 131k vocab)",
         },
         "pipeline": pipeline,
