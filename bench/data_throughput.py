@@ -4,8 +4,9 @@ Two measurements, one invocation:
   pipeline   tokens/s of rayft's Ray Data pipeline alone (read parquet → tokenizer actors → pack into blocks,
              consumed on the driver) against `datasets` in one process on the same wikitext-shaped files
              (`load_dataset("parquet")` → filter empty lines → `map(tokenize, batched=True)`, and the same plus
-             TRL's `pack_dataset`), alternating, median of the repeats. Ray start-up is outside the timing;
-             each execution's own start (tokenizer actors) is inside.
+             TRL's `pack_dataset`), alternating, median of the repeats, at two sizes; a line through the two
+             splits each pipeline's time into a fixed part and a per-token rate. Ray start-up is outside the
+             timing; each execution's own start (tokenizer actors) is inside.
   training   the tiny demo training run (2 CPU workers, packing on): the share of step time spent waiting for
              the next batch, from the run's metrics.jsonl (the wait before the very first batch is start-up and
              reported apart).
@@ -22,8 +23,11 @@ from pathlib import Path
 
 from _common import cli, machine
 
-SIZES = {"default": {"articles": 25000, "repeats": 2, "train": True}, "small": {"articles": 200, "repeats": 1,
-                                                                                  "train": False}}  # fmt: skip
+# ~5.8M and ~23M tokens: twice and eight times wikitext-2 (the seeds' dataset), to separate fixed from per-token cost
+SIZES = {
+    "default": {"articles": [25000, 100000], "repeats": 2, "train": True},
+    "small": {"articles": [200], "repeats": 1, "train": False},
+}
 MAX_LENGTH = 1024
 
 
@@ -111,25 +115,17 @@ def wait_summary(rows: list[dict]) -> dict:
     }
 
 
-def run(size: str) -> dict:
-    import ray
-
+def pipeline_at(root: Path, model: Path, articles: int, repeats: int) -> dict:
+    """The three pipelines alternating on one dataset size; medians and ratios."""
     from rayft import demo
-    from rayft.config import Config
 
-    s = SIZES[size]
-    root = Path(tempfile.mkdtemp(prefix="rayft-data-bench-"))
-    dataset = demo.make_wikitext(root / "wikitext", train_articles=s["articles"], val_articles=4, seed=1)
-    raw = _config(demo.make_tiny_mistral(root / "tiny-mistral"), dataset)
-    ray.init(num_cpus=8, logging_level="ERROR", log_to_driver=False)
+    dataset = demo.make_wikitext(root / f"wikitext-{articles}", train_articles=articles, val_articles=4, seed=1)
+    raw = _config(model, dataset)
     runs: dict[str, list[dict]] = {"ray_data": [], "datasets_map": [], "datasets_map_trl_pack": []}
-    try:
-        for _ in range(s["repeats"]):  # alternating, so drift on a noisy machine hits all three alike
-            runs["ray_data"].append(ray_pipeline(raw))
-            runs["datasets_map"].append(datasets_map(raw, pack=False))
-            runs["datasets_map_trl_pack"].append(datasets_map(raw, pack=True))
-    finally:
-        ray.shutdown()
+    for _ in range(repeats):  # alternating, so drift on a noisy machine hits all three alike
+        runs["ray_data"].append(ray_pipeline(raw))
+        runs["datasets_map"].append(datasets_map(raw, pack=False))
+        runs["datasets_map_trl_pack"].append(datasets_map(raw, pack=True))
     pipeline = {
         name: {
             "tokens": rs[0]["tokens"],
@@ -140,19 +136,49 @@ def run(size: str) -> dict:
         for name, rs in runs.items()
     }
     ray_tps = pipeline["ray_data"]["tokens_per_s"]
-    report = {
-        **machine(),
-        "settings": {
-            **s,
-            "max_length": MAX_LENGTH,
-            "tokenize_workers": Config.from_dict(raw).data.tokenize_workers,
-            "tokenizer": "tekken (mistral-common, 131k vocab)",
-        },
+    return {
+        "articles": articles,
         "pipeline": pipeline,
         "ratio_ray_vs_datasets_map": round(ray_tps / pipeline["datasets_map"]["tokens_per_s"], 3),
         "ratio_ray_vs_datasets_map_trl_pack": round(ray_tps / pipeline["datasets_map_trl_pack"]["tokens_per_s"], 3),
         "runs": runs,
     }
+
+
+def fixed_and_marginal(sizes: list[dict], name: str) -> dict:
+    """Fit seconds = fixed + tokens / marginal rate through the smallest and largest size."""
+    (t1, s1), (t2, s2) = ((c["pipeline"][name]["tokens"], c["pipeline"][name]["seconds_median"]) for c in
+                          (sizes[0], sizes[-1]))  # fmt: skip
+    rate = (t2 - t1) / (s2 - s1) if s2 > s1 else float("inf")
+    return {"fixed_s": round(s1 - t1 / rate, 2), "marginal_tokens_per_s": round(rate)}
+
+
+def run(size: str) -> dict:
+    import ray
+
+    from rayft import demo
+    from rayft.config import Config
+
+    s = SIZES[size]
+    root = Path(tempfile.mkdtemp(prefix="rayft-data-bench-"))
+    model = demo.make_tiny_mistral(root / "tiny-mistral")
+    ray.init(num_cpus=8, logging_level="ERROR", log_to_driver=False)
+    try:
+        sizes = [pipeline_at(root, model, articles, s["repeats"]) for articles in s["articles"]]
+    finally:
+        ray.shutdown()
+    report = {
+        **machine(),
+        "settings": {
+            **s,
+            "max_length": MAX_LENGTH,
+            "tokenize_workers": Config.from_dict(_config(model, root)).data.tokenize_workers,
+            "tokenizer": "tekken (mistral-common, 131k vocab)",
+        },
+        "sizes": sizes,
+    }
+    if len(sizes) > 1:
+        report["fit"] = {name: fixed_and_marginal(sizes, name) for name in sizes[0]["pipeline"]}
     if s["train"]:
         report["training"] = training_wait(root)
     return report
