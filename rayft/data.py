@@ -10,6 +10,7 @@ tokenized in the object store, so that pass is not repeated by every epoch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,18 +70,24 @@ class Datasets:
     """The tokenized splits plus their row counts (needed up front to plan the LR schedule)."""
 
     train: ray.data.Dataset
-    train_rows: int
+    train_stats: SplitStats
     validation: ray.data.Dataset | None
     validation_rows: int
-    train_stats: SplitStats = dataclasses.field(default_factory=SplitStats)
+
+    @property
+    def train_rows(self) -> int:
+        return self.train_stats.rows
 
 
-def build_datasets(cfg: Config) -> Datasets:
-    """Runs on the driver: resolves the splits, counts the training rows, tokenizes the validation split."""
+def build_datasets(
+    cfg: Config, splits: tuple[SplitSource, SplitSource | None] | None = None, fmt: RecordFormat | None = None
+) -> Datasets:
+    """Runs on the driver: counts the training rows, tokenizes the validation split. `splits` and `fmt` as
+    preflight resolved them (resolved here when not given)."""
     configure_ray_data()
     d = cfg.data
-    train_src, val_src = resolve_splits(d)
-    fmt = record_format(d, train_src.columns(), train_src.what)
+    train_src, val_src = splits or resolve_splits(d)
+    fmt = fmt or record_format(d, train_src.columns(), train_src.what)
     train = read_split(train_src)
     validation = read_split(val_src) if val_src else None
     if validation is None and d.val_ratio > 0 and cfg.train.eval_strategy != "no":
@@ -117,10 +124,9 @@ def build_datasets(cfg: Config) -> Datasets:
         raise ConfigError(f"data: {val_src.what} has no usable records; fix it or set data.val_split: null")
     return Datasets(
         train=finished(train_tokens, d),
-        train_rows=stats.rows,
+        train_stats=stats,
         validation=tokenized_validation if validation_rows else None,
         validation_rows=validation_rows,
-        train_stats=stats,
     )
 
 
@@ -176,8 +182,6 @@ def _split_lines(batch: pa.Table, json_array_ok: bool) -> pa.Table:
 
 
 def _json_array_records(content: bytes) -> list[bytes]:
-    import json
-
     try:
         records = json.loads(content)
     except ValueError:
@@ -217,8 +221,6 @@ def finished(tokens: ray.data.Dataset, data: DataConfig, counting: bool = False)
 def count(stats_rows: ray.data.Dataset, what: str) -> SplitStats:
     try:
         rows = stats_rows.take_all()
-    except ConfigError:
-        raise
     except Exception as e:
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ConfigError(f"data: reading {what} failed: {first}") from e

@@ -58,7 +58,7 @@ def train(cfg: Config) -> Outcome:
         cfg.check_cpu_precision()
     _check_placement(cfg.ray, cluster_can_grow=not started_locally)
 
-    datasets = build_datasets(cfg)
+    datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
     log.info(
         "data: %d train / %d validation records → %d steps on %d workers",

@@ -97,8 +97,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss = model(**batch).loss
             (loss / in_group).backward()
-            tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
-            window += torch.stack([loss.detach().double(), one, torch.as_tensor(tokens, device=device).double()])
+            mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
+            tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=device)
+            window += torch.stack([loss.detach().double(), one, tokens.double()])
             if not closes_group:
                 continue
 
@@ -220,25 +221,26 @@ def epoch_batches(shard, cfg: Config, plan: Plan, epoch: int, skip: int, collate
 
 class DataWait:
     """Seconds the loop spent waiting for its next batch since the last `take()`. The wait for the very first
-    batch is the pipeline's start-up, kept apart in `first`."""
+    batch is the pipeline's start-up, kept apart until `take_first()`."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.started = False
         self.first: float | None = None
-        self.first_reported = False
 
     def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
         while True:
             started = time.perf_counter()
             batch = next(batches, None)
             waited = time.perf_counter() - started
-            if self.first is None and batch is not None:
-                self.first = waited
-                log.info("first batch after %.1f s (data pipeline start-up)", waited)
-            else:
-                self.seconds += waited
             if batch is None:
+                self.seconds += waited
                 return
+            if self.started:
+                self.seconds += waited
+            else:
+                self.started, self.first = True, waited
+                log.info("first batch after %.1f s (data pipeline start-up)", waited)
             yield batch
 
     def take(self) -> float:
@@ -246,8 +248,7 @@ class DataWait:
         return seconds
 
     def take_first(self) -> float | None:
-        """The first batch's wait, once (for the first logged row)."""
-        first, self.first_reported = (None if self.first_reported else self.first), self.first is not None
+        first, self.first = self.first, None
         return first
 
 
