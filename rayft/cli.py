@@ -1,9 +1,13 @@
-"""`rayft train | validate | export`: exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails."""
+"""`rayft train | validate | plan | export | k8s render | k8s validate`.
+
+Exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "k8s":
+            return _k8s(args, argv if argv is not None else sys.argv[1:])
         cfg = _load(args)
         if args.command == "validate":
             return _validate(cfg)
@@ -64,7 +70,54 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the export")
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
+    _k8s_parser(sub)
     return parser
+
+
+def _k8s_parser(sub: argparse._SubParsersAction) -> None:
+    from rayft.k8s import Deployment
+
+    d = Deployment()
+    k8s = sub.add_parser("k8s", help="KubeRay manifests: render them from the config, validate them")
+    actions = k8s.add_subparsers(dest="action", required=True)
+    about = "write the RayJob and RayCluster for a config (worker pods, GPUs, paths and entrypoint from it)"
+    p = actions.add_parser("render", help=about, description=about)
+    p.add_argument("--config", required=True, help="the training YAML (under jobs/ to be baked into the image)")
+    p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one key; also passed to the job's entrypoint")  # fmt: skip
+    p.add_argument("--out", help="directory for rayjob.yaml and raycluster.yaml (default: both to stdout)")
+    p.add_argument("--config-in-cluster", help="the config's path on the PVC when it is not under jobs/")
+    flags = {
+        "name": "RayJob name (the RayCluster gets -cluster appended)",
+        "namespace": "Kubernetes namespace",
+        "image": "the rayft image (cluster/Containerfile)",
+        "pvc": "PersistentVolumeClaim with models, data and checkpoints (ReadWriteMany)",
+        "mount_path": "where the PVC is mounted on every pod",
+        "gpus_per_pod": "GPUs per worker pod (one Ray worker each)",
+        "gpu_resource": "the GPU extended resource",
+        "worker_cpus": "CPUs per GPU pod (tokenization runs there too)",
+        "worker_memory": "memory per GPU pod, /dev/shm included",
+        "shm_size": "size of the memory-backed /dev/shm",
+        "head_cpus": "CPUs of the head pod (driver, dashboard)",
+        "head_memory": "memory of the head pod",
+        "network": "Multus network for k8s.v1.cni.cncf.io/networks ('none' to leave out)",
+        "ib_resource": "RDMA extended resource, e.g. rdma/rdma_shared_device_a, nvidia.com/hostdev, "
+        "openshift.io/mellanoxnics ('none' to leave out)",
+        "ib_hca": "NCCL_IB_HCA: which InfiniBand adapters NCCL uses",
+        "socket_ifname": "NCCL_SOCKET_IFNAME: the pod interface on the IB network",
+        "pre_running_deadline_s": "seconds the RayJob may take to start running",
+        "active_deadline_s": "seconds the RayJob may run",
+        "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
+        "backoff_limit": "fresh clusters after a failed job (default: 1, or 0 with ray.max_failures: -1)",
+    }
+    for field, text in flags.items():
+        default = getattr(d, field)
+        flag = "--" + field.removesuffix("_s").replace("_after_finished", "").replace("_", "-")
+        kind = int if isinstance(default, int) or field == "backoff_limit" else str
+        p.add_argument(flag, dest=field, type=kind, help=f"{text} (default {default})")
+    about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
+    p = actions.add_parser("validate", help=about, description=about)
+    p.add_argument("files", nargs="+", type=Path)
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -97,6 +150,87 @@ def _plan(args: argparse.Namespace) -> int:
     plans = [plan_memory(cfg, s, n * args.gpus_per_node, on_gpu=True, gpu=args.gpu) for n in args.num_nodes]
     print(format_plans(plans, s, cfg.data.max_length * cfg.train.per_device_train_batch_size))
     return EXIT_OK
+
+
+def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
+    from rayft.crd import CRD_DIR_ENV, ManifestError, crd_dir, validate, validate_file
+
+    if args.action == "validate":
+        try:
+            problems = [p for f in args.files for p in validate_file(f)]
+        except ManifestError as e:
+            raise ConfigError(str(e)) from e
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        print(f"rayft: {len(args.files)} file(s): {'invalid' if problems else 'valid'}")
+        return EXIT_CONFIG if problems else EXIT_OK
+    manifests = render_manifests(args)
+    try:
+        problems = [f"{kind}: {p}" for kind, doc in manifests.items() for p in validate(doc, crd_dir())]
+    except ManifestError as e:
+        problems = []
+        print(f"rayft: note: rendered without checking against the KubeRay CRDs ({e}; {CRD_DIR_ENV})",
+              file=sys.stderr)  # fmt: skip
+    if problems:  # a renderer bug, not the user's: say so loudly
+        raise ConfigError("rendered manifests fail validation:\n  " + "\n  ".join(problems))
+    header = _render_header(argv)
+    if args.out is None:
+        print(header + "---\n".join(_yaml(doc) for doc in manifests.values()), end="")
+        return EXIT_OK
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for kind, doc in manifests.items():
+        (out / f"{kind}.yaml").write_text(header + _yaml(doc))
+        print(f"rayft: wrote {out / f'{kind}.yaml'}")
+    return EXIT_OK
+
+
+def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
+    from rayft.k8s import JobSource, config_in_cluster, deployment_from_flags, render
+
+    cfg = load_config(args.config, args.override)
+    flags = {k: v for k, v in vars(args).items() if k in _deployment_fields()}
+    for key in ("network", "ib_resource"):
+        if isinstance(flags.get(key), str) and flags[key].lower() == "none":
+            flags[key] = ""
+    dep = deployment_from_flags(**flags)
+    repo = Path(__file__).resolve().parents[1]
+    where = config_in_cluster(Path(args.config), repo, dep.mount_path, args.config_in_cluster)
+    return render(cfg, JobSource(where, tuple(args.override)), dep)
+
+
+def _deployment_fields() -> set[str]:
+    import dataclasses
+
+    from rayft.k8s import Deployment
+
+    return {f.name for f in dataclasses.fields(Deployment)}
+
+
+def _render_header(argv: list[str]) -> str:
+    shown = []
+    skip = False
+    for arg in argv:  # the command that reproduces the file, minus where it was written
+        if skip or arg == "--out":
+            skip = not skip
+            continue
+        if not arg.startswith("--out="):
+            shown.append(arg)
+    return (
+        f"# Rendered by: rayft {' '.join(shlex.quote(a) for a in shown)}\n"
+        "# Change the config or the flags and render again; do not edit by hand.\n"
+    )
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """No &anchors/*aliases for repeated parts: manifests are read by people and by `kubectl diff`."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def _yaml(doc: dict) -> str:
+    return yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False, width=120)
 
 
 def _export(args: argparse.Namespace) -> int:

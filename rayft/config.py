@@ -168,7 +168,8 @@ class TrainConfig:
     # Start from a checkpoint directory (also another run's), or "latest" = insist on continuing this run.
     # A run whose storage already has checkpoints always continues from its own latest one.
     resume_from_checkpoint: str | None = None
-    report_to: str | None = None
+    # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow.
+    report_to: list[str] | None = None
     seed: int = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
     ddp_find_unused_parameters: bool = False
@@ -209,6 +210,9 @@ class RayConfig:
     # Logical CPUs of the local cluster started when there is none to join (more than cores, so
     # Ray Data tasks are not starved by the training workers).
     local_num_cpus: int = 8
+
+
+REPORT_TO = ("none", "tensorboard", "mlflow")
 
 
 SECTIONS: dict[str, type] = {
@@ -257,6 +261,10 @@ class Config:
         return str(Path(path).expanduser().resolve())
 
     @property
+    def trackers(self) -> list[str]:
+        return [name for name in self.train.report_to or [] if name != "none"]
+
+    @property
     def run_uri(self) -> str:
         return f"{self.storage_path.rstrip('/')}/{self.ray.name}"
 
@@ -296,8 +304,8 @@ class Config:
         _one_of("train.save_strategy", t.save_strategy, STRATEGIES)
         if t.fp16:
             raise ConfigError("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false")
-        if t.report_to not in (None, "none"):
-            raise ConfigError(f"train.report_to: '{t.report_to}' is not supported yet; use none")
+        for tracker in t.report_to or []:
+            _one_of("train.report_to", tracker, REPORT_TO)
         if t.metric_for_best_model is not None and eval_metric(t.metric_for_best_model) not in BEST_METRICS:
             raise ConfigError(
                 f"train.metric_for_best_model: unknown metric '{t.metric_for_best_model}'; "

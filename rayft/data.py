@@ -26,6 +26,7 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
 from rayft.records import SKIPS, RecordFormat, decode_line, join_wikitext_articles, record_format, segments
 from rayft.sources import SplitSource, resolve_splits
+from rayft.tokenizer import TokenizerFacts, tokenizer_facts
 
 if TYPE_CHECKING:
     import torch
@@ -80,14 +81,18 @@ class Datasets:
 
 
 def build_datasets(
-    cfg: Config, splits: tuple[SplitSource, SplitSource | None] | None = None, fmt: RecordFormat | None = None
+    cfg: Config,
+    splits: tuple[SplitSource, SplitSource | None] | None = None,
+    fmt: RecordFormat | None = None,
+    tokenizer: TokenizerFacts | None = None,
 ) -> Datasets:
-    """Runs on the driver: counts the training rows, tokenizes the validation split. `splits` and `fmt` as
-    preflight resolved them (resolved here when not given)."""
+    """Runs on the driver: counts the training rows, tokenizes the validation split. `splits`, `fmt` and
+    `tokenizer` as preflight settled them (settled here when not given)."""
     configure_ray_data()
     d = cfg.data
     train_src, val_src = splits or resolve_splits(d)
     fmt = fmt or record_format(d, train_src.columns(), train_src.what)
+    tokenizer = tokenizer or tokenizer_facts(cfg.model)
     train = read_split(train_src)
     validation = read_split(val_src) if val_src else None
     if validation is None and d.val_ratio > 0 and cfg.train.eval_strategy != "no":
@@ -96,7 +101,7 @@ def build_datasets(
         # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
         train, validation = train.train_test_split(test_size=d.val_ratio, shuffle=True, seed=cfg.train.seed)
 
-    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d)
+    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer)
     train_tokens = tokenize(train, train_src.format)
     cache = _cache(d, train_src)
 
@@ -189,12 +194,16 @@ def _json_array_records(content: bytes) -> list[bytes]:
     return [json.dumps(r).encode() for r in records] if isinstance(records, list) else [content]
 
 
-def tokenized(raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig):
+def tokenized(
+    raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
+    tokenizer: TokenizerFacts,
+) -> ray.data.Dataset:  # fmt: skip
     """Records → token rows in actors that each load the tokenizer once (skipped records stay, flagged)."""
     return raw.map_batches(
         Tokenize,
         fn_constructor_kwargs={
             "model": dataclasses.asdict(model),
+            "tokenizer": dataclasses.asdict(tokenizer),
             "fmt": dataclasses.asdict(fmt),
             "source_format": source_format,
             "max_length": data.max_length,
@@ -203,7 +212,11 @@ def tokenized(raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, mode
         },
         batch_format="pyarrow",
         batch_size=TOKENIZE_BATCH,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=data.tokenize_workers),
+        # All actors start at once (their start is most of a small split's time); min 1 so that a split of one
+        # block does not warn.
+        compute=ray.data.ActorPoolStrategy(
+            min_size=1, max_size=data.tokenize_workers, initial_size=data.tokenize_workers
+        ),
         num_cpus=1,
     )
 
@@ -244,24 +257,38 @@ class Tokenize:
     """
 
     def __init__(
-        self, model: dict[str, Any], fmt: dict[str, Any], source_format: str, max_length: int, packing: bool,
-        overlong: str,
+        self, model: dict[str, Any], tokenizer: dict[str, Any], fmt: dict[str, Any], source_format: str,
+        max_length: int, packing: bool, overlong: str,
     ):  # fmt: skip
-        from rayft.tokenizer import load_tokenizer
+        from rayft.tokenizer import TokenizerFacts, rust_encoder
 
-        self.tokenizer = load_tokenizer(ModelConfig(**model))
+        facts = TokenizerFacts(**tokenizer)
+        self.model = ModelConfig(**model)
+        self._chat_tokenizer = None
+        self.encode = rust_encoder(facts.rust_file) if facts.rust_file else self._encode_with_transformers
         self.fmt = RecordFormat(**fmt)
         self.source_format = source_format
         self.max_length = None if packing else max_length
         self.overlong = overlong
-        self.bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        self.eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.bos = [facts.bos_id] if facts.bos_id is not None else []
+        self.eos = [facts.eos_id] if facts.eos_id is not None else []
+
+    def chat_tokenizer(self) -> Any:
+        """The transformers tokenizer, loaded on first need (chat templates, or no tokenizer.json to encode with)."""
+        if self._chat_tokenizer is None:
+            from rayft.tokenizer import load_tokenizer
+
+            self._chat_tokenizer = load_tokenizer(self.model)
+        return self._chat_tokenizer
+
+    def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
+        return self.chat_tokenizer()(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         examples: list[tuple[list[tuple[str, bool]], bool, int]] = []  # (segments, add specials, records)
         skipped: list[str] = []
-        for record, reason in self._records(batch):
-            found, specials, reason = segments(record, self.fmt, self.tokenizer) if record else (None, False, reason)
+        for record, why in self._records(batch):
+            found, specials, reason = segments(record, self.fmt, self.chat_tokenizer) if record else (None, False, why)
             if found is None:
                 skipped.append(reason)
             else:
@@ -281,7 +308,7 @@ class Tokenize:
 
     def _encode(self, examples, skipped: list[str]) -> pa.Table:
         texts = [text for found, _, _ in examples for text, _ in found]
-        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+        encoded = iter(self.encode(texts)) if texts else iter(())
         ids_out, masks_out, skip_out, truncated_out, records_out = [], [], [], [], []
         for found, specials, records in examples:
             ids = list(self.bos) if specials else []

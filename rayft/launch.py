@@ -17,8 +17,8 @@ from rayft.checkpoint import ADAPTER_DIR, TRAINER_STATE
 from rayft.config import Config, ConfigError, RayConfig, is_uri
 from rayft.data import build_datasets
 from rayft.loop import train_loop_per_worker
-from rayft.preflight import preflight
-from rayft.rundir import RunDir
+from rayft.preflight import Preflight, preflight
+from rayft.rundir import LOSS_PLOT, RunDir
 from rayft.schedule import Plan, make_plan
 
 log = logging.getLogger("rayft")
@@ -41,13 +41,6 @@ class Outcome:
 def train(cfg: Config) -> Outcome:
     cfg = _with_absolute_paths(cfg)
     checked = preflight(cfg)
-    log.info(
-        "%s: LoRA on %d modules (%s), %s trainable params",
-        checked.lora.architecture,
-        len(checked.lora.modules),
-        ", ".join(checked.lora.names),
-        f"{checked.trainable_params:,}",
-    )
     if checked.lora.warning:
         log.warning(checked.lora.warning)
     run = RunDir(cfg.run_uri)
@@ -58,15 +51,9 @@ def train(cfg: Config) -> Outcome:
         cfg.check_cpu_precision()
     _check_placement(cfg.ray, cluster_can_grow=not started_locally)
 
-    datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records)
+    datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
-    log.info(
-        "data: %d train / %d validation records → %d steps on %d workers",
-        plan.train_rows,
-        plan.validation_rows,
-        plan.total_steps,
-        plan.world_size,
-    )
+    log.info("%s", startup_summary(cfg, checked, plan, use_gpu))
     splits = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
@@ -80,6 +67,7 @@ def train(cfg: Config) -> Outcome:
             "run_uri": run.uri,
             "best_metric": best[0] if best else None,
             "resume_from": resume_from,
+            "params": {"trainable_params": checked.trainable_params, "total_params": checked.total_params},
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
@@ -101,7 +89,10 @@ def train(cfg: Config) -> Outcome:
         ),
         datasets=splits,
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:
+        _plot_losses(run)
     final = Path(cfg.train.output_dir) / "final"
     if cfg.train.load_best_model_at_end and best and result.best_checkpoints:
         _install_best(result.best_checkpoints, best, final)
@@ -189,6 +180,37 @@ def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) ->
         shutil.copytree(final, best_dir)
         shutil.copy2(Path(d) / TRAINER_STATE, best_dir / TRAINER_STATE)
     log.info("load_best_model_at_end: %s = step %s (%s %.6g)", final, metrics.get("step"), metric, metrics[metric])
+
+
+def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool) -> str:
+    """What the run is about to do, in the job log before the workers start."""
+    t, lora = cfg.train, checked.lora
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * plan.world_size
+    tokens = ("" if cfg.data.packing else "≤ ") + f"{batch * cfg.data.max_length:,}"
+    return "\n  ".join(
+        [
+            f"run {cfg.ray.name}: {plan.world_size} workers ({'GPU' if use_gpu else 'CPU'}) on a {nodes}-node "
+            f"Ray cluster, storage {cfg.run_uri}",
+            f"model {lora.architecture} ({cfg.model.model_name_or_path}): {checked.total_params:,} params, "
+            f"LoRA r={cfg.lora.r} on {len(lora.modules)} modules ({', '.join(lora.names)}), "
+            f"{checked.trainable_params:,} trainable ({100 * checked.trainable_params / checked.total_params:.3f}%)",
+            f"effective batch {batch} = {t.per_device_train_batch_size} per device × {t.gradient_accumulation_steps} "
+            f"accumulation × {plan.world_size} workers; {tokens} tokens per step ({cfg.data.max_length} per row)",
+            f"data {plan.train_rows:,} train / {plan.validation_rows:,} validation rows → {plan.total_steps} steps "
+            f"({plan.steps_per_epoch} per epoch, warmup {plan.warmup_steps})",
+        ]
+    )
+
+
+def _plot_losses(run: RunDir) -> None:
+    """loss.png next to metrics.jsonl: also after a failed run, which is when people look at the curve."""
+    rows = run.read_metrics()
+    if rows:
+        from rayft.metrics import plot_losses
+
+        run.write_file(LOSS_PLOT, plot_losses(rows))
+        log.info("loss curve: %s", f"{run.uri}/{LOSS_PLOT}")
 
 
 def connect(ray_cfg: RayConfig) -> bool:

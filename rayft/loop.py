@@ -22,7 +22,8 @@ from ray.train import CheckpointUploadMode
 from rayft.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
 from rayft.config import Config
 from rayft.data import collate_fn
-from rayft.model import build_model, parameter_counts
+from rayft.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
+from rayft.model import build_model
 from rayft.rundir import RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
@@ -48,7 +49,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model.train()
     optimizer = build_optimizer(model, t, on_gpu)
     scheduler = build_scheduler(optimizer, t, plan)
-    _log_start(model, plan, t)
+    flops, peak = flop_model(model, model.config, cfg.data.max_length), peak_flops(device)
+    params = loop_config.get("params", {})
+    if rank == 0:
+        log.info("%s", _flops_line(flops, peak, device))
+    gauges = Gauges(cfg.ray.name) if rank == 0 else None
+    trackers = Trackers(cfg.trackers, t.output_dir, cfg.ray.name, _flat(cfg)) if rank == 0 and cfg.trackers else None
 
     progress, history = _resume(
         loop_config.get("resume_from"), run, model, optimizer, scheduler, plan, t.gradient_accumulation_steps, rank
@@ -70,17 +76,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             model, optimizer, scheduler, progress, metrics, spool, cfg.ray.checkpoint_upload
         )
 
+    first_step = progress.step
+
     def record(metrics: dict[str, Any]) -> None:
-        _log_progress(metrics, plan)
-        if rank == 0:
-            # What saving cost so far in this attempt: the share of wall time training stood still.
-            elapsed = time.perf_counter() - started
-            history.append({**metrics, "checkpoint_stall_s": round(saving_s, 4), "elapsed_s": round(elapsed, 3)})
-            run.write_metrics(history)
+        if rank != 0:
+            return
+        elapsed = time.perf_counter() - started
+        done = metrics["step"] - first_step
+        eta = elapsed / done * (plan.total_steps - metrics["step"]) if done else None
+        _log_progress(metrics, plan, eta)
+        # What saving cost so far in this attempt: the share of wall time training stood still.
+        row = {**metrics, **params, "checkpoint_stall_s": round(saving_s, 4), "elapsed_s": round(elapsed, 3)}
+        history.append(row)
+        run.write_metrics(history)
+        gauges.set(row)
+        if trackers is not None:
+            trackers.log(row, metrics["step"])
 
     # loss sum over micro-batches, micro-batches, tokens; stays on the device (no host sync per micro-step)
     window = torch.zeros(3, dtype=torch.float64, device=device)
-    window_start = time.perf_counter()
+    window_start, window_steps = time.perf_counter(), 0
     waited = DataWait()
     # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
     last_saved, last_evaluated = progress.step, -1
@@ -110,18 +125,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             progress.step += 1
+            window_steps += 1
             progress.batches_in_epoch = micro + 1
             step, done = progress.step, progress.step >= plan.total_steps
 
             metrics: dict[str, Any] = {}
             if step % t.logging_steps == 0 or done:
-                metrics = _train_metrics(window, window_start, grad_norm, scheduler, waited.take())
+                metrics = _train_metrics(window, window_start, window_steps, grad_norm, scheduler, waited.take())
+                metrics.update(_hardware_metrics(metrics["tokens_per_s"], plan.world_size, flops, peak, device))
                 if (first := waited.take_first()) is not None:
                     metrics["first_batch_wait_s"] = round(first, 3)
                 window.zero_()
-                window_start = time.perf_counter()
+                window_start, window_steps = time.perf_counter(), 0
             if val_shard is not None and _due(t.eval_strategy, t.eval_steps, step, done, micro, plan):
                 metrics["eval_loss"] = evaluate_now()
+                metrics["eval_perplexity"] = _perplexity(metrics["eval_loss"])
                 last_evaluated = step
             saving = _due(t.save_strategy, t.save_steps, step, done, micro, plan)
             if metrics or saving:
@@ -148,6 +166,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     save_adapter(model, final_dir, tokenizer)
     if rank == 0:
         log.info("final adapter written to %s", final_dir)
+    if trackers is not None:
+        trackers.close()
 
 
 def _resume(
@@ -276,9 +296,9 @@ def _due(strategy: str, every: int, step: int, done: bool, micro: int, plan: Pla
     return False
 
 
-def _train_metrics(window, started: float, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
-    """Window means over all ranks: loss per micro-batch, tokens/s of the whole group, and the share of the
-    window the slowest rank spent waiting for data."""
+def _train_metrics(window, started: float, steps: int, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
+    """Window means over all ranks: loss per micro-batch, tokens/s of the whole group, seconds per step, and the
+    share of the window the slowest rank spent waiting for data."""
     elapsed = time.perf_counter() - started
     totals = window.clone()
     dist.all_reduce(totals)
@@ -290,8 +310,43 @@ def _train_metrics(window, started: float, grad_norm, scheduler, data_wait_s: fl
         "learning_rate": scheduler.get_last_lr()[0],
         "grad_norm": norm.item(),
         "tokens_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
+        "step_time_s": elapsed / max(steps, 1),
         "data_wait_share": waits.item() / elapsed if elapsed > 0 else 0.0,
     }
+
+
+def _hardware_metrics(tokens_per_s: float, world: int, flops, peak: float | None, device) -> dict[str, Any]:
+    """Per-worker throughput, both MFUs (null without a known GPU peak) and peak memory of the worst rank."""
+    per_worker = tokens_per_s / world
+    worst = torch.tensor([-1.0 if math.isnan(v) else v for v in memory(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    allocated, reserved, rss = (None if v < 0 else round(v, 3) for v in worst.tolist())
+    return {
+        "tokens_per_s_per_worker": per_worker,
+        "mfu_6n": nan_to_none(mfu(per_worker, flops.per_token_6n, peak)),
+        "mfu_lora": nan_to_none(mfu(per_worker, flops.per_token_lora, peak)),
+        "peak_tflops": peak / 1e12 if peak else None,
+        "memory_allocated_gib": allocated,
+        "memory_reserved_gib": reserved,
+        "host_rss_gib": rss,
+    }
+
+
+def _perplexity(loss: float) -> float | None:
+    return math.exp(loss) if math.isfinite(loss) and loss < 700 else None
+
+
+def _flops_line(flops, peak: float | None, device) -> str:
+    where = f"peak {peak / 1e12:.0f} TFLOP/s bf16 per GPU" if peak else f"no MFU on {device.type} (no known peak)"
+    return (
+        f"FLOPs/token: {flops.per_token_6n / 1e9:.3f} G (6N), {flops.per_token_lora / 1e9:.3f} G (LoRA-aware) | "
+        f"{flops.base_params:,} frozen + {flops.lora_params:,} trainable matmul params per token | {where}"
+    )
+
+
+def _flat(cfg: Config) -> dict[str, Any]:
+    return {f"{section}.{k}": v for section, values in cfg.to_dict().items() for k, v in values.items()
+            if isinstance(v, int | float | str | bool)}  # fmt: skip
 
 
 def _report_with_checkpoint(
@@ -334,37 +389,37 @@ def _checkpoint_spool(run_name: str, rank: int, clean: bool) -> Path:
     return spool
 
 
-def _log_start(model, plan: Plan, t) -> None:
-    trainable, total = parameter_counts(model)
-    log.info(
-        "world %d | trainable params %s / %s (%.3f%%) | %d steps (%d per epoch), warmup %d | "
-        "effective batch %d = %d per device x %d accumulation x %d workers",
-        plan.world_size,
-        f"{trainable:,}",
-        f"{total:,}",
-        100 * trainable / total,
-        plan.total_steps,
-        plan.steps_per_epoch,
-        plan.warmup_steps,
-        t.per_device_train_batch_size * t.gradient_accumulation_steps * plan.world_size,
-        t.per_device_train_batch_size,
-        t.gradient_accumulation_steps,
-        plan.world_size,
-    )
-
-
-def _log_progress(metrics: dict[str, Any], plan: Plan) -> None:
+def _log_progress(metrics: dict[str, Any], plan: Plan, eta_s: float | None) -> None:
+    """One line per logging step: where the run is, how well it learns, how fast, how full, how long still."""
     parts = [f"step {metrics['step']}/{plan.total_steps}", f"epoch {metrics['epoch']:.2f}"]
-    for key, fmt in (
-        ("loss", "{:.4f}"),
-        ("eval_loss", "{:.4f}"),
-        ("learning_rate", "{:.2e}"),
-        ("grad_norm", "{:.3f}"),
-        ("tokens_per_s", "{:.0f}"),
+    for key, label, fmt in (
+        ("loss", "loss", "{:.4f}"),
+        ("eval_loss", "eval_loss", "{:.4f}"),
+        ("eval_perplexity", "ppl", "{:.2f}"),
+        ("learning_rate", "lr", "{:.2e}"),
+        ("grad_norm", "grad_norm", "{:.3f}"),
+        ("tokens_per_s", "tok/s", "{:,.0f}"),
+        ("step_time_s", "step", "{:.2f}s"),
+        ("mfu_lora", "MFU(LoRA)", "{:.1%}"),
+        ("mfu_6n", "MFU(6N)", "{:.1%}"),
+        ("data_wait_share", "data wait", "{:.1%}"),
     ):
-        if key in metrics:
-            parts.append(f"{key} {fmt.format(metrics[key])}")
+        if metrics.get(key) is not None:
+            parts.append(f"{label} {fmt.format(metrics[key])}")
+    if metrics.get("memory_allocated_gib") is not None:
+        parts.append(f"mem {metrics['memory_allocated_gib']:.1f}/{metrics['memory_reserved_gib']:.1f} GiB")
+    elif metrics.get("host_rss_gib") is not None:
+        parts.append(f"rss {metrics['host_rss_gib']:.2f} GiB")
+    if eta_s is not None:
+        parts.append(f"ETA {_duration(eta_s)}")
     log.info(" | ".join(parts))
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def _setup_logging(rank: int) -> None:

@@ -11,7 +11,7 @@ from rayft.config import Config, ConfigError, is_uri
 from rayft.lora import LoraTargets
 from rayft.records import RecordFormat, record_format
 from rayft.sources import SplitSource, resolve_splits
-from rayft.tokenizer import TOKENIZER_FILES, has_tokenizer, tokenizer_path
+from rayft.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Preflight:
     train: SplitSource
     validation: SplitSource | None
     records: RecordFormat
+    tokenizer: TokenizerFacts
     lora: LoraTargets
     trainable_params: int
     total_params: int
@@ -26,16 +27,17 @@ class Preflight:
 
 def preflight(cfg: Config) -> Preflight:
     _check_model_dir(Path(cfg.model.model_name_or_path).expanduser())
-    _check_tokenizer(Path(tokenizer_path(cfg.model)).expanduser())
+    tokenizer = _check_tokenizer(cfg)
     train, validation = resolve_splits(cfg.data)
     records = record_format(cfg.data, train.columns(), train.what)
     _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
     if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
         _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
     _check_resume_source(cfg.train.resume_from_checkpoint)
+    _check_trackers(cfg.trackers)
 
     targets, trainable, total = inspect_lora(cfg)
-    return Preflight(train, validation, records, targets, trainable, total)
+    return Preflight(train, validation, records, tokenizer, targets, trainable, total)
 
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, int, int]:
@@ -59,12 +61,29 @@ def _check_model_dir(path: Path) -> None:
         raise ConfigError(f"{key}: {path} has no *.safetensors weights")
 
 
-def _check_tokenizer(path: Path) -> None:
+def _check_tokenizer(cfg: Config) -> TokenizerFacts:
+    path = Path(tokenizer_path(cfg.model)).expanduser()
     if not path.is_dir() or not has_tokenizer(path):
         raise ConfigError(
             f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
             "set model.tokenizer_name_or_path to the directory that has one"
         )
+    try:
+        return tokenizer_facts(cfg.model)
+    except Exception as e:
+        raise ConfigError(f"model.tokenizer_name_or_path: the tokenizer in {path} does not load: {e}") from e
+
+
+def _check_trackers(trackers: list[str]) -> None:
+    from rayft.metrics import missing_tracker
+
+    for name in trackers:
+        package = missing_tracker(name)
+        if package:
+            raise ConfigError(
+                f"train.report_to: {name} needs the {package} package, which is not installed; pip install "
+                f"{package} (in the cluster's image too), or set train.report_to: none"
+            )
 
 
 def _check_resume_source(source: str | None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +97,11 @@ def decode_line(raw: bytes, file_format: str) -> tuple[dict[str, Any] | None, st
     return (record, "") if isinstance(record, dict) else (None, "bad_json")
 
 
-def segments(record: dict[str, Any], fmt: RecordFormat, tokenizer: Any) -> tuple[Segments | None, bool, str]:
-    """(segments, needs bos/eos added, skip reason). Chat-rendered text carries its own special tokens."""
+def segments(
+    record: dict[str, Any], fmt: RecordFormat, chat_tokenizer: Callable[[], Any]
+) -> tuple[Segments | None, bool, str]:
+    """(segments, needs bos/eos added, skip reason). Chat-rendered text carries its own special tokens.
+    `chat_tokenizer()` gives the transformers tokenizer, asked for only when a record needs its chat template."""
     if fmt.kind == "text":
         text, reason = _text(record, fmt.text_field)
         return ([(text, True)] if text is not None else None), True, reason
@@ -105,9 +109,9 @@ def segments(record: dict[str, Any], fmt: RecordFormat, tokenizer: Any) -> tuple
         messages = record.get(fmt.messages_field)
         if not _is_chat(messages):
             return None, False, "missing_field" if messages is None else "not_text"
-        found = chat_segments(messages, tokenizer)
+        found = chat_segments(messages, chat_tokenizer())
         return found, False, "" if found else "chat_template"
-    return _prompt_completion(record, fmt, tokenizer)
+    return _prompt_completion(record, fmt, chat_tokenizer)
 
 
 def _text(record: dict[str, Any], name: str) -> tuple[str | None, str]:
@@ -126,7 +130,9 @@ def _text(record: dict[str, Any], name: str) -> tuple[str | None, str]:
     return value, ""
 
 
-def _prompt_completion(record: dict[str, Any], fmt: RecordFormat, tokenizer: Any) -> tuple[Segments | None, bool, str]:
+def _prompt_completion(
+    record: dict[str, Any], fmt: RecordFormat, chat_tokenizer: Callable[[], Any]
+) -> tuple[Segments | None, bool, str]:
     completion = record.get(fmt.completion_field)
     if fmt.prompt_template is not None:
         try:
@@ -138,6 +144,7 @@ def _prompt_completion(record: dict[str, Any], fmt: RecordFormat, tokenizer: Any
     if _is_chat(prompt) and _is_chat(completion):
         from trl.data_utils import apply_chat_template
 
+        tokenizer = chat_tokenizer()
         try:
             rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer)
         except Exception:  # no template, or one that rejects these roles

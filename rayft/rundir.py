@@ -1,8 +1,9 @@
 """The run directory on Ray's storage (`storage_path/name`): a shared-PVC path or a pyarrow URI (s3://, gs://).
 
 Ray Train owns the checkpoint registry in it (`checkpoint_manager_snapshot.json`); rayft adds step-named
-checkpoint directories and `metrics.jsonl`. A checkpoint directory that exists but is not registered was left by
-a worker that died while saving: nothing will ever resume from it, so it is removed when the run resumes.
+checkpoint directories, `metrics.jsonl` and `loss.png`. A checkpoint directory that exists but is not registered
+was left by a worker that died while saving: nothing will ever resume from it, so it is removed when the run
+resumes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 # Ray Train V2's record of the checkpoints it registered (and so will resume from and retain).
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 METRICS = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -75,3 +77,8 @@ class RunDir:
         self.fs.create_dir(self.path, recursive=True)
         with self.fs.open_output_stream(join(self.path, METRICS)) as f:
             f.write("".join(json.dumps(row) + "\n" for row in rows).encode())
+
+    def write_file(self, name: str, data: bytes) -> None:
+        self.fs.create_dir(self.path, recursive=True)
+        with self.fs.open_output_stream(join(self.path, name)) as f:
+            f.write(data)

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from rayft.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# transformers is imported inside load_tokenizer: tokenizer actors that only encode text never need it (a
+# third of their start-up).
 
 # Any of these makes a directory a tokenizer directory; special_tokens_map.json travels with them when copied.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tekken.json", "tokenizer.model")
@@ -34,6 +41,8 @@ def tokenizer_path(model: ModelConfig) -> str:
 
 def load_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
     """Load the tokenizer and make sure bos, eos and pad are set (pad falls back to `<pad>`, then eos)."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tokenizer_path(model))
     ids = _special_ids(Path(model.model_name_or_path) / "config.json")
     vocab = tok.get_vocab()
@@ -64,3 +73,49 @@ def _special_ids(config_json: Path) -> dict[str, int | None]:
         value = cfg.get(f"{role}_token_id")
         out[role] = value[0] if isinstance(value, list) else value
     return out
+
+
+# Strings on which the Rust tokenizer file must give transformers' exact ids before the actors may use it alone.
+PROBE = [
+    "The quick brown fox, 1234567 times.",
+    "  leading spaces\tand tabs\n\nnew lines ",
+    " = Valkyria Chronicles III = ",
+    "héllo wörld — naïve café ½",
+    "日本語のテキストと中文",
+    "emoji 🤗 and symbols <>{}[]#@",
+    "<s>literal</s> [INST] markers [/INST]",
+    "x",
+]
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What the tokenizer actors need, settled once on the driver."""
+
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    # tokenizer.json when the `tokenizers` library alone encodes exactly as the loaded tokenizer does: the actors
+    # then skip transformers (start in a third of the time) and encode about twice as fast.
+    rust_file: str | None
+
+
+def tokenizer_facts(model: ModelConfig) -> TokenizerFacts:
+    tok = load_tokenizer(model)
+    return TokenizerFacts(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _rust_file(tok, model))
+
+
+def _rust_file(tok: PreTrainedTokenizerBase, model: ModelConfig) -> str | None:
+    path = Path(tokenizer_path(model)).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        return None
+    encode = rust_encoder(str(path))
+    return str(path) if encode(PROBE) == tok(PROBE, add_special_tokens=False)["input_ids"] else None
+
+
+def rust_encoder(path: str) -> Callable[[list[str]], list[list[int]]]:
+    """Texts → ids without special tokens, straight from a tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    rust = Tokenizer.from_file(path)
+    return lambda texts: [e.ids for e in rust.encode_batch_fast(texts, add_special_tokens=False)]

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,28 @@ class RayCluster:
     address: str
     dashboard: str
     env: dict[str, str]
+    metrics_ports: tuple[int, ...] = ()  # each node's Prometheus endpoint
+
+
+class MetricsScraper(threading.Thread):
+    """Polls the nodes' Prometheus endpoints (as Prometheus would) while a job runs; keeps rayft's samples."""
+
+    def __init__(self, ports: tuple[int, ...], every_s: float = 2.0):
+        super().__init__(daemon=True)
+        self.ports, self.every_s = ports, every_s
+        self.samples: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import urllib.request
+
+        while not self.stop.wait(self.every_s):
+            for port in self.ports:
+                try:
+                    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                except OSError:
+                    continue
+                self.samples += [line for line in text.splitlines() if "rayft_" in line]
 
 
 @pytest.fixture(scope="session")
@@ -164,7 +187,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     if RAY_BIN.exists() is False:
         pytest.fail(f"ray CLI not found next to {sys.executable}")
     temp_dir = Path("/tmp") / f"rayft-test-{os.getpid()}"  # short: Ray's socket paths have a length limit
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, metrics_ports = free_port(), free_port(), (free_port(), free_port())
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     # As on a real cluster, whose image's `python` has everything: job entrypoints (`python jobs/...`) resolve
     # `python` through PATH, so this interpreter's bin/ comes first (CI does not activate the venv).
@@ -173,7 +196,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     head = subprocess.Popen(
         [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
-         *common],
+         "--metrics-export-port", str(metrics_ports[0]), *common],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     procs = [head]
@@ -192,6 +215,8 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
                     "127.0.0.1",
                     "--dashboard-agent-listen-port",
                     str(free_port()),
+                    "--metrics-export-port",
+                    str(metrics_ports[1]),
                     *common,
                 ],
                 env=env,
@@ -201,7 +226,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
             )
         )
         _wait_for_nodes(address, env, 2)
-        yield RayCluster(address=address, dashboard=dashboard, env=env)
+        yield RayCluster(address=address, dashboard=dashboard, env=env, metrics_ports=metrics_ports)
     finally:
         for p in reversed(procs):
             _stop_group(p)
@@ -266,7 +291,14 @@ def reference_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory)
     it, and every recovery test must end with exactly its result."""
     out = tmp_path_factory.mktemp("reference")
     config = write_yaml(out / "config.yaml", checkpointing_config(fixtures, out))
-    job = submit_job(ray_cluster, "--config", str(config))
+    scraper = MetricsScraper(ray_cluster.metrics_ports)
+    scraper.start()
+    try:
+        job = submit_job(ray_cluster, "--config", str(config))
+    finally:
+        scraper.stop.set()
+        scraper.join()
+    (out / "scraped.prom").write_text("\n".join(scraper.samples))
     log = out / "driver.log"
     log.write_text(job.stdout + job.stderr)
     assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, log.read_text()[-6000:]

@@ -64,12 +64,15 @@ def test_data_throughput_baseline_tokenizes_exactly_what_rayft_does(fixtures):
     sys.path.insert(0, str(REPO / "bench"))
     from data_throughput import _config, datasets_map, wait_summary
 
+    from rayft.config import ModelConfig
     from rayft.data import Tokenize
     from rayft.records import RecordFormat
+    from rayft.tokenizer import tokenizer_facts
 
     raw = _config(fixtures.model, fixtures.dataset)
     baseline = datasets_map(raw, pack=True)
-    tok = Tokenize(raw["model"], dataclasses.asdict(RecordFormat("text")), "parquet", 1024, True, "truncate")
+    facts = dataclasses.asdict(tokenizer_facts(ModelConfig(**raw["model"])))
+    tok = Tokenize(raw["model"], facts, dataclasses.asdict(RecordFormat("text")), "parquet", 1024, True, "truncate")
     table = pq.read_table(next(fixtures.dataset.glob("*/train-*.parquet")))
     ours = sum(len(r["input_ids"]) for r in tok(table).to_pylist())
     assert baseline["tokens"] == ours > 0

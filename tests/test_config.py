@@ -13,7 +13,12 @@ def test_seed_yaml_loads_unchanged_with_its_values():
     assert cfg.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert cfg.data.dataset_config_name == "wikitext-2-raw-v1" and cfg.data.max_length == 1024
     assert cfg.train.gradient_accumulation_steps == 16 and cfg.train.warmup_ratio == 0.05
-    assert cfg.train.learning_rate == 1e-4 and cfg.train.save_total_limit == 3 and cfg.train.report_to == "none"
+    assert (
+        cfg.train.learning_rate == 1e-4
+        and cfg.train.save_total_limit == 3
+        and cfg.train.report_to == ["none"]
+        and cfg.trackers == []
+    )
     assert cfg.model.model_name_or_path == "/data/input/Models/Mistral-Small-4-119B-2603"  # seed dataclass default
     assert cfg.ray.placement_strategy == "STRICT_SPREAD" and cfg.fsdp.reshard_after_forward is True
 

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import Fixtures
 
@@ -15,6 +16,7 @@ from rayft.data import IGNORE_INDEX, PackedCollate, PadCollate, Tokenize, finish
 from rayft.records import RecordFormat, decode_line, join_wikitext_articles, record_format
 from rayft.schedule import make_plan
 from rayft.sources import resolve_splits
+from rayft.tokenizer import tokenizer_facts
 
 # A Mistral-style chat template (the tiny model's tekken tokenizer has [INST]/[/INST] but no template).
 CHAT_TEMPLATE = (
@@ -24,8 +26,10 @@ CHAT_TEMPLATE = (
 
 
 def tokenize(fx: Fixtures, fmt: RecordFormat, max_length: int = 64, packing=False, overlong="truncate", **model):
-    model_cfg = dataclasses.asdict(ModelConfig(model_name_or_path=str(fx.model), **model))
-    return Tokenize(model_cfg, dataclasses.asdict(fmt), "parquet", max_length, packing, overlong)
+    model_cfg = ModelConfig(model_name_or_path=str(fx.model), **model)
+    facts = dataclasses.asdict(tokenizer_facts(model_cfg))
+    return Tokenize(dataclasses.asdict(model_cfg), facts, dataclasses.asdict(fmt), "parquet", max_length, packing,
+                    overlong)  # fmt: skip
 
 
 def test_wikitext_layout_resolves_both_splits(fixtures: Fixtures):
@@ -119,6 +123,21 @@ def test_tokenize_adds_bos_eos_truncates_and_counts(fixtures: Fixtures):
     assert len(long) == 6 and long[0] == 1 and long[-1] != 2 and rows[1]["truncated"]  # cut: no eos
     assert sorted(r["skip"] for r in rows[2:]) == ["empty", "missing_field", "not_text"]
     assert "loss_mask" not in out.column_names  # plain text: every token is trained
+
+
+def test_rust_fast_path_encodes_exactly_like_transformers(fixtures: Fixtures):
+    """The actors encode with `tokenizers` alone when the probe agrees; same rows as through transformers."""
+    model = ModelConfig(model_name_or_path=str(fixtures.model))
+    facts = tokenizer_facts(model)
+    assert facts.rust_file and facts.rust_file.endswith("tokenizer.json") and (facts.bos_id, facts.eos_id) == (1, 2)
+    table = pq.read_table(next((fixtures.dataset / "wikitext-2-raw-v1").glob("train-*")))
+    table = pa.concat_tables([table, pa.table({"text": ["héllo  wörld\t", "日本語 🤗", "<s> [INST] x [/INST] </s>"]})])
+    fmt = dataclasses.asdict(record_format(DataConfig(), ["text"], "x"))
+    fast = Tokenize(dataclasses.asdict(model), dataclasses.asdict(facts), fmt, "parquet", 64, False, "truncate")
+    slow_facts = dataclasses.asdict(dataclasses.replace(facts, rust_file=None))
+    slow = Tokenize(dataclasses.asdict(model), slow_facts, fmt, "parquet", 64, False, "truncate")
+    assert fast.chat_tokenizer is not None and fast._chat_tokenizer is None  # transformers never loaded
+    assert fast(table).equals(slow(table)) and fast._chat_tokenizer is None and slow._chat_tokenizer is not None
 
 
 def test_completion_only_labels_on_a_hand_checked_tekken_example(fixtures: Fixtures):

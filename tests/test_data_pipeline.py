@@ -3,6 +3,7 @@ counted, and equal batches per rank under a real TorchTrainer with 2 and 3 worke
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from rayft.data import SplitStats, Tokenize, _check_usable, build_datasets, coll
 from rayft.records import decode_line, record_format
 from rayft.schedule import make_plan
 from rayft.sources import resolve_splits
+from rayft.tokenizer import tokenizer_facts
 
 pytestmark = pytest.mark.ray
 BLOCK = 30  # tokens per packed block: 467 blocks from the fixture, a count that neither 2 nor 3 divides
@@ -86,7 +88,8 @@ def packed(ray_driver, fixtures: Fixtures, tmp_path_factory):
 def test_packing_keeps_every_token_once_and_restarts_positions_per_document(packed, fixtures: Fixtures):
     cfg, ds = packed
     fmt = record_format(cfg.data, ["text"], "x")
-    tok = Tokenize({"model_name_or_path": str(fixtures.model)}, fmt.__dict__, "parquet", BLOCK, True, "truncate")
+    facts = dataclasses.asdict(tokenizer_facts(cfg.model))
+    tok = Tokenize(dataclasses.asdict(cfg.model), facts, fmt.__dict__, "parquet", BLOCK, True, "truncate")
     table = pq.read_table(next((fixtures.dataset / "wikitext-2-raw-v1").glob("train-*")))
     reference = [r["input_ids"] for r in tok(table).to_pylist() if not r["skip"]]
     want = np.concatenate(reference)

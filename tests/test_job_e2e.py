@@ -3,7 +3,10 @@ checkpoints, on a two-node local Ray cluster."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,52 @@ def test_tiny_job_trains_checkpoints_and_exports_a_correct_adapter(reference_run
     last = reference_run.run_dir / f"checkpoint-{STEPS:06d}"
     cfg = yaml.safe_load((reference_run.out / "config.yaml").read_text())
     _assert_adapter_matches_training_state(fixtures.model, last / "adapter", last / "state", cfg, tmp_path)
+
+
+TRAIN_FIELDS = {
+    "step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "tokens_per_s_per_worker", "step_time_s",
+    "data_wait_share", "mfu_6n", "mfu_lora", "peak_tflops", "memory_allocated_gib", "memory_reserved_gib",
+    "host_rss_gib", "trainable_params", "total_params", "elapsed_s", "checkpoint_stall_s",
+}  # fmt: skip
+
+
+def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(reference_run: Run, ray_cluster):
+    logs = reference_run.text()
+    # start-up summary, once, before the workers start
+    assert re.search(r"run ray_run: 2 workers \(CPU\) on a 2-node Ray cluster", logs), logs[:4000]
+    assert re.search(r"LoRA r=\d+ on 15 modules \(.*q_proj.*\), [\d,]+ trainable", logs)
+    batch = re.search(r"effective batch (\d+) = 2 per device × (\d+) accumulation × 2 workers; ([\d,]+) tokens", logs)
+    assert batch and int(batch[1]) == 2 * int(batch[2]) * 2 and int(batch[3].replace(",", "")) == int(batch[1]) * 32
+    assert re.search(rf"→ {STEPS} steps", logs)
+    # one progress line per logging step (every step here), with throughput, memory and ETA; no MFU on CPU
+    line = re.compile(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss [\d.]+ .*\| tok/s [\d,]+ \| step [\d.]+s .*"
+                      r"\| rss [\d.]+ GiB \| ETA \d+m\d+s")  # fmt: skip
+    assert {int(m[1]) for m in line.finditer(logs)} == set(range(1, STEPS + 1)), logs[-4000:]
+    assert "MFU(" not in logs and "no MFU on cpu" in logs
+
+    rows = reference_run.metrics()
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, STEPS + 1))
+    for row in train_rows:
+        assert set(row) >= TRAIN_FIELDS, TRAIN_FIELDS - set(row)
+        assert row["mfu_6n"] is None and row["mfu_lora"] is None and row["peak_tflops"] is None  # CPU
+        assert row["memory_allocated_gib"] is None and row["memory_reserved_gib"] is None
+        assert row["host_rss_gib"] > 0.1 and row["tokens_per_s"] > 0 and row["step_time_s"] > 0
+        assert row["tokens_per_s_per_worker"] == pytest.approx(row["tokens_per_s"] / 2)
+        assert 0 <= row["data_wait_share"] < 1 and 0 < row["trainable_params"] < row["total_params"]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert evals and all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in evals)
+
+    png = (reference_run.run_dir / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    scraped = (reference_run.out / "scraped.prom").read_text()
+    for gauge in ("ray_rayft_tokens_per_s", "ray_rayft_loss", "ray_rayft_step"):
+        assert re.search(rf'^{gauge}\{{.*run="ray_run".*\}} [\d.e+-]+$', scraped, re.M), scraped[:2000]
+
+    with urllib.request.urlopen(f"{ray_cluster.dashboard}/api/train/v2/runs/v1", timeout=30) as response:
+        runs = json.loads(response.read())["train_runs"]
+    assert any(run["name"] == "ray_run" for run in runs), [run["name"] for run in runs]
 
 
 def _assert_adapter_matches_training_state(model_dir: Path, final: Path, dcp_dir: Path, cfg: dict, tmp: Path):

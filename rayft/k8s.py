@@ -1,0 +1,321 @@
+"""KubeRay manifests rendered from the training config, so that pods, GPUs and paths can never disagree with it.
+
+One Ray worker per GPU (FSDP2 drives one device per rank): `ray.num_workers` = worker pods × GPUs per pod. Every
+GPU pod gets the InfiniBand plumbing NCCL needs (secondary network, RDMA device, IPC_LOCK, a memory-backed
+/dev/shm, the NCCL environment); head and workers mount one PVC at the same path, which holds the model, the data
+and the Ray storage path, so a checkpoint written by any worker is seen by all and outlives the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from rayft.config import Config, ConfigError, is_uri
+
+RAY_VERSION = "2.60.0"
+IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
+IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 47  # KubeRay's limit for a RayJob name (it derives the cluster's and services' names from it)
+DASHBOARD_PORT = 8265
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The cluster side of a run: what the training config cannot know (flags of `rayft k8s render`)."""
+
+    name: str = "rayft"
+    namespace: str = "default"
+    image: str = "registry.example.com/rayft:0.1.0"
+    pvc: str = "rayft-data"
+    mount_path: str = "/data"
+    gpus_per_pod: int = 1
+    gpu_resource: str = "nvidia.com/gpu"
+    worker_cpus: int = 32
+    worker_memory: str = "512Gi"
+    shm_size: str = "64Gi"  # memory-backed: counted in the pod's memory limit
+    head_cpus: int = 8
+    head_memory: str = "32Gi"
+    # InfiniBand: the Multus network attachment, the RDMA device plugin's resource, the HCAs and interface NCCL uses.
+    network: str | None = "ib-network"
+    ib_resource: str | None = "rdma/rdma_shared_device_a"
+    ib_hca: str = "mlx5"
+    socket_ifname: str = "net1"
+    # RayJob lifetime: seconds allowed to reach Running (image pull, scheduling), to run, and to keep the finished
+    # cluster around for its logs.
+    pre_running_deadline_s: int = 1800
+    active_deadline_s: int = 3 * 24 * 3600
+    ttl_after_finished_s: int = 3600
+    # Fresh clusters after a failed job (None: derived from ray.max_failures, see backoff_limit).
+    backoff_limit: int | None = None
+
+    def check(self) -> None:
+        if not DNS_1035.match(self.name) or len(self.name) > MAX_NAME:
+            raise ConfigError(
+                f"--name: '{self.name}' is not a valid RayJob name (lower-case letters, digits and '-', starting "
+                f"with a letter, at most {MAX_NAME} characters)"
+            )
+        if self.gpus_per_pod < 1:
+            raise ConfigError(f"--gpus-per-pod: must be at least 1, got {self.gpus_per_pod}")
+        if not PurePosixPath(self.mount_path).is_absolute():
+            raise ConfigError(f"--mount-path: '{self.mount_path}' must be an absolute path")
+        deadlines = {
+            "--pre-running-deadline": self.pre_running_deadline_s,
+            "--active-deadline": self.active_deadline_s,
+            "--ttl": self.ttl_after_finished_s,
+        }
+        for flag, value in deadlines.items():
+            if value < 1:
+                raise ConfigError(f"{flag}: must be a positive number of seconds, got {value}")
+
+
+@dataclass(frozen=True)
+class JobSource:
+    """The config as the job will read it: its path inside the cluster and the overrides given with it."""
+
+    config_in_cluster: str
+    overrides: tuple[str, ...] = ()
+
+
+def config_in_cluster(config: Path, repo: Path, mount_path: str, given: str | None = None) -> str:
+    """Where the pods find the config: baked into the image (under jobs/) or on the PVC (`given`)."""
+    if given is not None:
+        path = PurePosixPath(given)
+        if not (_under(path, PurePosixPath(mount_path)) or _under(path, IMAGE_ROOT)):
+            raise ConfigError(f"--config-in-cluster: {given} is neither on the PVC ({mount_path}) nor in the image "
+                              f"({IMAGE_ROOT})")  # fmt: skip
+        return given
+    config = config.resolve()
+    for directory in IMAGE_DIRS:
+        if _under(PurePosixPath(config), PurePosixPath((repo / directory).resolve())):
+            return str(IMAGE_ROOT / config.relative_to(repo.resolve()).as_posix())
+    raise ConfigError(
+        f"--config: {config} is not in the image; put it under {', '.join(f'{repo}/{d}/' for d in IMAGE_DIRS)} "
+        f"(and rebuild the image), or copy it to the PVC and name its path there with --config-in-cluster "
+        f"{mount_path}/..."
+    )
+
+
+def render(cfg: Config, job: JobSource, dep: Deployment) -> dict[str, dict[str, Any]]:
+    """{"rayjob": RayJob, "raycluster": RayCluster} for this config; ConfigError when they could not work."""
+    dep.check()
+    workers = check_fits(cfg, dep)
+    spec = cluster_spec(dep, workers)
+    entrypoint = " ".join(
+        ["python", str(IMAGE_ROOT / "jobs" / "mistral4.py"), "--config", shlex.quote(job.config_in_cluster)]
+        + [f"--override {shlex.quote(o)}" for o in job.overrides]
+    )
+    rayjob = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": _metadata(dep, dep.name),
+        "spec": {
+            "entrypoint": entrypoint,
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": dep.ttl_after_finished_s,
+            "activeDeadlineSeconds": dep.active_deadline_s,
+            "preRunningDeadlineSeconds": dep.pre_running_deadline_s,
+            "backoffLimit": backoff_limit(cfg, dep),
+            "rayClusterSpec": spec,
+        },
+    }
+    raycluster = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": _metadata(dep, f"{dep.name}-cluster"),
+        "spec": spec,
+    }
+    return {"rayjob": rayjob, "raycluster": raycluster}
+
+
+def check_fits(cfg: Config, dep: Deployment) -> int:
+    """The number of GPU pods; refuses configs these pods could not run."""
+    r = cfg.ray
+    if r.num_workers < 1:
+        raise ConfigError(f"ray.num_workers: must be at least 1, got {r.num_workers}")
+    if r.use_gpu is False:
+        raise ConfigError("ray.use_gpu: false, but these manifests are for GPU pods; set ray.use_gpu: true or null")
+    if r.address not in (None, "auto"):
+        raise ConfigError(f"ray.address: '{r.address}'; inside the RayJob the job joins its own cluster, set null")
+    gpus = (r.resources_per_worker or {}).get("GPU", 1)
+    if gpus != 1:
+        raise ConfigError(
+            f"ray.resources_per_worker.GPU: {gpus}; each worker drives one GPU (one FSDP2 rank), so set it to 1 "
+            "and give ray.num_workers = pods × --gpus-per-pod"
+        )
+    if r.num_workers % dep.gpus_per_pod:
+        raise ConfigError(
+            f"GPU count mismatch: ray.num_workers={r.num_workers} is not a whole number of pods with "
+            f"--gpus-per-pod={dep.gpus_per_pod}; make ray.num_workers a multiple of it"
+        )
+    if dep.gpus_per_pod > 1 and r.placement_strategy == "STRICT_SPREAD":
+        raise ConfigError(
+            f"ray.placement_strategy: STRICT_SPREAD puts every worker on its own node, but --gpus-per-pod="
+            f"{dep.gpus_per_pod} means {dep.gpus_per_pod} workers per pod; set ray.placement_strategy: PACK"
+        )
+    mount = PurePosixPath(dep.mount_path)
+    for key, path in (("ray.storage_path", cfg.ray.storage_path or cfg.train.output_dir),
+                      ("train.output_dir", cfg.train.output_dir),
+                      ("model.model_name_or_path", cfg.model.model_name_or_path),
+                      ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path)):  # fmt: skip
+        if key == "ray.storage_path" and cfg.ray.storage_path is None:
+            key = "ray.storage_path (= train.output_dir)"
+        if path is None or (is_uri(path) and key.startswith("ray.storage_path")):
+            continue  # no such path, or checkpoints on object storage: every pod reaches it anyway
+        if not _under(PurePosixPath(path), mount):
+            raise ConfigError(
+                f"{key}: {path} is not on the PVC mounted at {dep.mount_path}; every pod must see it (and "
+                f"checkpoints must outlive the cluster): use a path under {dep.mount_path}/ or --mount-path"
+            )
+    data = cfg.data.dataset_name_or_path
+    if data.startswith(("/", "./", "../", "~")) and not _under(PurePosixPath(data), mount):
+        raise ConfigError(f"data.dataset_name_or_path: {data} is not on the PVC mounted at {dep.mount_path}")
+    return r.num_workers // dep.gpus_per_pod
+
+
+def backoff_limit(cfg: Config, dep: Deployment) -> int:
+    """Ray Train already survives `ray.max_failures` worker or node losses inside one cluster; the RayJob adds one
+    fresh cluster (resuming from the latest checkpoint on the PVC) for what Ray cannot survive, such as losing the
+    head pod. With unlimited Ray retries (-1) a failed job is not worth a new cluster."""
+    if dep.backoff_limit is not None:
+        return dep.backoff_limit
+    return 0 if cfg.ray.max_failures == -1 else 1
+
+
+def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}}]
+    mounts = [{"name": "data", "mountPath": dep.mount_path}]
+    head = {
+        "serviceType": "ClusterIP",
+        # Ray's own dashboard and job API on all interfaces, for `kubectl port-forward` and the submitter pod.
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+        "template": {
+            "metadata": {"labels": _labels(dep)},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "ray-head",
+                        "image": dep.image,
+                        "ports": [
+                            {"containerPort": 6379, "name": "gcs-server"},
+                            {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+                            {"containerPort": 10001, "name": "client"},
+                            {"containerPort": 8080, "name": "metrics"},
+                        ],
+                        "env": _env(head_env(dep)),
+                        "resources": _requests_are_limits({"cpu": str(dep.head_cpus), "memory": dep.head_memory}),
+                        "volumeMounts": mounts,
+                    }
+                ],
+                "volumes": volumes,
+            },
+        },
+    }
+    gpu_limits = {"cpu": str(dep.worker_cpus), "memory": dep.worker_memory, dep.gpu_resource: str(dep.gpus_per_pod)}
+    if dep.ib_resource:
+        gpu_limits[dep.ib_resource] = "1"
+    metadata: dict[str, Any] = {"labels": {**_labels(dep), "rayft.io/role": "gpu-worker"}}
+    if dep.network:
+        metadata["annotations"] = {"k8s.v1.cni.cncf.io/networks": dep.network}
+    worker = {
+        "groupName": "gpu",
+        "replicas": worker_pods,
+        "minReplicas": worker_pods,
+        "maxReplicas": worker_pods,
+        "rayStartParams": {},
+        "template": {
+            "metadata": metadata,
+            "spec": {
+                "containers": [
+                    {
+                        "name": "ray-worker",
+                        "image": dep.image,
+                        "env": _env(gpu_env(dep)),
+                        "resources": _requests_are_limits(gpu_limits),
+                        # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
+                        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                        "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
+                    }
+                ],
+                "volumes": [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dep.shm_size}}],
+                "tolerations": [{"key": dep.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}],
+                # One GPU pod per node: each owns its node's NIC, and a node lost takes one rank, not several.
+                "affinity": {
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "labelSelector": {"matchLabels": {**_labels(dep), "rayft.io/role": "gpu-worker"}},
+                                "topologyKey": "kubernetes.io/hostname",
+                            }
+                        ]
+                    }
+                }
+                if dep.gpus_per_pod == 1
+                else {},
+            },
+        },
+    }
+    if not worker["template"]["spec"]["affinity"]:
+        del worker["template"]["spec"]["affinity"]
+    return {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]}
+
+
+def head_env(dep: Deployment) -> dict[str, str]:
+    """The driver runs on the head: Ray Train's run state for the dashboard, Hugging Face caches on the PVC."""
+    return {
+        "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HOME": f"{dep.mount_path}/hf-cache",
+    }
+
+
+def gpu_env(dep: Deployment) -> dict[str, str]:
+    """NCCL over InfiniBand (the seeds' settings, HCA and interface selectable) and the allocator settings."""
+    return {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_HCA": dep.ib_hca,
+        "NCCL_SOCKET_IFNAME": dep.socket_ifname,
+        "NCCL_IB_QPS_PER_CONNECTION": "1",
+        "NCCL_IB_SPLIT_DATA_ON_QPS": "1",
+        "NCCL_SOCKET_NTHREADS": "2",
+        "NCCL_NSOCKS_PERTHREAD": "2",
+        # One line per rank at start-up that says whether IB was found ("NET/IB") or NCCL fell back to sockets.
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+        "RDMAV_FORK_SAFE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "HF_HOME": f"{dep.mount_path}/hf-cache",
+    }
+
+
+def _metadata(dep: Deployment, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": dep.namespace, "labels": _labels(dep)}
+
+
+def _labels(dep: Deployment) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "rayft", "rayft.io/job": dep.name}
+
+
+def _env(values: dict[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in values.items()]
+
+
+def _requests_are_limits(values: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Guaranteed QoS: the kubelet never evicts a training pod for using what it asked for."""
+    return {"requests": dict(values), "limits": dict(values)}
+
+
+def _under(path: PurePosixPath, root: PurePosixPath) -> bool:
+    return path.is_absolute() and (path == root or root in path.parents) and ".." not in path.parts
+
+
+def deployment_from_flags(**flags: Any) -> Deployment:
+    """A Deployment from CLI flags, where None means the default."""
+    return dataclasses.replace(Deployment(), **{k: v for k, v in flags.items() if v is not None})

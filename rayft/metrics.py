@@ -1,0 +1,213 @@
+"""Everything measured about a run, in one place: throughput, model FLOPs utilisation (two ways), memory, and
+where the numbers go (Ray's report, Prometheus gauges for the dashboard and Grafana, TensorBoard or MLflow).
+
+MFU counts the FLOPs the model needs per token, not what the kernels did (activation recompute is excluded):
+  6N      6 · (N_base + N_lora) + 3 · A       the usual formula: forward 2N, backward 4N (input and weight grads)
+  LoRA    4 · N_base + 6 · N_lora + 3 · A     a frozen base needs no weight gradients: its backward is 2N
+where N_base counts the frozen matrix weights a token is multiplied by (embeddings are lookups and are left out;
+routed experts count top_k / num_experts of theirs), N_lora the trainable ones, and A = 2 · L · s · H ·
+(d_qk + d_v) the forward FLOPs of attention scores and values per token at sequence length s (backward: 2A).
+Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Dense (no sparsity) bf16 peak per GPU, vendor figures; matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
+                   "A100": 312e12, "A800": 312e12, "L40S": 362e12}  # fmt: skip
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    base_params: int  # frozen matrix weights multiplied per token
+    lora_params: int  # trainable ones
+    attention: float  # A: forward attention FLOPs per token
+
+    @property
+    def per_token_6n(self) -> float:
+        return 6 * (self.base_params + self.lora_params) + 3 * self.attention
+
+    @property
+    def per_token_lora(self) -> float:
+        return 4 * self.base_params + 6 * self.lora_params + 3 * self.attention
+
+
+def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
+    """Counts from the (possibly FSDP-sharded: DTensor numel is the global one) PEFT model and its config."""
+    text = getattr(config, "text_config", None) or config
+    top_k = getattr(text, "num_experts_per_tok", None) or 0
+    experts = getattr(text, "n_routed_experts", None) or getattr(text, "num_local_experts", None) or 0
+    base = lora = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            seen.update(id(p) for p in module.parameters(recurse=False))
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            lora += p.numel()
+        elif p.dim() == 2:
+            base += p.numel()
+        elif p.dim() == 3 and experts:  # fused routed experts [E, out, in]: a token visits top_k of E
+            base += p.numel() * top_k // experts
+    return FlopModel(base, lora, attention_flops(text, seq_len))
+
+
+def attention_flops(text: Any, seq_len: int) -> float:
+    """2 · L · s · H · (d_qk + d_v): QKᵀ and attention·V, forward, per token (MLA: its own q/k and v widths)."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    d_qk = getattr(text, "qk_head_dim", None) or (
+        (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0)
+    ) or head_dim  # fmt: skip
+    d_v = getattr(text, "v_head_dim", None) or head_dim
+    return 2.0 * text.num_hidden_layers * seq_len * heads * (d_qk + d_v)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of this rank's GPU; None on CPU or an unknown GPU (MFU is then reported as null)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None) -> float | None:
+    return tokens_per_s_per_gpu * flops_per_token / peak if peak else None
+
+
+def memory(device: torch.device) -> tuple[float, float, float]:
+    """(peak allocated, peak reserved, peak host RSS) in GiB for this process; NaN for what does not apply."""
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = rss_kib / (GIB if sys.platform == "darwin" else GIB / 1024)
+    if device.type != "cuda":
+        return math.nan, math.nan, rss
+    return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB, rss
+
+
+def nan_to_none(value: float) -> float | None:
+    return None if value is None or math.isnan(value) else value
+
+
+# The Prometheus gauges (Ray prefixes `ray_`), set by rank 0 at every logging step.
+GAUGES = {
+    "loss": "training loss (mean over the logging window)",
+    "eval_loss": "validation loss",
+    "learning_rate": "learning rate",
+    "grad_norm": "gradient norm before clipping",
+    "tokens_per_s": "training tokens per second, all workers",
+    "step_time_s": "seconds per optimizer step",
+    "data_wait_share": "share of the window the slowest worker waited for data",
+    "mfu_6n": "model FLOPs utilisation, 6N formula",
+    "mfu_lora": "model FLOPs utilisation, LoRA-aware formula",
+    "memory_allocated_gib": "peak GPU memory allocated, worst worker",
+    "host_rss_gib": "peak host RSS, worst worker",
+    "step": "optimizer steps done",
+}
+
+
+class Gauges:
+    """rayft's metrics as Ray metrics: scraped from every node's metrics port by Prometheus, shown in the Ray
+    dashboard's Metrics view and Grafana, tagged with the run name."""
+
+    def __init__(self, run: str):
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": run}
+        self.gauges = {k: Gauge(f"rayft_{k}", description=d, tag_keys=("run",)) for k, d in GAUGES.items()}
+
+    def set(self, metrics: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.items():
+            value = metrics.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                gauge.set(float(value), tags=self.tags)
+
+
+class Trackers:
+    """`train.report_to`: TensorBoard event files under output_dir/runs, or an MLflow run (rank 0 only)."""
+
+    def __init__(self, report_to: list[str], output_dir: str, run: str, params: dict[str, Any]):
+        self.writers: list[Any] = []
+        self.mlflow = None
+        if "tensorboard" in report_to:
+            self.writers.append(tensorboard_writer(f"{output_dir}/runs/{run}"))
+        if "mlflow" in report_to:
+            import mlflow
+
+            mlflow.set_experiment(run)
+            mlflow.start_run(run_name=run)
+            mlflow.log_params({k: v for k, v in params.items() if v is not None})
+            self.mlflow = mlflow
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
+        numbers = {k: v for k, v in numbers.items() if math.isfinite(v)}
+        for writer in self.writers:
+            for key, value in numbers.items():
+                writer.add_scalar(key, value, step)
+            writer.flush()
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(numbers, step=step)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+
+def tensorboard_writer(logdir: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer needs the tensorboard package; tensorboardX writes the same files
+        from tensorboardX import SummaryWriter
+    return SummaryWriter(logdir)
+
+
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",)}
+
+
+def missing_tracker(name: str) -> str | None:
+    """The pip package to install when `report_to` names a tracker whose library is absent, else None."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(module) for module in TRACKER_PACKAGES[name]):
+        return None
+    return TRACKER_PACKAGES[name][0]
+
+
+def plot_losses(rows: list[dict[str, Any]]) -> bytes:
+    """Loss curves (train and eval against step) as a PNG."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for key, label, style in (("loss", "train loss", "-"), ("eval_loss", "eval loss", "o-")):
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out.getvalue()

@@ -1,0 +1,70 @@
+"""MFU and the metric sinks, checked against hand-computed figures."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import MistralConfig, MistralForCausalLM
+
+from rayft.metrics import PEAK_BF16_FLOPS, flop_model, memory, mfu, peak_flops, plot_losses
+
+
+@pytest.fixture(scope="module")
+def small_lora_model():
+    config = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=1000, tie_word_embeddings=False)  # fmt: skip
+    with torch.device("meta"):
+        model = MistralForCausalLM(config)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), config
+
+
+def test_flop_counts_and_both_mfus_match_the_hand_computation(small_lora_model):
+    model, config = small_lora_model
+    flops = flop_model(model, config, seq_len=128)
+    # per layer: q 64·64 + k 64·32 + v 64·32 + o 64·64 + gate/up/down 3·64·128 = 36,864; ×2 layers + lm_head 64·1000
+    assert flops.base_params == 2 * 36_864 + 64_000 == 137_728
+    # LoRA r=4: q (4·64 + 64·4) + v (4·64 + 32·4) = 896 per layer
+    assert flops.lora_params == 2 * 896 == 1_792
+    # attention forward per token: 2 · L · s · H · (d_qk + d_v) = 2 · 2 · 128 · 4 · (16 + 16)
+    assert flops.attention == 65_536
+    assert flops.per_token_6n == 6 * (137_728 + 1_792) + 3 * 65_536 == 1_033_728
+    assert flops.per_token_lora == 4 * 137_728 + 6 * 1_792 + 3 * 65_536 == 758_272
+    peak = PEAK_BF16_FLOPS["H200"]
+    assert peak == PEAK_BF16_FLOPS["H100"] == 989e12
+    assert mfu(1e6, flops.per_token_6n, peak) == pytest.approx(1_033_728e6 / 989e12)
+    assert mfu(1e6, flops.per_token_lora, peak) == pytest.approx(758_272e6 / 989e12)
+    assert mfu(1e6, flops.per_token_lora, None) is None  # CPU: no peak, no MFU
+    assert peak_flops(torch.device("cpu")) is None
+
+
+def test_mistral4_counts_only_the_routed_experts_a_token_visits():
+    """Mistral-Small-4 (transformers' default Mistral4Config, on meta): ~6.5B parameters active per token of
+    ~119B, so the MFU is about the computation that happens, not the whole MoE."""
+    from transformers import Mistral4Config, Mistral4ForCausalLM
+
+    config = Mistral4Config()
+    with torch.device("meta"):
+        model = Mistral4ForCausalLM(config)
+    model.requires_grad_(False)
+    flops = flop_model(model, config, seq_len=4096)
+    total = sum(p.numel() for p in model.parameters())
+    assert 110e9 < total < 125e9
+    assert 5e9 < flops.base_params < 8e9, flops
+    assert flops.lora_params == 0
+
+
+def test_memory_on_cpu_reports_host_rss_only():
+    allocated, reserved, rss = memory(torch.device("cpu"))
+    assert math.isnan(allocated) and math.isnan(reserved) and 0.05 < rss < 64
+
+
+def test_loss_plot_is_a_real_png():
+    rows = [{"step": s, "loss": 5 - s * 0.1} for s in range(1, 30)] + [{"step": 10, "eval_loss": 4.2}]
+    png = plot_losses(rows)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (800, 450)
