@@ -132,3 +132,27 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
     dist.barrier()
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
+    """A saved PEFT adapter into the (sharded) LoRA model built from its config: every rank reads the small file
+    whole and keeps its own shards of it."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
+    name = model.active_adapter
+    ours = model.state_dict()
+    state = {}
+    for key, tensor in saved.items():
+        # PEFT files leave out the adapter's name: ...q_proj.lora_A.weight is ...q_proj.lora_A.default.weight here
+        target = key.replace(".lora_A.", f".lora_A.{name}.").replace(".lora_B.", f".lora_B.{name}.")
+        if target not in ours:
+            raise ValueError(f"{directory}: {key} has no place in this model (an adapter for another base?)")
+        state[target] = tensor.to(ours[target].dtype)
+    missing = [k for k in ours if ".lora_" in k and k not in state]
+    if missing:
+        raise ValueError(f"{directory}: the adapter has no {missing[0]} (and {len(missing) - 1} more)")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))

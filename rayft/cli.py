@@ -1,4 +1,4 @@
-"""`rayft train | validate | plan | export | k8s render | k8s validate`.
+"""`rayft train | validate | eval | plan | export | k8s render | k8s validate`.
 
 Exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails.
 """
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
             return _k8s(args, argv if argv is not None else sys.argv[1:])
         cfg = _load(args)
         if args.command == "validate":
-            return _validate(cfg)
+            return _validate(cfg, args)
+        if args.command == "eval":
+            return _eval(cfg, args)
         return _train(cfg)
     except ConfigError as e:
         print(f"rayft: config error: {e}", file=sys.stderr)
@@ -44,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "fine-tune: joins the Ray cluster of `ray job submit` or starts a local one"),
-        ("validate", "check the config, its paths and the LoRA targets without training"),
+        ("validate", "check config, data, tokenizer and LoRA targets and print the memory plan; no cluster, no GPU"),
+        ("eval", "perplexity of the base model, or base + a trained adapter, on one split (on the Ray cluster)"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--config", help="YAML file (seed recipe layout); omitted = the built-in tiny demo")
@@ -55,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
             metavar="SECTION.KEY=VALUE",
             help="override one key, value parsed as YAML (repeatable)",
         )
+        if name == "validate":
+            p.add_argument("--gpu", choices=["h200", "h100"], default="h200", help="GPU the memory plan is for")
+        if name == "eval":
+            p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
+            p.add_argument("--split", help="split to score (default: data.val_split)")
     about = "per-GPU memory plan of the run for one or more cluster sizes (no GPU, no weights needed)"
     p = sub.add_parser("plan", help=about, description=about)
     p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
@@ -241,7 +249,25 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _validate(cfg: Config) -> int:
+def _eval(cfg: Config, args: argparse.Namespace) -> int:
+    from ray.train import TrainingFailedError
+
+    from rayft.launch import evaluate
+
+    split = args.split or cfg.data.val_split or "validation"
+    try:
+        result = evaluate(cfg, args.adapter, split)
+    except TrainingFailedError as e:
+        print(f"rayft: eval failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    model = "base + adapter" if args.adapter else "base model"
+    print(f"rayft: eval {model} on '{split}' ({result['rows']:,} rows): loss {result['eval_loss']:.4f}, "
+          f"perplexity {result['eval_perplexity']:.3f}")  # fmt: skip
+    return EXIT_OK
+
+
+def _validate(cfg: Config, args: argparse.Namespace) -> int:
+    from rayft.plan import plan_memory
     from rayft.preflight import preflight
 
     checked = preflight(cfg)
@@ -256,6 +282,10 @@ def _validate(cfg: Config) -> int:
     print(
         f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.trainable_params:,}"
     )
+    world = cfg.ray.num_workers
+    plan = plan_memory(cfg, checked.structure, world, on_gpu=cfg.ray.use_gpu is not False, gpu=args.gpu)
+    verdict = f"fits {args.gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    print(f"  memory plan: {plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict} (rayft plan for details)")
     if lora.warning:
         print(f"rayft: warning: {lora.warning}", file=sys.stderr)
     return EXIT_OK

@@ -135,6 +135,27 @@ def build_datasets(
     )
 
 
+def build_eval_dataset(
+    cfg: Config, split: str, tokenizer: TokenizerFacts | None = None
+) -> tuple[ray.data.Dataset, int]:
+    """One split, tokenized and finished as training's validation split is, kept in the object store."""
+    configure_ray_data()
+    d = cfg.data
+    train_src, val_src = resolve_splits(dataclasses.replace(d, val_split=split))
+    source = train_src if split == d.train_split else val_src
+    if source is None:
+        raise ConfigError(f"data: no split '{split}' in {d.dataset_name_or_path}; name one with --split")
+    fmt = record_format(d, source.columns(), source.what)
+    tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model))
+    dataset = finished(tokens, d).materialize()
+    rows = dataset.count()
+    if rows < cfg.ray.num_workers:
+        raise ConfigError(
+            f"data: {source.what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}"
+        )
+    return dataset, rows
+
+
 def _cache(d: DataConfig, source: SplitSource) -> bool:
     return d.cache_tokenized if d.cache_tokenized is not None else source.nbytes() <= CACHE_AUTO_BYTES
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -15,10 +16,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft.checkpoint import ADAPTER_DIR, TRAINER_STATE
 from rayft.config import Config, ConfigError, RayConfig, is_uri
-from rayft.data import build_datasets
-from rayft.loop import train_loop_per_worker
+from rayft.data import build_datasets, build_eval_dataset
+from rayft.loop import eval_loop_per_worker, train_loop_per_worker
 from rayft.preflight import Preflight, preflight
-from rayft.rundir import LOSS_PLOT, RunDir
+from rayft.rundir import EVAL_RESULT, LOSS_PLOT, RunDir
 from rayft.schedule import Plan, make_plan
 
 log = logging.getLogger("rayft")
@@ -70,12 +71,7 @@ def train(cfg: Config) -> Outcome:
             "params": {"trainable_params": checked.trainable_params, "total_params": checked.total_params},
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.ray.num_workers,
-            use_gpu=use_gpu,
-            resources_per_worker=cfg.ray.resources_per_worker,
-            placement_strategy=cfg.ray.placement_strategy,
-        ),
+        scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(
             name=cfg.ray.name,
             storage_path=cfg.storage_path,
@@ -180,6 +176,62 @@ def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) ->
         shutil.copytree(final, best_dir)
         shutil.copy2(Path(d) / TRAINER_STATE, best_dir / TRAINER_STATE)
     log.info("load_best_model_at_end: %s = step %s (%s %.6g)", final, metrics.get("step"), metric, metrics[metric])
+
+
+def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
+    """Perplexity of the base model (adapter None) or base + adapter on one split, on the Ray cluster with the
+    same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets)."""
+    cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
+    checked = preflight(cfg)
+    started_locally = connect(cfg.ray)
+    use_gpu = resolve_use_gpu(cfg.ray)
+    if not use_gpu:
+        cfg.check_cpu_precision()
+    _check_placement(cfg.ray, cluster_can_grow=not started_locally)
+    dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer)
+    log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path,
+             f" + adapter {adapter}" if adapter else "", split, rows, cfg.ray.num_workers)  # fmt: skip
+    run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
+    loop_config = {"config": cfg.to_dict(), "adapter": str(adapter.resolve()) if adapter else None, "run_uri": run.uri}
+    trainer = TorchTrainer(
+        eval_loop_per_worker,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=_scaling(cfg, use_gpu),
+        run_config=ray.train.RunConfig(
+            name=f"{cfg.ray.name}-eval", storage_path=cfg.storage_path, worker_runtime_env={"env_vars": WORKER_ENV}
+        ),
+        datasets={"validation": dataset},
+    )
+    trainer.fit()
+    return {**json.loads(run.read_file(EVAL_RESULT)), "rows": rows, "split": split}
+
+
+def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
+    """cfg with LoRA shaped like a saved adapter's adapter_config.json, so that its weights fit."""
+    path = Path(adapter) / "adapter_config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--adapter: cannot read {path} ({e}); give a PEFT adapter directory") from None
+    raw = cfg.to_dict()
+    targets = saved.get("target_modules") or ["auto"]
+    raw["lora"].update(
+        r=saved.get("r", cfg.lora.r),
+        lora_alpha=saved.get("lora_alpha", cfg.lora.lora_alpha),
+        target_modules=sorted(targets) if isinstance(targets, list | set) else [targets],
+        target_experts=bool(saved.get("target_parameters")),
+    )
+    return Config.from_dict(raw)
+
+
+def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
+    return ray.train.ScalingConfig(
+        num_workers=cfg.ray.num_workers,
+        use_gpu=use_gpu,
+        resources_per_worker=cfg.ray.resources_per_worker,
+        placement_strategy=cfg.ray.placement_strategy,
+    )
 
 
 def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool) -> str:

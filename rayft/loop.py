@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -19,12 +20,12 @@ import torch
 import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
-from rayft.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
+from rayft.checkpoint import Progress, load_adapter_weights, load_checkpoint, save_adapter, save_checkpoint
 from rayft.config import Config
 from rayft.data import collate_fn
 from rayft.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
 from rayft.model import build_model
-from rayft.rundir import RunDir, checkpoint_dir_name
+from rayft.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
 
@@ -168,6 +169,29 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         log.info("final adapter written to %s", final_dir)
     if trackers is not None:
         trackers.close()
+
+
+def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """`rayft eval`: the base model, or base + a trained adapter, scored on one split (token-weighted loss)."""
+    cfg = Config.from_dict(loop_config["config"])
+    rank = ray.train.get_context().get_world_rank()
+    device = ray.train.torch.get_device()
+    _setup_logging(rank)
+    model = build_model(cfg, device.type == "cuda", device)
+    if loop_config.get("adapter"):
+        load_adapter_weights(model, Path(loop_config["adapter"]))
+    collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id)
+    shard = ray.train.get_dataset_shard("validation")
+    started = time.perf_counter()
+    loss = evaluate(model, shard, cfg.train.per_device_eval_batch_size, collate, device)
+    result = {
+        "eval_loss": loss,
+        "eval_perplexity": _perplexity(loss),
+        "eval_s": round(time.perf_counter() - started, 3),
+    }
+    if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
+        RunDir(loop_config["run_uri"]).write_file(EVAL_RESULT, json.dumps(result).encode())
+    ray.train.report(result)
 
 
 def _resume(

@@ -138,9 +138,3 @@ def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPoli
             behind = layers[max(0, i - fsdp.backward_prefetch) : i][::-1]
             if behind:
                 layer.set_modules_to_backward_prefetch(behind)
-
-
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters of the unsharded model (a DTensor's numel is its global size)."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

@@ -9,6 +9,7 @@ from pathlib import Path
 from rayft.checkpoint import STATE_DIR
 from rayft.config import Config, ConfigError, is_uri
 from rayft.lora import LoraTargets
+from rayft.plan import Structure, structure
 from rayft.records import RecordFormat, record_format
 from rayft.sources import SplitSource, resolve_splits
 from rayft.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
@@ -21,8 +22,15 @@ class Preflight:
     records: RecordFormat
     tokenizer: TokenizerFacts
     lora: LoraTargets
-    trainable_params: int
-    total_params: int
+    structure: Structure  # parameter counts, for the memory plan
+
+    @property
+    def trainable_params(self) -> int:
+        return self.structure.lora
+
+    @property
+    def total_params(self) -> int:
+        return self.structure.total + self.structure.lora
 
 
 def preflight(cfg: Config) -> Preflight:
@@ -36,16 +44,16 @@ def preflight(cfg: Config) -> Preflight:
     _check_resume_source(cfg.train.resume_from_checkpoint)
     _check_trackers(cfg.trackers)
 
-    targets, trainable, total = inspect_lora(cfg)
-    return Preflight(train, validation, records, tokenizer, targets, trainable, total)
+    targets, structure = inspect_lora(cfg)
+    return Preflight(train, validation, records, tokenizer, targets, structure)
 
 
-def inspect_lora(cfg: Config) -> tuple[LoraTargets, int, int]:
-    """Resolve LoRA on a weightless copy of the model: (targets, trainable params, total params)."""
-    from rayft.model import parameter_counts, weightless_lora_model
+def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
+    """Resolve LoRA on a weightless copy of the model: the targets and the structure the memory plan needs."""
+    from rayft.model import weightless_lora_model
 
     model, targets = weightless_lora_model(cfg)
-    return (targets, *parameter_counts(model))
+    return targets, structure(model, model.config)
 
 
 def _check_model_dir(path: Path) -> None:

@@ -20,6 +20,7 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
+EVAL_RESULT = "eval.json"  # of a `rayft eval` run
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -82,3 +83,7 @@ class RunDir:
         self.fs.create_dir(self.path, recursive=True)
         with self.fs.open_output_stream(join(self.path, name)) as f:
             f.write(data)
+
+    def read_file(self, name: str) -> bytes:
+        with self.fs.open_input_stream(join(self.path, name)) as f:
+            return f.read()

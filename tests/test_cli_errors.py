@@ -4,6 +4,7 @@ and the job entrypoint, before any cluster work starts; a good config validates 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,9 @@ CASES = {
     "missing model path": (["model.model_name_or_path=/nonexistent/model"], "/nonexistent/model does not exist"),
     "missing dataset path": (["data.dataset_name_or_path=/nonexistent/data"], "/nonexistent/data does not exist"),
     "LoRA targets match nothing": (["lora.target_modules=[q_a_proj]"], "its linear layers are"),
+    "unknown tracker": (["train.report_to=wandb"], "train.report_to: unknown value 'wandb'"),
+    # mlflow is not in the dev/CI environment (constraints.txt): the error a user without it would see
+    "tracker library missing": (["train.report_to=mlflow"], "train.report_to: mlflow needs the mlflow package"),
     "resume from a missing checkpoint": (
         ["train.resume_from_checkpoint=/nonexistent/ckpt"],
         "train.resume_from_checkpoint: /nonexistent/ckpt does not exist",
@@ -63,6 +67,7 @@ def test_a_good_config_validates(good_config):
     result = _validate(good_config)
     assert result.returncode == 0, result.stderr
     assert "config ok" in result.stdout and "LoRA modules: 15" in result.stdout
+    assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.stdout), result.stdout
 
 
 def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tmp_path):
@@ -77,6 +82,8 @@ def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tm
         f"train.output_dir={tmp_path}",
     )
     assert result.returncode == 0, result.stderr
+    for line in ("config ok", "train data: split 'train'", "records: text", "LoRA modules:", "memory plan:"):
+        assert line in result.stdout, result.stdout
 
 
 def test_strict_spread_on_a_one_node_local_cluster_is_refused_not_hung(good_config):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import SEED_CONFIG, STEPS, Fixtures, RayCluster, Run, submit_job
+from conftest import REPO, SEED_CONFIG, STEPS, Fixtures, RayCluster, Run, submit_job
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -99,6 +101,28 @@ def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(refer
     with urllib.request.urlopen(f"{ray_cluster.dashboard}/api/train/v2/runs/v1", timeout=30) as response:
         runs = json.loads(response.read())["train_runs"]
     assert any(run["name"] == "ray_run" for run in runs), [run["name"] for run in runs]
+
+
+def _eval(cluster, config: Path, *args: str) -> float:
+    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
+    result = subprocess.run([sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args], env=env,
+                            capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = re.search(r"eval .* on 'validation' \([\d,]+ rows\): loss ([\d.]+), perplexity ([\d.]+)", result.stdout)
+    assert found, result.stdout + result.stderr[-3000:]
+    assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-3)
+    return float(found[1])
+
+
+def test_eval_scores_the_base_model_and_the_trained_adapter(reference_run: Run, ray_cluster):
+    """`rayft eval --adapter output_dir/final` reproduces the eval loss training reported for that adapter (the
+    best checkpoint's: load_best_model_at_end), and the untrained base scores worse."""
+    config = reference_run.out / "config.yaml"
+    tuned = _eval(ray_cluster, config, "--adapter", str(reference_run.out / "final"))
+    best = min(r["eval_loss"] for r in reference_run.metrics() if "eval_loss" in r)
+    assert tuned == pytest.approx(best, abs=2e-4)
+    base = _eval(ray_cluster, config)
+    assert base > tuned + 0.5
 
 
 def _assert_adapter_matches_training_state(model_dir: Path, final: Path, dcp_dir: Path, cfg: dict, tmp: Path):

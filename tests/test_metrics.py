@@ -68,3 +68,13 @@ def test_loss_plot_is_a_real_png():
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     width, height = struct.unpack(">II", png[16:24])
     assert (width, height) == (800, 450)
+
+
+def test_tensorboard_tracker_writes_event_files(tmp_path):
+    from rayft.metrics import Trackers
+
+    trackers = Trackers(["tensorboard"], str(tmp_path), "run-1", {"train.learning_rate": 1e-4})
+    trackers.log({"loss": 2.5, "tokens_per_s": 1000.0, "mfu_lora": None, "step": 3}, step=3)
+    trackers.close()
+    events = list((tmp_path / "runs" / "run-1").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
