@@ -46,7 +46,7 @@ def ray_pipeline(raw: dict) -> dict:
     from functools import partial
 
     from rayft.config import Config
-    from rayft.data import configure_ray_data, finished, read_split, tokenized
+    from rayft.data import actors_at_start, configure_ray_data, finished, read_split, tokenized
     from rayft.records import record_format
     from rayft.sources import resolve_splits
     from rayft.tokenizer import tokenizer_facts
@@ -57,7 +57,8 @@ def ray_pipeline(raw: dict) -> dict:
     started = time.perf_counter()
     source, _ = resolve_splits(cfg.data)
     fmt = record_format(cfg.data, source.columns(), source.what)
-    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=cfg.data, tokenizer=tokenizer)
+    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=cfg.data, tokenizer=tokenizer,
+                       actors_at_start=actors_at_start(cfg))  # as training's at this cluster size  # fmt: skip
     blocks = tokens = 0
     for batch in finished(tokenize(read_split(source), source.format), cfg.data).iter_batches(batch_format="pyarrow"):
         blocks += batch.num_rows

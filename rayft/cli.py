@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rayft", description="LoRA + FSDP2 fine-tuning on Ray Train.")
+    parser = argparse.ArgumentParser(
+        prog="rayft",
+        description="LoRA + FSDP2 fine-tuning on Ray Train.",
+        epilog="exit codes: 0 ok, 2 usage or configuration error (the message names the key or path), 1 the run "
+        "failed. `rayft COMMAND --help` for each command.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "fine-tune: joins the Ray cluster of `ray job submit` or starts a local one"),
@@ -122,7 +127,8 @@ def _k8s_parser(sub: argparse._SubParsersAction) -> None:
         default = getattr(d, field)
         flag = "--" + field.removesuffix("_s").replace("_after_finished", "").replace("_", "-")
         kind = int if isinstance(default, int) or field == "backoff_limit" else str
-        p.add_argument(flag, dest=field, type=kind, help=f"{text} (default {default})")
+        metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
+        p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text} (default {default})")
     about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
     p = actions.add_parser("validate", help=about, description=about)
     p.add_argument("files", nargs="+", type=Path)

@@ -102,7 +102,7 @@ def build_datasets(
         train, validation = train.train_test_split(test_size=d.val_ratio, shuffle=True, seed=cfg.train.seed)
 
     tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer)
-    train_tokens = tokenize(train, train_src.format)
+    train_tokens = tokenize(train, train_src.format, actors_at_start=actors_at_start(cfg))
     cache = _cache(d, train_src)
 
     def count_train() -> tuple[ray.data.Dataset, SplitStats]:
@@ -146,7 +146,8 @@ def build_eval_dataset(
     if source is None:
         raise ConfigError(f"data: no split '{split}' in {d.dataset_name_or_path}; name one with --split")
     fmt = record_format(d, source.columns(), source.what)
-    tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model))
+    tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model),
+                       actors_at_start(cfg))  # fmt: skip
     dataset = finished(tokens, d).materialize()
     rows = dataset.count()
     if rows < cfg.ray.num_workers:
@@ -154,6 +155,15 @@ def build_eval_dataset(
             f"data: {source.what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}"
         )
     return dataset, rows
+
+
+def actors_at_start(cfg: Config) -> int:
+    """Tokenizer actors to start at once: all of data.tokenize_workers when the cluster has CPUs to spare beyond
+    the training workers and the read/pack tasks, else one. Actors started up front hold their CPUs: more than the
+    cluster can spare would starve the tasks that feed them (a hang, on a small machine)."""
+    cpus = ray.cluster_resources().get("CPU", 0)
+    spare = cpus - cfg.ray.num_workers * (cfg.ray.resources_per_worker or {}).get("CPU", 1)
+    return max(1, min(cfg.data.tokenize_workers, int(spare // 3)))
 
 
 def _cache(d: DataConfig, source: SplitSource) -> bool:
@@ -217,9 +227,11 @@ def _json_array_records(content: bytes) -> list[bytes]:
 
 def tokenized(
     raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
-    tokenizer: TokenizerFacts,
+    tokenizer: TokenizerFacts, actors_at_start: int = 1,
 ) -> ray.data.Dataset:  # fmt: skip
-    """Records → token rows in actors that each load the tokenizer once (skipped records stay, flagged)."""
+    """Records → token rows in actors that each load the tokenizer once (skipped records stay, flagged). The pool
+    starts with `actors_at_start` (their start is most of a small split's time) and grows to
+    data.tokenize_workers as CPUs allow; min 1, so that a split of one block does not warn."""
     return raw.map_batches(
         Tokenize,
         fn_constructor_kwargs={
@@ -233,10 +245,8 @@ def tokenized(
         },
         batch_format="pyarrow",
         batch_size=TOKENIZE_BATCH,
-        # All actors start at once (their start is most of a small split's time); min 1 so that a split of one
-        # block does not warn.
         compute=ray.data.ActorPoolStrategy(
-            min_size=1, max_size=data.tokenize_workers, initial_size=data.tokenize_workers
+            min_size=1, max_size=data.tokenize_workers, initial_size=min(actors_at_start, data.tokenize_workers)
         ),
         num_cpus=1,
     )

@@ -96,7 +96,8 @@ def train(cfg: Config) -> Outcome:
         final_adapter=final,
         run_dir=Path(run.uri),
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
-        metrics=dict(result.metrics or {}),
+        # Ray keeps reported metrics with checkpoints only; without them, the run's own record has the last ones
+        metrics=dict(result.metrics or {}) or _last_metrics(run),
     )
 
 
@@ -253,6 +254,12 @@ def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool) 
             f"({plan.steps_per_epoch} per epoch, warmup {plan.warmup_steps})",
         ]
     )
+
+
+def _last_metrics(run: RunDir) -> dict[str, Any]:
+    rows = run.read_metrics()
+    last = {k: v for row in rows for k, v in row.items()} if rows else {}  # latest value of every key
+    return last
 
 
 def _plot_losses(run: RunDir) -> None:

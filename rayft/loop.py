@@ -24,7 +24,7 @@ from rayft.checkpoint import Progress, load_adapter_weights, load_checkpoint, sa
 from rayft.config import Config
 from rayft.data import collate_fn
 from rayft.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
-from rayft.model import build_model
+from rayft.model import build_model, chunked_loss
 from rayft.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
@@ -47,6 +47,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     tokenizer = load_tokenizer(cfg.model)
     model = build_model(cfg, on_gpu, device)
+    loss_kwargs = chunked_loss(model, on_gpu)
     model.train()
     optimizer = build_optimizer(model, t, on_gpu)
     scheduler = build_scheduler(optimizer, t, plan)
@@ -54,6 +55,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     params = loop_config.get("params", {})
     if rank == 0:
         log.info("%s", _flops_line(flops, peak, device))
+        log.info("loss: %s", "chunked over the vocabulary (TRL's fused LM head, no full logits)" if loss_kwargs
+                 else "from full logits (CPU, or LoRA on the LM head)")  # fmt: skip
     gauges = Gauges(cfg.ray.name) if rank == 0 else None
     trackers = Trackers(cfg.trackers, t.output_dir, cfg.ray.name, _flat(cfg)) if rank == 0 and cfg.trackers else None
 
@@ -64,7 +67,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     collate = collate_fn(cfg.data, tokenizer.pad_token_id)
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
-    evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, collate, device)
+    evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, collate, device, loss_kwargs)
     best_metric = loop_config.get("best_metric")
 
     started, saving_s = time.perf_counter(), 0.0
@@ -87,7 +90,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         eta = elapsed / done * (plan.total_steps - metrics["step"]) if done else None
         _log_progress(metrics, plan, eta)
         # What saving cost so far in this attempt: the share of wall time training stood still.
-        row = {**metrics, **params, "checkpoint_stall_s": round(saving_s, 4), "elapsed_s": round(elapsed, 3)}
+        row = {**metrics, **params, "checkpoint_stall_s": round(saving_s, 4), "elapsed_s": round(elapsed, 3),
+               "time": round(time.time(), 3)}  # fmt: skip
         history.append(row)
         run.write_metrics(history)
         gauges.set(row)
@@ -111,7 +115,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             closes_group = micro - group_start + 1 == in_group
             model.set_requires_gradient_sync(closes_group)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            loss = model(**batch).loss
+            loss = model(**batch, **loss_kwargs).loss
             (loss / in_group).backward()
             mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
             tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=device)
@@ -183,7 +187,9 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id)
     shard = ray.train.get_dataset_shard("validation")
     started = time.perf_counter()
-    loss = evaluate(model, shard, cfg.train.per_device_eval_batch_size, collate, device)
+    loss = evaluate(
+        model, shard, cfg.train.per_device_eval_batch_size, collate, device, chunked_loss(model, device.type == "cuda")
+    )
     result = {
         "eval_loss": loss,
         "eval_perplexity": _perplexity(loss),
@@ -297,14 +303,14 @@ class DataWait:
 
 
 @torch.no_grad()
-def evaluate(model, shard, batch_size: int, collate, device: torch.device) -> float:
+def evaluate(model, shard, batch_size: int, collate, device: torch.device, loss_kwargs: dict | None = None) -> float:
     """Token-weighted mean loss over every rank's validation shard."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         predicted = (batch["labels"][:, 1:] != -100).sum()
-        loss = model(**batch).loss
+        loss = model(**batch, **(loss_kwargs or {})).loss
         totals += torch.stack([loss.double() * predicted, predicted.double()])
     model.reshard()  # no backward follows: free the root's gathered weights now
     model.train()

@@ -84,3 +84,20 @@ def test_data_throughput_baseline_tokenizes_exactly_what_rayft_does(fixtures):
     ]
     summary = wait_summary(rows)
     assert summary["data_wait_share"] == round((1.0 + 1.0) / 20.0, 4) and summary["first_batch_wait_s"] == 4.0
+
+
+def test_train_vs_trl_benchmark_runs_one_step_of_each(tmp_path):
+    """rayft (`python jobs/mistral4.py`) and the seeds' SFTTrainer recipe (torchrun), one optimizer step each."""
+    out = tmp_path / "train_vs_trl.json"
+    result = subprocess.run(
+        [sys.executable, "bench/train_vs_trl.py", "--size", "smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    (seed,) = report["results"]
+    for system in ("rayft", "baseline"):
+        numbers = seed[system]
+        assert numbers["tokens_per_s"] > 0 and numbers["step_time_s"] > 0 and numbers["peak_rss_gib"] > 0.1
+        assert numbers["time_to_first_step_s"] > 0 and len(numbers["losses"]) == 1 and numbers["losses"][0] > 1
+    assert seed["ratio_tokens_per_s"] > 0 and "DDP" in report["settings"]["baseline_note"]

@@ -47,3 +47,34 @@ def test_sharded_lora_model_trains_only_the_adapter(fixtures: Fixtures, tmp_path
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(torch.equal(p.full_tensor(), frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_chunked_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixtures, tmp_path, process_group):
+    """TRL's fused LM head on the FSDP2 + LoRA model: same loss and LoRA gradients as HF's loss over full logits,
+    padding-free packed batches included; not used when the LM head itself carries LoRA."""
+    from rayft.data import PackedCollate
+    from rayft.model import chunked_loss
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["lora"]["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = build_model(Config.from_dict(raw), on_gpu=False)
+    assert chunked_loss(model, on_gpu=False) == {}  # its CPU path is slower than the full logits
+    kwargs = chunked_loss(model, on_gpu=True)  # what a GPU run uses, checked here on CPU
+    assert kwargs == {"fused_lm_head": True}
+    batch = PackedCollate()({"input_ids": [torch.tensor([1, 1784, 3937, 1278, 2]), torch.tensor([1, 8312, 1321, 2])],
+                             "position_ids": [torch.arange(5), torch.arange(4)]})  # fmt: skip
+
+    def loss_and_grads(**extra):
+        loss = model(**batch, **extra).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return loss.item(), grads
+
+    full, full_grads = loss_and_grads()
+    chunked, chunked_grads = loss_and_grads(**kwargs)
+    assert chunked == pytest.approx(full, rel=1e-5)
+    assert all(torch.allclose(chunked_grads[n], g, rtol=1e-4, atol=1e-6) for n, g in full_grads.items())
+
+    raw["lora"]["target_modules"] = [*raw["lora"]["target_modules"], "lm_head"]
+    assert chunked_loss(build_model(Config.from_dict(raw), on_gpu=False), on_gpu=True) == {}

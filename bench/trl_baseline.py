@@ -1,0 +1,120 @@
+"""The seeds' recipe as users run it: TRL `SFTTrainer` with the seed script's `SFTConfig` fields + PEFT LoRA, one
+process per device under torchrun. Started by `train_vs_trl.py` (never on its own); every rank writes
+`<out>/rank<R>.json` with its step end times, tokens and losses.
+
+Differences from the seed script, each because it cannot run as written today or on this machine:
+- `warmup_ratio` (removed from transformers' TrainingArguments) becomes `warmup_steps = ceil(ratio · max_steps)`;
+- `max_seq_length` is now `max_length`; bf16 off on CPU (rayft computes in fp32 on CPU too);
+- empty wikitext lines are dropped (the seed trains on them; rayft skips them): both sides see the same records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+T0 = time.time()  # process start, for the time to the first step
+
+import torch  # noqa: E402
+from datasets import load_dataset  # noqa: E402
+from peft import LoraConfig, TaskType  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+
+class Timeline(TrainerCallback):
+    """Wall time at the end of every optimizer step and the logged losses."""
+
+    def __init__(self, trainer: CountingSFTTrainer):
+        self.trainer = trainer
+        self.steps: list[dict] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append({"step": state.global_step, "time": time.time(), "tokens": self.trainer.tokens})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and self.steps and self.steps[-1]["step"] == state.global_step:
+            self.steps[-1]["loss"] = logs["loss"]
+
+
+class CountingSFTTrainer(SFTTrainer):
+    """Counts the real (non-padding) tokens this rank trains on."""
+
+    tokens = 0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        mask = inputs.get("attention_mask")
+        self.tokens += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--settings", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    s = json.loads(args.settings.read_text())
+    t, lora, data = s["train"], s["lora"], s["data"]
+    rank = int(os.environ.get("RANK", "0"))  # set by torchrun
+
+    files = sorted(str(p) for p in Path(data["dataset_name_or_path"]).glob("*/train-*.parquet"))
+    dataset = load_dataset("parquet", data_files=files, split="train")
+    dataset = dataset.filter(lambda r: bool(r[data["text_field"]].strip()))
+    model = AutoModelForCausalLM.from_pretrained(s["model"]["model_name_or_path"], dtype=torch.float32, use_cache=False)
+    tokenizer = AutoTokenizer.from_pretrained(s["model"]["model_name_or_path"])
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    peft_config = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["lora_alpha"],
+        lora_dropout=lora["lora_dropout"],
+        target_modules=lora["target_modules"],
+        bias="none",
+        task_type=TaskType.CAUSAL_LM,
+    )
+    config = SFTConfig(
+        output_dir=str(args.out / "trainer"),
+        max_steps=t["max_steps"],
+        per_device_train_batch_size=t["per_device_train_batch_size"],
+        gradient_accumulation_steps=t["gradient_accumulation_steps"],
+        gradient_checkpointing=t["gradient_checkpointing"],
+        optim=t["optim"],
+        learning_rate=t["learning_rate"],
+        lr_scheduler_type=t["lr_scheduler_type"],
+        warmup_steps=math.ceil(t["warmup_ratio"] * t["max_steps"]),
+        weight_decay=t["weight_decay"],
+        bf16=False,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        seed=t["seed"],
+        dataset_text_field=data["text_field"],
+        max_length=data["max_length"],
+        packing=data["packing"],
+        use_cpu=True,
+        ddp_backend="gloo",
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+    )
+    trainer = CountingSFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    )
+    timeline = Timeline(trainer)
+    trainer.add_callback(timeline)
+    started = time.time()
+    trainer.train()
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(
+        json.dumps({"process_start": T0, "train_start": started, "steps": timeline.steps, "peak_rss_gib": peak_rss_gib})
+    )
+
+
+if __name__ == "__main__":
+    main()
