@@ -107,7 +107,7 @@ def validate(doc: Any, directory: Path | None = None) -> list[str]:
 
 def operator_rules(doc: dict[str, Any]) -> list[str]:
     kind, spec = doc["kind"], doc["spec"]
-    problems = _name_rules(kind, doc["metadata"].get("name", ""))
+    problems = name_problems(kind, doc["metadata"].get("name", ""))
     if kind == "RayJob":
         problems += _rayjob_rules(spec)
         if "rayClusterSpec" in spec:
@@ -117,7 +117,7 @@ def operator_rules(doc: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _name_rules(kind: str, name: str) -> list[str]:
+def name_problems(kind: str, name: str) -> list[str]:
     limit = MAX_NAME.get(kind, 63)
     if not DNS_1035.match(name) or len(name) > limit:
         return [f"metadata.name: '{name}' must be a DNS-1035 label of at most {limit} characters"]

@@ -9,19 +9,17 @@ and the Ray storage path, so a checkpoint written by any worker is seen by all a
 from __future__ import annotations
 
 import dataclasses
-import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rayft.config import Config, ConfigError, is_uri
+from rayft.crd import MAX_NAME, name_problems
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
 IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
-DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-MAX_NAME = 47  # KubeRay's limit for a RayJob name (it derives the cluster's and services' names from it)
 DASHBOARD_PORT = 8265
 
 
@@ -55,10 +53,10 @@ class Deployment:
     backoff_limit: int | None = None
 
     def check(self) -> None:
-        if not DNS_1035.match(self.name) or len(self.name) > MAX_NAME:
+        if name_problems("RayJob", self.name):
             raise ConfigError(
                 f"--name: '{self.name}' is not a valid RayJob name (lower-case letters, digits and '-', starting "
-                f"with a letter, at most {MAX_NAME} characters)"
+                f"with a letter, at most {MAX_NAME['RayJob']} characters)"
             )
         if self.gpus_per_pod < 1:
             raise ConfigError(f"--gpus-per-pod: must be at least 1, got {self.gpus_per_pod}")

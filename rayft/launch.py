@@ -46,11 +46,7 @@ def train(cfg: Config) -> Outcome:
         log.warning(checked.lora.warning)
     run = RunDir(cfg.run_uri)
     resume_from = _resume_source(cfg, run)
-    started_locally = connect(cfg.ray)
-    use_gpu = resolve_use_gpu(cfg.ray)
-    if not use_gpu:
-        cfg.check_cpu_precision()
-    _check_placement(cfg.ray, cluster_can_grow=not started_locally)
+    use_gpu = join_cluster(cfg)
 
     datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
@@ -184,11 +180,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
     same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets)."""
     cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
     checked = preflight(cfg)
-    started_locally = connect(cfg.ray)
-    use_gpu = resolve_use_gpu(cfg.ray)
-    if not use_gpu:
-        cfg.check_cpu_precision()
-    _check_placement(cfg.ray, cluster_can_grow=not started_locally)
+    use_gpu = join_cluster(cfg)
     dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer)
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path,
              f" + adapter {adapter}" if adapter else "", split, rows, cfg.ray.num_workers)  # fmt: skip
@@ -226,6 +218,16 @@ def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
     return Config.from_dict(raw)
 
 
+def join_cluster(cfg: Config) -> bool:
+    """Connect, decide GPU or CPU, and refuse what this cluster cannot run; returns use_gpu."""
+    started_locally = connect(cfg.ray)
+    use_gpu = resolve_use_gpu(cfg.ray)
+    if not use_gpu:
+        cfg.check_cpu_precision()
+    _check_placement(cfg.ray, cluster_can_grow=not started_locally)
+    return use_gpu
+
+
 def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
     return ray.train.ScalingConfig(
         num_workers=cfg.ray.num_workers,
@@ -257,9 +259,7 @@ def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool) 
 
 
 def _last_metrics(run: RunDir) -> dict[str, Any]:
-    rows = run.read_metrics()
-    last = {k: v for row in rows for k, v in row.items()} if rows else {}  # latest value of every key
-    return last
+    return {k: v for row in run.read_metrics() for k, v in row.items()}  # the latest value of every key
 
 
 def _plot_losses(run: RunDir) -> None:

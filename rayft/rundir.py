@@ -70,8 +70,7 @@ class RunDir:
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.exists(METRICS):
             return []
-        with self.fs.open_input_stream(join(self.path, METRICS)) as f:
-            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+        return [json.loads(line) for line in self.read_file(METRICS).decode().splitlines() if line.strip()]
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Rewritten whole each time: object stores cannot append, and the file stays small."""
