@@ -7,9 +7,10 @@ One invocation, alternating (rayft, baseline, rayft, baseline, ...), each as use
 Both from the seed YAML (../shared/seeds/configs/mistral4small_fsdp_2xH200.yaml) pointed at the same tiny
 Mistral-architecture model (real tekken tokenizer, 131k vocab) and the same wikitext-shaped data; same LoRA
 (the seed's r, alpha, dropout, targets), sequence length, effective batch (per device × accumulation × 2), AdamW,
-LR schedule, seed. Reported per system (median over repeats): steady-state tokens/s (real tokens, padding not
-counted; steps after the first), step time, peak host RSS of the worst process, time from launch to the first
-optimizer step, the loss per step; and the ratio rayft/baseline.
+LR schedule, seed, bf16 (CPU autocast on both sides). Reported per system (median over repeats): steady-state
+tokens/s (real tokens, padding not counted; steps after the first), step time, peak host RSS of the worst process,
+time from launch to the first optimizer step, the loss per step; and the ratio rayft/baseline. Then a loss-parity
+run: one worker each on the same data order, with rayft under another seed as the noise yardstick.
 
 On CPU accelerate cannot apply FSDP (its FSDP path is for accelerator devices; a CPU run is MULTI_CPU = DDP), so the
 baseline runs DDP there: less communication than rayft's FSDP2, which favours the baseline.
@@ -37,15 +38,16 @@ SEED_YAML = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2
 MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2}  # fmt: skip
 SIZES = {
-    "default": {"steps": 16, "repeats": 2, "articles": 400, "settings": ["seed", "packed"]},
-    "smoke": {"steps": 1, "repeats": 1, "articles": 40, "settings": ["seed"]},
+    "default": {"steps": 16, "repeats": 2, "articles": 400, "settings": ["seed", "packed"], "parity_steps": 12},
+    "smoke": {"steps": 1, "repeats": 1, "articles": 40, "settings": ["seed"], "parity_steps": 0},
 }
 # "seed": the seed YAML as it is (packing false: each line padded to the longest in its batch) on both sides.
 # "packed": packing on both sides (rayft: padding-free blocks; TRL: packing=True, its default strategy).
 SETTINGS = {"seed": {"packing": False}, "packed": {"packing": True}}
 BASELINE_NOTE = (
     "accelerate applies FSDP only on accelerator devices; on CPU the baseline runs DDP (MULTI_CPU), which "
-    "communicates less than FSDP2"
+    "communicates less than rayft's FSDP2 (full shard over both workers, as the seed's accelerate config asks). "
+    "Both compute in bf16 as the seed YAML says (bf16: true): CPU autocast over fp32 weights."
 )
 
 
@@ -57,7 +59,7 @@ def seed_settings(root: Path, model: Path, dataset: Path, steps: int, packing: b
     raw["data"].update(dataset_name_or_path=str(dataset), max_length=256, packing=packing)
     raw["train"].update(
         output_dir=str(root / "out"), max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        logging_steps=1, eval_strategy="no", save_strategy="no", bf16=False,
+        logging_steps=1, eval_strategy="no", save_strategy="no",
     )  # fmt: skip
     raw["ray"] = {"num_workers": 2, "placement_strategy": "PACK"}
     return raw
@@ -89,20 +91,22 @@ def run_rayft(raw: dict, work: Path) -> dict:
     }
 
 
-def run_baseline(raw: dict, work: Path) -> dict:
+def run_baseline(raw: dict, work: Path, sequential: bool = False) -> dict:
     work.mkdir(parents=True)
     settings = work / "settings.json"
     settings.write_text(json.dumps(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    nproc = raw["ray"]["num_workers"]
     started = time.time()
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "bench" / "trl_baseline.py"), "--settings", str(settings), "--out", str(work)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+         str(free_port()), str(REPO / "bench" / "trl_baseline.py"), "--settings", str(settings), "--out", str(work),
+         *(["--sequential"] if sequential else [])],
         cwd=work, env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"baseline failed:\n{done.stderr[-4000:]}")
-    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(nproc)]
     steps = ranks[0]["steps"]
     tokens = [sum(rank["steps"][i]["tokens"] for rank in ranks) for i in range(len(steps))]
     if len(steps) > 1:
@@ -146,6 +150,32 @@ def compare(name: str, runs: dict[str, list[dict]]) -> dict:
     }
 
 
+def loss_parity(root: Path, model: Path, dataset: Path, steps: int) -> dict:
+    """Both systems on the same data order (one worker, records in file order, no shuffle), so the loss per step
+    is comparable batch for batch. The yardstick for "within noise" is rayft against itself under another seed
+    (another LoRA init and dropout draw, same batches)."""
+    raw = seed_settings(root, model, dataset, steps, packing=False)
+    raw["ray"]["num_workers"] = 1
+    raw["data"]["shuffle_buffer_size"] = 0
+    ours = run_rayft(raw, root / "parity-rayft")["losses"]
+    theirs = run_baseline(raw, root / "parity-trl", sequential=True)["losses"]
+    raw["train"]["seed"] += 1
+    reseeded = run_rayft(raw, root / "parity-rayft-reseeded")["losses"]
+
+    def gap(a: list[float], b: list[float]) -> float:
+        return round(max(abs(x - y) for x, y in zip(a, b, strict=False)), 4)
+
+    return {
+        "steps": steps,
+        "order": "one worker each, records in file order (rayft shuffle_buffer_size 0, TRL sequential sampler)",
+        "rayft": ours,
+        "baseline": theirs,
+        f"rayft_seed_{raw['train']['seed']}": reseeded,
+        "max_abs_diff_rayft_vs_baseline": gap(ours, theirs),
+        "max_abs_diff_rayft_vs_reseeded": gap(ours, reseeded),
+    }
+
+
 def run(size: str) -> dict:
     from rayft import demo
 
@@ -161,6 +191,7 @@ def run(size: str) -> dict:
             runs["rayft"].append(run_rayft(raw, root / f"{name}-rayft-{i}"))
             runs["baseline"].append(run_baseline(raw, root / f"{name}-trl-{i}"))
         results.append(compare(name, runs))
+    parity = loss_parity(root, model, dataset, s["parity_steps"]) if s["parity_steps"] else None
     return {
         **machine(),
         "settings": {
@@ -174,6 +205,7 @@ def run(size: str) -> dict:
             "baseline_note": BASELINE_NOTE,
         },
         "results": results,
+        "loss_parity": parity,
     }
 
 

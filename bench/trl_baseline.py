@@ -4,7 +4,7 @@ process per device under torchrun. Started by `train_vs_trl.py` (never on its ow
 
 Differences from the seed script, each because it cannot run as written today or on this machine:
 - `warmup_ratio` (removed from transformers' TrainingArguments) becomes `warmup_steps = ceil(ratio · max_steps)`;
-- `max_seq_length` is now `max_length`; bf16 off on CPU (rayft computes in fp32 on CPU too);
+- `max_seq_length` is now `max_length`; `use_cpu` and the gloo backend on a CPU machine;
 - empty wikitext lines are dropped (the seed trains on them; rayft skips them): both sides see the same records.
 """
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--settings", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sequential", action="store_true", help="records in file order (the loss-parity runs)")
     args = parser.parse_args()
     s = json.loads(args.settings.read_text())
     t, lora, data = s["train"], s["lora"], s["data"]
@@ -88,7 +89,7 @@ def main() -> None:
         lr_scheduler_type=t["lr_scheduler_type"],
         warmup_steps=math.ceil(t["warmup_ratio"] * t["max_steps"]),
         weight_decay=t["weight_decay"],
-        bf16=False,
+        bf16=t["bf16"],  # on CPU: bf16 autocast, as rayft does there
         logging_steps=1,
         eval_strategy="no",
         save_strategy="no",
@@ -100,6 +101,7 @@ def main() -> None:
         use_cpu=True,
         ddp_backend="gloo",
         dataloader_drop_last=True,
+        train_sampling_strategy="sequential" if args.sequential else "random",
         disable_tqdm=True,
     )
     trainer = CountingSFTTrainer(

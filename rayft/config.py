@@ -114,6 +114,9 @@ class DataConfig:
     completion_only_loss: bool | None = None
     # Concatenate examples and cut max_length blocks; positions restart per document (padding-free batches).
     packing: bool = False
+    # Padded (unpacked) batches: the length rounded up to a multiple of this (at most max_length), so kernels see a
+    # few shapes rather than one per batch (CPU bf16 matmuls compile a kernel for every new shape).
+    pad_to_multiple_of: int = 64
     # Wikitext stores one paragraph per record: join each article's lines (split at ` = Title = ` headings).
     join_wikitext_articles: bool = False
     # Keep the tokenized training split in Ray's object store (spilling to disk if needed) instead of re-reading
@@ -150,6 +153,9 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
+    # Loss straight from the hidden states, chunk by chunk, never the full logits (see rayft/loss.py).
+    fused_loss: bool = True
+    # GPU: FSDP2 computes in bf16 (fp32 gradients reduced). CPU: bf16 autocast where the CPU has bf16 instructions.
     bf16: bool = True
     fp16: bool = False
     logging_steps: int = 25
@@ -177,8 +183,9 @@ class TrainConfig:
 
 @dataclass
 class FsdpConfig:
-    # Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward (ZeRO-2).
-    reshard_after_forward: bool = True
+    # Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward (ZeRO-2), and across
+    # the micro-batches of a step. None: True when weights are sharded over several workers, else False.
+    reshard_after_forward: bool | None = None
     # Compute dtype of gathered weights; "auto" = bfloat16 on GPU when train.bf16, float32 on CPU.
     param_dtype: str = "auto"
     reduce_dtype: str = "float32"
@@ -188,6 +195,20 @@ class FsdpConfig:
     # Layers whose all-gather is issued ahead of time; 0 leaves it to FSDP2's implicit prefetching.
     forward_prefetch: int = 1
     backward_prefetch: int = 1
+    # Workers each weight is sharded over; None = all of them (FSDP). 1 = every worker holds the whole model and no
+    # weight is ever gathered (DDP-like, for models that fit one worker); k = HSDP: sharded within groups of k
+    # workers (a node), replicated across the groups, so only the LoRA gradients cross between groups.
+    shard_size: int | None = None
+
+    def shard_group(self, world_size: int) -> int:
+        """Workers that together hold one copy of the weights."""
+        return self.shard_size or world_size
+
+    def reshards(self, world_size: int) -> bool:
+        """`reshard_after_forward` resolved: freeing gathered weights saves memory only when they are sharded."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.shard_group(world_size) > 1
 
 
 @dataclass
@@ -358,6 +379,14 @@ class Config:
         _one_of("fsdp.param_dtype", f.param_dtype, (*DTYPES, "auto"))
         _one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
         _at_least("fsdp.forward_prefetch", f.forward_prefetch, 0)
+        _at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
+        if f.shard_size is not None:
+            _at_least("fsdp.shard_size", f.shard_size, 1)
+            if r.num_workers % f.shard_size:
+                raise ConfigError(
+                    f"fsdp.shard_size {f.shard_size} must divide ray.num_workers {r.num_workers} "
+                    "(groups of shard_size workers each hold one full copy of the model)"
+                )
         _at_least("fsdp.backward_prefetch", f.backward_prefetch, 0)
         if r.use_gpu is False:
             self.check_cpu_precision()

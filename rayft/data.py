@@ -429,11 +429,11 @@ def _labels(input_ids: np.ndarray, loss_mask: np.ndarray | None) -> np.ndarray:
 
 
 class PadCollate(NumpyBatchCollateFn):
-    """Right-pad to the longest example in the batch; padding is masked out of attention and loss, and so are
-    prompt tokens when the examples carry a loss mask."""
+    """Right-pad to the longest example in the batch, rounded up to `multiple` (capped at `max_length`); padding is
+    masked out of attention and loss, and so are prompt tokens when the examples carry a loss mask."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None):
+        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         import torch
@@ -441,6 +441,8 @@ class PadCollate(NumpyBatchCollateFn):
         seqs = batch["input_ids"]
         masks = batch.get("loss_mask")
         longest = max(len(s) for s in seqs)
+        rounded = -(-longest // self.multiple) * self.multiple
+        longest = max(longest, min(rounded, self.max_length or rounded))
         input_ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)
         labels = torch.full((len(seqs), longest), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -474,4 +476,4 @@ class PackedCollate(NumpyBatchCollateFn):
 
 
 def collate_fn(data: DataConfig, pad_id: int) -> NumpyBatchCollateFn:
-    return PackedCollate() if data.packing else PadCollate(pad_id)
+    return PackedCollate() if data.packing else PadCollate(pad_id, data.pad_to_multiple_of, data.max_length)

@@ -8,7 +8,8 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -24,7 +25,7 @@ from rayft.checkpoint import Progress, load_adapter_weights, load_checkpoint, sa
 from rayft.config import Config
 from rayft.data import collate_fn
 from rayft.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
-from rayft.model import build_model, chunked_loss
+from rayft.model import build_model, cpu_autocast, cpu_bf16, fused_loss, set_gradient_sync
 from rayft.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
@@ -47,7 +48,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     tokenizer = load_tokenizer(cfg.model)
     model = build_model(cfg, on_gpu, device)
-    loss_kwargs = chunked_loss(model, on_gpu)
+    not_fused = fused_loss(model, cfg)
+    autocast = cpu_autocast(cfg, device)
     model.train()
     optimizer = build_optimizer(model, t, on_gpu)
     scheduler = build_scheduler(optimizer, t, plan)
@@ -55,8 +57,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     params = loop_config.get("params", {})
     if rank == 0:
         log.info("%s", _flops_line(flops, peak, device))
-        log.info("loss: %s", "chunked over the vocabulary (TRL's fused LM head, no full logits)" if loss_kwargs
-                 else "from full logits (CPU, or LoRA on the LM head)")  # fmt: skip
+        log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
+        log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
     gauges = Gauges(cfg.ray.name) if rank == 0 else None
     trackers = Trackers(cfg.trackers, t.output_dir, cfg.ray.name, _flat(cfg)) if rank == 0 and cfg.trackers else None
 
@@ -67,7 +69,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     collate = collate_fn(cfg.data, tokenizer.pad_token_id)
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
-    evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, collate, device, loss_kwargs)
+    evaluate_now = partial(evaluate, model, val_shard, t.per_device_eval_batch_size, collate, device, autocast)
     best_metric = loop_config.get("best_metric")
 
     started, saving_s = time.perf_counter(), 0.0
@@ -105,6 +107,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
     last_saved, last_evaluated = progress.step, -1
     accum = t.gradient_accumulation_steps
+    layers_kept = not cfg.fsdp.reshards(plan.world_size)
     one = torch.ones((), dtype=torch.float64, device=device)
     while progress.step < plan.total_steps:
         skip = progress.batches_in_epoch
@@ -113,9 +116,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             group_start = micro - micro % accum
             in_group = min(accum, plan.micro_batches_per_epoch - group_start)
             closes_group = micro - group_start + 1 == in_group
-            model.set_requires_gradient_sync(closes_group)
+            set_gradient_sync(model, closes_group, layers_kept)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            loss = model(**batch, **loss_kwargs).loss
+            with autocast():
+                loss = model(**batch).loss
             (loss / in_group).backward()
             mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
             tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=device)
@@ -149,11 +153,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             saving = _due(t.save_strategy, t.save_steps, step, done, micro, plan)
             if metrics or saving:
                 metrics.update(step=step, epoch=round(progress.epoch + (micro + 1) / plan.micro_batches_per_epoch, 4))
-            if saving:
-                save(metrics)
+            if saving:  # metrics reach Ray with checkpoints only: a report without one is a cross-rank barrier
+                save(metrics)  # through an actor (about a second on a busy machine) that keeps nothing
                 last_saved = step
-            elif metrics:
-                ray.train.report(metrics)
             if "loss" in metrics or "eval_loss" in metrics:
                 record(metrics)
             if done:
@@ -182,14 +184,13 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     _setup_logging(rank)
     model = build_model(cfg, device.type == "cuda", device)
+    fused_loss(model, cfg)
     if loop_config.get("adapter"):
         load_adapter_weights(model, Path(loop_config["adapter"]))
     collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id)
     shard = ray.train.get_dataset_shard("validation")
     started = time.perf_counter()
-    loss = evaluate(
-        model, shard, cfg.train.per_device_eval_batch_size, collate, device, chunked_loss(model, device.type == "cuda")
-    )
+    loss = evaluate(model, shard, cfg.train.per_device_eval_batch_size, collate, device, cpu_autocast(cfg, device))
     result = {
         "eval_loss": loss,
         "eval_perplexity": _perplexity(loss),
@@ -303,14 +304,17 @@ class DataWait:
 
 
 @torch.no_grad()
-def evaluate(model, shard, batch_size: int, collate, device: torch.device, loss_kwargs: dict | None = None) -> float:
+def evaluate(
+    model, shard, batch_size: int, collate, device: torch.device, autocast: Callable[[], Any] = nullcontext
+) -> float:
     """Token-weighted mean loss over every rank's validation shard."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         predicted = (batch["labels"][:, 1:] != -100).sum()
-        loss = model(**batch, **(loss_kwargs or {})).loss
+        with autocast():
+            loss = model(**batch).loss
         totals += torch.stack([loss.double() * predicted, predicted.double()])
     model.reshard()  # no backward follows: free the root's gathered weights now
     model.train()
@@ -364,6 +368,14 @@ def _hardware_metrics(tokens_per_s: float, world: int, flops, peak: float | None
 
 def _perplexity(loss: float) -> float | None:
     return math.exp(loss) if math.isfinite(loss) and loss < 700 else None
+
+
+def _precision_line(model, bf16_on_cpu: bool, on_gpu: bool) -> str:
+    stored = next(p for p in model.parameters() if not p.requires_grad).dtype
+    if on_gpu:
+        return f"FSDP2 mixed precision, base weights stored as {stored}"
+    compute = "bfloat16 (CPU autocast)" if bf16_on_cpu else "float32"
+    return f"matmuls in {compute}, base weights stored as {stored}"
 
 
 def _flops_line(flops, peak: float | None, device) -> str:

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 import peft
 import torch
+import torch.distributed as dist
 import transformers
 from accelerate import init_empty_weights
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
 from rayft.lora import LoraTargets, apply_lora, wrap
+from rayft.loss import fuse_loss
 from rayft.weights import buffers_kept, load_sharded_
 
 
@@ -28,7 +34,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(model, cfg.lora)
-    apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu))
+    apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
     if sharded:
         with buffers_kept(model):
             model.to_empty(device=device or torch.device("cpu"))
@@ -36,19 +42,11 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     return model
 
 
-def chunked_loss(model: peft.PeftModel, on_gpu: bool) -> dict[str, bool]:
-    """Forward kwargs for a loss that never holds the (tokens × vocab) logits: TRL's fused LM head scores the labels
-    chunk by chunk (a 131k vocabulary is 0.5 MB of fp32 logits per token, the largest activation of a step).
-    GPU only: its CPU path is twice as slow as the full logits (measured here). Not when the LM head carries LoRA:
-    the fused head multiplies by its bare weight."""
-    base = model.get_base_model()
-    head = base.get_output_embeddings()
-    if not on_gpu or head is None or isinstance(head, peft.tuners.lora.LoraLayer):
-        return {}
-    from trl.trainer.utils import add_fused_lm_head
-
-    add_fused_lm_head(base)
-    return {"fused_lm_head": True}
+def fused_loss(model: peft.PeftModel, cfg: Config) -> str | None:
+    """Take the loss from the hidden states chunk by chunk (`rayft.loss`); returns why not, or None when it does."""
+    if not cfg.train.fused_loss:
+        return "train.fused_loss is false"
+    return fuse_loss(model.get_base_model())
 
 
 def text_config(model_dir: str) -> PretrainedConfig:
@@ -115,6 +113,22 @@ def _dtype(model_cfg: ModelConfig, config: PretrainedConfig | None) -> torch.dty
     return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else torch.bfloat16
 
 
+def cpu_bf16(cfg: Config, device: torch.device) -> bool:
+    """`train.bf16` on CPU: matmuls autocast to bf16 where the CPU has bf16 instructions (AVX512-BF16, AMX); elsewhere
+    bf16 is emulated and slower than fp32. FSDP keeps fp32 weights there: gloo cannot gather bf16."""
+    return (
+        device.type == "cpu"
+        and cfg.train.bf16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def cpu_autocast(cfg: Config, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """The context each forward runs in: bf16 autocast per `cpu_bf16`, else a no-op (GPU precision is FSDP's)."""
+    return partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=cpu_bf16(cfg, device))
+
+
 def mixed_precision(cfg: Config, on_gpu: bool) -> MixedPrecisionPolicy:
     if cfg.fsdp.param_dtype == "auto":
         param_dtype = torch.bfloat16 if (on_gpu and cfg.train.bf16) else torch.float32
@@ -134,16 +148,35 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPolicy) -> None:
+def fsdp_mesh(fsdp: FsdpConfig, device_type: str) -> DeviceMesh | None:
+    """None (fully_shard's default: shard over every rank), or a (replicate, shard) mesh for `fsdp.shard_size`."""
+    world = dist.get_world_size()
+    shards = fsdp.shard_group(world)
+    if shards == world:
+        return None
+    return init_device_mesh(device_type, (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPolicy, device_type: str = "cpu") -> None:
     """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head)."""
     offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    mesh = fsdp_mesh(fsdp, device_type)
+    reshard = fsdp.reshards(dist.get_world_size())
     layers = decoder_layers(model)
     for layer in layers:
         fully_shard(
-            layer, mp_policy=mp_policy, reshard_after_forward=fsdp.reshard_after_forward, offload_policy=offload
+            layer,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard,
+            offload_policy=offload,
         )
     # The root's weights are needed again right at the start of backward: keep them gathered.
-    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    if not any(p.requires_grad for p in model.parameters() if id(p) not in in_layers):
+        # Frozen embeddings + LM head never change: gathered once, not again for every micro-batch.
+        model.set_reshard_after_backward(False, recurse=False)
     for i, layer in enumerate(layers):
         if fsdp.forward_prefetch:
             ahead = layers[i + 1 : i + 1 + fsdp.forward_prefetch]
@@ -153,3 +186,13 @@ def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPoli
             behind = layers[max(0, i - fsdp.backward_prefetch) : i][::-1]
             if behind:
                 layer.set_modules_to_backward_prefetch(behind)
+
+
+def set_gradient_sync(model: FSDPModule, sync: bool, layers_kept: bool) -> None:
+    """Between the micro-batches of a step: no gradient reduction; and layers that stay gathered after forward
+    (`fsdp.reshards` false) stay gathered after backward too, since no weight changes before the optimizer step:
+    one gather per step instead of one per micro-batch."""
+    model.set_requires_gradient_sync(sync)
+    if layers_kept:
+        for layer in decoder_layers(model):
+            layer.set_reshard_after_backward(sync, recurse=False)

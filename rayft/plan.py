@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from rayft.config import Config
+from rayft.loss import chunk_rows
 
 GIB = 2**30
 GPU_GIB = {"h100": 79.6, "h200": 139.8}  # usable memory the device reports
@@ -83,19 +84,22 @@ def plan_memory(cfg: Config, s: Structure, world_size: int, on_gpu: bool, gpu: s
     c = 2 if (on_gpu and cfg.train.bf16 and cfg.fsdp.param_dtype in ("auto", "bfloat16")) else 4
     p = 4 if cfg.model.torch_dtype == "float32" else 2
     tokens = cfg.data.max_length * cfg.train.per_device_train_batch_size
-    gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshard_after_forward else s.layers
+    shards = cfg.fsdp.shard_group(world_size)
+    # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
+    logit_rows = min(tokens, chunk_rows(s.vocab, on_gpu)) if cfg.train.fused_loss else tokens
+    gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards(world_size) else s.layers
     layer_working_set = tokens * s.hidden * 17 * c + tokens * s.top_k * s.moe_intermediate * 3 * c
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
         activations, label = s.layers * tokens * s.hidden * c + layer_working_set, "activations (AC on)"
     else:
         activations, label = s.layers * layer_working_set, "activations (AC off)"
     rows = [
-        (f"sharded weights (/{world_size})", s.total * p / world_size),
+        (f"sharded weights (/{shards})", s.total * p / shards),
         (f"gathered layers ({gathered_layers} x {_count(s.largest_layer)})", gathered_layers * s.largest_layer * c),
         ("gathered root (embeddings, head)", s.root * c),
-        (f"LoRA params+grads+AdamW (/{world_size})", s.lora * 16 / world_size),
+        (f"LoRA params+grads+AdamW (/{shards})", s.lora * 16 / shards),
         (label, activations),
-        ("logits + loss", tokens * s.vocab * (c + 8)),
+        ("logits + loss", logit_rows * s.vocab * (c + 8)),
     ]
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))

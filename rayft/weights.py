@@ -126,7 +126,7 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
             for name, param in model.named_parameters():
                 local, start = _local_rows(param)
                 if ".lora_" in name:
-                    _init_lora_(name, local)
+                    _init_lora_(name, local, param.shape, start)
                     continue
                 base_name = model_param_name(name)
                 try:
@@ -179,12 +179,15 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return param.to_local(), (offset[0] if offset else 0)
 
 
-def _init_lora_(name: str, local: torch.Tensor) -> None:
-    """PEFT's default init, per shard: A ~ kaiming-uniform (fan-in is the unsharded dim 1), B = 0."""
+def _init_lora_(name: str, local: torch.Tensor, shape: torch.Size, start: int) -> None:
+    """PEFT's default init: A ~ kaiming-uniform, B = 0. Every rank draws the whole (small) A from the same seeded
+    stream and keeps its rows, so the adapter starts the same however the weights are sharded or replicated."""
     if ".lora_B." in name:
         local.zero_()
-    else:
-        nn.init.kaiming_uniform_(local, a=math.sqrt(5))
+        return
+    full = torch.empty(shape, dtype=local.dtype, device=local.device)
+    nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+    local.copy_(full[start : start + local.shape[0]])
 
 
 @contextmanager

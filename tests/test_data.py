@@ -244,6 +244,11 @@ def test_collate_pads_right_and_masks_padding_out_of_the_loss():
     assert batch["input_ids"].tolist() == [[1, 5, 2], [1, 2, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].tolist() == [[1, 5, 2], [1, 2, IGNORE_INDEX]]
+    rounded = PadCollate(pad_id=11, multiple=4, max_length=6)({"input_ids": [np.array([1, 5, 2]), np.array([1, 2])]})
+    assert rounded["input_ids"].tolist() == [[1, 5, 2, 11], [1, 2, 11, 11]]  # 3 → 4: a few shapes, not one per batch
+    assert rounded["labels"].tolist() == [[1, 5, 2, IGNORE_INDEX], [1, 2, IGNORE_INDEX, IGNORE_INDEX]]
+    capped = PadCollate(pad_id=11, multiple=4, max_length=6)({"input_ids": [np.array([1, 5, 2, 7, 2])]})
+    assert capped["input_ids"].tolist() == [[1, 5, 2, 7, 2, 11]]  # never beyond max_length
 
 
 def test_plan_counts_equal_shards_and_partial_accumulation():

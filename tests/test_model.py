@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from conftest import Fixtures, tiny_config
 
 from rayft.config import Config
+from rayft.lora import DENSE_TARGETS as DENSE
 from rayft.model import build_model, decoder_layers, mixed_precision
 
 
@@ -49,32 +51,110 @@ def test_sharded_lora_model_trains_only_the_adapter(fixtures: Fixtures, tmp_path
     assert all(torch.equal(p.full_tensor(), frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
-def test_chunked_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixtures, tmp_path, process_group):
-    """TRL's fused LM head on the FSDP2 + LoRA model: same loss and LoRA gradients as HF's loss over full logits,
-    padding-free packed batches included; not used when the LM head itself carries LoRA."""
-    from rayft.data import PackedCollate
-    from rayft.model import chunked_loss
+@pytest.mark.parametrize("batching", ["packed", "padded"])
+def test_fused_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixtures, tmp_path, process_group, batching):
+    """rayft.loss on the FSDP2 + LoRA model: the loss and LoRA gradients of transformers' loss over full logits, in
+    fp32 and under CPU bf16 autocast, for padding-free and padded batches; eval (no grad) too."""
+    from rayft.data import PackedCollate, PadCollate
+    from rayft.model import fused_loss
 
     raw = tiny_config(fixtures, tmp_path)
-    raw["lora"]["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    raw["lora"].update(target_modules=list(DENSE), lora_dropout=0.0)
+    torch.manual_seed(0)
     model = build_model(Config.from_dict(raw), on_gpu=False)
-    assert chunked_loss(model, on_gpu=False) == {}  # its CPU path is slower than the full logits
-    kwargs = chunked_loss(model, on_gpu=True)  # what a GPU run uses, checked here on CPU
-    assert kwargs == {"fused_lm_head": True}
-    batch = PackedCollate()({"input_ids": [torch.tensor([1, 1784, 3937, 1278, 2]), torch.tensor([1, 8312, 1321, 2])],
-                             "position_ids": [torch.arange(5), torch.arange(4)]})  # fmt: skip
+    with torch.no_grad():  # B = 0 at init would leave A's gradients zero: give both something to show
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    seqs = [torch.tensor([1, 1784, 3937, 1278, 2]), torch.tensor([1, 8312, 1321, 2])]
+    if batching == "packed":
+        batch = PackedCollate()({"input_ids": seqs, "position_ids": [torch.arange(5), torch.arange(4)]})
+    else:
+        batch = PadCollate(pad_id=11)({"input_ids": seqs})
 
-    def loss_and_grads(**extra):
-        loss = model(**batch, **extra).loss
+    def loss_and_grads(bf16: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss
         loss.backward()
         grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
         model.zero_grad(set_to_none=True)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            assert model(**batch).loss.item() == pytest.approx(loss.item(), rel=1e-6)
         return loss.item(), grads
 
-    full, full_grads = loss_and_grads()
-    chunked, chunked_grads = loss_and_grads(**kwargs)
-    assert chunked == pytest.approx(full, rel=1e-5)
-    assert all(torch.allclose(chunked_grads[n], g, rtol=1e-4, atol=1e-6) for n, g in full_grads.items())
+    full = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}
+    assert fused_loss(model, Config.from_dict(raw)) is None
+    assert model(**batch).logits is None  # the fused path is the one running
+    fused = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}
+    for bf16, tolerance in ((False, 1e-4), (True, 2e-2)):
+        (full_loss, full_grads), (fused_loss_, fused_grads) = full[bf16], fused[bf16]
+        assert fused_loss_ == pytest.approx(full_loss, rel=tolerance)
+        for name, grad in full_grads.items():
+            assert grad.abs().sum() > 0, name
+            assert torch.allclose(fused_grads[name], grad, rtol=tolerance, atol=tolerance * grad.abs().max()), name
 
-    raw["lora"]["target_modules"] = [*raw["lora"]["target_modules"], "lm_head"]
-    assert chunked_loss(build_model(Config.from_dict(raw), on_gpu=False), on_gpu=True) == {}
+
+def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_path, process_group):
+    from rayft.model import fused_loss
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["lora"]["target_modules"] = [*DENSE, "lm_head"]
+    assert "LM head" in fused_loss(build_model(Config.from_dict(raw), on_gpu=False), Config.from_dict(raw))
+    raw["lora"]["target_modules"] = list(DENSE)
+    raw["train"]["fused_loss"] = False
+    model = build_model(Config.from_dict(raw), on_gpu=False)
+    assert fused_loss(model, Config.from_dict(raw)) == "train.fused_loss is false"
+    ids = torch.tensor([[1, 1784, 3937, 2]])
+    assert model(input_ids=ids, labels=ids).logits.shape == (1, 4, 131072)
+
+
+def test_replicated_model_trains_like_the_sharded_one(fixtures: Fixtures, tmp_path):
+    """fsdp.shard_size 1 on two gloo ranks: weights replicated (a 2-D mesh), the frozen root gathered once and kept,
+    layers kept gathered across the micro-batches of a step; the same losses and adapter as full sharding."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["lora"]["lora_dropout"] = 0.0
+    mp.spawn(_train_two_ways, args=(2, free_port(), raw, str(tmp_path)), nprocs=2)
+    sharded, replicated = (torch.load(tmp_path / f"{name}.pt") for name in ("sharded", "replicated"))
+    assert replicated["losses"] == pytest.approx(sharded["losses"], rel=1e-5)
+    assert replicated["losses"][-1] < replicated["losses"][0]
+    for name, weight in sharded["lora"].items():
+        assert torch.allclose(replicated["lora"][name], weight, atol=1e-6), name
+
+
+def _train_two_ways(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from rayft.model import set_gradient_sync
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for name, shard_size in (("sharded", None), ("replicated", 1)):
+            raw["fsdp"] = {"shard_size": shard_size}
+            cfg = Config.from_dict(raw)
+            torch.manual_seed(0)
+            model = build_model(cfg, on_gpu=False)
+            lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            placements = next(iter(lora.values())).placements
+            assert placements == ((Replicate(), Shard(0)) if shard_size == 1 else (Shard(0),))
+            optimizer = torch.optim.AdamW(list(lora.values()), lr=1e-2)
+            torch.manual_seed(rank)  # each rank its own data, as in training
+            batches = [torch.randint(3, 1000, (2, 16))] * 6  # the same batch: the loss must fall
+            losses = []
+            for step in range(3):
+                for micro in range(2):
+                    set_gradient_sync(model, sync=micro == 1, layers_kept=not cfg.fsdp.reshards(world))
+                    ids = batches[2 * step + micro]
+                    loss = model(input_ids=ids, labels=ids).loss
+                    (loss / 2).backward()
+                    losses.append(loss.item())
+                optimizer.step()
+                optimizer.zero_grad()
+            full = {n: p.full_tensor() for n, p in lora.items()}
+            if rank == 0:
+                torch.save({"losses": losses, "lora": full}, Path(out) / f"{name}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -38,5 +38,8 @@ def test_plan_rows_follow_the_config(fixtures: Fixtures):
     cfg.fsdp.activation_checkpointing = True
     with_ac = dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)
     assert with_ac["activations (AC on)"] < without["activations (AC off)"]
-    assert without["logits + loss"] * 2**30 == 512 * 131072 * 12  # fp32 logits + fp32 log-softmax + fp32 grad
+    # fp32 logits + fp32 log-softmax + fp32 gradient: one 128-token chunk with the fused loss, else every token
+    assert without["logits + loss"] * 2**30 == 128 * 131072 * 12
+    cfg.train.fused_loss = False
+    assert dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)["logits + loss"] * 2**30 == 512 * 131072 * 12
     assert "CUDA/NCCL/allocator overhead" not in without

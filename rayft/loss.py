@@ -1,0 +1,170 @@
+"""The causal-LM loss taken straight from the last hidden states, without the (tokens × vocabulary) logits.
+
+A 131k vocabulary makes the logits the largest tensor of a LoRA step (0.5 MB of fp32 per token), and the softmax
+passes over them cost more than the LM head's matmul itself. With a frozen LM head the whole backward of the loss
+is one matrix, d loss / d hidden, so it is computed chunk by chunk in the forward, while each chunk's logits are
+still at hand: no logits kept for backward, no second matmul pass, two fewer sweeps over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+IGNORE_INDEX = -100
+ROW_MULTIPLE = 64
+# Config fields that change the logits after the LM head's matmul, or add a loss term the fused path leaves out.
+_LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+class Workspace:
+    """The chunk buffers (logits in the compute dtype, fp32 logits, fp32 log-probs). On CPU they are kept from call
+    to call: glibc maps and unmaps every allocation this large, and the page faults of fresh 50 MB tensors cost
+    more than the softmax over them. On GPU the caching allocator already reuses memory."""
+
+    def __init__(self) -> None:
+        self.kept: tuple[torch.Tensor, ...] = ()
+
+    def take(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if self.kept and self.kept[0].shape == (rows, vocab) and self.kept[0].dtype == dtype:
+            return self.kept
+        buffers = tuple(torch.empty(rows, vocab, dtype=d, device=device) for d in (dtype, torch.float32, torch.float32))
+        if device.type == "cpu":
+            self.kept = buffers
+        return buffers
+
+
+def chunk_rows(vocab: int, on_gpu: bool) -> int:
+    """Tokens per chunk, a multiple of ROW_MULTIPLE: 64 MiB of fp32 logits on CPU (the kept buffers), 256 MiB on GPU."""
+    rows = (256 if on_gpu else 64) * 2**20 // (4 * vocab)
+    return max(ROW_MULTIPLE, rows - rows % ROW_MULTIPLE)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean token cross-entropy of `hidden @ w.T`, its input gradient computed in the forward (`w` is frozen)."""
+
+    @staticmethod
+    def forward(ctx, hidden, w: torch.Tensor, targets: torch.Tensor, scored_first: bool, workspace: Workspace):
+        """`scored_first`: the scored rows come first and only padding follows them (their gradients are garbage
+        for the caller to drop); otherwise unscored rows anywhere are masked out."""
+        h = hidden.to(w.dtype)  # the weight's dtype is the compute dtype: the caller casts it
+        scored = targets != IGNORE_INDEX
+        count = scored.sum()
+        n_scored = int(count) if scored_first else 0
+        safe = targets.clamp_min(0)[:, None]
+        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        rows = chunk_rows(w.shape[0], h.device.type != "cpu")
+        low, logits, log_probs = workspace.take(rows, w.shape[0], w.dtype, h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for start in range(0, h.shape[0], rows):
+                part = slice(start, start + rows)
+                n = len(safe[part])
+                torch.mm(h[part], w.T, out=low[:n])
+                logits[:n].copy_(low[:n])
+                lp = torch.log_softmax(logits[:n], dim=-1, out=log_probs[:n])
+                nll = -lp.gather(1, safe[part])[:, 0]
+                total += nll[: max(0, n_scored - start)].sum() if scored_first else (nll * scored[part]).sum()
+                if grad is None:
+                    continue
+                probs = lp.exp_()  # d nll / d logits = softmax − one-hot(target)
+                probs.scatter_add_(1, safe[part], torch.full_like(nll, -1.0)[:, None])
+                if not scored_first:
+                    probs.mul_(scored[part, None])
+                low[:n].copy_(probs)
+                torch.mm(low[:n], w, out=grad[part])
+        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(grad, count)
+        return total / count  # as transformers: the mean over scored tokens (nan when there are none)
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad, count = ctx.saved_tensors
+        return grad.to(ctx.hidden_dtype) * (grad_loss / count), None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, workspace: Workspace | None = None
+) -> torch.Tensor:
+    """transformers' causal-LM loss (labels shifted by one, mean over labels != -100) for `hidden @ weight.T`,
+    computed in `weight`'s dtype. The weight must be frozen: its gradient is never computed."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    scored_first = hidden.device.type == "cpu"
+    if scored_first:  # dropping unscored rows needs their count on the host: free here, a sync on GPU
+        keep = (targets != IGNORE_INDEX).nonzero()[:, 0]
+        # ... and padding to a multiple of 64 rows, since CPU bf16 matmuls compile a kernel for every new shape
+        pad = -len(keep) % ROW_MULTIPLE
+        hidden = F.pad(hidden[keep], (0, 0, 0, pad))
+        targets = F.pad(targets[keep], (0, pad), value=IGNORE_INDEX)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, scored_first, workspace or Workspace())
+
+
+class FrozenCast:
+    """A frozen weight in the autocast dtype (if autocast is on), cast once while its storage and version stay the
+    same: autocast itself would cast it again on every call, as it caches casts of trainable leaves only."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.cast: torch.Tensor | None = None
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        device = weight.device.type
+        if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == weight.dtype:
+            return weight
+        key = (weight.data_ptr(), weight._version, torch.get_autocast_dtype(device))
+        if key != self.key:
+            self.key, self.cast = key, weight.detach().to(key[2])
+        return self.cast
+
+
+def why_not_fused(model: PreTrainedModel) -> str | None:
+    """Why this causal LM's loss cannot come from `linear_cross_entropy`; None when it can."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:  # LoRA or modules_to_save on the head wraps it
+        return f"the LM head is a {type(head).__name__}, not a plain frozen Linear"
+    if head.weight.requires_grad or head.bias is not None:
+        return "the LM head is trained or has a bias"
+    config = model.config.get_text_config()
+    changed = [k for k in _LOGIT_CHANGES if getattr(config, k, None) not in (None, 1.0)]
+    if changed:
+        return f"the model rescales its logits ({', '.join(changed)})"
+    if getattr(config, "output_router_logits", False):
+        return "the model adds a router auxiliary loss"
+    return None
+
+
+def fuse_loss(model: PreTrainedModel) -> str | None:
+    """Make `model(..., labels=...)` compute its loss with `linear_cross_entropy` (no logits in the output).
+    Returns why it could not, leaving the model as it was. Without labels the forward is the original one."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    reason = why_not_fused(model)
+    if reason is not None:
+        return reason
+    original = model.forward
+    backbone = model.base_model  # the decoder stack under the LM head
+    head, workspace = FrozenCast(), Workspace()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                **kwargs: Any):  # fmt: skip
+        if labels is None:
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, **kwargs)  # fmt: skip
+        for unused in ("return_dict", "output_attentions", "output_hidden_states", "num_items_in_batch", "use_cache"):
+            kwargs.pop(unused, None)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          inputs_embeds=inputs_embeds, use_cache=False, **kwargs).last_hidden_state  # fmt: skip
+        loss = linear_cross_entropy(hidden, head(self.get_output_embeddings().weight), labels, workspace)
+        return CausalLMOutputWithPast(loss=loss)
+
+    model.forward = MethodType(forward, model)
+    return None
