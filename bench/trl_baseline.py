@@ -5,7 +5,9 @@ process per device under torchrun. Started by `train_vs_trl.py` (never on its ow
 Differences from the seed script, each because it cannot run as written today or on this machine:
 - `warmup_ratio` (removed from transformers' TrainingArguments) becomes `warmup_steps = ceil(ratio · max_steps)`;
 - `max_seq_length` is now `max_length`; `use_cpu` and the gloo backend on a CPU machine;
-- empty wikitext lines are dropped (the seed trains on them; rayft skips them): both sides see the same records.
+- empty wikitext lines are dropped (the seed trains on them; rayft skips them): both sides see the same records;
+- rayft starts every document with the BOS token; where the tokenizer's own config adds none (the tekken tokenizer
+  here), the text gets `<s>` in front, so both sides train on identical token ids (`<s>` text `</s>`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(s["model"]["model_name_or_path"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id:  # same token ids as rayft: <s> text </s>
+        field = data["text_field"]
+        dataset = dataset.map(lambda r: {field: tokenizer.bos_token + r[field]})
     peft_config = LoraConfig(
         r=lora["r"],
         lora_alpha=lora["lora_alpha"],

@@ -108,24 +108,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     last_saved, last_evaluated = progress.step, -1
     accum = t.gradient_accumulation_steps
     layers_kept = not cfg.fsdp.reshards(plan.world_size)
-    one = torch.ones((), dtype=torch.float64, device=device)
+    one, zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
     while progress.step < plan.total_steps:
         skip = progress.batches_in_epoch
         batches = epoch_batches(train_shard, cfg, plan, progress.epoch, skip, collate)
+        group: list[dict[str, torch.Tensor]] = []  # the micro-batches of the step being assembled
         for micro, batch in enumerate(waited(batches), start=skip):
             group_start = micro - micro % accum
-            in_group = min(accum, plan.micro_batches_per_epoch - group_start)
-            closes_group = micro - group_start + 1 == in_group
-            set_gradient_sync(model, closes_group, layers_kept)
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with autocast():
-                loss = model(**batch).loss
-            (loss / in_group).backward()
-            mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
-            tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=device)
-            window += torch.stack([loss.detach().double(), one, tokens.double()])
-            if not closes_group:
+            group.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+            if len(group) < min(accum, plan.micro_batches_per_epoch - group_start):
                 continue
+            # Every target token of the step weighs the same, on every rank and in every micro-batch (as in
+            # transformers' Trainer): each loss is a sum over its tokens divided by the step's count per rank.
+            per_rank = _step_targets(group, plan.world_size)
+            for i, batch in enumerate(group):
+                set_gradient_sync(model, i == len(group) - 1, layers_kept)
+                with autocast():
+                    loss = model(**batch, num_items_in_batch=per_rank).loss
+                loss.backward()
+                mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
+                tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=device)
+                window += torch.stack([loss.detach().double(), one if i == len(group) - 1 else zero, tokens.double()])
+            group = []
 
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], t.max_grad_norm
@@ -330,9 +334,17 @@ def _due(strategy: str, every: int, step: int, done: bool, micro: int, plan: Pla
     return False
 
 
+def _step_targets(group: list[dict[str, torch.Tensor]], world_size: int) -> torch.Tensor:
+    """Next-token targets in this step's micro-batches over all ranks, divided by the ranks (FSDP averages the
+    gradients over them); one small all-reduce per step, no host sync."""
+    count = sum((batch["labels"][..., 1:] != -100).sum() for batch in group).double()
+    dist.all_reduce(count)
+    return (count / world_size).clamp_min(1.0)
+
+
 def _train_metrics(window, started: float, steps: int, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
-    """Window means over all ranks: loss per micro-batch, tokens/s of the whole group, seconds per step, and the
-    share of the window the slowest rank spent waiting for data."""
+    """Window means over all ranks: the loss per target token of each step, tokens/s of the whole group, seconds
+    per step, and the share of the window the slowest rank spent waiting for data."""
     elapsed = time.perf_counter() - started
     totals = window.clone()
     dist.all_reduce(totals)

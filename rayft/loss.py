@@ -52,7 +52,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Mean token cross-entropy of `hidden @ w.T`, its input gradient computed in the forward (`w` is frozen)."""
 
     @staticmethod
-    def forward(ctx, hidden, w: torch.Tensor, targets: torch.Tensor, scored_first: bool, workspace: Workspace):
+    def forward(ctx, hidden, w, targets, num_items: torch.Tensor | None, scored_first: bool, workspace: Workspace):
         """`scored_first`: the scored rows come first and only padding follows them (their gradients are garbage
         for the caller to drop); otherwise unscored rows anywhere are masked out."""
         h = hidden.to(w.dtype)  # the weight's dtype is the compute dtype: the caller casts it
@@ -81,21 +81,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     probs.mul_(scored[part, None])
                 low[:n].copy_(probs)
                 torch.mm(low[:n], w, out=grad[part])
+        # As transformers: the sum over scored tokens divided by `num_items_in_batch` when given, else their mean.
+        divisor = count if num_items is None else num_items.to(total.device, torch.float32)
         ctx.hidden_dtype = hidden.dtype
-        ctx.save_for_backward(grad, count)
-        return total / count  # as transformers: the mean over scored tokens (nan when there are none)
+        ctx.save_for_backward(grad, divisor)
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad, count = ctx.saved_tensors
-        return grad.to(ctx.hidden_dtype) * (grad_loss / count), None, None, None, None
+        grad, divisor = ctx.saved_tensors
+        return grad.to(ctx.hidden_dtype) * (grad_loss / divisor), None, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, workspace: Workspace | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """transformers' causal-LM loss (labels shifted by one, mean over labels != -100) for `hidden @ weight.T`,
-    computed in `weight`'s dtype. The weight must be frozen: its gradient is never computed."""
+    """transformers' causal-LM loss for `hidden @ weight.T` (labels shifted by one, the mean over labels != -100,
+    or their sum / `num_items_in_batch`), computed in `weight`'s dtype. The weight must be frozen: its gradient is
+    never computed."""
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     scored_first = hidden.device.type == "cpu"
@@ -105,7 +112,9 @@ def linear_cross_entropy(
         pad = -len(keep) % ROW_MULTIPLE
         hidden = F.pad(hidden[keep], (0, 0, 0, pad))
         targets = F.pad(targets[keep], (0, pad), value=IGNORE_INDEX)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, scored_first, workspace or Workspace())
+    return _LinearCrossEntropy.apply(
+        hidden, weight, targets, num_items_in_batch, scored_first, workspace or Workspace()
+    )
 
 
 class FrozenCast:
@@ -159,11 +168,12 @@ def fuse_loss(model: PreTrainedModel) -> str | None:
         if labels is None:
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, **kwargs)  # fmt: skip
-        for unused in ("return_dict", "output_attentions", "output_hidden_states", "num_items_in_batch", "use_cache"):
+        num_items = kwargs.pop("num_items_in_batch", None)
+        for unused in ("return_dict", "output_attentions", "output_hidden_states", "use_cache"):
             kwargs.pop(unused, None)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           inputs_embeds=inputs_embeds, use_cache=False, **kwargs).last_hidden_state  # fmt: skip
-        loss = linear_cross_entropy(hidden, head(self.get_output_embeddings().weight), labels, workspace)
+        loss = linear_cross_entropy(hidden, head(self.get_output_embeddings().weight), labels, num_items, workspace)
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = MethodType(forward, model)

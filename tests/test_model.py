@@ -82,10 +82,16 @@ def test_fused_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixture
             assert model(**batch).loss.item() == pytest.approx(loss.item(), rel=1e-6)
         return loss.item(), grads
 
-    full = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}
+    def summed():  # the Trainer's token-weighted gradient accumulation: the sum over targets / a step's count
+        with torch.no_grad():
+            return model(**batch, num_items_in_batch=torch.tensor(3.0, dtype=torch.float64)).loss.item()
+
+    full, full_summed = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}, summed()
     assert fused_loss(model, Config.from_dict(raw)) is None
     assert model(**batch).logits is None  # the fused path is the one running
     fused = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}
+    assert summed() == pytest.approx(full_summed, rel=1e-5)
+    assert full_summed == pytest.approx(full[False][0] * 7 / 3, rel=1e-5)  # 7 targets in either batch
     for bf16, tolerance in ((False, 1e-4), (True, 2e-2)):
         (full_loss, full_grads), (fused_loss_, fused_grads) = full[bf16], fused[bf16]
         assert fused_loss_ == pytest.approx(full_loss, rel=tolerance)
