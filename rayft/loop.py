@@ -25,7 +25,7 @@ from rayft.checkpoint import Progress, load_adapter_weights, load_checkpoint, sa
 from rayft.config import Config
 from rayft.data import collate_fn
 from rayft.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
-from rayft.model import build_model, cpu_autocast, cpu_bf16, fused_loss, set_gradient_sync
+from rayft.model import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss, set_gradient_sync
 from rayft.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name
 from rayft.schedule import Plan, build_optimizer, build_scheduler
 from rayft.tokenizer import load_tokenizer
@@ -107,7 +107,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
     last_saved, last_evaluated = progress.step, -1
     accum = t.gradient_accumulation_steps
-    layers_kept = not cfg.fsdp.reshards(plan.world_size)
+    kept_layers = [] if cfg.fsdp.reshards(plan.world_size) else decoder_layers(model)
     one, zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
     while progress.step < plan.total_steps:
         skip = progress.batches_in_epoch
@@ -122,7 +122,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             # transformers' Trainer): each loss is a sum over its tokens divided by the step's count per rank.
             per_rank = _step_targets(group, plan.world_size)
             for i, batch in enumerate(group):
-                set_gradient_sync(model, i == len(group) - 1, layers_kept)
+                set_gradient_sync(model, i == len(group) - 1, kept_layers)
                 with autocast():
                     loss = model(**batch, num_items_in_batch=per_rank).loss
                 loss.backward()
@@ -316,7 +316,7 @@ def evaluate(
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        predicted = (batch["labels"][:, 1:] != -100).sum()
+        predicted = _targets(batch)
         with autocast():
             loss = model(**batch).loss
         totals += torch.stack([loss.double() * predicted, predicted.double()])
@@ -334,10 +334,15 @@ def _due(strategy: str, every: int, step: int, done: bool, micro: int, plan: Pla
     return False
 
 
+def _targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Tokens a batch is scored on: labels other than -100 after the one-position shift."""
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
 def _step_targets(group: list[dict[str, torch.Tensor]], world_size: int) -> torch.Tensor:
     """Next-token targets in this step's micro-batches over all ranks, divided by the ranks (FSDP averages the
     gradients over them); one small all-reduce per step, no host sync."""
-    count = sum((batch["labels"][..., 1:] != -100).sum() for batch in group).double()
+    count = sum(_targets(batch) for batch in group).double()
     dist.all_reduce(count)
     return (count / world_size).clamp_min(1.0)
 

@@ -188,11 +188,10 @@ def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPoli
                 layer.set_modules_to_backward_prefetch(behind)
 
 
-def set_gradient_sync(model: FSDPModule, sync: bool, layers_kept: bool) -> None:
-    """Between the micro-batches of a step: no gradient reduction; and layers that stay gathered after forward
-    (`fsdp.reshards` false) stay gathered after backward too, since no weight changes before the optimizer step:
-    one gather per step instead of one per micro-batch."""
+def set_gradient_sync(model: FSDPModule, sync: bool, kept_layers: list[nn.Module]) -> None:
+    """Between the micro-batches of a step: no gradient reduction; and `kept_layers`, those that stay gathered after
+    forward (`fsdp.reshards` false), stay gathered after backward too, since no weight changes before the optimizer
+    step: one gather per step instead of one per micro-batch."""
     model.set_requires_gradient_sync(sync)
-    if layers_kept:
-        for layer in decoder_layers(model):
-            layer.set_reshard_after_backward(sync, recurse=False)
+    for layer in kept_layers:
+        layer.set_reshard_after_backward(sync, recurse=False)

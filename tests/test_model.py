@@ -152,7 +152,8 @@ def _train_two_ways(rank: int, world: int, port: int, raw: dict, out: str) -> No
             losses = []
             for step in range(3):
                 for micro in range(2):
-                    set_gradient_sync(model, sync=micro == 1, layers_kept=not cfg.fsdp.reshards(world))
+                    kept = [] if cfg.fsdp.reshards(world) else decoder_layers(model)
+                    set_gradient_sync(model, sync=micro == 1, kept_layers=kept)
                     ids = batches[2 * step + micro]
                     loss = model(input_ids=ids, labels=ids).loss
                     (loss / 2).backward()
