@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import sys
 from pathlib import Path
 
 MIB = 2**20
+# The tiny hub-layout checkpoint builder lives with the test fixtures (tests/fixtures), not in the package.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def rss_kib(field: str = "VmRSS") -> int:

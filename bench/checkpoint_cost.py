@@ -41,7 +41,7 @@ def _train_once(root: Path, mode: str, steps: int, index: int) -> dict:
     from rayft import demo
     from rayft.config import Config
     from rayft.launch import train
-    from rayft.rundir import RunDir
+    from rayft.train.rundir import RunDir
 
     raw = demo.demo_config(root)
     out = root / f"{mode}-{index}"

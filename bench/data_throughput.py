@@ -46,10 +46,10 @@ def ray_pipeline(raw: dict) -> dict:
     from functools import partial
 
     from rayft.config import Config
-    from rayft.data import actors_at_start, configure_ray_data, finished, read_split, tokenized
-    from rayft.records import record_format
-    from rayft.sources import resolve_splits
-    from rayft.tokenizer import tokenizer_facts
+    from rayft.data.pipeline import actors_at_start, configure_ray_data, finished, read_split, tokenized
+    from rayft.data.records import record_format
+    from rayft.data.sources import resolve_splits
+    from rayft.data.tokenizer import tokenizer_facts
 
     cfg = Config.from_dict(raw)
     configure_ray_data()  # as in training
@@ -71,7 +71,7 @@ def datasets_map(raw: dict, pack: bool) -> dict:
     from trl.data_utils import pack_dataset
 
     from rayft.config import ModelConfig
-    from rayft.tokenizer import load_tokenizer
+    from rayft.data.tokenizer import load_tokenizer
 
     datasets.disable_progress_bars()
     tok = load_tokenizer(ModelConfig(**raw["model"]))
@@ -96,7 +96,7 @@ def training_wait(root: Path) -> dict:
     from rayft import demo
     from rayft.config import Config
     from rayft.launch import train
-    from rayft.rundir import RunDir
+    from rayft.train.rundir import RunDir
 
     raw = demo.prepare(root / "demo")
     raw["train"].update(output_dir=str(root / "demo-out"), logging_steps=1, eval_strategy="no", save_strategy="no")

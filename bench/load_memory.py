@@ -36,7 +36,7 @@ MARGIN_MIB = 128
 
 def _rank(rank: int, world: int, port: int, raw: dict, results: str) -> None:
     from rayft.config import Config
-    from rayft.model import build_model
+    from rayft.model.build import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -68,7 +68,7 @@ def checkpoint_mib(model_dir: Path) -> float:
 
 
 def largest_tensor_mib(model_dir: Path) -> float:
-    from rayft.weights import SafetensorsCheckpoint
+    from rayft.model.weights import SafetensorsCheckpoint
 
     ckpt = SafetensorsCheckpoint(model_dir)
     return (
@@ -78,10 +78,11 @@ def largest_tensor_mib(model_dir: Path) -> float:
 
 
 def make_models(root: Path, size: dict) -> tuple[Path, Path]:
+    from fixtures import hub_layout
     from transformers import MistralConfig, MistralForCausalLM
 
-    from rayft import demo, hub_layout
-    from rayft.tokenizer import copy_tokenizer_files
+    from rayft import demo
+    from rayft.data.tokenizer import copy_tokenizer_files
 
     tokenizer = root / "tokenizer"
     demo.make_tokenizer(tokenizer)

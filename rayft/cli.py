@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _k8s_parser(sub: argparse._SubParsersAction) -> None:
-    from rayft.k8s import Deployment
+    from rayft.deploy.k8s import Deployment
 
     d = Deployment()
     k8s = sub.add_parser("k8s", help="KubeRay manifests: render them from the config, validate them")
@@ -167,7 +167,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
-    from rayft.crd import CRD_DIR_ENV, ManifestError, crd_dir, validate, validate_file
+    from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, validate, validate_file
+    from rayft.deploy.k8s import to_yaml
 
     if args.action == "validate":
         try:
@@ -189,18 +190,18 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError("rendered manifests fail validation:\n  " + "\n  ".join(problems))
     header = _render_header(argv)
     if args.out is None:
-        print(header + "---\n".join(_yaml(doc) for doc in manifests.values()), end="")
+        print(header + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
         return EXIT_OK
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, doc in manifests.items():
-        (out / f"{kind}.yaml").write_text(header + _yaml(doc))
+        (out / f"{kind}.yaml").write_text(header + to_yaml(doc))
         print(f"rayft: wrote {out / f'{kind}.yaml'}")
     return EXIT_OK
 
 
 def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
-    from rayft.k8s import JobSource, config_in_cluster, deployment_from_flags, render
+    from rayft.deploy.k8s import JobSource, config_in_cluster, deployment_from_flags, render
 
     cfg = load_config(args.config, args.override)
     flags = {k: v for k, v in vars(args).items() if k in _deployment_fields()}
@@ -216,7 +217,7 @@ def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
 def _deployment_fields() -> set[str]:
     import dataclasses
 
-    from rayft.k8s import Deployment
+    from rayft.deploy.k8s import Deployment
 
     return {f.name for f in dataclasses.fields(Deployment)}
 
@@ -234,17 +235,6 @@ def _render_header(argv: list[str]) -> str:
         f"# Rendered by: rayft {' '.join(shlex.quote(a) for a in shown)}\n"
         "# Change the config or the flags and render again; do not edit by hand.\n"
     )
-
-
-class _PlainDumper(yaml.SafeDumper):
-    """No &anchors/*aliases for repeated parts: manifests are read by people and by `kubectl diff`."""
-
-    def ignore_aliases(self, data: object) -> bool:
-        return True
-
-
-def _yaml(doc: dict) -> str:
-    return yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False, width=120)
 
 
 def _export(args: argparse.Namespace) -> int:

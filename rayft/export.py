@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rayft.config import DTYPES, ConfigError, ModelConfig
-from rayft.tokenizer import copy_tokenizer_files, has_tokenizer
+from rayft.data.tokenizer import copy_tokenizer_files, has_tokenizer
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -39,8 +39,8 @@ def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bflo
 def _merge(adapter: Path, base: Path, out: Path, dtype: torch.dtype) -> None:
     import peft
 
-    from rayft.model import empty_model
-    from rayft.weights import buffers_kept, load_sharded_
+    from rayft.model.build import empty_model
+    from rayft.model.weights import buffers_kept, load_sharded_
 
     model = empty_model(ModelConfig(model_name_or_path=str(base), torch_dtype=str(dtype).removeprefix("torch.")))
     with buffers_kept(model):

@@ -14,13 +14,13 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayft.checkpoint import ADAPTER_DIR, TRAINER_STATE
 from rayft.config import Config, ConfigError, RayConfig, is_uri
-from rayft.data import build_datasets, build_eval_dataset
-from rayft.loop import eval_loop_per_worker, train_loop_per_worker
+from rayft.data.pipeline import build_datasets, build_eval_dataset
 from rayft.preflight import Preflight, preflight
-from rayft.rundir import EVAL_RESULT, LOSS_PLOT, RunDir
-from rayft.schedule import Plan, make_plan
+from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE
+from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
+from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RunDir
+from rayft.train.schedule import Plan, make_plan
 
 log = logging.getLogger("rayft")
 
@@ -266,7 +266,7 @@ def _plot_losses(run: RunDir) -> None:
     """loss.png next to metrics.jsonl: also after a failed run, which is when people look at the curve."""
     rows = run.read_metrics()
     if rows:
-        from rayft.metrics import plot_losses
+        from rayft.train.metrics import plot_losses
 
         run.write_file(LOSS_PLOT, plot_losses(rows))
         log.info("loss curve: %s", f"{run.uri}/{LOSS_PLOT}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from rayft.config import Config
-from rayft.loss import chunk_rows
+from rayft.model.loss import chunk_rows
 
 GIB = 2**30
 GPU_GIB = {"h100": 79.6, "h200": 139.8}  # usable memory the device reports
@@ -61,7 +61,7 @@ class MemoryPlan:
 
 def structure(model: nn.Module, config) -> Structure:
     """Parameter counts of a (meta) PEFT model with its decoder layers."""
-    from rayft.model import decoder_layers
+    from rayft.model.build import decoder_layers
 
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -112,7 +112,7 @@ def _count(n: int) -> str:
 
 def meta_structure(cfg: Config, config=None) -> Structure:
     """Structure of the weightless LoRA model (from `config`, or the config of model.model_name_or_path)."""
-    from rayft.model import weightless_lora_model
+    from rayft.model.build import weightless_lora_model
 
     model, _ = weightless_lora_model(cfg, config)
     return structure(model, model.config)

@@ -6,13 +6,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayft.checkpoint import STATE_DIR
 from rayft.config import Config, ConfigError, is_uri
-from rayft.lora import LoraTargets
+from rayft.data.records import RecordFormat, record_format
+from rayft.data.sources import SplitSource, resolve_splits
+from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
+from rayft.model.lora import LoraTargets
 from rayft.plan import Structure, structure
-from rayft.records import RecordFormat, record_format
-from rayft.sources import SplitSource, resolve_splits
-from rayft.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
+from rayft.train.checkpoint import STATE_DIR
 
 
 @dataclass
@@ -50,7 +50,7 @@ def preflight(cfg: Config) -> Preflight:
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
     """Resolve LoRA on a weightless copy of the model: the targets and the structure the memory plan needs."""
-    from rayft.model import weightless_lora_model
+    from rayft.model.build import weightless_lora_model
 
     model, targets = weightless_lora_model(cfg)
     return targets, structure(model, model.config)
@@ -83,7 +83,7 @@ def _check_tokenizer(cfg: Config) -> TokenizerFacts:
 
 
 def _check_trackers(trackers: list[str]) -> None:
-    from rayft.metrics import missing_tracker
+    from rayft.train.metrics import missing_tracker
 
     for name in trackers:
         package = missing_tracker(name)

@@ -40,7 +40,7 @@ def fixtures(tmp_path_factory) -> Fixtures:
 @pytest.fixture(scope="session")
 def mistral4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
     """A tiny Mistral-Small-4 in the hub's exact layout (Mistral3 wrapper, FP8 static scales, fused experts)."""
-    from rayft.hub_layout import make_tiny_mistral_small4
+    from fixtures.hub_layout import make_tiny_mistral_small4
 
     return make_tiny_mistral_small4(tmp_path_factory.mktemp("hub") / "mistral-small-4", tokenizer_from=fixtures.model)
 
@@ -63,9 +63,9 @@ def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: st
     import torch
     import torch.distributed as dist
 
-    from rayft.checkpoint import save_adapter
     from rayft.config import Config
-    from rayft.model import build_model
+    from rayft.model.build import build_model
+    from rayft.train.checkpoint import save_adapter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

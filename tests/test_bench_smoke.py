@@ -65,9 +65,9 @@ def test_data_throughput_baseline_tokenizes_exactly_what_rayft_does(fixtures):
     from data_throughput import _config, datasets_map, wait_summary
 
     from rayft.config import ModelConfig
-    from rayft.data import Tokenize
-    from rayft.records import RecordFormat
-    from rayft.tokenizer import tokenizer_facts
+    from rayft.data.pipeline import Tokenize
+    from rayft.data.records import RecordFormat
+    from rayft.data.tokenizer import tokenizer_facts
 
     raw = _config(fixtures.model, fixtures.dataset)
     baseline = datasets_map(raw, pack=True)

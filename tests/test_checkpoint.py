@@ -25,8 +25,8 @@ def _setup(rank: int, world: int, port: int, raw: dict):
     import torch.distributed as dist
 
     from rayft.config import Config
-    from rayft.model import build_model
-    from rayft.schedule import Plan, build_optimizer, build_scheduler
+    from rayft.model.build import build_model
+    from rayft.train.schedule import Plan, build_optimizer, build_scheduler
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -51,7 +51,7 @@ def _full_state(model, optimizer) -> dict:
 def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from rayft.checkpoint import Progress, save_checkpoint
+    from rayft.train.checkpoint import Progress, save_checkpoint
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
@@ -75,7 +75,7 @@ def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> No
 def _load(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from rayft.checkpoint import Progress, load_checkpoint
+    from rayft.train.checkpoint import Progress, load_checkpoint
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
@@ -120,7 +120,7 @@ def test_state_written_by_two_ranks_loads_exactly_on_one(fixtures: Fixtures, tmp
 def test_resume_latest_needs_a_run_with_checkpoints(tmp_path):
     from rayft.config import Config, ConfigError
     from rayft.launch import _resume_source
-    from rayft.rundir import RAY_SNAPSHOT, RunDir
+    from rayft.train.rundir import RAY_SNAPSHOT, RunDir
 
     cfg = Config.from_dict({"train": {"output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}})
     run = RunDir(cfg.run_uri)
@@ -134,7 +134,7 @@ def test_resume_latest_needs_a_run_with_checkpoints(tmp_path):
 
 
 def test_unregistered_checkpoint_dirs_after_the_resume_point_are_removed(tmp_path):
-    from rayft.rundir import RunDir
+    from rayft.train.rundir import RunDir
 
     run = RunDir(str(tmp_path / "run"))
     for step in (2, 3, 4, 5):

@@ -12,11 +12,11 @@ import pytest
 from conftest import Fixtures
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
-from rayft.data import IGNORE_INDEX, PackedCollate, PadCollate, Tokenize, finish, pack
-from rayft.records import RecordFormat, decode_line, join_wikitext_articles, record_format
-from rayft.schedule import make_plan
-from rayft.sources import resolve_splits
-from rayft.tokenizer import tokenizer_facts
+from rayft.data.pipeline import IGNORE_INDEX, PackedCollate, PadCollate, Tokenize, finish, pack
+from rayft.data.records import RecordFormat, decode_line, join_wikitext_articles, record_format
+from rayft.data.sources import resolve_splits
+from rayft.data.tokenizer import tokenizer_facts
+from rayft.train.schedule import make_plan
 
 # A Mistral-style chat template (the tiny model's tekken tokenizer has [INST]/[/INST] but no template).
 CHAT_TEMPLATE = (

@@ -17,11 +17,11 @@ import ray
 from conftest import Fixtures, RayCluster, tiny_config
 
 from rayft.config import Config, ConfigError, DataConfig
-from rayft.data import SplitStats, Tokenize, _check_usable, build_datasets, collate_fn, read_split
-from rayft.records import decode_line, record_format
-from rayft.schedule import make_plan
-from rayft.sources import resolve_splits
-from rayft.tokenizer import tokenizer_facts
+from rayft.data.pipeline import SplitStats, Tokenize, _check_usable, build_datasets, collate_fn, read_split
+from rayft.data.records import decode_line, record_format
+from rayft.data.sources import resolve_splits
+from rayft.data.tokenizer import tokenizer_facts
+from rayft.train.schedule import make_plan
 
 pytestmark = pytest.mark.ray
 BLOCK = 30  # tokens per packed block: 467 blocks from the fixture, a count that neither 2 nor 3 divides
@@ -123,9 +123,9 @@ def _count_batches(config: dict) -> None:
     import torch.distributed as dist
 
     from rayft.config import Config
-    from rayft.data import collate_fn
-    from rayft.loop import epoch_batches
-    from rayft.schedule import Plan
+    from rayft.data.pipeline import collate_fn
+    from rayft.train.loop import epoch_batches
+    from rayft.train.schedule import Plan
 
     cfg, plan = Config.from_dict(config["config"]), Plan(**config["plan"])
     rank = ray.train.get_context().get_world_rank()

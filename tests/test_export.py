@@ -12,8 +12,8 @@ from conftest import REPO
 from transformers import Mistral4ForCausalLM
 
 from rayft.config import ModelConfig
-from rayft.model import empty_model
-from rayft.weights import buffers_kept, load_sharded_
+from rayft.model.build import empty_model
+from rayft.model.weights import buffers_kept, load_sharded_
 
 PROBE = torch.tensor([[1, 1784, 3937, 1278, 8312, 1321, 1261, 2]])
 

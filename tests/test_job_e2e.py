@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 from rayft.config import LoraConfig
-from rayft.lora import peft_config
+from rayft.model.lora import peft_config
 
 pytestmark = pytest.mark.ray
 

@@ -12,8 +12,8 @@ import yaml
 
 from rayft import cli
 from rayft.config import load_config
-from rayft.crd import CRD_DIR_ENV, ManifestError, crd_dir, schemas, validate, validate_file
-from rayft.k8s import IMAGE_ROOT, RAY_VERSION
+from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, schemas, validate, validate_file
+from rayft.deploy.k8s import IMAGE_ROOT, RAY_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKED_IN = sorted((REPO / "cluster").glob("*.yaml"))

@@ -9,8 +9,8 @@ import pytest
 from conftest import REPO, SEED_CONFIG, Fixtures
 
 from rayft.config import ConfigError, LoraConfig, ModelConfig
-from rayft.lora import DENSE_TARGETS, MLA_TARGETS, resolve_targets
-from rayft.model import empty_model
+from rayft.model.build import empty_model
+from rayft.model.lora import DENSE_TARGETS, MLA_TARGETS, resolve_targets
 
 SEED_TARGETS = list(DENSE_TARGETS)
 

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import MistralConfig, MistralForCausalLM
 
-from rayft.metrics import PEAK_BF16_FLOPS, flop_model, memory, mfu, peak_flops, plot_losses
+from rayft.train.metrics import PEAK_BF16_FLOPS, flop_model, memory, mfu, peak_flops, plot_losses
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_loss_plot_is_a_real_png():
 
 
 def test_tensorboard_tracker_writes_event_files(tmp_path):
-    from rayft.metrics import Trackers
+    from rayft.train.metrics import Trackers
 
     trackers = Trackers(["tensorboard"], str(tmp_path), "run-1", {"train.learning_rate": 1e-4})
     trackers.log({"loss": 2.5, "tokens_per_s": 1000.0, "mfu_lora": None, "step": 3}, step=3)

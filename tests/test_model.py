@@ -11,8 +11,8 @@ import torch.distributed as dist
 from conftest import Fixtures, tiny_config
 
 from rayft.config import Config
-from rayft.lora import DENSE_TARGETS as DENSE
-from rayft.model import build_model, decoder_layers, mixed_precision
+from rayft.model.build import build_model, decoder_layers, mixed_precision
+from rayft.model.lora import DENSE_TARGETS as DENSE
 
 
 @pytest.fixture
@@ -53,10 +53,10 @@ def test_sharded_lora_model_trains_only_the_adapter(fixtures: Fixtures, tmp_path
 
 @pytest.mark.parametrize("batching", ["packed", "padded"])
 def test_fused_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixtures, tmp_path, process_group, batching):
-    """rayft.loss on the FSDP2 + LoRA model: the loss and LoRA gradients of transformers' loss over full logits, in
+    """rayft.model.loss on FSDP2 + LoRA: the loss and LoRA gradients of transformers' loss over full logits, in
     fp32 and under CPU bf16 autocast, for padding-free and padded batches; eval (no grad) too."""
-    from rayft.data import PackedCollate, PadCollate
-    from rayft.model import fused_loss
+    from rayft.data.pipeline import PackedCollate, PadCollate
+    from rayft.model.build import fused_loss
 
     raw = tiny_config(fixtures, tmp_path)
     raw["lora"].update(target_modules=list(DENSE), lora_dropout=0.0)
@@ -101,7 +101,7 @@ def test_fused_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixture
 
 
 def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_path, process_group):
-    from rayft.model import fused_loss
+    from rayft.model.build import fused_loss
 
     raw = tiny_config(fixtures, tmp_path)
     raw["lora"]["target_modules"] = [*DENSE, "lm_head"]
@@ -133,7 +133,7 @@ def test_replicated_model_trains_like_the_sharded_one(fixtures: Fixtures, tmp_pa
 def _train_two_ways(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
-    from rayft.model import set_gradient_sync
+    from rayft.model.build import set_gradient_sync
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rayft.config import Config
-from rayft.model import build_model
-from rayft.weights import CheckpointKeyError, SafetensorsCheckpoint, dequantize, load_sharded_, model_param_name
+from rayft.model.build import build_model
+from rayft.model.weights import CheckpointKeyError, SafetensorsCheckpoint, dequantize, load_sharded_, model_param_name
 
 
 def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -> None:

@@ -18,7 +18,7 @@ import yaml
 
 CRD_DIR_ENV = "RAYFT_KUBERAY_CRDS"
 # Next to a checkout of this repository (the layout CI uses); RAYFT_KUBERAY_CRDS points anywhere else.
-DEFAULT_CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay" / "crds"
+DEFAULT_CRD_DIR = Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds"
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = {"RayCluster": 53, "RayJob": 47}  # KubeRay derives service names from these
 RESOURCE_PARAMS = ("num-cpus", "num-gpus", "memory", "resources")

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
-from rayft.checkpoint import Progress, load_adapter_weights, load_checkpoint, save_adapter, save_checkpoint
 from rayft.config import Config
-from rayft.data import collate_fn
-from rayft.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
-from rayft.model import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss, set_gradient_sync
-from rayft.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name
-from rayft.schedule import Plan, build_optimizer, build_scheduler
-from rayft.tokenizer import load_tokenizer
+from rayft.data.pipeline import collate_fn
+from rayft.data.tokenizer import load_tokenizer
+from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss, set_gradient_sync
+from rayft.train.checkpoint import Progress, load_adapter_weights, load_checkpoint, save_adapter, save_checkpoint
+from rayft.train.metrics import Gauges, Trackers, flop_model, memory, mfu, nan_to_none, peak_flops
+from rayft.train.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name
+from rayft.train.schedule import Plan, build_optimizer, build_scheduler
 
 log = logging.getLogger("rayft")
 

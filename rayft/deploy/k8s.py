@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import yaml
+
 from rayft.config import Config, ConfigError, is_uri
-from rayft.crd import MAX_NAME, name_problems
+from rayft.deploy.crd import MAX_NAME, name_problems
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
@@ -317,3 +319,15 @@ def _under(path: PurePosixPath, root: PurePosixPath) -> bool:
 def deployment_from_flags(**flags: Any) -> Deployment:
     """A Deployment from CLI flags, where None means the default."""
     return dataclasses.replace(Deployment(), **{k: v for k, v in flags.items() if v is not None})
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """No &anchors/*aliases for repeated parts: manifests are read by people and by `kubectl diff`."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def to_yaml(doc: dict) -> str:
+    """A manifest as block-style YAML in the order it was built, wrapped at 120 columns."""
+    return yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False, width=120)

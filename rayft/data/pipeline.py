@@ -24,9 +24,9 @@ import ray.data
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
-from rayft.records import SKIPS, RecordFormat, decode_line, join_wikitext_articles, record_format, segments
-from rayft.sources import SplitSource, resolve_splits
-from rayft.tokenizer import TokenizerFacts, tokenizer_facts
+from rayft.data.records import SKIPS, RecordFormat, decode_line, join_wikitext_articles, record_format, segments
+from rayft.data.sources import SplitSource, resolve_splits
+from rayft.data.tokenizer import TokenizerFacts, tokenizer_facts
 
 if TYPE_CHECKING:
     import torch
@@ -291,7 +291,7 @@ class Tokenize:
         self, model: dict[str, Any], tokenizer: dict[str, Any], fmt: dict[str, Any], source_format: str,
         max_length: int, packing: bool, overlong: str,
     ):  # fmt: skip
-        from rayft.tokenizer import TokenizerFacts, rust_encoder
+        from rayft.data.tokenizer import TokenizerFacts, rust_encoder
 
         facts = TokenizerFacts(**tokenizer)
         self.model = ModelConfig(**model)
@@ -307,7 +307,7 @@ class Tokenize:
     def chat_tokenizer(self) -> Any:
         """The transformers tokenizer, loaded on first need (chat templates, or no tokenizer.json to encode with)."""
         if self._chat_tokenizer is None:
-            from rayft.tokenizer import load_tokenizer
+            from rayft.data.tokenizer import load_tokenizer
 
             self._chat_tokenizer = load_tokenizer(self.model)
         return self._chat_tokenizer

@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
-from rayft.lora import LoraTargets, apply_lora, wrap
-from rayft.loss import fuse_loss
-from rayft.weights import buffers_kept, load_sharded_
+from rayft.model.lora import LoraTargets, apply_lora, wrap
+from rayft.model.loss import fuse_loss
+from rayft.model.weights import buffers_kept, load_sharded_
 
 
 def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
@@ -43,7 +43,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
 
 
 def fused_loss(model: peft.PeftModel, cfg: Config) -> str | None:
-    """Take the loss from the hidden states chunk by chunk (`rayft.loss`); returns why not, or None when it does."""
+    """Take the loss from the hidden states in chunks (`rayft.model.loss`); returns why not, or None if it does."""
     if not cfg.train.fused_loss:
         return "train.fused_loss is false"
     return fuse_loss(model.get_base_model())

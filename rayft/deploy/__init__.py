@@ -1,0 +1,1 @@
+"""Deployment: KubeRay manifests rendered from a training config, and their validation against the CRDs."""
