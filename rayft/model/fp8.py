@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.lora.layer import ParamWrapper
+from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
@@ -251,6 +251,17 @@ def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def fp8_scale_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Full name of every FP8 storage parameter of `model` → its row-scale parameter (loading fills both at once)."""
+    out = {}
+    for module_name, module in fp8_layers(model):
+        prefix = f"{module_name}." if module_name else ""
+        names = ("weight",) if isinstance(module, Fp8Linear) else EXPERT_WEIGHTS
+        for name in names:
+            out[prefix + name] = getattr(module, "weight_scale" if name == "weight" else f"{name}_scale")
+    return out
+
+
 def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype) -> int:
     """Swap, inside each of `layers` (the decoder layers), every linear and fused-experts module for its FP8 form,
     on the meta device (no memory) or quantising real weights. Call before LoRA and FSDP; returns the count."""
@@ -271,15 +282,18 @@ def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype) -> int:
 
 
 def adopt_lora_(model: nn.Module) -> None:
-    """After PEFT wrapped the model: expert LoRA over FP8 experts goes through `Fp8ParamWrapper`, and its adapter
-    weights take the compute dtype (PEFT keeps them fp32 next to an integer base; linears follow `compute_dtype`)."""
+    """After PEFT wrapped the model: expert LoRA over FP8 experts goes through `Fp8ParamWrapper`, and every adapter
+    over an FP8 base takes the compute dtype, as it would next to a base in that dtype (next to the integer storage
+    PEFT leaves them as created)."""
     for module in model.modules():
-        if isinstance(module, ParamWrapper) and isinstance(module.get_base_layer(), Fp8Experts):
+        base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+        if not isinstance(base, (Fp8Linear, Fp8Experts)):
+            continue
+        if isinstance(module, ParamWrapper):
             module.__class__ = Fp8ParamWrapper
-            dtype = module.get_base_layer().compute_dtype
-            for adapters in (module.lora_A, module.lora_B):
-                for name in list(adapters):
-                    adapters[name] = adapters[name].to(dtype)
+        for adapters in (module.lora_A, module.lora_B):
+            for name in list(adapters):
+                adapters[name] = adapters[name].to(base.compute_dtype)
 
 
 def frozen_storage_bytes(model: nn.Module) -> dict[str, int]:
