@@ -211,6 +211,25 @@ def test_block_wise_fp8_checkpoints_are_refused_naming_the_key(mistral4_hub, tmp
         frozen_fp8(cfg.model)
 
 
+def test_the_plan_counts_exactly_the_bytes_fp8_storage_holds(mistral4_hub):
+    """The planner's FP8 figures (from the unswapped meta model) against the swapped model's own parameters."""
+    from rayft.model.build import decoder_layers, empty_model
+    from rayft.plan import meta_structure, plan_memory
+
+    cfg = Config.from_dict({"model": {"model_name_or_path": str(mistral4_hub)}, "lora": {"target_modules": ["auto"]}})
+    s = meta_structure(cfg)
+    model = empty_model(cfg.model)
+    to_fp8_(decoder_layers(model), torch.bfloat16)
+    storage = [p for n, p in model.named_parameters() if p.dtype == torch.uint8]
+    scales = [p for n, p in model.named_parameters() if n.endswith("_scale")]
+    assert s.fp8 == sum(p.numel() for p in storage) > 0
+    assert s.fp8_rows == sum(p.numel() for p in scales)
+    bf16 = dict(plan_memory(cfg, s, 2, on_gpu=True, fp8=False).rows)
+    fp8 = dict(plan_memory(cfg, s, 2, on_gpu=True, fp8=True).rows)
+    saved = (bf16["sharded weights (/2)"] - fp8["sharded weights (/2)"]) * 2**30 * 2
+    assert saved == pytest.approx(s.fp8 * 2 - (s.fp8 + 4 * s.fp8_rows))
+
+
 # --- FSDP2 on two gloo ranks: the FP8 bytes are sharded and gathered, the losses are the fp32 path's ---------------
 
 

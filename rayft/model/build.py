@@ -67,10 +67,18 @@ def text_config(model_dir: str) -> PretrainedConfig:
     return config
 
 
-def frozen_fp8(model_cfg: ModelConfig) -> bool:
-    """Whether the frozen decoder matrices are kept in FP8 (`model.frozen_dtype`; `auto`: when the checkpoint is)."""
+def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bool:
+    """Whether the frozen decoder matrices are kept in FP8 (`model.frozen_dtype`; `auto`: when the checkpoint is,
+    read from its config unless `checkpoint_fp8` says)."""
     if model_cfg.frozen_dtype in ("bfloat16", "float32"):
         return False
+    if checkpoint_fp8 is None:
+        checkpoint_fp8 = _checkpoint_quantization(model_cfg).get("quant_method") == "fp8"
+    return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_fp8
+
+
+def _checkpoint_quantization(model_cfg: ModelConfig) -> dict:
+    """The checkpoint's quantization_config (top level or the text model's); block-wise FP8 is refused."""
     config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
     quant = getattr(config, "quantization_config", None) or getattr(
         getattr(config, "text_config", None), "quantization_config", None
@@ -82,7 +90,7 @@ def frozen_fp8(model_cfg: ModelConfig) -> bool:
             f"(quantization_config.weight_block_size={quant['weight_block_size']}); rayft reads static per-tensor "
             "or per-expert scales only"
         )
-    return model_cfg.frozen_dtype == "float8_e4m3fn" or quant.get("quant_method") == "fp8"
+    return quant
 
 
 def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:

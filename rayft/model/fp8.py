@@ -30,6 +30,7 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 STORAGE = torch.uint8  # E4M3 bit patterns; see the module docstring for why not torch.float8_e4m3fn
 FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +42,16 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype`: E4M3 bytes × their row scales, multiplied in fp32 (exactly the checkpoint's value)."""
-    return (data.view(E4M3).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+    """The weight in `dtype`: E4M3 bytes × their row scales, multiplied in fp32 (exactly the checkpoint's value,
+    as a bf16 load rounds it), a bounded block of rows at a time so the fp32 temporary stays small next to a
+    128-expert stack."""
+    if dtype == torch.float32 or data.numel() <= DEQUANT_BLOCK:
+        return (data.view(E4M3).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    step = max(1, DEQUANT_BLOCK // (data[0].numel()))
+    for lo in range(0, data.shape[0], step):
+        out[lo : lo + step] = dequantize_rows(data[lo : lo + step], scale[lo : lo + step], torch.float32)
+    return out
 
 
 def rows_scale(scale: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
