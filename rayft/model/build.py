@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -25,6 +26,8 @@ from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import buffers_kept, load_sharded_
 
+log = logging.getLogger("rayft")
+
 
 def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
     """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
@@ -33,7 +36,9 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
     fp8 = frozen_fp8(cfg.model)
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
-        to_fp8_(decoder_layers(model), model.dtype)
+        swapped = to_fp8_(decoder_layers(model), model.dtype)
+        log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
+                 swapped, cfg.model.frozen_dtype)  # fmt: skip
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
