@@ -146,6 +146,22 @@ def test_nothing_weight_sized_in_the_compute_dtype_is_saved_for_backward():
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
+def test_under_cpu_bf16_autocast_the_fp8_linear_is_the_dequantised_linear():
+    """`train.bf16` on CPU runs matmuls under autocast: output dtype, values and input gradient as nn.Linear's."""
+    torch.manual_seed(0)
+    fp8 = Fp8Linear.from_linear(nn.Linear(64, 96, bias=False), torch.bfloat16)
+    reference = nn.Linear(64, 96, bias=False)
+    reference.weight.data = _dequantised(fp8.weight, fp8.weight_scale)
+    x = torch.randn(4, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = fp8(x), reference(x_ref)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.float().sum().backward()
+    want.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, x_ref.grad)
+
+
 def _lora(model: nn.Module, arch: str) -> peft.PeftModel:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     experts = None
