@@ -277,6 +277,27 @@ def _frozen_layer_bytes(layers: list[nn.Module]) -> dict[str, int]:
     return out
 
 
+def _assert_hub_bytes_loaded_as_they_are(model: nn.Module, model_dir: str, rank: int) -> None:
+    """Every FP8 parameter holds the checkpoint's E4M3 bytes unchanged, its row scales the hub's static scale."""
+    from rayft.model.weights import model_param_name
+
+    hub = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        hub.update(load_file(file))
+    storage = [(n, p) for n, p in model.named_parameters() if p.dtype == torch.uint8]
+    assert len(storage) == 2 * (8 + 2)  # per layer: 8 linears, gate_up and down of the experts
+    for name, param in storage:
+        full = param.full_tensor()  # collective: every rank
+        scale_name = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else f"{name}_scale"
+        scale = dict(model.named_parameters())[scale_name].full_tensor()
+        if rank:
+            continue
+        key = "language_model." + model_param_name(name)
+        hub_scale = hub.get(f"{key}_scale_inv", hub.get(key.removesuffix(".weight") + ".weight_scale_inv"))
+        assert torch.equal(full, hub[key].view(torch.uint8)), name
+        assert torch.equal(scale, hub_scale.float().reshape(-1, *([1] * (scale.ndim - 1))).expand_as(scale)), name
+
+
 def _fsdp_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
     from rayft.model.build import build_model, decoder_layers
 
@@ -287,6 +308,8 @@ def _fsdp_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
         for label, raw in runs.items():
             torch.manual_seed(0)  # the LoRA A init draws from the global stream, as in the training loop
             model = build_model(Config.from_dict(raw), on_gpu=False)
+            if label == "hub_fp8":
+                _assert_hub_bytes_loaded_as_they_are(model, raw["model"]["model_name_or_path"], rank)
             gathered = [0]
             for layer in decoder_layers(model):
                 _count_frozen_all_gathers(layer, gathered)
