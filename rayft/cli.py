@@ -301,9 +301,10 @@ def _storage(s, fp8: bool, torch_dtype: str) -> str:
     """How the frozen base is held, with its bytes (model.frozen_dtype)."""
     if not fp8:
         return f"{torch_dtype} (model.frozen_dtype; FP8 would hold {s.fp8:,} of its matrices' params in 1 byte)"
-    gib = (s.fp8 + 4 * s.fp8_rows) / 2**30
+    size = s.fp8 + 4 * s.fp8_rows
+    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     return (
-        f"FP8 E4M3 for {s.fp8:,} decoder-matrix params ({gib:.2f} GiB: 1 byte each + {s.fp8_rows:,} fp32 row scales),"
+        f"FP8 E4M3 for {s.fp8:,} decoder-matrix params ({shown}: 1 byte each + {s.fp8_rows:,} fp32 row scales),"
         f" the other {s.total - s.fp8:,} in {torch_dtype}"
     )
 
