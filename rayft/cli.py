@@ -147,6 +147,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from rayft.model.build import frozen_fp8
     from rayft.plan import format_plans, meta_structure, plan_memory
 
     cfg = load_config(args.config, args.override)
@@ -161,8 +162,14 @@ def _plan(args: argparse.Namespace) -> int:
             "point it at the model or use --preset mistral-small-4"
         )
     s = meta_structure(cfg, config)
-    plans = [plan_memory(cfg, s, n * args.gpus_per_node, on_gpu=True, gpu=args.gpu) for n in args.num_nodes]
-    print(format_plans(plans, s, cfg.data.max_length * cfg.train.per_device_train_batch_size))
+    # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8.
+    fp8 = frozen_fp8(cfg.model, checkpoint_fp8=True if args.preset else None)
+
+    def plans(fp8: bool) -> list:
+        return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8) for n in args.num_nodes]
+
+    other = plans(not fp8) if s.fp8 else None
+    print(format_plans(plans(fp8), s, cfg.data.max_length * cfg.train.per_device_train_batch_size, other))
     return EXIT_OK
 
 
@@ -263,6 +270,7 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
+    from rayft.model.build import frozen_fp8
     from rayft.plan import plan_memory
     from rayft.preflight import preflight
 
@@ -279,12 +287,26 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
         f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.trainable_params:,}"
     )
     world = cfg.ray.num_workers
-    plan = plan_memory(cfg, checked.structure, world, on_gpu=cfg.ray.use_gpu is not False, gpu=args.gpu)
+    fp8 = frozen_fp8(cfg.model)
+    plan = plan_memory(cfg, checked.structure, world, on_gpu=cfg.ray.use_gpu is not False, gpu=args.gpu, fp8=fp8)
     verdict = f"fits {args.gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
     print(f"  memory plan: {plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict} (rayft plan for details)")
     if lora.warning:
         print(f"rayft: warning: {lora.warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _storage(s, fp8: bool, torch_dtype: str) -> str:
+    """How the frozen base is held, with its bytes (model.frozen_dtype)."""
+    if not fp8:
+        return f"{torch_dtype} (model.frozen_dtype; FP8 would hold {s.fp8:,} of its matrices' params in 1 byte)"
+    size = s.fp8 + 4 * s.fp8_rows
+    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    return (
+        f"FP8 E4M3 for {s.fp8:,} decoder-matrix params ({shown}: 1 byte each + {s.fp8_rows:,} fp32 row scales),"
+        f" the other {s.total - s.fp8:,} in {torch_dtype}"
+    )
 
 
 def _train(cfg: Config) -> int:

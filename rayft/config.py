@@ -78,6 +78,9 @@ class ModelConfig:
     # sharded: each rank reads only its own FSDP shards from the safetensors files (no rank holds the model);
     # full: every rank loads the whole model with from_pretrained, then shards it (needs host RAM for all of it).
     load_mode: str = "sharded"
+    # Storage of the frozen decoder matrices (linears, routed experts): auto = FP8 (E4M3 + row scales) when the
+    # checkpoint is FP8, else torch_dtype; float8_e4m3fn also quantises a bf16/fp32 checkpoint at load (per row).
+    frozen_dtype: str = "auto"
 
 
 @dataclass
@@ -376,6 +379,12 @@ class Config:
 
         _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))
         _one_of("model.load_mode", m.load_mode, ("sharded", "full"))
+        _one_of("model.frozen_dtype", m.frozen_dtype, ("auto", "float8_e4m3fn", "bfloat16", "float32"))
+        if m.frozen_dtype in DTYPES and m.torch_dtype not in ("auto", m.frozen_dtype):
+            raise ConfigError(
+                f"model.frozen_dtype {m.frozen_dtype} disagrees with model.torch_dtype {m.torch_dtype}: a dequantised "
+                "base is stored in torch_dtype; set one of them to match (or frozen_dtype: float8_e4m3fn / auto)"
+            )
         _one_of("fsdp.param_dtype", f.param_dtype, (*DTYPES, "auto"))
         _one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
         _at_least("fsdp.forward_prefetch", f.forward_prefetch, 0)

@@ -12,6 +12,9 @@ c = bytes of the compute dtype, p = bytes of the stored weights):
                               + s · top_k · moe_intermediate · 3c (routed experts' gate/up/act)
   logits + loss        s · V · (c + 8)    (logits, fp32 log-softmax, fp32 gradient)
   runtime overhead     2 GiB on GPU (CUDA context, NCCL buffers, allocator slack); not counted on CPU
+With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (linears, routed experts; R rows) count
+1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
+for its matmul: + F_max · c (the largest, e.g. one layer's expert stack) + its fp32 block (≤ 256 MiB).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from rayft.config import Config
+from rayft.model.fp8 import DEQUANT_BLOCK, EXPERT_WEIGHTS
 from rayft.model.loss import chunk_rows
 
 GIB = 2**30
@@ -42,6 +46,11 @@ class Structure:
     vocab: int
     top_k: int
     moe_intermediate: int
+    fp8: int = 0  # frozen decoder matrices (linears, routed experts) that FP8 storage holds
+    fp8_rows: int = 0  # their rows: one fp32 scale each
+    fp8_layer: int = 0  # of those, in the largest layer
+    fp8_layer_rows: int = 0
+    fp8_largest: int = 0  # the largest single such tensor: dequantised whole for its matmul
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class MemoryPlan:
     world_size: int
     rows: list[tuple[str, float]]  # (component, GiB per GPU)
     gpu: str | None
+    frozen: str = "bf16"  # how the frozen base is stored: bf16, fp32 or fp8
 
     @property
     def total_gib(self) -> float:
@@ -66,10 +76,12 @@ def structure(model: nn.Module, config) -> Structure:
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(model.parameters())
+    fp8_per_layer = [fp8_matrices(layer) for layer in layers]
+    largest = max(range(len(layers)), key=lambda i: sum(p.numel() for p in layers[i].parameters()))
     return Structure(
         architecture=type(model.get_base_model()).__name__,
         total=sum(p.numel() for p in params if not p.requires_grad),
-        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        largest_layer=sum(p.numel() for p in layers[largest].parameters()),
         layers=len(layers),
         root=sum(p.numel() for p in params if id(p) not in in_layers),
         lora=sum(p.numel() for p in params if p.requires_grad),
@@ -77,10 +89,31 @@ def structure(model: nn.Module, config) -> Structure:
         vocab=config.vocab_size,
         top_k=getattr(config, "num_experts_per_tok", 0) or 0,
         moe_intermediate=getattr(config, "moe_intermediate_size", 0) or 0,
+        fp8=sum(p.numel() for ps in fp8_per_layer for p in ps),
+        fp8_rows=sum(p.numel() // p.shape[-1] for ps in fp8_per_layer for p in ps),
+        fp8_layer=sum(p.numel() for p in fp8_per_layer[largest]),
+        fp8_layer_rows=sum(p.numel() // p.shape[-1] for p in fp8_per_layer[largest]),
+        fp8_largest=max((p.numel() for ps in fp8_per_layer for p in ps), default=0),
     )
 
 
-def plan_memory(cfg: Config, s: Structure, world_size: int, on_gpu: bool, gpu: str | None = None) -> MemoryPlan:
+def fp8_matrices(layer: nn.Module) -> list[nn.Parameter]:
+    """The frozen matrices of a decoder layer that FP8 storage holds: linear weights and fused 3D expert weights
+    (what `rayft.model.fp8.to_fp8_` swaps), LoRA's own excluded."""
+    out = []
+    for name, module in layer.named_modules():
+        if ".lora_" in f".{name}":
+            continue
+        if isinstance(module, nn.Linear):
+            out.append(module.weight)
+        out += [p for n, p in module.named_parameters(recurse=False) if p.ndim == 3 and n in EXPERT_WEIGHTS]
+    return [p for p in out if not p.requires_grad]
+
+
+def plan_memory(
+    cfg: Config, s: Structure, world_size: int, on_gpu: bool, gpu: str | None = None, fp8: bool = False
+) -> MemoryPlan:
+    """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8."""
     c = 2 if (on_gpu and cfg.train.bf16 and cfg.fsdp.param_dtype in ("auto", "bfloat16")) else 4
     p = 4 if cfg.model.torch_dtype == "float32" else 2
     tokens = cfg.data.max_length * cfg.train.per_device_train_batch_size
@@ -93,17 +126,27 @@ def plan_memory(cfg: Config, s: Structure, world_size: int, on_gpu: bool, gpu: s
         activations, label = s.layers * tokens * s.hidden * c + layer_working_set, "activations (AC on)"
     else:
         activations, label = s.layers * layer_working_set, "activations (AC off)"
+    if fp8:
+        stored = (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows
+        layer = (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
+    else:
+        stored, layer = s.total * p, s.largest_layer * c
     rows = [
-        (f"sharded weights (/{shards})", s.total * p / shards),
-        (f"gathered layers ({gathered_layers} x {_count(s.largest_layer)})", gathered_layers * s.largest_layer * c),
+        (f"sharded weights (/{shards})", stored / shards),
+        (f"gathered layers ({gathered_layers} x {_count(s.largest_layer)})", gathered_layers * layer),
         ("gathered root (embeddings, head)", s.root * c),
         (f"LoRA params+grads+AdamW (/{shards})", s.lora * 16 / shards),
         (label, activations),
         ("logits + loss", logit_rows * s.vocab * (c + 8)),
     ]
+    if fp8:
+        rows.append(
+            ("FP8 weight dequantised for its matmul", s.fp8_largest * c + min(s.fp8_largest, DEQUANT_BLOCK) * 4)
+        )
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
-    return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu)
+    frozen = "fp8" if fp8 else ("fp32" if p == 4 else "bf16")
+    return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
 
 
 def _count(n: int) -> str:
@@ -118,14 +161,21 @@ def meta_structure(cfg: Config, config=None) -> Structure:
     return structure(model, model.config)
 
 
-def format_plans(plans: list[MemoryPlan], s: Structure, tokens: int) -> str:
+def format_plans(plans: list[MemoryPlan], s: Structure, tokens: int, other: list[MemoryPlan] | None = None) -> str:
+    """The table of `plans`; with `other` (the same runs with the frozen base stored the other way: FP8 / bf16),
+    a line of its totals next to them."""
     head = f"{s.architecture}: {s.total / 1e9:.2f}B params, LoRA {s.lora / 1e6:.1f}M trainable, {tokens} tokens/GPU"
-    width = max(len(name) for name, _ in plans[0].rows) + 2
+    head += f", frozen base stored in {plans[0].frozen}"
+    names = [name for name, _ in plans[0].rows]
+    width = max(len(name) for name in names) + 2
     lines = [head, "component".ljust(width) + "".join(f"{'W=' + str(p.world_size):>10}" for p in plans)]
-    for i, (name, _) in enumerate(plans[0].rows):
+    for i, name in enumerate(names):
         label = name.split(" (/")[0] if "(/" in name else name
         lines.append(label.ljust(width) + "".join(f"{p.rows[i][1]:>10.2f}" for p in plans))
     lines.append("total GiB/GPU".ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in plans))
+    if other:
+        label = f"  with {other[0].frozen} base"
+        lines.append(label.ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in other))
     if plans[0].capacity_gib:
         verdicts = "".join(f"{'fits' if p.total_gib <= p.capacity_gib else 'OOM':>10}" for p in plans)
         lines.append(f"on {plans[0].gpu} ({plans[0].capacity_gib} GiB)".ljust(width) + verdicts)

@@ -177,6 +177,8 @@ def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
     )  # fmt: skip
     logs = _assert_succeeded(job)
     assert re.search(r"model Mistral4ForCausalLM \(.*\): [\d,]+ params, LoRA r=\d+ on 16 modules", logs), logs[:4000]
+    # model.frozen_dtype auto: the FP8 checkpoint stays FP8 (8 linears + 1 expert stack per layer, 2 layers)
+    assert "frozen base: 18 decoder matrices stored as FP8 E4M3" in logs, logs[:4000]
     progress = _progress(logs)
     losses = [loss for _, loss, _ in progress]
     assert len(losses) == 4 and losses[-1] < losses[0], losses

@@ -18,7 +18,8 @@ REFERENCE_GIB = {3: 97, 4: 79, 8: 51}
 def test_real_config_plan_is_within_10_percent_of_the_reference():
     result = subprocess.run(
         [sys.executable, "-m", "rayft.cli", "plan", "--preset", "mistral-small-4", "--num-nodes", "3", "4", "8",
-         "--override", "data.max_length=4096", "--override", "fsdp.activation_checkpointing=true"],
+         "--override", "data.max_length=4096", "--override", "fsdp.activation_checkpointing=true",
+         "--override", "model.frozen_dtype=bfloat16"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -27,6 +28,9 @@ def test_real_config_plan_is_within_10_percent_of_the_reference():
     for (nodes, want), got in zip(REFERENCE_GIB.items(), totals, strict=True):
         assert abs(got - want) / want <= 0.10, (nodes, got, want)
     assert re.search(r"on h200 .*fits\s+fits\s+fits", result.stdout)
+    # next to it, the same runs with the frozen base in FP8 (1 byte per decoder-matrix weight + row scales)
+    fp8 = [float(x) for x in re.search(r"with fp8 base\s+([\d.\s]+)", result.stdout)[1].split()]
+    assert all(0.5 * bf16 < f < 0.7 * bf16 for f, bf16 in zip(fp8, totals, strict=True)), (fp8, totals)
 
 
 def test_plan_rows_follow_the_config(fixtures: Fixtures):

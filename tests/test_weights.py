@@ -121,7 +121,7 @@ def _hub_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -> No
 def test_fp8_hub_layout_loads_dequantised_on_two_ranks(fixtures: Fixtures, mistral4_hub, tmp_path):
     model_dir = mistral4_hub
     raw = tiny_config(fixtures, tmp_path)
-    raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="bfloat16")
+    raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="bfloat16", frozen_dtype="bfloat16")
     raw["lora"]["target_modules"] = MLA_TARGETS
     mp.spawn(_hub_rank, args=(2, free_port(), raw, str(model_dir)), nprocs=2)
 

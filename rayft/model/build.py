@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,9 +21,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
+from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import buffers_kept, load_sharded_
+
+log = logging.getLogger("rayft")
 
 
 def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
@@ -30,10 +34,17 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
     sharded = cfg.model.load_mode == "sharded"
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
+    fp8 = frozen_fp8(cfg.model)
+    if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
+        swapped = to_fp8_(decoder_layers(model), model.dtype)
+        log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
+                 swapped, cfg.model.frozen_dtype)  # fmt: skip
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = apply_lora(model, cfg.lora)
+    if fp8:
+        adopt_lora_(model)
     apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
     if sharded:
         with buffers_kept(model):
@@ -59,6 +70,32 @@ def text_config(model_dir: str) -> PretrainedConfig:
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
     return config
+
+
+def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bool:
+    """Whether the frozen decoder matrices are kept in FP8 (`model.frozen_dtype`; `auto`: when the checkpoint is,
+    read from its config unless `checkpoint_fp8` says)."""
+    if model_cfg.frozen_dtype in ("bfloat16", "float32"):
+        return False
+    if checkpoint_fp8 is None:
+        checkpoint_fp8 = _checkpoint_quantization(model_cfg).get("quant_method") == "fp8"
+    return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_fp8
+
+
+def _checkpoint_quantization(model_cfg: ModelConfig) -> dict:
+    """The checkpoint's quantization_config (top level or the text model's); block-wise FP8 is refused."""
+    config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
+    quant = getattr(config, "quantization_config", None) or getattr(
+        getattr(config, "text_config", None), "quantization_config", None
+    )
+    quant = quant if isinstance(quant, dict) else (quant.to_dict() if quant is not None else {})
+    if quant.get("weight_block_size"):
+        raise ConfigError(
+            f"model.model_name_or_path: {model_cfg.model_name_or_path} has block-wise FP8 scales "
+            f"(quantization_config.weight_block_size={quant['weight_block_size']}); rayft reads static per-tensor "
+            "or per-expert scales only"
+        )
+    return quant
 
 
 def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rayft.model.fp8 import fp8_scale_params, quantize_rows, rows_scale
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
 PEFT_PREFIX = "base_model.model."
@@ -121,9 +123,13 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
     """Copy every base parameter's local shard from the checkpoint and give the LoRA parameters a fresh init."""
     checkpoint = SafetensorsCheckpoint(directory)
     missing = []
+    fp8_scales = fp8_scale_params(model)  # FP8 storage: its scales are filled together with its bytes
+    filled_with_weight = {id(p) for p in fp8_scales.values()}
     try:
         with torch.no_grad():
             for name, param in model.named_parameters():
+                if id(param) in filled_with_weight:
+                    continue
                 local, start = _local_rows(param)
                 if ".lora_" in name:
                     _init_lora_(name, local, param.shape, start)
@@ -133,6 +139,9 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
                     key = checkpoint_key(base_name, checkpoint)
                 except CheckpointKeyError:
                     missing.append(base_name)
+                    continue
+                if name in fp8_scales:
+                    _load_fp8_(local, _local_rows(fp8_scales[name]), start, key, checkpoint)
                     continue
                 # Bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a fixed size
                 # however large the tensor (a 128-expert fused weight is GBs).
@@ -149,10 +158,38 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
         raise CheckpointKeyError(f"the checkpoint at {directory} lacks {len(missing)} model tensors: {shown}")
 
 
+def _load_fp8_(
+    data: torch.Tensor, scale: tuple[torch.Tensor, int], start: int, key: str, checkpoint: SafetensorsCheckpoint
+) -> None:
+    """Fill FP8 storage (E4M3 bytes + row scales, `rayft.model.fp8`) with rows [start, start + len): an E4M3
+    checkpoint's bytes as they are (its static scale spread over the rows), anything else quantised per row."""
+    scale_local, scale_start = scale
+    if scale_start != start or scale_local.shape[0] != data.shape[0]:
+        raise RuntimeError(f"'{key}': its FP8 row scales are sharded unlike its rows ({scale_start} vs {start})")
+    if not data.shape[0]:
+        return  # an uneven FSDP shard can be empty
+    step = max(1, CHUNK_BYTES // max(1, 4 * data[0].numel()))
+    for lo in range(0, data.shape[0], step):
+        hi = min(lo + step, data.shape[0])
+        rows = checkpoint.rows(key, start + lo, start + hi)
+        if rows.dtype == torch.float8_e4m3fn:
+            data[lo:hi].copy_(rows.view(data.dtype))
+            scale_local[lo:hi].copy_(rows_scale(fp8_scale(rows, key, checkpoint, start + lo), rows.shape))
+        else:
+            q, s = quantize_rows(dequantize(rows, key, checkpoint, start + lo))
+            data[lo:hi].copy_(q)
+            scale_local[lo:hi].copy_(s)
+
+
 def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
     """FP8 rows × their static scale: a 0-d per-tensor scale, or one per row of dim 0 ([E,1,1] for experts)."""
     if rows.dtype not in FP8_DTYPES:
         return rows
+    return rows.to(torch.float32) * fp8_scale(rows, key, checkpoint, start).to(torch.float32)
+
+
+def fp8_scale(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
+    """The static scale of FP8 `rows` (from row `start`): 0-d per tensor, or the rows' own ([n,1,1] per expert)."""
     scale_key = next(
         (k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in checkpoint), None
     )
@@ -168,7 +205,7 @@ def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, 
             f"'{scale_key}' has shape {scale_shape}: only static per-tensor or per-expert FP8 scales are supported "
             "(block-wise FP8 checkpoints are not)"
         )
-    return rows.to(torch.float32) * scale.to(torch.float32)
+    return scale
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:

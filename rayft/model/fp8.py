@@ -1,0 +1,317 @@
+"""The frozen base kept in FP8 (E4M3 + one fp32 scale per output row), dequantised only for its matmul.
+
+Why not the libraries' FP8: transformers' FP8 quantizers are inference-only (forced into training they drop the
+input gradient), torchao's FP8 training keeps bf16 master weights (no memory saved), and FSDP2 turns parameter
+subclasses into plain parameters (the quantisation silently disappears). So the storage here is plain frozen
+`uint8` parameters holding E4M3 bit patterns, next to plain fp32 scale parameters:
+
+- FSDP2 shards and all-gathers them like any other parameter, byte for byte: a non-floating parameter is never cast
+  by the mixed-precision policy (a `float8` one would be gathered as bf16/fp32), gloo moves `uint8`, and PEFT does
+  not cast its LoRA weights to an integer base dtype.
+- Scales are per output row (`[out]` for a linear, `[E, out]` for fused experts), so they shard on dim 0 exactly
+  with their rows. The hub's static per-tensor / per-expert scales expand to rows losslessly; a bf16/fp32 weight is
+  quantised per row (amax / 448).
+- The matmul is an autograd Function: forward dequantises into the compute dtype, backward dequantises again for
+  the input gradient; no weight gradient, and only the 1-byte weight and its scales are saved for backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+STORAGE = torch.uint8  # E4M3 bit patterns; see the module docstring for why not torch.float8_e4m3fn
+FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 bytes and one fp32 scale per row (last dim reduced): `weight ≈ bytes.view(E4M3) * scale[..., None]`."""
+    w = weight.detach().to(torch.float32)
+    scale = (w.abs().amax(dim=-1) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    data = (w / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return data.view(STORAGE), scale
+
+
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype`: E4M3 bytes × their row scales, multiplied in fp32 (exactly the checkpoint's value,
+    as a bf16 load rounds it), a bounded block of rows at a time so the fp32 temporary stays small next to a
+    128-expert stack."""
+    if dtype == torch.float32 or data.numel() <= DEQUANT_BLOCK:
+        return (data.view(E4M3).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    step = max(1, DEQUANT_BLOCK // (data[0].numel()))
+    for lo in range(0, data.shape[0], step):
+        out[lo : lo + step] = dequantize_rows(data[lo : lo + step], scale[lo : lo + step], torch.float32)
+    return out
+
+
+def rows_scale(scale: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A checkpoint's static scale for a slice of rows (0-d per tensor, `[n,1,1]` per expert, `[n]`/`[n,1]` per
+    row) as one fp32 scale per row of a weight slice of `shape` (rows = every dim but the last)."""
+    rows = tuple(shape[:-1])
+    s = scale.to(torch.float32)
+    while s.ndim and s.shape[-1] == 1:
+        s = s.squeeze(-1)
+    return s.reshape(*s.shape, *([1] * (len(rows) - s.ndim))).expand(rows).contiguous()
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `x` runs in: autocast's where it is on, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x · dequant(W)ᵀ with no weight gradient; saves only the E4M3 bytes and their scales."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        ctx.save_for_backward(data, scale)
+        ctx.dtype, ctx.input_dtype = dtype, x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dtype), dequantize_rows(data, scale, dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        data, scale = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            dx = grad.to(ctx.dtype) @ dequantize_rows(data, scale, ctx.dtype)
+        return dx.to(ctx.input_dtype), None, None
+
+
+class _FrozenGroupedLinear(torch.autograd.Function):
+    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert, `offs` = group ends), no weight
+    gradient; saves only the E4M3 bytes and their scales."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        ctx.save_for_backward(offs, data, scale)
+        ctx.dtype, ctx.input_dtype = dtype, x.dtype
+        weight = dequantize_rows(data, scale, dtype)  # [E, out, in]
+        with torch.autocast(x.device.type, enabled=False):
+            return F.grouped_mm(x.to(dtype).contiguous(), weight.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        offs, data, scale = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            dx = F.grouped_mm(grad.to(ctx.dtype).contiguous(), dequantize_rows(data, scale, ctx.dtype), offs=offs)
+        return dx.to(ctx.input_dtype), None, None, None
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Fp8Linear(nn.Linear):
+    """A frozen linear layer stored as E4M3 bytes (`weight`, uint8 `[out, in]`) + fp32 row scales (`weight_scale`,
+    `[out]`). It is an `nn.Linear` (`in_features`, `out_features`, `weight`, `bias`) so PEFT wraps it with LoRA as
+    usual; `compute_dtype` is what PEFT gives the LoRA weights (it reads that attribute for quantised bases)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None
+    ) -> None:
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a float weight
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        self.weight = _frozen((out_features, in_features), STORAGE, device)
+        self.weight_scale = _frozen((out_features,), torch.float32, device)
+        self.bias = _frozen((out_features,), compute_dtype, device) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype) -> Fp8Linear:
+        """The FP8 layer for `linear`; its values quantised per row unless it is on the meta device."""
+        device = linear.weight.device
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device)
+        if device.type != "meta":
+            with torch.no_grad():
+                data, scale = quantize_rows(linear.weight)
+                layer.weight.copy_(data)
+                layer.weight_scale.copy_(scale)
+                if linear.bias is not None:
+                    layer.bias.copy_(linear.bias)
+        return layer
+
+    def reset_parameters(self) -> None:
+        """Frozen storage is filled from a checkpoint, never initialised."""
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_rows(self.weight, self.weight_scale, dtype or self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _FrozenLinear.apply(x, self.weight, self.weight_scale)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, storage=float8_e4m3fn+row_scales"
+
+
+class Fp8Experts(nn.Module):
+    """Fused routed experts (transformers' `@use_experts_implementation` layout: concatenated gate/up, not
+    transposed, no bias) stored in FP8: `gate_up_proj` uint8 `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`,
+    `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]`. The forward is transformers' `grouped_mm` one.
+
+    LoRA on the experts (PEFT `target_parameters`) arrives through `Fp8ParamWrapper`, which hands this module the
+    low-rank factors: the update is applied as activations (x·Bᵀ·Aᵀ per expert group), never as a weight-sized
+    delta — with an FP8 base PEFT's own path would fold the delta into the E4M3 weight."""
+
+    is_transposed = False  # PEFT reads it: the weights are [E, out, in]
+
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        unsupported = [
+            flag
+            for flag, bad in (
+                ("has_bias", True),
+                ("is_transposed", True),
+                ("has_gate", False),
+                ("is_concatenated", False),
+                ("has_post_expert_norm", True),
+            )
+            if getattr(experts, flag, not bad) == bad
+        ]
+        if unsupported:
+            raise ValueError(f"{type(experts).__name__}: FP8 experts support no {', '.join(unsupported)} layout")
+        self.num_experts, self.act_fn, self.compute_dtype = experts.num_experts, experts.act_fn, compute_dtype
+        device = experts.gate_up_proj.device
+        for name in EXPERT_WEIGHTS:
+            shape = tuple(getattr(experts, name).shape)
+            self.register_parameter(name, _frozen(shape, STORAGE, device))
+            self.register_parameter(f"{name}_scale", _frozen(shape[:2], torch.float32, device))
+            if device.type != "meta":
+                with torch.no_grad():
+                    data, scale = quantize_rows(getattr(experts, name))
+                    getattr(self, name).copy_(data)
+                    getattr(self, f"{name}_scale").copy_(scale)
+        self.lora_factors: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
+
+    def dequantized_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_rows(getattr(self, name), getattr(self, f"{name}_scale"), dtype or self.compute_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        num_tokens, top_k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        routed = hidden_states[perm // top_k]
+        # histc, as transformers: no host sync, CPU needs float input
+        counts = torch.histc(expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = self._project("gate_up_proj", routed, offs).chunk(2, dim=-1)
+        out = self._project("down_proj", self.act_fn(gate) * up, offs)
+        out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
+        unsorted = torch.empty_like(out)
+        unsorted[perm] = out
+        return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = _FrozenGroupedLinear.apply(x, offs, getattr(self, name), getattr(self, f"{name}_scale"))
+        for lhs, rhs, scaling in self.lora_factors.get(name, ()):
+            # (x · (s·lhs·rhs)ᵀ) per group = s · (x · rhsᵀ) · lhsᵀ; lhs [E, out, r], rhs [E, r, in]
+            x_in = x.to(out.dtype).contiguous()
+            down = F.grouped_mm(x_in, rhs.to(out.dtype).transpose(-2, -1).contiguous(), offs=offs)
+            out = out + scaling * F.grouped_mm(down, lhs.to(out.dtype).transpose(-2, -1).contiguous(), offs=offs)
+        return out
+
+
+class Fp8ParamWrapper(ParamWrapper):
+    """PEFT's expert LoRA over an `Fp8Experts`: instead of parametrizing the weight with `W + ΔW` (which for a
+    float8/uint8 base re-quantises the sum or casts the factors to the base dtype), it lends the base its factors
+    for the forward. Everything else — the adapter weights, their names, saving — is PEFT's."""
+
+    @contextmanager
+    def _activate_lora(self, active_adapters: list[str]) -> Iterator[None]:
+        base = self.get_base_layer()
+        factors = [self.lora_factors(a) for a in active_adapters if a in self.lora_A]
+        if factors:
+            base.lora_factors[self.parameter_name] = factors
+        try:
+            yield
+        finally:
+            base.lora_factors.pop(self.parameter_name, None)
+
+    def lora_factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(lhs [E, out, in→r], rhs [E, r, in], scaling) with ΔW = scaling · lhs · rhs, in the adapter's dtype."""
+        e = self.num_experts
+        a = self.lora_A[adapter].weight.reshape(e, -1, self.lora_A[adapter].weight.shape[-1])  # [E, r, in]
+        b = self.lora_B[adapter].weight
+        b = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r]
+        return b, a, self.scaling[adapter]
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise NotImplementedError("FP8 expert weights cannot take a merged LoRA: merge into a dequantised model")
+
+
+def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(module, (Fp8Linear, Fp8Experts)):
+            yield name, module
+
+
+def fp8_scale_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Full name of every FP8 storage parameter of `model` → its row-scale parameter (loading fills both at once)."""
+    out = {}
+    for module_name, module in fp8_layers(model):
+        prefix = f"{module_name}." if module_name else ""
+        names = ("weight",) if isinstance(module, Fp8Linear) else EXPERT_WEIGHTS
+        for name in names:
+            out[prefix + name] = getattr(module, "weight_scale" if name == "weight" else f"{name}_scale")
+    return out
+
+
+def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype) -> int:
+    """Swap, inside each of `layers` (the decoder layers), every linear and fused-experts module for its FP8 form,
+    on the meta device (no memory) or quantising real weights. Call before LoRA and FSDP; returns the count."""
+    swapped = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, child_name, Fp8Linear.from_linear(child, compute_dtype))
+                elif all(isinstance(getattr(child, n, None), nn.Parameter) for n in EXPERT_WEIGHTS) and (
+                    child.gate_up_proj.ndim == 3
+                ):
+                    setattr(parent, child_name, Fp8Experts(child, compute_dtype))
+                else:
+                    continue
+                swapped += 1
+    return swapped
+
+
+def adopt_lora_(model: nn.Module) -> None:
+    """After PEFT wrapped the model: expert LoRA over FP8 experts goes through `Fp8ParamWrapper`, and every adapter
+    over an FP8 base takes the compute dtype, as it would next to a base in that dtype (next to the integer storage
+    PEFT leaves them as created)."""
+    for module in model.modules():
+        base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+        if not isinstance(base, (Fp8Linear, Fp8Experts)):
+            continue
+        if isinstance(module, ParamWrapper):
+            module.__class__ = Fp8ParamWrapper
+        for adapters in (module.lora_A, module.lora_B):
+            for name in list(adapters):
+                adapters[name] = adapters[name].to(base.compute_dtype)
+
+
+def frozen_storage_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the frozen base by storage kind (`fp8`, `scales`, `other`): what the plan and the tests count."""
+    out = {"fp8": 0, "scales": 0, "other": 0}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        fp8 = param.dtype == STORAGE
+        kind = "fp8" if fp8 else "scales" if name.endswith("_scale") else "other"
+        out[kind] += param.numel() * param.element_size()
+    return out

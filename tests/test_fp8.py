@@ -1,0 +1,378 @@
+"""The frozen base in FP8 (rayft.model.fp8): input gradients, saved tensors, LoRA on top, FSDP2 bytes and losses.
+
+Every reference is the same model in fp32 with the dequantised weights (E4M3 value × scale, computed here with
+plain torch), run through transformers' own layers: the FP8 path must give its losses and input gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import Fixtures, free_port, tiny_config
+from fixtures.hub_layout import TINY_MISTRAL4
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
+
+from rayft.config import Config, ConfigError
+from rayft.model.fp8 import Fp8Experts, Fp8Linear, adopt_lora_, to_fp8_
+
+STEPS = 5
+E4M3_MAX = 448.0
+
+
+def _tiny(arch: str) -> nn.Module:
+    torch.manual_seed(0)
+    if arch == "dense":
+        config = MistralConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16,
+        )  # fmt: skip
+        return MistralForCausalLM(config).float()
+    config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 512})
+    return Mistral4ForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
+
+
+def _fp8_and_reference(arch: str) -> tuple[nn.Module, nn.Module]:
+    """(the model with its decoder in FP8, the same model in fp32 holding the dequantised weights)."""
+    reference = _tiny(arch)
+    fp8 = copy.deepcopy(reference)
+    assert to_fp8_(list(fp8.model.layers), torch.float32) > 0
+    swapped = dict(fp8.named_modules())
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            twin = swapped.get(name)
+            if isinstance(twin, Fp8Linear):
+                module.weight.copy_(_dequantised(twin.weight, twin.weight_scale))
+            elif isinstance(twin, Fp8Experts):
+                for w in ("gate_up_proj", "down_proj"):
+                    getattr(module, w).copy_(_dequantised(getattr(twin, w), getattr(twin, f"{w}_scale")))
+    return fp8, reference
+
+
+def _dequantised(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    assert data.dtype == torch.uint8 and scale.dtype == torch.float32
+    return data.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+
+
+def _quantised_by_hand(weight: torch.Tensor) -> torch.Tensor:
+    """Independent per-row E4M3 round trip: scale = row amax / 448, cast with torch, multiply back."""
+    scale = weight.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+    return (weight.float() / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+FP8_TYPES = (Fp8Linear, Fp8Experts)
+
+
+def _input_grads(model: nn.Module, names: set[str], ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Each named module's gradient w.r.t. its (first) input, through that module alone, and the embeddings'."""
+    grads, hooks = {}, []
+    for name, module in model.named_modules():
+        if name in names:
+            hooks.append(module.register_full_backward_hook(lambda m, gin, gout, n=name: grads.__setitem__(n, gin[0])))
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()  # so even layer 0 needs its dgrad
+    model(inputs_embeds=embeds, labels=ids).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return grads, embeds.grad
+
+
+@pytest.mark.parametrize("arch", ["dense", "mistral4"])
+def test_every_frozen_fp8_layer_passes_the_input_gradient(arch):
+    """Fails if any FP8 layer drops (or changes) its input gradient: each one's dgrad is compared with the fp32
+    dequantised layer's, and no FP8 storage gets a weight gradient."""
+    fp8, reference = _fp8_and_reference(arch)
+    layers = {name for name, m in fp8.named_modules() if isinstance(m, FP8_TYPES)}
+    assert len(layers) == (14 if arch == "dense" else 18)  # 7 linears/layer; MLA 5 + shared 3 + experts
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    got, got_embeds = _input_grads(fp8, layers, ids)
+    want, want_embeds = _input_grads(reference, layers, ids)
+    assert set(got) == layers
+    for name in sorted(layers):
+        assert got[name] is not None and got[name].abs().sum() > 0, f"{name} dropped its input gradient"
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(got_embeds, want_embeds, rtol=1e-5, atol=1e-7)
+    for name, param in fp8.named_parameters():
+        if param.dtype == torch.uint8 or name.endswith("_scale"):
+            assert not param.requires_grad and param.grad is None, name
+
+
+class _Saved:
+    """Records every tensor autograd saves for backward."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.tensors.append(t) or t, lambda t: t)
+
+    def weight_sized(self, numel: int) -> list[tuple]:
+        """Saved tensors of >= 2 bytes per element and at least `numel` elements: a dequantised weight."""
+        return [(t.dtype, tuple(t.shape)) for t in self.tensors if t.element_size() >= 2 and t.numel() >= numel]
+
+
+def test_nothing_weight_sized_in_the_compute_dtype_is_saved_for_backward():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=False)
+    x = torch.randn(4, 64, requires_grad=True)
+    plain = _Saved()
+    with plain.hooks():
+        linear(x).sum().backward()
+    assert plain.weight_sized(linear.weight.numel()), "the check must see nn.Linear's saved fp32 weight"
+
+    fp8_linear, saved = Fp8Linear.from_linear(linear, torch.float32), _Saved()
+    with saved.hooks():
+        fp8_linear(x).sum().backward()
+    assert saved.weight_sized(fp8_linear.weight.numel()) == []
+    assert any(t.dtype == torch.uint8 and t.shape == (96, 64) for t in saved.tensors)  # the 1-byte storage
+
+    model = _tiny("mistral4")
+    experts = Fp8Experts(model.model.layers[0].mlp.experts, torch.float32)
+    hidden = torch.randn(6, 64, requires_grad=True)
+    top_k = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [0, 7], [1, 6]])
+    saved = _Saved()
+    with saved.hooks():
+        experts(hidden, top_k, torch.rand(6, 2)).sum().backward()
+    assert saved.weight_sized(experts.down_proj.numel()) == []
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_under_cpu_bf16_autocast_the_fp8_linear_is_the_dequantised_linear():
+    """`train.bf16` on CPU runs matmuls under autocast: output dtype, values and input gradient as nn.Linear's."""
+    torch.manual_seed(0)
+    fp8 = Fp8Linear.from_linear(nn.Linear(64, 96, bias=False), torch.bfloat16)
+    reference = nn.Linear(64, 96, bias=False)
+    reference.weight.data = _dequantised(fp8.weight, fp8.weight_scale)
+    x = torch.randn(4, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = fp8(x), reference(x_ref)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.float().sum().backward()
+    want.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, x_ref.grad)
+
+
+def _lora(model: nn.Module, arch: str) -> peft.PeftModel:
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    experts = None
+    if arch == "mistral4":
+        targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, target_parameters=experts)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("arch", ["dense", "mistral4"])
+def test_peft_lora_on_the_fp8_base_trains_like_the_dequantised_reference(arch):
+    fp8, reference = _fp8_and_reference(arch)
+    fp8, reference = _lora(fp8, arch), _lora(reference, arch)
+    adopt_lora_(fp8)
+    lora = [(n, p) for n, p in fp8.named_parameters() if p.requires_grad]
+    lora_ref = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+    assert [n for n, _ in lora] == [n for n, _ in lora_ref] and lora
+    assert not any(".base_layer.weight" in n or n.endswith("_scale") for n, _ in lora)
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(lora, lora_ref, strict=True):
+            q.normal_(std=0.05) if "lora_B" in name else None  # B = 0 would hide A's gradient
+            p.copy_(q)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for label, model in (("fp8", fp8), ("reference", reference)):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(STEPS):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if not losses:
+                runs[f"{label}_grads"] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs[label] = losses
+    assert runs["reference"][-1] < runs["reference"][0]
+    for got, want in zip(runs["fp8"], runs["reference"], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (runs["fp8"], runs["reference"])
+    for got, want in zip(runs["fp8_grads"], runs["reference_grads"], strict=True):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_frozen_dtype_is_checked_with_the_key_named():
+    with pytest.raises(ConfigError, match=r"model\.frozen_dtype: unknown value 'float8_e5m2'"):
+        Config.from_dict({"model": {"frozen_dtype": "float8_e5m2"}})
+    with pytest.raises(ConfigError, match=r"model\.frozen_dtype float32 disagrees with model\.torch_dtype bfloat16"):
+        Config.from_dict({"model": {"frozen_dtype": "float32", "torch_dtype": "bfloat16"}})
+
+
+def test_block_wise_fp8_checkpoints_are_refused_naming_the_key(mistral4_hub, tmp_path):
+    from rayft.model.build import frozen_fp8
+
+    blocky = tmp_path / "blocky"
+    shutil.copytree(mistral4_hub, blocky, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((blocky / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [128, 128]
+    (blocky / "config.json").write_text(json.dumps(config))
+    cfg = Config.from_dict({"model": {"model_name_or_path": str(blocky)}})
+    with pytest.raises(ConfigError, match=r"weight_block_size=\[128, 128\]"):
+        frozen_fp8(cfg.model)
+
+
+def test_the_plan_counts_exactly_the_bytes_fp8_storage_holds(mistral4_hub):
+    """The planner's FP8 figures (from the unswapped meta model) against the swapped model's own parameters."""
+    from rayft.model.build import decoder_layers, empty_model
+    from rayft.plan import meta_structure, plan_memory
+
+    cfg = Config.from_dict({"model": {"model_name_or_path": str(mistral4_hub)}, "lora": {"target_modules": ["auto"]}})
+    s = meta_structure(cfg)
+    model = empty_model(cfg.model)
+    to_fp8_(decoder_layers(model), torch.bfloat16)
+    storage = [p for n, p in model.named_parameters() if p.dtype == torch.uint8]
+    scales = [p for n, p in model.named_parameters() if n.endswith("_scale")]
+    assert s.fp8 == sum(p.numel() for p in storage) > 0
+    assert s.fp8_rows == sum(p.numel() for p in scales)
+    bf16 = dict(plan_memory(cfg, s, 2, on_gpu=True, fp8=False).rows)
+    fp8 = dict(plan_memory(cfg, s, 2, on_gpu=True, fp8=True).rows)
+    saved = (bf16["sharded weights (/2)"] - fp8["sharded weights (/2)"]) * 2**30 * 2
+    assert saved == pytest.approx(s.fp8 * 2 - (s.fp8 + 4 * s.fp8_rows))
+
+
+# --- FSDP2 on two gloo ranks: the FP8 bytes are sharded and gathered, the losses are the fp32 path's ---------------
+
+
+def _count_frozen_all_gathers(layer: nn.Module, box: list[int]) -> None:
+    """Make `layer`'s FSDP all-gathers add the bytes they move, less its LoRA's (the same in every run), to box."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    lora = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+
+    class Counting(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            box[0] += output_tensor.numel() * output_tensor.element_size() - lora
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    layer.set_custom_all_gather(Counting())
+
+
+def _frozen_layer_bytes(layers: list[nn.Module]) -> dict[str, int]:
+    """This rank's bytes of the decoder layers' frozen parameters, by dtype."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, int] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            assert isinstance(p, DTensor)  # sharded by FSDP2, FP8 storage included
+            if not p.requires_grad:
+                dtype = str(p.dtype).removeprefix("torch.")
+                out[dtype] = out.get(dtype, 0) + p.to_local().numel() * p.element_size()
+    return out
+
+
+def _assert_hub_bytes_loaded_as_they_are(model: nn.Module, model_dir: str, rank: int) -> None:
+    """Every FP8 parameter holds the checkpoint's E4M3 bytes unchanged, its row scales the hub's static scale."""
+    from rayft.model.weights import model_param_name
+
+    hub = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        hub.update(load_file(file))
+    storage = [(n, p) for n, p in model.named_parameters() if p.dtype == torch.uint8]
+    assert len(storage) == 2 * (8 + 2)  # per layer: 8 linears, gate_up and down of the experts
+    for name, param in storage:
+        full = param.full_tensor()  # collective: every rank
+        scale_name = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else f"{name}_scale"
+        scale = dict(model.named_parameters())[scale_name].full_tensor()
+        if rank:
+            continue
+        key = "language_model." + model_param_name(name)
+        hub_scale = hub.get(f"{key}_scale_inv", hub.get(key.removesuffix(".weight") + ".weight_scale_inv"))
+        assert torch.equal(full, hub[key].view(torch.uint8)), name
+        assert torch.equal(scale, hub_scale.float().reshape(-1, *([1] * (scale.ndim - 1))).expand_as(scale)), name
+
+
+def _fsdp_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
+    from rayft.model.build import build_model, decoder_layers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for label, raw in runs.items():
+            torch.manual_seed(0)  # the LoRA A init draws from the global stream, as in the training loop
+            model = build_model(Config.from_dict(raw), on_gpu=False)
+            if label == "hub_fp8":
+                _assert_hub_bytes_loaded_as_they_are(model, raw["model"]["model_name_or_path"], rank)
+            gathered = [0]
+            for layer in decoder_layers(model):
+                _count_frozen_all_gathers(layer, gathered)
+            ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(rank))
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            losses, per_step = [], []
+            for _ in range(STEPS):
+                before = gathered[0]
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                per_step.append(gathered[0] - before)
+            local = _frozen_layer_bytes(decoder_layers(model))
+            results[label] = {"losses": losses, "frozen_gathered_per_step": per_step, "frozen_local": local}
+            del model, optimizer
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dequantised_copy(source: Path, target: Path) -> Path:
+    """The fp32 checkpoint holding every decoder matrix after an E4M3 per-row round trip (done by hand here)."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(source / "model.safetensors")
+    for key, tensor in tensors.items():
+        if ".layers." in key and key.endswith("_proj.weight"):
+            tensors[key] = _quantised_by_hand(tensor)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def test_fsdp2_gathers_fp8_bytes_and_trains_like_the_dequantised_fp32_path(fixtures: Fixtures, mistral4_hub, tmp_path):
+    def config(model_dir: Path, frozen: str, hub: bool) -> dict:
+        raw = tiny_config(fixtures, tmp_path)
+        raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="float32", frozen_dtype=frozen)
+        raw["lora"].update(lora_dropout=0.0)
+        if hub:
+            raw["lora"].update(target_modules=["auto"], target_experts=True)
+            raw["fsdp"] = {"activation_checkpointing": True}
+        return raw
+
+    dense_reference = _dequantised_copy(fixtures.model, tmp_path / "dense-dequantised")
+    runs = {
+        "hub_fp8": config(mistral4_hub, "auto", hub=True),  # auto: the FP8 checkpoint stays FP8
+        "hub_fp32": config(mistral4_hub, "float32", hub=True),
+        "dense_fp8": config(fixtures.model, "float8_e4m3fn", hub=False),  # quantised at load
+        "dense_fp32": config(dense_reference, "float32", hub=False),
+    }
+    out = tmp_path / "results.json"
+    mp.spawn(_fsdp_rank, args=(2, free_port(), runs, str(out)), nprocs=2)
+    results = json.loads(out.read_text())
+    print(json.dumps(results, indent=1))
+    for model in ("hub", "dense"):
+        fp8, fp32 = results[f"{model}_fp8"], results[f"{model}_fp32"]
+        assert fp8["losses"][-1] < fp8["losses"][0]
+        for got, want in zip(fp8["losses"], fp32["losses"], strict=True):
+            assert abs(got - want) <= 1e-3 * abs(want), (model, fp8["losses"], fp32["losses"])
+        # FP8 storage: 1 byte per weight + 4 per row, no fp32/bf16 copy; against bf16 (half the fp32 run's bytes)
+        local_fp8, local_fp32 = fp8["frozen_local"], fp32["frozen_local"]
+        assert set(local_fp32) == {"float32"} and local_fp8["uint8"] > 0
+        assert sum(local_fp8.values()) <= 0.6 * local_fp32["float32"] / 2, (model, local_fp8, local_fp32)
+        for step_fp8, step_fp32 in zip(fp8["frozen_gathered_per_step"], fp32["frozen_gathered_per_step"], strict=True):
+            assert 0 < step_fp8 <= 0.6 * step_fp32 / 2, (model, step_fp8, step_fp32)
