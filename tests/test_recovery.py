@@ -134,14 +134,14 @@ def test_killed_workers_and_a_killed_job_resume_exactly(
     try:
         wait_until(lambda: "checkpoint-000001" in run.registered(), "the first checkpoint", run)
         first_group = wait_until(lambda: len(w := train_workers(ray_cluster.address, driver)) == 2 and w,
-                                 "the two training workers", run, every=0.5)  # fmt: skip
+                                 "the two training workers", run, every=1.0)  # fmt: skip
         os.kill(max(first_group), signal.SIGKILL)
 
         def restarted() -> set[int] | None:
             group = set(train_workers(ray_cluster.address, driver)) - set(first_group)
             return group if len(group) == 2 and resumes(run.text()) else None
 
-        group = wait_until(restarted, "the restarted group to resume", run, every=0.5)
+        group = wait_until(restarted, "the restarted group to resume", run, every=1.0)
         saving = wait_until(lambda: min(run.checkpoint_dirs() - run.registered(), default=None),
                             "a checkpoint being saved by the restarted group", run, every=0.01)  # fmt: skip
         os.kill(max(group), signal.SIGKILL)
@@ -244,8 +244,8 @@ def test_rerun_without_rays_registry_deletes_nothing_and_refuses(ray_cluster: Ra
     checkpoints, but exit 2 naming the newest one to continue from. Stops before any worker starts."""
     cfg, copy = copy_of(reference_run, tmp_path / "out")
     (copy.run_dir / "checkpoint_manager_snapshot.json").unlink()
-    before = {str(p.relative_to(copy.out)): p.stat().st_mtime_ns for p in copy.out.rglob("*") if p.is_file()}
     write_yaml(copy.out / "config.yaml", cfg)
+    before = {str(p.relative_to(copy.out)): p.stat().st_mtime_ns for p in copy.out.rglob("*") if p.is_file()}
     job = subprocess.run(
         [sys.executable, "jobs/mistral4.py", "--config", str(copy.out / "config.yaml")],
         cwd=REPO, env={**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}, capture_output=True, text=True,
