@@ -285,4 +285,4 @@ def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
     got = run.metrics()
     assert [r["step"] for r in got] == [*range(1, STEPS), STEPS + 1, STEPS + 2]
     assert got[: STEPS - 1] == want, "the complete rows of the history changed"
-    assert {f"checkpoint-{s:06d}" for s in (STEPS + 1, STEPS + 2)} <= run.registered()
+    assert f"checkpoint-{STEPS + 2:06d}" in run.registered()  # the latest: Ray keeps it whatever its score
