@@ -263,10 +263,18 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
     except TrainingFailedError as e:
         print(f"rayft: eval failed: {e}", file=sys.stderr)
         return EXIT_FAILED
-    model = "base + adapter" if args.adapter else "base model"
-    print(f"rayft: eval {model} on '{split}' ({result['rows']:,} rows): loss {result['eval_loss']:.4f}, "
-          f"perplexity {result['eval_perplexity']:.3f}")  # fmt: skip
+    print(eval_summary(result, adapter=bool(args.adapter)))
     return EXIT_OK
+
+
+def eval_summary(result: dict, adapter: bool) -> str:
+    """The result line of `rayft eval`; perplexity is null when the loss is not finite (an empty split) or
+    overflows exp()."""
+    model = "base + adapter" if adapter else "base model"
+    ppl = result.get("eval_perplexity")
+    perplexity = f"{ppl:.3f}" if ppl is not None else "n/a (the loss is not a finite number below 700)"
+    return (f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} rows): loss {result['eval_loss']:.4f}, "
+            f"perplexity {perplexity}")  # fmt: skip
 
 
 def _validate(cfg: Config, args: argparse.Namespace) -> int:

@@ -17,9 +17,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from rayft.config import Config, ConfigError, RayConfig, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset
 from rayft.preflight import Preflight, preflight
-from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE
+from rayft.train.atomic import replace_dir, staging_dir
+from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
 from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
-from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RunDir
+from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
 from rayft.train.schedule import Plan, make_plan
 
 log = logging.getLogger("rayft")
@@ -45,7 +46,7 @@ def train(cfg: Config) -> Outcome:
     if checked.lora.warning:
         log.warning(checked.lora.warning)
     run = RunDir(cfg.run_uri)
-    resume_from = _resume_source(cfg, run)
+    resume_from, run_id = _resume_source(cfg, run)
     use_gpu = join_cluster(cfg)
 
     datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
@@ -64,6 +65,7 @@ def train(cfg: Config) -> Outcome:
             "run_uri": run.uri,
             "best_metric": best[0] if best else None,
             "resume_from": resume_from,
+            "run_id": run_id,
             "params": {"trainable_params": checked.trainable_params, "total_params": checked.total_params},
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -142,36 +144,69 @@ def _best_metric(cfg: Config, plan: Plan) -> tuple[str, str] | None:
     return best
 
 
-def _resume_source(cfg: Config, run: RunDir) -> str | None:
-    """This run's own checkpoints win (Ray resumes from them); resume_from_checkpoint seeds a fresh run."""
+def _resume_source(cfg: Config, run: RunDir) -> tuple[str | None, str]:
+    """(explicit checkpoint to start from, run id). This run's own checkpoints win (Ray resumes from them);
+    resume_from_checkpoint seeds a fresh run. Checkpoint dirs without Ray's registry are never touched: the run
+    refuses to start over them rather than guess whether they were registered."""
     wanted = cfg.train.resume_from_checkpoint
     if run.has_registered_checkpoints():
         log.info("%s has checkpoints: continuing that run from its latest one", run.uri)
         if wanted not in (None, "latest"):
             log.warning("train.resume_from_checkpoint=%s ignored: the run continues from its own checkpoints", wanted)
-        return None
+        return None, run.run_id() or run.new_run_id()
     if wanted == "latest":
         raise ConfigError(
             f"train.resume_from_checkpoint: latest, but {run.uri} has no checkpoint to continue from "
             "(check ray.storage_path and ray.name, or drop the setting to start fresh)"
         )
+    _refuse_unregistered(run, wanted)
     if wanted is not None:
+        _check_checkpoint(wanted)
         log.info("starting from checkpoint %s", wanted)
-    return wanted
+    return wanted, run.new_run_id()
+
+
+def _refuse_unregistered(run: RunDir, wanted: str | None) -> None:
+    """Checkpoint dirs in a run dir without Ray's registry (lost, renamed by an upgrade, or never written because
+    the first save failed): starting fresh there would write over them. Allowed only when resuming from one of
+    them explicitly (its continuation may then replace the later ones)."""
+    found = run.checkpoints()
+    if not found or (wanted is not None and join(run.uri, Path(wanted).name) == wanted.rstrip("/")):
+        return
+    newest = join(run.uri, found[max(found)])
+    raise ConfigError(
+        f"{run.uri} holds {len(found)} checkpoint dirs ({', '.join(sorted(found.values()))}) but no Ray registry "
+        f"({RAY_SNAPSHOT}), so Ray will not continue from them and rayft will not delete them: set "
+        f"train.resume_from_checkpoint: {newest} to continue, or another ray.name for a fresh run"
+    )
+
+
+def _check_checkpoint(source: str) -> None:
+    """A local explicit checkpoint is checked up front (format, readability): exit 2, not max_failures retries."""
+    if is_uri(source):
+        return
+    try:
+        check_format(Path(source))
+    except CheckpointFormatError as e:
+        raise ConfigError(f"train.resume_from_checkpoint: {e}") from None
 
 
 def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) -> None:
     """load_best_model_at_end: output_dir/final becomes the best checkpoint's adapter; output_dir/best keeps a
-    copy with that checkpoint's trainer_state.json (which step, which score)."""
+    copy with that checkpoint's trainer_state.json (which step, which score). Each is built beside its target and
+    swapped in whole."""
     metric, order = best
     checkpoint, metrics = (max if order == "max" else min)(best_checkpoints, key=lambda cm: cm[1][metric])
     with checkpoint.as_directory() as d:
-        for name in os.listdir(Path(d) / ADAPTER_DIR):
-            shutil.copy2(Path(d) / ADAPTER_DIR / name, final / name)
+        staged_final = staging_dir(final)
+        shutil.copytree(final, staged_final, dirs_exist_ok=True)  # the tokenizer files stay
+        shutil.copytree(Path(d) / ADAPTER_DIR, staged_final, dirs_exist_ok=True)
         best_dir = final.parent / "best"
-        shutil.rmtree(best_dir, ignore_errors=True)
-        shutil.copytree(final, best_dir)
-        shutil.copy2(Path(d) / TRAINER_STATE, best_dir / TRAINER_STATE)
+        staged_best = staging_dir(best_dir)
+        shutil.copytree(staged_final, staged_best, dirs_exist_ok=True)
+        shutil.copy2(Path(d) / TRAINER_STATE, staged_best / TRAINER_STATE)
+        replace_dir(staged_final, final)
+        replace_dir(staged_best, best_dir)
     log.info("load_best_model_at_end: %s = step %s (%s %.6g)", final, metrics.get("step"), metric, metrics[metric])
 
 
@@ -263,13 +298,17 @@ def _last_metrics(run: RunDir) -> dict[str, Any]:
 
 
 def _plot_losses(run: RunDir) -> None:
-    """loss.png next to metrics.jsonl: also after a failed run, which is when people look at the curve."""
-    rows = run.read_metrics()
-    if rows:
-        from rayft.train.metrics import plot_losses
+    """loss.png next to metrics.jsonl: also after a failed run, which is when people look at the curve. Runs in
+    a `finally`: whatever goes wrong here is a warning, never an error that would hide the run's own."""
+    try:
+        rows = run.read_metrics()
+        if rows:
+            from rayft.train.metrics import plot_losses
 
-        run.write_file(LOSS_PLOT, plot_losses(rows))
-        log.info("loss curve: %s", f"{run.uri}/{LOSS_PLOT}")
+            run.write_file(LOSS_PLOT, plot_losses(rows))
+            log.info("loss curve: %s", f"{run.uri}/{LOSS_PLOT}")
+    except Exception as e:
+        log.warning("no loss curve: %s: %s", type(e).__name__, e)
 
 
 def connect(ray_cfg: RayConfig) -> bool:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -56,6 +63,8 @@ def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> No
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
         torch.manual_seed(rank)
+        random.seed(100 + rank)
+        np.random.seed(100 + rank)
         for _ in range(2):  # LoRA dropout draws from each rank's generator
             ids = torch.randint(3, 1000, (2, 16))
             model(input_ids=ids, labels=ids).loss.backward()
@@ -63,10 +72,11 @@ def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> No
             scheduler.step()
             optimizer.zero_grad()
         rng = torch.get_rng_state()
-        save_checkpoint(Path(out), model, optimizer, scheduler, Progress(2, 0, 4, world), {"loss": 1.0})
+        save_checkpoint(Path(out), model, optimizer, scheduler, Progress(2, 0, 4, world), {"loss": 1.0}, "run-a")
         state = _full_state(model, optimizer)
-        if rank == 0:
-            torch.save({**state, "rng": rng, "lr": scheduler.get_last_lr()}, Path(out) / "expected.pt")
+        if rank == 0:  # the next draws of Python's and NumPy's generators: a restored state makes the same ones
+            draws = {"python": random.random(), "numpy": float(np.random.rand())}
+            torch.save({**state, "rng": rng, "lr": scheduler.get_last_lr(), "draws": draws}, Path(out) / "expected.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -79,10 +89,13 @@ def _load(rank: int, world: int, port: int, raw: dict, out: str) -> None:
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
+        random.seed(7)  # not the writer's seeds: only a restored state gives the writer's next draws
+        np.random.seed(7)
         progress = load_checkpoint(Path(out), model, optimizer, scheduler)
+        draws = {"python": random.random(), "numpy": float(np.random.rand())}
         torch.save(
             {**_full_state(model, optimizer), "rng": torch.get_rng_state(), "lr": scheduler.get_last_lr(),
-             "progress": progress == Progress(2, 0, 4, 2)},
+             "progress": progress == Progress(2, 0, 4, 2), "draws": draws},
             Path(out) / "loaded.pt",
         )  # fmt: skip
     finally:
@@ -115,6 +128,24 @@ def test_state_written_by_two_ranks_loads_exactly_on_one(fixtures: Fixtures, tmp
     _assert_equal(loaded["optim"], expected["optim"], "optim")
     assert loaded["lr"] == expected["lr"]
     assert torch.equal(loaded["rng"], expected["rng"]), "rank 0's RNG state was not restored"
+    assert loaded["draws"] == expected["draws"], "Python/NumPy RNG states were not restored"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["run_id"] == "run-a"
+    assert not any(ckpt.glob(".trainer_state.json*")), "a temporary file of the atomic write was left behind"
+
+
+def _run_dir_with(tmp_path: Path, checkpoints: dict[str, str | None]) -> Path:
+    """A run dir holding checkpoint dirs; each maps to the run id its trainer_state.json records (None: no file)."""
+    run = tmp_path / "ray_run"
+    for name, run_id in checkpoints.items():
+        (run / name / "state").mkdir(parents=True)
+        (run / name / "state" / "__0_0.distcp").write_bytes(b"shard")
+        if run_id is not None:
+            (run / name / "trainer_state.json").write_text(json.dumps({"step": int(name[-6:]), "run_id": run_id}))
+    return run
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_resume_latest_needs_a_run_with_checkpoints(tmp_path):
@@ -128,17 +159,191 @@ def test_resume_latest_needs_a_run_with_checkpoints(tmp_path):
         _resume_source(cfg, run)
     Path(run.path).mkdir(parents=True)
     (Path(run.path) / RAY_SNAPSHOT).write_text("{}")
-    assert _resume_source(cfg, run) is None  # Ray continues the run from its own registry
+    source, run_id = _resume_source(cfg, run)
+    assert source is None  # Ray continues the run from its own registry
     cfg.train.resume_from_checkpoint = str(tmp_path / "elsewhere" / "checkpoint-000004")
-    assert _resume_source(cfg, run) is None  # a run with checkpoints never jumps to another one
+    assert _resume_source(cfg, run) == (None, run_id)  # never jumps to another run; keeps the run's identity
 
 
-def test_unregistered_checkpoint_dirs_after_the_resume_point_are_removed(tmp_path):
+def test_checkpoints_without_rays_registry_are_never_deleted_the_run_refuses(tmp_path):
+    """Ray's registry gone (renamed by an upgrade, lost): a rerun is no fresh start over the run's checkpoints."""
+    from rayft.config import Config, ConfigError
+    from rayft.launch import _resume_source
     from rayft.train.rundir import RunDir
 
+    run_path = _run_dir_with(tmp_path, {"checkpoint-000002": "run-a", "checkpoint-000004": "run-a"})
+    before = _tree(run_path)
+    cfg = Config.from_dict({"train": {"output_dir": str(tmp_path)}})
+    with pytest.raises(ConfigError) as refused:
+        _resume_source(cfg, RunDir(cfg.run_uri))
+    message = str(refused.value)
+    assert "checkpoint-000002, checkpoint-000004" in message and "checkpoint_manager_snapshot.json" in message
+    assert f"train.resume_from_checkpoint: {run_path}/checkpoint-000004" in message and "\n" not in message
+    assert _tree(run_path) == before
+
+
+def test_housekeeping_deletes_only_this_runs_checkpoints_newer_than_the_registered_one(tmp_path):
+    from rayft.train.checkpoint import remove_unregistered
+    from rayft.train.rundir import RunDir
+
+    run_path = _run_dir_with(
+        tmp_path,
+        {"checkpoint-000001": "run-a", "checkpoint-000002": "run-a", "checkpoint-000003": "run-a",
+         "checkpoint-000004": "run-b", "checkpoint-000005": None},
+    )  # fmt: skip
+    run = RunDir(str(run_path))
+    assert remove_unregistered(run, None, 2) == []  # a run without an identity proves nothing
+    assert remove_unregistered(run, "run-a", 2) == ["checkpoint-000003"]
+    # another run's, and one whose writer cannot be told (no trainer_state.json: an upload cut short, or by hand)
+    assert sorted(run.checkpoints()) == [1, 2, 4, 5]
+
+
+def test_metrics_history_survives_a_torn_last_line_and_the_plot_never_raises(tmp_path, caplog):
+    from rayft.launch import _plot_losses
+    from rayft.train.rundir import LOSS_PLOT, METRICS, RunDir
+
     run = RunDir(str(tmp_path / "run"))
-    for step in (2, 3, 4, 5):
-        (tmp_path / "run" / f"checkpoint-{step:06d}" / "state").mkdir(parents=True)
-    assert run.remove_checkpoints_after(3) == ["checkpoint-000004", "checkpoint-000005"]
-    assert sorted(run.checkpoints()) == [2, 3]
-    assert run.remove_checkpoints_after(-1, keep=frozenset({"checkpoint-000002"})) == ["checkpoint-000003"]
+    rows = [{"step": s, "loss": 3.0 - s / 10} for s in (1, 2, 3)]
+    run.write_metrics(rows)
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [METRICS]  # no temporary file left
+    path = tmp_path / "run" / METRICS
+    path.write_bytes(path.read_bytes() + b'{"step": 4, "lo')  # a kill in the middle of a write
+    assert run.read_metrics() == rows
+    assert "line 4 is not a JSON record" in caplog.text
+    _plot_losses(run)
+    assert (tmp_path / "run" / LOSS_PLOT).read_bytes()[:4] == b"\x89PNG"
+    path.write_bytes(b"\x00\xff garbage")
+    _plot_losses(run)  # in the driver's `finally`: must not replace the run's own error
+
+
+_STAGE = """
+import sys, time
+from rayft.train.checkpoint import checkpoint_spool
+spool = checkpoint_spool("ray_run", sys.argv[1])
+(spool / "checkpoint-000003").mkdir()
+(spool / "checkpoint-000003" / "__0_0.distcp").write_bytes(b"shard")
+print(spool, flush=True)
+time.sleep(600)
+"""
+
+
+def test_spool_is_per_job_and_attempt_other_jobs_shards_survive(tmp_path, monkeypatch):
+    """Two jobs with the default ray.name on one node, and a second worker of the same run, each staging shards:
+    starting another worker removes none of theirs; only a dead worker's leftovers of the same run go."""
+    import tempfile
+
+    from rayft.train.checkpoint import checkpoint_spool
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    stagers = [
+        subprocess.Popen([sys.executable, "-c", _STAGE, run_id], env=env, stdout=subprocess.PIPE, text=True)
+        for run_id in ("job-a", "job-b")
+    ]
+    try:
+        staged = [Path(p.stdout.readline().strip()) / "checkpoint-000003" / "__0_0.distcp" for p in stagers]
+        assert all(path.is_file() for path in staged), staged
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        leftover = staged[1].parents[2] / f"pid{dead.pid}" / "checkpoint-000002"
+        leftover.mkdir(parents=True)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        mine = checkpoint_spool("ray_run", "job-b")  # a restarted worker of job b
+        assert mine not in {path.parents[1] for path in staged} and mine.is_dir()
+        assert all(path.read_bytes() == b"shard" for path in staged)
+        assert not leftover.parent.exists(), "a dead worker's staged shards of this run stay behind"
+    finally:
+        for p in stagers:
+            p.kill()
+            p.wait()
+
+
+def _write_checkpoint_state(directory: Path, state: dict) -> None:
+    """A checkpoint's state/ as DCP writes it in one process (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(directory / "state"))
+
+
+def test_an_older_format_checkpoint_is_refused_in_one_clear_line(tmp_path):
+    from rayft.config import ConfigError
+    from rayft.launch import _check_checkpoint
+
+    lora = {"base_model.model.lm_head.lora_A.default.weight": torch.zeros(2, 4)}
+    layouts = {
+        "older": {"model": lora, "progress": {"step": 3, "epoch": 0, "world_size": 2}},  # no batches_in_epoch
+        "pickled": {"model": lora, "progress": {"step": 3, "epoch": 0, "batches_in_epoch": 6, "world_size": 2}},
+    }
+    for name, state in layouts.items():
+        ckpt = tmp_path / name / "checkpoint-000003"
+        _write_checkpoint_state(ckpt, state)
+        with pytest.raises(ConfigError) as refused:
+            _check_checkpoint(str(ckpt))
+        message = str(refused.value)
+        assert message.startswith(f"train.resume_from_checkpoint: {ckpt}: a checkpoint of an older rayft format")
+        assert "\n" not in message and "start without train.resume_from_checkpoint" in message
+
+
+class _Payload:
+    """What a hostile checkpoint could carry: unpickling it writes a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "code ran"))
+
+
+def test_loading_a_checkpoint_never_unpickles_its_contents(tmp_path):
+    from rayft.train.checkpoint import load_checkpoint
+
+    marker = tmp_path / "executed"
+    bytes_entry = tmp_path / "bytes-entry" / "checkpoint-000001"  # DCP pickles non-tensor values
+    _write_checkpoint_state(bytes_entry, {"progress": _Payload(marker)})
+    metadata_entry = tmp_path / "metadata" / "checkpoint-000001"  # DCP unpickles .metadata with pickle.load
+    shutil.copytree(bytes_entry, metadata_entry)
+    (metadata_entry / "state" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    for ckpt in (bytes_entry, metadata_entry):
+        with pytest.raises(Exception, match=r"older rayft format|has no place in a DCP checkpoint") as refused:
+            load_checkpoint(ckpt, None, None, None)
+        assert not marker.exists(), f"loading {ckpt} ran code from it"
+        assert str(ckpt) in str(refused.value)
+
+
+def test_final_adapter_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A crash while the final adapter is written leaves the previous complete one, never a mix."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from rayft.train.checkpoint import publish_adapter
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = get_peft_model(Tiny(), LoraConfig(r=2, target_modules=["proj"]))
+        final = tmp_path / "final"
+        publish_adapter(model, final)
+        before = _tree(final)
+        assert "adapter_model.safetensors" in before
+        saver = type(model).save_pretrained
+
+        def crash_midway(self, directory, **kwargs):
+            (Path(directory) / "adapter_config.json").write_text("{}")  # one file written, then the node dies
+            raise OSError("disk gone")
+
+        monkeypatch.setattr(type(model), "save_pretrained", crash_midway)
+        with pytest.raises(OSError, match="disk gone"):
+            publish_adapter(model, final)
+        assert _tree(final) == before
+        monkeypatch.setattr(type(model), "save_pretrained", saver)
+        with torch.no_grad():
+            model.base_model.model.proj.lora_B.default.weight.fill_(1.0)
+        publish_adapter(model, final)
+        assert _tree(final)["adapter_model.safetensors"] != before["adapter_model.safetensors"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["final"], "staging dirs left behind"
+    finally:
+        dist.destroy_process_group()

@@ -91,3 +91,16 @@ def test_strict_spread_on_a_one_node_local_cluster_is_refused_not_hung(good_conf
     result = _job(good_config, "ray.placement_strategy=STRICT_SPREAD")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "ray.placement_strategy: STRICT_SPREAD" in result.stderr and "PACK" in result.stderr
+
+
+def test_eval_result_line_with_and_without_a_perplexity():
+    """`rayft eval` on a split whose loss is not finite (perplexity null) prints its line instead of crashing."""
+    import math
+
+    from rayft.cli import eval_summary
+
+    empty = {"split": "validation", "rows": 0, "eval_loss": math.nan, "eval_perplexity": None}
+    line = eval_summary(empty, adapter=False)
+    assert line.startswith("rayft: eval base model on 'validation' (0 rows): loss nan, perplexity n/a")
+    scored = {"split": "test", "rows": 1234, "eval_loss": 2.5, "eval_perplexity": math.exp(2.5)}
+    assert eval_summary(scored, adapter=True).endswith("(1,234 rows): loss 2.5000, perplexity 12.182")

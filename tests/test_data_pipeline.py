@@ -124,8 +124,8 @@ def _count_batches(config: dict) -> None:
 
     from rayft.config import Config
     from rayft.data.pipeline import collate_fn
-    from rayft.train.loop import epoch_batches
     from rayft.train.schedule import Plan
+    from rayft.train.step import epoch_batches
 
     cfg, plan = Config.from_dict(config["config"]), Plan(**config["plan"])
     rank = ray.train.get_context().get_world_rank()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
 from safetensors.torch import load_file
 
@@ -69,17 +71,16 @@ def wait_until(condition, what: str, run: Run, timeout: float = 300, every: floa
     pytest.fail(f"timed out waiting for {what}\n{run.text()[-4000:]}")
 
 
-def train_worker_pids() -> set[int]:
-    """Ray names each training-worker process `ray::RayTrainWorker...`."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                    pids.add(int(entry.name))
-            except OSError:
-                continue
-    return pids
+def train_workers(address: str, driver: Driver) -> dict[int, str]:
+    """PID → node id of the live TorchTrainer workers of this driver's job, from Ray's state API on this test's own
+    cluster: never a process of another job or of someone else's Ray on the machine."""
+    from ray.util.state import list_actors, list_jobs
+
+    jobs = [j.job_id for j in list_jobs(address=address) if j.driver_info and int(j.driver_info.pid) == driver.proc.pid]
+    if not jobs:
+        return {}
+    filters = [("job_id", "=", jobs[0]), ("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    return {a.pid: a.node_id for a in list_actors(address=address, filters=filters) if a.pid}
 
 
 def adapter(path: Path) -> dict[str, torch.Tensor]:
@@ -121,29 +122,29 @@ def test_retention_keeps_the_best_and_latest_and_final_is_the_best(reference_run
 
 
 def test_killed_workers_and_a_killed_job_resume_exactly(
-    ray_cluster: RayCluster, fixtures: Fixtures, reference_run: Run, tmp_path
+    ray_cluster: RayCluster, fixtures: Fixtures, reference_run: Run, tmp_path, monkeypatch
 ):
     """One run that loses a worker after its first checkpoint, then another in the middle of a save (Ray restarts
     the group: max_failures 2), then the whole job; the same command run again finishes it. The result is the
     uninterrupted run's, step for step."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     out = tmp_path / "out"
     cfg = checkpointing_config(fixtures, out)
     run, driver = start(ray_cluster, cfg, out)
     try:
         wait_until(lambda: "checkpoint-000001" in run.registered(), "the first checkpoint", run)
-        first_group = wait_until(train_worker_pids, "training workers", run)
+        first_group = wait_until(lambda: len(w := train_workers(ray_cluster.address, driver)) == 2 and w,
+                                 "the two training workers", run, every=1.0)  # fmt: skip
         os.kill(max(first_group), signal.SIGKILL)
 
-        def mid_save() -> tuple[int, str] | None:
-            """A worker of the restarted group while a checkpoint is on storage but not registered yet."""
-            group = train_worker_pids() - first_group
-            if len(group) < 2 or not resumes(run.text()):
-                return None
-            unregistered = run.checkpoint_dirs() - run.registered()
-            return (max(group), min(unregistered)) if unregistered else None
+        def restarted() -> set[int] | None:
+            group = set(train_workers(ray_cluster.address, driver)) - set(first_group)
+            return group if len(group) == 2 and resumes(run.text()) else None
 
-        victim, saving = wait_until(mid_save, "a checkpoint being saved by the restarted group", run, every=0.01)
-        os.kill(victim, signal.SIGKILL)
+        group = wait_until(restarted, "the restarted group to resume", run, every=1.0)
+        saving = wait_until(lambda: min(run.checkpoint_dirs() - run.registered(), default=None),
+                            "a checkpoint being saved by the restarted group", run, every=0.01)  # fmt: skip
+        os.kill(max(group), signal.SIGKILL)
         assert saving not in run.registered(), "the kill landed after the checkpoint was registered"
 
         wait_until(lambda: len(resumes(run.text())) == 2, "the second restart", run)
@@ -202,7 +203,6 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
         trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(3)]
         cluster.wait_for_nodes()
-        raylets = {n.all_processes["raylet"][0].process.pid: n for n in trainers}
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         test_cluster = RayCluster(address=cluster.address, dashboard="", env=env)
@@ -215,8 +215,8 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
         run, driver = start(test_cluster, cfg, out)
         try:
             wait_until(lambda: "checkpoint-000002" in run.registered(), "checkpoint 2", run)
-            used = {raylets[p].node_id for p in map(_parent, train_worker_pids()) if p in raylets}
-            assert len(used) == 2, "expected one training worker on each of two trainer nodes"
+            used = set(train_workers(cluster.address, driver).values())
+            assert used < {n.node_id for n in trainers} and len(used) == 2, "one training worker per trainer node"
             lost = next(n for n in trainers if n.node_id in used)
             cluster.remove_node(lost, allow_graceful=False)
             text = finish(run, driver)
@@ -231,8 +231,58 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
     assert_same_training(run, reference_run)
 
 
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
+def copy_of(reference: Run, out: Path, **train_overrides) -> tuple[dict, Run]:
+    """The reference run's output dir copied (run dir, final, best), its config pointed at the copy."""
+    shutil.copytree(reference.out, out)
+    cfg = yaml.safe_load((reference.out / "config.yaml").read_text())
+    cfg["train"].update(output_dir=str(out), **train_overrides)
+    return cfg, Run(out, out / "rerun.log")
+
+
+def test_rerun_without_rays_registry_deletes_nothing_and_refuses(ray_cluster: RayCluster, reference_run: Run, tmp_path):
+    """Ray's run state gone before a rerun (renamed by an upgrade, lost): not a fresh start that wipes the run's
+    checkpoints, but exit 2 naming the newest one to continue from. Stops before any worker starts."""
+    cfg, copy = copy_of(reference_run, tmp_path / "out")
+    (copy.run_dir / "checkpoint_manager_snapshot.json").unlink()
+    write_yaml(copy.out / "config.yaml", cfg)
+    before = {str(p.relative_to(copy.out)): p.stat().st_mtime_ns for p in copy.out.rglob("*") if p.is_file()}
+    job = subprocess.run(
+        [sys.executable, "jobs/mistral4.py", "--config", str(copy.out / "config.yaml")],
+        cwd=REPO, env={**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    newest = copy.run_dir / f"checkpoint-{STEPS:06d}"
+    assert job.returncode == 2, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "no Ray registry (checkpoint_manager_snapshot.json)" in job.stderr, job.stderr[-3000:]
+    assert f"set train.resume_from_checkpoint: {newest} to continue" in job.stderr
+    after = {str(p.relative_to(copy.out)): p.stat().st_mtime_ns for p in copy.out.rglob("*") if p.is_file()}
+    assert after == before, "a file of the run was changed or deleted"
+
+
+def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
+    ray_cluster: RayCluster, reference_run: Run, tmp_path
+):
+    """The finished reference run, trained 2 steps further, after a kill tore the last line of its metrics.jsonl
+    and with two checkpoint dirs Ray never registered: one this run wrote (removed on resume), one nobody can
+    prove was its (kept). The history keeps every complete row and goes on."""
+    cfg, copy = copy_of(reference_run, tmp_path / "out", max_steps=STEPS + 2)
+    metrics = copy.run_dir / "metrics.jsonl"
+    text = metrics.read_bytes()
+    metrics.write_bytes(text[: text.rstrip(b"\n").rfind(b"\n") + 40])  # the step-6 row cut 40 bytes in
+    run_id = json.loads((copy.run_dir / "rayft_run.json").read_text())["run_id"]
+    ours, unknown = copy.run_dir / "checkpoint-000010", copy.run_dir / "checkpoint-000011"
+    shutil.copytree(copy.run_dir / f"checkpoint-{STEPS:06d}", ours)
+    state = json.loads((ours / "trainer_state.json").read_text())
+    assert state["run_id"] == run_id  # what the reference run wrote into its checkpoints
+    shutil.copytree(copy.run_dir / f"checkpoint-{STEPS:06d}" / "state", unknown / "state")
+    run, driver = start(ray_cluster, cfg, copy.out, log="rerun.log")
+    text = finish(run, driver)
+
+    assert resumes(text) == [STEPS], text[-6000:]
+    assert f"removed {copy.run_dir}/checkpoint-000010" in text and f"kept {copy.run_dir}/checkpoint-000011" in text
+    assert not ours.exists() and (unknown / "state" / ".metadata").is_file()
+    want = reference_run.metrics()[: STEPS - 1]
+    got = run.metrics()
+    assert [r["step"] for r in got] == [*range(1, STEPS), STEPS + 1, STEPS + 2]
+    assert got[: STEPS - 1] == want, "the complete rows of the history changed"
+    assert f"checkpoint-{STEPS + 2:06d}" in run.registered()  # the latest: Ray keeps it whatever its score

@@ -1,27 +1,37 @@
-"""Training-state checkpoints (sharded DCP, written by every rank) and the gathered PEFT adapter.
+"""Training-state checkpoints (sharded DCP, written by every rank), the gathered PEFT adapter, and the manager
+that stages, reports, resumes and tidies them.
 
 A checkpoint directory holds:
-  state/                 torch.distributed.checkpoint shards, written by every rank in parallel: LoRA params,
-                         optimizer, scheduler, progress (step, epoch, batches of the epoch consumed) and each
-                         rank's RNG states, so a resumed run continues exactly where this one stood
+  state/                 torch.distributed.checkpoint shards, written by every rank in parallel: LoRA params and
+                         optimizer tensors, plus each rank's JSON document (as a uint8 tensor: see rayft/train/state.py)
+                         with progress (step, epoch, batches of the epoch consumed), scheduler, optimizer
+                         hyperparameters and its RNG states, so a resumed run continues exactly where this one stood
   adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered on rank 0
-  trainer_state.json     step, epoch and the metrics reported with it
+  trainer_state.json     step, epoch, the metrics reported with it and the id of the run that wrote it
 The frozen base model is never written.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
-from dataclasses import asdict, dataclass
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import peft
+import ray.train
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from ray.train import CheckpointUploadMode
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,9 +41,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from rayft.train import state as tensors_json
+from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
+from rayft.train.rundir import RunDir, checkpoint_dir_name
+from rayft.train.state import CheckpointFormatError
+
+log = logging.getLogger("rayft")
+
 STATE_DIR = "state"
 ADAPTER_DIR = "adapter"
 TRAINER_STATE = "trainer_state.json"
+DOCUMENT = "rayft_doc"  # the per-rank JSON document's key in DCP; checkpoints without it are of an older format
 
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
@@ -56,12 +74,17 @@ def save_checkpoint(
     scheduler: Any,
     progress: Progress,
     metrics: dict[str, Any],
+    run_id: str | None = None,
 ) -> None:
-    """Collective: every rank writes its own shards; rank 0 adds the adapter and trainer_state.json."""
-    dcp.save(_training_state(model, optimizer, scheduler, progress), checkpoint_id=str(directory / STATE_DIR))
+    """Collective: every rank writes its own shards and document; rank 0 adds the adapter and trainer_state.json
+    (with the id of the run that wrote it: only that run's housekeeping may ever delete the directory)."""
+    tensors, document = tensors_json.split(_training_state(model, optimizer, scheduler, progress))
+    tensors[DOCUMENT] = {f"rank{dist.get_rank()}": tensors_json.to_tensor(document)}
+    dcp.save(tensors, checkpoint_id=str(directory / STATE_DIR))
     save_adapter(model, directory / ADAPTER_DIR)
     if dist.get_rank() == 0:
-        (directory / TRAINER_STATE).write_text(json.dumps({**asdict(progress), "metrics": metrics}, indent=2))
+        trainer_state = {**asdict(progress), "metrics": metrics, "run_id": run_id}
+        write_text_atomic(directory / TRAINER_STATE, json.dumps(trainer_state, indent=2))
 
 
 def load_checkpoint(
@@ -71,24 +94,56 @@ def load_checkpoint(
 
     DCP reshards on load, so a checkpoint written by N ranks resumes on M. Each rank gets back its own RNG
     states when the writer had that rank; otherwise it keeps its seeded ones (the run is then no longer
-    bit-for-bit the same, which a different world size never is anyway).
+    bit-for-bit the same, which a different world size never is anyway). Nothing is unpickled.
     """
-    checkpoint_id = str(directory / STATE_DIR)
-    saved = {"progress": asdict(Progress())}
-    dcp.load(saved, checkpoint_id=checkpoint_id)
-    progress = Progress(**saved["progress"])
-
-    state = _training_state(model, optimizer, scheduler, progress)
-    rank = dist.get_rank()
-    if rank >= progress.world_size:
-        del state["rng"]
-    dcp.load(state, checkpoint_id=checkpoint_id)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    document, progress = read_document(directory, rank)
+    tensors, _ = tensors_json.split(_training_state(model, optimizer, scheduler, progress))
+    if rank >= progress.world_size:  # no RNG of this rank in the checkpoint: keep the seeded one
+        del tensors["rng"]
+        document.pop("rng", None)
+    tensors_json.load_tensors(tensors, directory / STATE_DIR)
+    state = tensors_json.join(document, tensors)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_TRAINABLE)
     scheduler.load_state_dict(state["scheduler"])
     if "rng" in state:
         _set_rng_state(state["rng"][f"rank{rank}"])
     return progress
+
+
+def read_document(directory: Path, rank: int = 0) -> tuple[dict[str, Any], Progress]:
+    """This rank's JSON document (rank 0's where the writer had fewer ranks) and the progress in it; a clear
+    CheckpointFormatError for a checkpoint of an older rayft."""
+    metadata = check_format(directory)
+    key = f"rank{rank}"
+    if tensors_json.stored_tensor_size(metadata, f"{DOCUMENT}.{key}") is None:
+        key = "rank0"
+    buffer = torch.empty(tensors_json.stored_tensor_size(metadata, f"{DOCUMENT}.{key}"), dtype=torch.uint8)
+    tensors_json.load_tensors({DOCUMENT: {key: buffer}}, directory / STATE_DIR)
+    document = tensors_json.from_tensor(buffer)
+    saved = document.get("progress", {})
+    if set(saved) != {f.name for f in fields(Progress)}:
+        raise CheckpointFormatError(f"{directory}: progress {sorted(saved)} is not rayft's; {_OLDER_FIX}")
+    return document, Progress(**saved)
+
+
+_OLDER_FIX = (
+    "this rayft resumes only checkpoints whose state it can read without unpickling: continue that run with the "
+    "rayft version that wrote it, or start without train.resume_from_checkpoint"
+)
+
+
+def check_format(directory: Path):
+    """The checkpoint's DCP metadata (read without executing anything); CheckpointFormatError, one line naming
+    the directory and the fix, for what is not a rayft checkpoint of this format."""
+    state = Path(directory) / STATE_DIR
+    if not (state / ".metadata").is_file():
+        raise CheckpointFormatError(f"{directory}: no {STATE_DIR}/.metadata, not a complete rayft checkpoint")
+    metadata = tensors_json.read_metadata(state)
+    if tensors_json.stored_tensor_size(metadata, f"{DOCUMENT}.rank0") is None:
+        raise CheckpointFormatError(f"{directory}: a checkpoint of an older rayft format; {_OLDER_FIX}")
+    return metadata
 
 
 def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str, Any]:
@@ -104,10 +159,11 @@ def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str
 
 def _rng_state() -> dict[str, Any]:
     """Every generator a step can draw from: LoRA dropout (torch, per device) and anything in Python/NumPy."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, keys.tolist(), pos, has_gauss, cached),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -117,7 +173,8 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -131,6 +188,21 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
         model.save_pretrained(str(directory), state_dict=full, safe_serialization=True, save_embedding_layers=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
+    dist.barrier()
+
+
+def publish_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    """Collective: `save_adapter` into a staging dir beside `directory`, swapped in whole by rank 0, so a crash
+    mid-write never leaves a half-new adapter under the final name."""
+    staged = staging_dir(directory) if dist.get_rank() == 0 else directory
+    try:
+        save_adapter(model, staged, tokenizer)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if dist.get_rank() == 0:
+        replace_dir(staged, directory)
     dist.barrier()
 
 
@@ -156,3 +228,155 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
     if missing:
         raise ValueError(f"{directory}: the adapter has no {missing[0]} (and {len(missing) - 1} more)")
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+@dataclass
+class TrainState:
+    """The stateful parts a checkpoint holds (the frozen base is rebuilt from the hub, never saved)."""
+
+    model: peft.PeftModel
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    progress: Progress
+
+
+class CheckpointManager:
+    """One worker's side of the run's checkpoints: resume (Ray's own checkpoint first, else an explicit one),
+    stage shards on local disk and report them to Ray, and tidy up what provably nobody can resume from.
+
+    Housekeeping never guesses. It deletes a checkpoint directory only when Ray handed this run a checkpoint to
+    resume from (so Ray's registry was read), the directory is newer than that checkpoint (Ray registers in
+    step order, so it was never registered), and its trainer_state.json carries this run's id. A fresh start
+    deletes nothing.
+    """
+
+    def __init__(self, run: RunDir, run_id: str | None, run_name: str, upload: str, rank: int):
+        self.run, self.run_id, self.rank, self.upload = run, run_id, rank, upload
+        self.spool = checkpoint_spool(run_name, run_id)
+        self.stall_s = 0.0  # what saving cost this attempt: seconds training stood still
+        self.last_saved = -1
+
+    def restore(self, explicit: str | None, state: TrainState, plan, accum: int) -> bool:
+        """Continue from this run's latest registered checkpoint (a restart after a failure, or the same job run
+        again), else from `train.resume_from_checkpoint`, else start fresh. True when something was loaded."""
+        own = ray.train.get_checkpoint()
+        checkpoint = own or (ray.train.Checkpoint(explicit) if explicit else None)
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                progress = load_checkpoint(Path(d), state.model, state.optimizer, state.scheduler)
+            log.info(
+                "resumed from %s: step %d, epoch %d, %d batches into the epoch (written by %d workers)",
+                checkpoint.path, progress.step, progress.epoch, progress.batches_in_epoch, progress.world_size,
+            )  # fmt: skip
+            state.progress = remap_position(progress, plan, accum)
+        # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
+        self.last_saved = state.progress.step
+        if own is not None and self.rank == 0:
+            for name in remove_unregistered(self.run, self.run_id, state.progress.step):
+                log.warning("removed %s/%s: written by this run, never registered by Ray (a save that failed)",
+                            self.run.uri, name)  # fmt: skip
+        return checkpoint is not None
+
+    def save(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        """Every rank writes its shards to local disk, then Ray copies them into one step-named dir on storage.
+
+        Ray registers the checkpoint (for retention and resume) only once every rank's copy finished, so a crash
+        mid-save leaves the previous checkpoint in charge. With async upload training goes on during the copy.
+        """
+        started = time.perf_counter()
+        name = checkpoint_dir_name(state.progress.step)
+        local = self.spool / name
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True)
+        save_checkpoint(local, state.model, state.optimizer, state.scheduler, state.progress, metrics, self.run_id)
+        written = time.perf_counter() - started
+        ray.train.report(
+            dict(metrics),
+            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC if self.upload == "async" else CheckpointUploadMode.SYNC,
+            delete_local_checkpoint_after_upload=True,
+        )
+        stalled = time.perf_counter() - started
+        log.info("%s: training paused %.2f s (state written in %.2f s, %s upload)", name, stalled, written, self.upload)
+        self.stall_s += stalled
+        self.last_saved = state.progress.step
+
+    def close(self) -> None:
+        """Drop the spool once Ray has uploaded (and so deleted) every staged checkpoint; never mid-upload."""
+        for empty in (self.spool, self.spool.parent):
+            try:
+                empty.rmdir()
+            except OSError:
+                return
+
+
+def remap_position(progress: Progress, plan, accum: int) -> Progress:
+    """Express the data position for this run's world size and epoch length."""
+    if progress.world_size != plan.world_size:
+        consumed = progress.batches_in_epoch * progress.world_size // plan.world_size
+        log.warning(
+            "checkpoint written by %d workers, resuming on %d: continuing after ~%d of %d batches of epoch %d "
+            "(same data share; not bit-identical to an uninterrupted run)",
+            progress.world_size, plan.world_size, consumed, plan.micro_batches_per_epoch, progress.epoch,
+        )  # fmt: skip
+        progress.batches_in_epoch = consumed - consumed % accum
+        progress.world_size = plan.world_size
+    if progress.batches_in_epoch >= plan.micro_batches_per_epoch:
+        progress.epoch += 1
+        progress.batches_in_epoch = 0
+    return progress
+
+
+def remove_unregistered(run: RunDir, run_id: str | None, resumed_step: int) -> list[str]:
+    """Delete the checkpoint dirs newer than the registered one being resumed from that this run wrote; keep
+    (and name) those that cannot be proven to be this run's."""
+    if run_id is None:
+        return []
+    removed = []
+    for step, name in sorted(run.checkpoints().items()):
+        if step <= resumed_step:
+            continue
+        if checkpoint_run_id(run, name) == run_id:
+            run.delete_dir(name)
+            removed.append(name)
+        else:
+            log.warning("kept %s/%s: not registered, but not provably written by this run (delete it by hand if it "
+                        "is not needed)", run.uri, name)  # fmt: skip
+    return removed
+
+
+def checkpoint_run_id(run: RunDir, name: str) -> str | None:
+    """The run id a checkpoint dir's trainer_state.json records; None when absent or unreadable."""
+    try:
+        return json.loads(run.read_file(f"{name}/{TRAINER_STATE}")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+SPOOL_ROOT = "rayft-checkpoints"
+
+
+def checkpoint_spool(run_name: str, run_id: str | None) -> Path:
+    """This worker process's local staging dir for checkpoint shards: `<tmp>/rayft-checkpoints/<name>-<run id>/
+    pid<N>`, so two jobs (even with the same ray.name) and two attempts of one run never share one. A killed
+    worker leaves its half-written shards behind: they are removed here once their process is gone."""
+    run_folder = Path(tempfile.gettempdir()) / SPOOL_ROOT / f"{run_name}-{run_id or uuid.uuid4().hex}"
+    run_folder.mkdir(parents=True, exist_ok=True)
+    for stale in run_folder.glob("pid*"):
+        if stale.name[3:].isdigit() and not _alive(int(stale.name[3:])):
+            shutil.rmtree(stale, ignore_errors=True)
+    spool = run_folder / f"pid{os.getpid()}"
+    shutil.rmtree(spool, ignore_errors=True)  # a dead process's, whose pid this one got
+    spool.mkdir()
+    return spool
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -12,13 +12,16 @@ Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no 
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # Dense (no sparsity) bf16 peak per GPU, vendor figures; matched against torch.cuda.get_device_name().
@@ -211,3 +214,136 @@ def plot_losses(rows: list[dict[str, Any]]) -> bytes:
     fig.savefig(out, format="png")
     plt.close(fig)
     return out.getvalue()
+
+
+class LossWindow:
+    """The logging window's sums, kept on the device (no host sync per micro-step): loss over micro-batches,
+    optimizer steps, tokens; plus its start time and step count."""
+
+    def __init__(self, device: torch.device, world_size: int, flops: FlopModel, peak: float | None):
+        self.device, self.world_size, self.flops, self.peak = device, world_size, flops, peak
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.one, self.zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
+        self.started, self.steps = time.perf_counter(), 0
+
+    def add(self, loss: torch.Tensor, last_of_step: bool, tokens: torch.Tensor) -> None:
+        self.sums += torch.stack([loss.double(), self.one if last_of_step else self.zero, tokens.double()])
+        self.steps += last_of_step
+
+    def take(self, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
+        """Window means over all ranks (the loss per target token of each step, tokens/s of the whole group,
+        seconds per step, the share of the window the slowest rank spent waiting for data), the hardware's
+        metrics; then a new window."""
+        elapsed = time.perf_counter() - self.started
+        totals = self.sums.clone()
+        dist.all_reduce(totals)
+        waits = self.sums.new_tensor([data_wait_s])
+        dist.all_reduce(waits, op=dist.ReduceOp.MAX)
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        steps = self.steps
+        self.sums.zero_()
+        self.started, self.steps = time.perf_counter(), 0
+        metrics = {
+            "loss": totals[0].item() / max(totals[1].item(), 1),
+            "learning_rate": scheduler.get_last_lr()[0],
+            "grad_norm": norm.item(),
+            "tokens_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed / max(steps, 1),
+            "data_wait_share": waits.item() / elapsed if elapsed > 0 else 0.0,
+        }
+        metrics.update(hardware_metrics(metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device))
+        return metrics
+
+
+def hardware_metrics(tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device) -> dict[str, Any]:
+    """Per-worker throughput, both MFUs (null without a known GPU peak) and peak memory of the worst rank."""
+    per_worker = tokens_per_s / world
+    worst = torch.tensor([-1.0 if math.isnan(v) else v for v in memory(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    allocated, reserved, rss = (None if v < 0 else round(v, 3) for v in worst.tolist())
+    return {
+        "tokens_per_s_per_worker": per_worker,
+        "mfu_6n": nan_to_none(mfu(per_worker, flops.per_token_6n, peak)),
+        "mfu_lora": nan_to_none(mfu(per_worker, flops.per_token_lora, peak)),
+        "peak_tflops": peak / 1e12 if peak else None,
+        "memory_allocated_gib": allocated,
+        "memory_reserved_gib": reserved,
+        "host_rss_gib": rss,
+    }
+
+
+def perplexity(loss: float) -> float | None:
+    """exp(loss); None where it is not a finite number (NaN loss of an empty split, or overflow)."""
+    return math.exp(loss) if math.isfinite(loss) and loss < 700 else None
+
+
+def flops_line(flops: FlopModel, peak: float | None, device) -> str:
+    where = f"peak {peak / 1e12:.0f} TFLOP/s bf16 per GPU" if peak else f"no MFU on {device.type} (no known peak)"
+    return (
+        f"FLOPs/token: {flops.per_token_6n / 1e9:.3f} G (6N), {flops.per_token_lora / 1e9:.3f} G (LoRA-aware) | "
+        f"{flops.base_params:,} frozen + {flops.lora_params:,} trainable matmul params per token | {where}"
+    )
+
+
+class ProgressLog:
+    """Rank 0's record of the run at each logging step: one log line, a metrics.jsonl row (the history of the
+    run, cut back to the resume point), the Prometheus gauges and the trackers."""
+
+    def __init__(self, run, total_steps: int, first_step: int, resumed: bool, params: dict[str, Any],
+                 gauges: Gauges, trackers: Trackers | None):  # fmt: skip
+        self.run, self.total_steps, self.first_step, self.params = run, total_steps, first_step, params
+        self.gauges, self.trackers = gauges, trackers
+        self.history = [r for r in run.read_metrics() if r.get("step", 0) <= first_step] if resumed else []
+        self.started = time.perf_counter()
+
+    def record(self, metrics: dict[str, Any], checkpoint_stall_s: float) -> None:
+        elapsed = time.perf_counter() - self.started
+        done = metrics["step"] - self.first_step
+        eta = elapsed / done * (self.total_steps - metrics["step"]) if done else None
+        logging.getLogger("rayft").info(progress_line(metrics, self.total_steps, eta))
+        # What saving cost so far in this attempt: the share of wall time training stood still.
+        row = {**metrics, **self.params, "checkpoint_stall_s": round(checkpoint_stall_s, 4),
+               "elapsed_s": round(elapsed, 3), "time": round(time.time(), 3)}  # fmt: skip
+        self.history.append(row)
+        self.run.write_metrics(self.history)
+        self.gauges.set(row)
+        if self.trackers is not None:
+            self.trackers.log(row, metrics["step"])
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+
+
+_LINE_FIELDS = (
+    ("loss", "loss", "{:.4f}"),
+    ("eval_loss", "eval_loss", "{:.4f}"),
+    ("eval_perplexity", "ppl", "{:.2f}"),
+    ("learning_rate", "lr", "{:.2e}"),
+    ("grad_norm", "grad_norm", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:,.0f}"),
+    ("step_time_s", "step", "{:.2f}s"),
+    ("mfu_lora", "MFU(LoRA)", "{:.1%}"),
+    ("mfu_6n", "MFU(6N)", "{:.1%}"),
+    ("data_wait_share", "data wait", "{:.1%}"),
+)
+
+
+def progress_line(metrics: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
+    """One line per logging step: where the run is, how well it learns, how fast, how full, how long still."""
+    parts = [f"step {metrics['step']}/{total_steps}", f"epoch {metrics['epoch']:.2f}"]
+    parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in _LINE_FIELDS if metrics.get(key) is not None]
+    if metrics.get("memory_allocated_gib") is not None:
+        parts.append(f"mem {metrics['memory_allocated_gib']:.1f}/{metrics['memory_reserved_gib']:.1f} GiB")
+    elif metrics.get("host_rss_gib") is not None:
+        parts.append(f"rss {metrics['host_rss_gib']:.2f} GiB")
+    if eta_s is not None:
+        parts.append(f"ETA {duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )

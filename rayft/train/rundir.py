@@ -1,19 +1,22 @@
 """The run directory on Ray's storage (`storage_path/name`): a shared-PVC path or a pyarrow URI (s3://, gs://).
 
 Ray Train owns the checkpoint registry in it (`checkpoint_manager_snapshot.json`); rayft adds step-named
-checkpoint directories, `metrics.jsonl` and `loss.png`. A checkpoint directory that exists but is not registered
-was left by a worker that died while saving: nothing will ever resume from it, so it is removed when the run
-resumes.
+checkpoint directories, `metrics.jsonl`, `loss.png` and `rayft_run.json`, the run's identity: every checkpoint
+rayft writes records it, and only directories carrying it are ever deleted by the run's housekeeping.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
+
+log = logging.getLogger("rayft")
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 # Ray Train V2's record of the checkpoints it registered (and so will resume from and retain).
@@ -21,6 +24,7 @@ RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
 EVAL_RESULT = "eval.json"  # of a `rayft eval` run
+IDENTITY = "rayft_run.json"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -58,30 +62,54 @@ class RunDir:
                 found[int(match[1])] = info.base_name
         return found
 
-    def remove_checkpoints_after(self, step: int, keep: frozenset[str] = frozenset()) -> list[str]:
-        """Delete checkpoint dirs newer than the one being resumed from: written but never registered."""
-        removed = []
-        for later, name in sorted(self.checkpoints().items()):
-            if later > step and name not in keep:
-                self.fs.delete_dir(join(self.path, name))
-                removed.append(name)
-        return removed
+    def delete_dir(self, name: str) -> None:
+        self.fs.delete_dir(join(self.path, name))
+
+    def run_id(self) -> str | None:
+        """The identity recorded by the run that owns this directory; None for a directory without one."""
+        try:
+            return json.loads(self.read_file(IDENTITY))["run_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def new_run_id(self) -> str:
+        """Record a fresh identity for a run starting in this directory."""
+        run_id = uuid.uuid4().hex
+        self.write_file(IDENTITY, json.dumps({"run_id": run_id}).encode())
+        return run_id
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The rows of metrics.jsonl; a line that does not parse (a write cut short by a crash, on a filesystem
+        without atomic renames) is skipped with a warning: the history must never stop a resume."""
         if not self.exists(METRICS):
             return []
-        return [json.loads(line) for line in self.read_file(METRICS).decode().splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(self.read_file(METRICS).decode(errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                log.warning("%s line %d is not a JSON record (a torn write?): skipped", join(self.uri, METRICS), number)
+        return rows
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
-        """Rewritten whole each time: object stores cannot append, and the file stays small."""
-        self.fs.create_dir(self.path, recursive=True)
-        with self.fs.open_output_stream(join(self.path, METRICS)) as f:
-            f.write("".join(json.dumps(row) + "\n" for row in rows).encode())
+        """Rewritten whole each time (object stores cannot append; the file stays small), into a temporary file
+        moved over the old one: a kill mid-write leaves the previous version."""
+        self.write_file(METRICS, "".join(json.dumps(row) + "\n" for row in rows).encode())
 
     def write_file(self, name: str, data: bytes) -> None:
+        """Written under a temporary name, then moved into place (a rename on local and shared filesystems;
+        object stores publish an object whole anyway)."""
         self.fs.create_dir(self.path, recursive=True)
-        with self.fs.open_output_stream(join(self.path, name)) as f:
+        tmp = join(self.path, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        with self.fs.open_output_stream(tmp) as f:
             f.write(data)
+        self.fs.move(tmp, join(self.path, name))
 
     def read_file(self, name: str) -> bytes:
         with self.fs.open_input_stream(join(self.path, name)) as f:
