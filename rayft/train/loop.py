@@ -20,6 +20,7 @@ from rayft.config import Config, TrainConfig
 from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
+from rayft.model.fp8 import fp8_layers
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
@@ -179,6 +180,8 @@ def _save(checkpoints: CheckpointManager, state: TrainState, metrics: dict[str, 
 
 def _precision_line(model, bf16_on_cpu: bool, on_gpu: bool) -> str:
     stored = next(p for p in model.parameters() if not p.requires_grad).dtype
+    if any(fp8_layers(model)):
+        stored = f"{stored} (decoder matrices: float8_e4m3fn + row scales)"
     if on_gpu:
         return f"FSDP2 mixed precision, base weights stored as {stored}"
     compute = "bfloat16 (CPU autocast)" if bf16_on_cpu else "float32"
