@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 KIT = REPO / ".gpu-kit"
+TOY_RESULTS = Path(os.environ.get("TMPDIR", "/tmp")) / "rayft-gpu-check-toy"
 KIT_MAX_MIB = 50
 PLAN_TOLERANCE = 0.10  # acceptance: the planner within 10% of the measured peak
 
@@ -50,9 +52,9 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("tests", 300, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
-        Stage("job", 330, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (ray job submit on a 1-GPU local Ray head)"),
-        Stage("bench", 540, "train_vs_trl_gpu.json", "dense 8B rayft vs TRL + scaled Mistral-Small-4, then plan"),
+        Stage("tests", 240, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
+        Stage("job", 300, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (ray job submit on a 1-GPU local Ray head)"),
+        Stage("bench", 570, "train_vs_trl_gpu.json", "dense 8B rayft vs TRL + scaled Mistral-Small-4, then plan"),
         Stage("plan", 60, "plan_gpu.json", "rayft plan for the bench configs vs the measured peak GPU memory"),
     )
 }
@@ -121,10 +123,10 @@ def facts() -> dict:
     return info
 
 
-def save(name: str, report: dict) -> Path:
+def save(name: str, report: dict, directory: Path = RESULTS) -> Path:
     """bench/results/<name>, and a copy in $OUT for the device tool to bring back."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
     path.write_text(json.dumps(report, indent=2))
     out = os.environ.get("OUT")
     if out:
@@ -161,6 +163,13 @@ def junit_summary(xml: Path) -> dict:
     return {**counts, "seconds": round(float(suite.get("time", 0)), 1), "tests": tests}
 
 
+def stage_outcome(rc: int, summary: dict) -> tuple[int, str | None]:
+    """A GPU stage that ran nothing, or skipped a test (for want of CUDA), proves nothing: a failure here."""
+    if rc == 0 and (summary.get("passed", 0) == 0 or summary.get("skipped", 0)):
+        return 1, "no GPU test passed, or some were skipped: this stage must run on a CUDA machine"
+    return rc, None
+
+
 def run_pytest_stage(stage: str) -> int:
     (command,) = commands(stage)
     junit = Path(command[-2].removeprefix("--junitxml="))
@@ -176,10 +185,10 @@ def run_pytest_stage(stage: str) -> int:
         "wall_s": round(time.time() - started, 1),
         **summary,
     }
-    # A GPU stage that ran nothing, or skipped for want of CUDA, proves nothing: that is a failure here.
-    if rc == 0 and (summary.get("passed", 0) == 0 or summary.get("skipped", 0)):
-        report["exit_code"] = rc = 1
-        report["note"] = "no GPU test passed, or some were skipped: this stage must run on a CUDA machine"
+    rc, note = stage_outcome(rc, summary)
+    report["exit_code"] = rc
+    if note:
+        report["note"] = note
     junit.unlink(missing_ok=True)
     path = save(STAGES[stage].result, report)
     print(
@@ -190,17 +199,33 @@ def run_pytest_stage(stage: str) -> int:
 
 
 def run_bench(toy: bool, parts: str) -> int:
-    out = RESULTS / STAGES["bench"].result if not toy else RESULTS / "train_vs_trl_gpu_toy.json"
+    """The bench (toy: on CPU, results to a temp dir, never to bench/results), then the plan against it."""
+    out = (TOY_RESULTS if toy else RESULTS) / STAGES["bench"].result
+    out.parent.mkdir(parents=True, exist_ok=True)
     (command,) = commands("bench", toy)
     command[-1] = str(out)
     env = {**os.environ, "RAYFT_BENCH_PARTS": parts, "RAYFT_BENCH_PARTIAL": str(out)}
+    earlier = json.loads(out.read_text()) if out.exists() else {}
     rc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL if toy else None).returncode
     if out.exists():
-        report = json.loads(out.read_text())
+        report = merge_parts(json.loads(out.read_text()), earlier)
         report.setdefault("versions", {}).update(facts()["versions"])
-        save(out.name, report)
+        save(out.name, report, out.parent)
         print_bench(report)
-    return rc or run_plan(out, toy)
+    return rc or run_plan(out)
+
+
+def merge_parts(report: dict, earlier: dict) -> dict:
+    """A bench split over two device commands (`--bench-parts dense`, then `moe`): one report with both parts."""
+    from train_vs_trl import acceptance
+
+    same_gpu = (earlier.get("gpu") or {}).get("name") == (report.get("gpu") or {}).get("name")
+    for part in ("dense", "moe"):
+        if part not in report and part in earlier and same_gpu:
+            report[part] = earlier[part]
+            report.setdefault("merged_from_earlier_run", []).append(part)
+    report["acceptance"] = acceptance(report)
+    return report
 
 
 def print_bench(report: dict) -> None:
@@ -252,7 +277,7 @@ def plan_configs(bench: dict, root: Path) -> dict[str, dict]:
     return configs
 
 
-def run_plan(bench_file: Path, toy: bool = False) -> int:
+def run_plan(bench_file: Path) -> int:
     """`rayft plan` (printed as users see it) and the same numbers in-process, divided by the measured peaks."""
     import tempfile
 
@@ -307,7 +332,7 @@ def run_plan(bench_file: Path, toy: bool = False) -> int:
         "cases": cases,
         "note": "the estimate includes 2 GiB CUDA/NCCL overhead that torch's reserved peak does not count",
     }
-    save("plan_gpu_toy.json" if toy else STAGES["plan"].result, report)
+    save(STAGES["plan"].result, report, bench_file.parent)
     return 0 if all(c["rayft_plan_exit_code"] == 0 for c in cases.values()) else 1
 
 
@@ -346,7 +371,7 @@ def dry_run(toy: bool) -> int:
     for stage in STAGES.values():
         print(f"stage {stage.name} (budget {stage.budget_s / 60:.1f} min): {stage.what}")
         for command in commands(stage.name):
-            print("   $ " + " ".join(command).replace(sys.executable, "python"))
+            print("   $ " + shlex.join(command).replace(sys.executable, "python").replace(str(REPO) + "/", ""))
         print(f"   → bench/results/{stage.result}")
     total = sum(s.budget_s for s in STAGES.values())
     print(f"total budget {total / 60:.1f} min (device: 10 min per command)")

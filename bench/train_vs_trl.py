@@ -424,10 +424,14 @@ def gpu_facts() -> dict:
             "memory_gib": round(props.total_memory / 2**30, 1),
             "capability": f"{props.major}.{props.minor}",
             "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl": _version(torch.cuda.nccl.version()),
             "cudnn": torch.backends.cudnn.version(),
         }
     }
+
+
+def _version(v) -> str:
+    return ".".join(map(str, v)) if isinstance(v, tuple | list) else str(v)
 
 
 def acceptance(report: dict) -> dict:

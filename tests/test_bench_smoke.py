@@ -101,3 +101,52 @@ def test_train_vs_trl_benchmark_runs_one_step_of_each(tmp_path):
         assert numbers["tokens_per_s"] > 0 and numbers["step_time_s"] > 0 and numbers["peak_rss_gib"] > 0.1
         assert numbers["time_to_first_step_s"] > 0 and len(numbers["losses"]) == 1 and numbers["losses"][0] > 1
     assert seed["ratio_tokens_per_s"] > 0 and "DDP" in report["settings"]["baseline_note"]
+
+
+def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
+    """`bench/gpu_check.py --dry-run` (what runs without a GPU): each stage with its command and budget within the
+    device's limits, both bench configs accepted by rayft's config and planned on the meta device; without
+    --dry-run on a machine with no GPU it refuses with exit 2 instead of reporting empty results."""
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry-run"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for stage in ("tests", "job", "bench", "plan"):
+        assert f"stage {stage} (budget" in out, out
+    assert "-m 'gpu and not ray'" in out and "-m 'gpu and ray'" in out and "--size gpu" in out
+    assert "total budget 19.5 min" in out
+    assert "bench config dense: MistralForCausalLM, 8.02B params" in out, out
+    assert "bench config moe: Mistral4ForCausalLM" in out and "gpu kit: {" in out, out
+
+    import torch
+
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, "bench/gpu_check.py", "--stage", "tests"], capture_output=True,
+                                 text=True, timeout=120, cwd=REPO)  # fmt: skip
+        assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr, refused.stderr
+
+
+def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):
+    """The JUnit summary a GPU stage reports (outcome and message per test), and its verdict: a stage whose tests
+    passed but one was skipped ("needs CUDA"), or that passed none, has not shown anything and fails."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import junit_summary, stage_outcome
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" time="3.5">'
+        '<testcase classname="tests.test_gpu" name="test_a" time="1.25"/>'
+        '<testcase classname="tests.test_gpu" name="test_b" time="0.1"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_c" time="2"><failure message="boom"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    summary = junit_summary(xml)
+    assert (summary["passed"], summary["skipped"], summary["failed"], summary["error"]) == (1, 1, 1, 0)
+    assert summary["tests"][1] == {"test": "tests.test_gpu::test_b", "outcome": "skipped", "seconds": 0.1,
+                                   "message": "needs CUDA"}  # fmt: skip
+    assert summary["seconds"] == 3.5 and "error" in junit_summary(tmp_path / "absent.xml")
+    assert stage_outcome(0, {"passed": 3, "skipped": 1})[0] == 1
+    assert stage_outcome(0, {"passed": 0, "skipped": 0})[0] == 1
+    assert stage_outcome(0, {"passed": 3, "skipped": 0}) == (0, None)
+    assert stage_outcome(1, {"passed": 2, "failed": 1})[0] == 1
