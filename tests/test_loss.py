@@ -43,25 +43,29 @@ def _reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, num_items
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("drop_unscored", [True, False], ids=["cpu-branch", "gpu-branch"])
-@pytest.mark.parametrize("num_items", [None, 200.0], ids=["mean", "num_items"])
-def test_fused_loss_equals_full_logits_loss_and_input_gradient(device, drop_unscored, num_items):
+def test_fused_loss_equals_full_logits_loss_and_input_gradient(device, drop_unscored):
     h, w, labels = _problem(device, torch.float32)
     if device == "cpu":
         assert h.numel() // h.shape[-1] > 2 * chunk_rows(VOCAB, on_gpu=False)  # several chunks
-    items = None if num_items is None else torch.tensor(num_items, dtype=torch.float64, device=device)
-    loss = linear_cross_entropy(h, w, labels, items, drop_unscored=drop_unscored)
+    loss = linear_cross_entropy(h, w, labels, drop_unscored=drop_unscored)
     loss.backward()
-    ref_loss, ref_grad = _reference(h, w, labels, items)
+    ref_loss, ref_grad = _reference(h, w, labels, None)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     assert torch.allclose(h.grad.float(), ref_grad, rtol=1e-4, atol=1e-4 * ref_grad.abs().max().item())
     # unscored rows get no gradient in either branch (their rows of the input are exactly zero)
     assert h.grad[0, 39:59].abs().max() == 0 and h.grad[1, -31:].abs().max() == 0
+    # the Trainer's token weighting: the sum over scored tokens / num_items_in_batch instead of their mean
+    items = torch.tensor(200.0, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        summed = linear_cross_entropy(h, w, labels, items, drop_unscored=drop_unscored)
+    scored = (labels[:, 1:] != IGNORE_INDEX).sum().item()
+    assert summed.item() == pytest.approx(ref_loss.item() * scored / 200.0, rel=1e-5)
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", [CUDA])
 def test_both_branches_agree_in_bf16(device):
     """In bf16 (the GPU compute dtype) both branches round the same way: equal to each other, and to fp32 logits
-    within bf16 precision."""
+    within bf16 precision. GPU only: CPUs without bf16 instructions emulate it (tens of seconds for this)."""
     results = {}
     for drop in (True, False):
         h, w, labels = _problem(device, torch.bfloat16)
