@@ -87,6 +87,12 @@ def run_rayft(raw: dict, work: Path, skip: int = 1) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"rayft failed:\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (work / "out" / "ray_run" / "metrics.jsonl").read_text().splitlines()]
+    return {**summarise_rayft(rows, started, skip), "wall_s": time.time() - started}
+
+
+def summarise_rayft(rows: list[dict], started: float, skip: int = 1) -> dict:
+    """Steady-state numbers from rayft's metrics.jsonl rows: tokens/s over the steps after the first `skip`, and on
+    a known GPU rayft's own FLOPs per token (from its MFU) and its peak GPU memory."""
     rows = [r for r in rows if "loss" in r]
     later = rows[skip:] or rows
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in later)
@@ -97,7 +103,6 @@ def run_rayft(raw: dict, work: Path, skip: int = 1) -> dict:
         "peak_rss_gib": max(r["host_rss_gib"] for r in rows),
         "time_to_first_step_s": rows[0]["time"] - started,
         "losses": [round(r["loss"], 4) for r in rows],
-        "wall_s": time.time() - started,
     }
     if rows[-1].get("mfu_lora") is not None:  # on a known GPU: rayft's own FLOP model and memory peaks
         last = rows[-1]

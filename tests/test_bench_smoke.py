@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -150,3 +151,37 @@ def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):
     assert stage_outcome(0, {"passed": 0, "skipped": 0})[0] == 1
     assert stage_outcome(0, {"passed": 3, "skipped": 0}) == (0, None)
     assert stage_outcome(1, {"passed": 2, "failed": 1})[0] == 1
+
+
+def test_gpu_bench_arithmetic_from_rayft_rows_to_acceptance():
+    """The GPU bench's numbers from rows as rayft writes them on a GPU (metrics.jsonl): steady-state tokens/s after
+    the warm-up steps, rayft's FLOPs per token recovered from its MFU and applied to the baseline's tokens/s too,
+    peak GPU memory, and the acceptance verdicts (none on a CPU run)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_vs_trl import acceptance, summarise_gpu, summarise_rayft
+
+    peak, flops = 989.0, 40e9  # TFLOP/s, LoRA-aware FLOPs per token
+
+    def row(step: int, tokens_per_s: float, allocated: float) -> dict:
+        return {"step": step, "loss": 2.0, "time": 100.0 + step, "step_time_s": 2.0, "tokens_per_s": tokens_per_s,
+                "tokens_per_s_per_worker": tokens_per_s, "host_rss_gib": 3.0, "peak_tflops": peak,
+                "mfu_lora": tokens_per_s * flops / (peak * 1e12), "mfu_6n": tokens_per_s * 1.4 * flops / (peak * 1e12),
+                "memory_allocated_gib": allocated, "memory_reserved_gib": allocated + 1}  # fmt: skip
+
+    rows = [row(1, 1000.0, 30.0), row(2, 9000.0, 31.0), row(3, 10000.0, 31.5), row(4, 12000.0, 31.0)]
+    rayft = summarise_rayft(rows, started=100.0, skip=2)
+    assert rayft["tokens_per_s"] == 11000.0 and rayft["time_to_first_step_s"] == 1.0
+    assert rayft["flops_per_token_lora"] == pytest.approx(flops)
+    assert rayft["flops_per_token_6n"] == pytest.approx(1.4 * flops)
+    assert (rayft["peak_gpu_allocated_gib"], rayft["peak_gpu_reserved_gib"]) == (31.5, 32.5)
+    per_token = {k: rayft[k] for k in ("flops_per_token_lora", "flops_per_token_6n", "peak_tflops")}
+    summary = summarise_gpu({"rayft": [rayft], "baseline": [{**rayft, "tokens_per_s": 5500.0}]}, per_token)
+    assert summary["rayft"]["mfu_lora"] == round(11000 * flops / 989e12, 4)
+    assert summary["baseline"]["mfu_lora"] == round(5500 * flops / 989e12, 4)  # same yardstick for both
+    report = {"gpu": {"name": "NVIDIA H100"}, "dense": {**summary, "ratio_tokens_per_s": 2.0},
+              "moe": {"rayft": {"mfu_lora": 0.15}}}  # fmt: skip
+    verdicts = acceptance(report)
+    assert verdicts["dense_ratio_tokens_per_s"]["ok"] is True and verdicts["moe_mfu_lora"]["ok"] is False
+    assert verdicts["dense_mfu_lora"]["ok"] is (summary["rayft"]["mfu_lora"] >= 0.4)
+    assert all(v["ok"] is None for v in acceptance({**report, "gpu": None}).values())
+    assert "mfu_lora" not in summarise_rayft([{**r, "mfu_lora": None} for r in rows], 100.0)
