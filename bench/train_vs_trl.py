@@ -414,7 +414,8 @@ def baseline_options(on_gpu: bool) -> dict:
     if not on_gpu:
         return {"device": "cpu (toy)", "packing": True, "gradient_checkpointing": True, "launcher": "torchrun"}
     return {"padding_free": True, "packing": True, "packing_strategy": "bfd", "gradient_checkpointing": True,
-            "use_liger_kernel": importlib.util.find_spec("liger_kernel") is not None, "torch_dtype": "bfloat16",
+            "use_liger_kernel": os.environ.get("RAYFT_TRL_LIGER", "auto") != "0"
+            and importlib.util.find_spec("liger_kernel") is not None, "torch_dtype": "bfloat16",
             "optim": "adamw_torch_fused", "launcher": "torchrun --nproc-per-node 1"}  # fmt: skip
 
 

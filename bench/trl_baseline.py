@@ -137,13 +137,18 @@ def main() -> None:
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
+def liger_wanted() -> bool:
+    """Liger kernels where installed, unless RAYFT_TRL_LIGER=0 (should a Liger release not work on the device)."""
+    return os.environ.get("RAYFT_TRL_LIGER", "auto") != "0"
+
+
 def gpu_options(data: dict) -> dict:
     """SFTConfig's fastest settings for packed LoRA training on GPUs (Liger only where it is installed)."""
     import importlib.util
 
     return {
         "padding_free": bool(data["packing"]),
-        "use_liger_kernel": importlib.util.find_spec("liger_kernel") is not None,
+        "use_liger_kernel": liger_wanted() and importlib.util.find_spec("liger_kernel") is not None,
         "ddp_backend": "nccl",
     }
 
