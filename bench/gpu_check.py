@@ -356,14 +356,12 @@ def kit_status() -> dict:
         return {"present": False, "hint": "build it: ../shared/gpu/make_kit.sh (about 5 minutes)"}
     size = sum(f.stat().st_size for f in KIT.rglob("*") if f.is_file()) / 2**20
     manifest = KIT / "MANIFEST.txt"
-    shipped = sum(1 for line in manifest.read_text().splitlines() if " shipped" in line) if manifest.exists() else None
-    return {
-        "present": True,
-        "mib": round(size, 1),
-        "within_limit": size <= KIT_MAX_MIB,
-        "manifest": manifest.exists(),
-        "shipped_lines": shipped,
-    }
+    lines = manifest.read_text().splitlines() if manifest.exists() else []
+    counts = {kind: sum(line.startswith(f"{tag} ") for line in lines)
+              for kind, tag in (("shipped", "ship"), ("conditional", "cond"), ("left_to_device", "skip"))}  # fmt: skip
+    built_from = next((line.split("project: ", 1)[1] for line in lines if line.startswith("# project: ")), None)
+    return {"present": True, "mib": round(size, 1), "within_limit": size <= KIT_MAX_MIB, "manifest": bool(lines),
+            **counts, "built_from": built_from}  # fmt: skip
 
 
 def dry_run(toy: bool) -> int:
