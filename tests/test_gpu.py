@@ -22,9 +22,11 @@ from rayft.model.lora import AUTO_TARGETS, DENSE_TARGETS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-# bf16 keeps 8 significant bits: a loss within 2% of fp32, and each LoRA gradient within 5% of it in norm (10% for
-# the MoE model, where a bf16 router may send the odd near-tied token to another expert than fp32 does).
-LOSS_RTOL = 2e-2
+# bf16 keeps 8 significant bits: each LoRA gradient within 5% of fp32 in norm (10% for the MoE model, where a bf16
+# router may send the odd near-tied token to another expert than fp32 does). The random models' losses sit near
+# ln(131072) = 11.8 with logits of order 0.1, so bf16 moves them by ~1e-3: 1e-2 is tight enough to show a wrong
+# mask or a dropped loss term, and the gradients carry the finer check.
+LOSS_ATOL = 1e-2
 GRAD_RTOL = {"dense": 5e-2, "mistral4-hub": 1e-1}
 
 
@@ -139,8 +141,8 @@ def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
 
     loss, grads, after = step(model, batch)
     ref_loss, ref_grads, ref_after = step(reference, cpu_batch)
-    assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL)
-    assert after == pytest.approx(ref_after, rel=LOSS_RTOL)
+    assert loss == pytest.approx(ref_loss, abs=LOSS_ATOL)
+    assert after == pytest.approx(ref_after, abs=LOSS_ATOL)
     assert after < loss  # the step did something, and the same thing on both sides
     assert set(grads) == set(ref_grads)
     errors = {n: _relative_error(grads[n], ref_grads[n]) for n in grads}
@@ -174,7 +176,7 @@ def test_fused_loss_equals_full_logits_on_cuda_in_both_branches(packed, fixtures
         assert fuse_loss(model.get_base_model(), drop_unscored=drop_unscored) is None
         loss, grads = loss_and_grads()
         assert model(**batch).logits is None  # the fused path ran
-        assert loss == pytest.approx(full_loss, rel=LOSS_RTOL), drop_unscored
+        assert loss == pytest.approx(full_loss, abs=LOSS_ATOL), drop_unscored
         for name, grad in full_grads.items():
             assert grad.abs().sum() > 0, name
             assert _relative_error(grads[name], grad) < GRAD_RTOL["dense"], (name, drop_unscored)
