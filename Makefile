@@ -3,7 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint
+STAGE ?= tests
+
+.PHONY: install demo test lint gpu-check
 
 install: $(VENV)/.installed
 
@@ -22,3 +24,9 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -v -p no:cacheprovider --durations=15
+
+# On one CUDA GPU, never in CI: STAGE=tests|job|bench|plan|all (README: GPU check). On the device there is no .venv:
+#   source .gpu-kit/activate.sh && make gpu-check STAGE=tests PY=python3
+# No install prerequisite, so it runs on whatever PY is (the kit's site). GPU_CHECK_ARGS=--dry-run runs anywhere.
+gpu-check:
+	$(PY) bench/gpu_check.py --stage $(STAGE) $(GPU_CHECK_ARGS)

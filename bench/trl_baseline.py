@@ -8,6 +8,11 @@ Differences from the seed script, each because it cannot run as written today or
 - empty wikitext lines are dropped (the seed trains on them; rayft skips them): both sides see the same records;
 - rayft starts every document with the BOS token; where the tokenizer's own config adds none (the tekken tokenizer
   here), the text gets `<s>` in front, so both sides train on identical token ids (`<s>` text `</s>`).
+
+On a GPU (settings `ray.use_gpu: true`, `train_vs_trl.py --size gpu`) it runs as a user tuning it would: weights
+in the model's bf16, packing with `padding_free` (best-fit packing, position ids, no padding), gradient
+checkpointing, fused AdamW from the settings, Liger kernels when the package is installed, NCCL; each rank also
+records its peak GPU memory.
 """
 
 from __future__ import annotations
@@ -64,11 +69,16 @@ def main() -> None:
     s = json.loads(args.settings.read_text())
     t, lora, data = s["train"], s["lora"], s["data"]
     rank = int(os.environ.get("RANK", "0"))  # set by torchrun
+    on_gpu = bool(s["ray"].get("use_gpu")) and torch.cuda.is_available()
 
     files = sorted(str(p) for p in Path(data["dataset_name_or_path"]).glob("*/train-*.parquet"))
     dataset = load_dataset("parquet", data_files=files, split="train")
     dataset = dataset.filter(lambda r: bool(r[data["text_field"]].strip()))
-    model = AutoModelForCausalLM.from_pretrained(s["model"]["model_name_or_path"], dtype=torch.float32, use_cache=False)
+    dtype = getattr(torch, s["model"].get("torch_dtype", "float32")) if on_gpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(
+        s["model"]["model_name_or_path"], dtype=dtype, use_cache=False,
+        attn_implementation=s["model"].get("attn_implementation", "sdpa"),
+    )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(s["model"]["model_name_or_path"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -103,8 +113,7 @@ def main() -> None:
         dataset_text_field=data["text_field"],
         max_length=data["max_length"],
         packing=data["packing"],
-        use_cpu=True,
-        ddp_backend="gloo",
+        **(gpu_options(data) if on_gpu else {"use_cpu": True, "ddp_backend": "gloo"}),
         dataloader_drop_last=True,
         train_sampling_strategy="sequential" if args.sequential else "random",
         disable_tqdm=True,
@@ -118,9 +127,30 @@ def main() -> None:
     trainer.train()
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(
-        json.dumps({"process_start": T0, "train_start": started, "steps": timeline.steps, "peak_rss_gib": peak_rss_gib})
-    )
+    record = {"process_start": T0, "train_start": started, "steps": timeline.steps, "peak_rss_gib": peak_rss_gib}
+    if on_gpu:
+        record.update(
+            peak_gpu_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            options={k: v for k, v in gpu_options(data).items() if k != "ddp_backend"},
+        )
+    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def liger_wanted() -> bool:
+    """Liger kernels where installed, unless RAYFT_TRL_LIGER=0 (should a Liger release not work on the device)."""
+    return os.environ.get("RAYFT_TRL_LIGER", "auto") != "0"
+
+
+def gpu_options(data: dict) -> dict:
+    """SFTConfig's fastest settings for packed LoRA training on GPUs (Liger only where it is installed)."""
+    import importlib.util
+
+    return {
+        "padding_free": bool(data["packing"]),
+        "use_liger_kernel": liger_wanted() and importlib.util.find_spec("liger_kernel") is not None,
+        "ddp_backend": "nccl",
+    }
 
 
 if __name__ == "__main__":

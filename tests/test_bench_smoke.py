@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -101,3 +102,86 @@ def test_train_vs_trl_benchmark_runs_one_step_of_each(tmp_path):
         assert numbers["tokens_per_s"] > 0 and numbers["step_time_s"] > 0 and numbers["peak_rss_gib"] > 0.1
         assert numbers["time_to_first_step_s"] > 0 and len(numbers["losses"]) == 1 and numbers["losses"][0] > 1
     assert seed["ratio_tokens_per_s"] > 0 and "DDP" in report["settings"]["baseline_note"]
+
+
+def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
+    """`bench/gpu_check.py --dry-run` (what runs without a GPU): each stage with its command and budget within the
+    device's limits, both bench configs accepted by rayft's config and planned on the meta device; without
+    --dry-run on a machine with no GPU it refuses with exit 2 instead of reporting empty results."""
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry-run"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for stage in ("tests", "job", "bench", "plan"):
+        assert f"stage {stage} (budget" in out, out
+    assert "-m 'gpu and not ray'" in out and "-m 'gpu and ray'" in out and "--size gpu" in out
+    assert "total budget 19.5 min" in out
+    assert "bench config dense: MistralForCausalLM, 8.02B params" in out, out
+    assert "bench config moe: Mistral4ForCausalLM" in out and "gpu kit: {" in out, out
+
+    import torch
+
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, "bench/gpu_check.py", "--stage", "tests"], capture_output=True,
+                                 text=True, timeout=120, cwd=REPO)  # fmt: skip
+        assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr, refused.stderr
+
+
+def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):
+    """The JUnit summary a GPU stage reports (outcome and message per test), and its verdict: a stage whose tests
+    passed but one was skipped ("needs CUDA"), or that passed none, has not shown anything and fails."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import junit_summary, stage_outcome
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" time="3.5">'
+        '<testcase classname="tests.test_gpu" name="test_a" time="1.25"/>'
+        '<testcase classname="tests.test_gpu" name="test_b" time="0.1"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_c" time="2"><failure message="boom"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    summary = junit_summary(xml)
+    assert (summary["passed"], summary["skipped"], summary["failed"], summary["error"]) == (1, 1, 1, 0)
+    assert summary["tests"][1] == {"test": "tests.test_gpu::test_b", "outcome": "skipped", "seconds": 0.1,
+                                   "message": "needs CUDA"}  # fmt: skip
+    assert summary["seconds"] == 3.5 and "error" in junit_summary(tmp_path / "absent.xml")
+    assert stage_outcome(0, {"passed": 3, "skipped": 1})[0] == 1
+    assert stage_outcome(0, {"passed": 0, "skipped": 0})[0] == 1
+    assert stage_outcome(0, {"passed": 3, "skipped": 0}) == (0, None)
+    assert stage_outcome(1, {"passed": 2, "failed": 1})[0] == 1
+
+
+def test_gpu_bench_arithmetic_from_rayft_rows_to_acceptance():
+    """The GPU bench's numbers from rows as rayft writes them on a GPU (metrics.jsonl): steady-state tokens/s after
+    the warm-up steps, rayft's FLOPs per token recovered from its MFU and applied to the baseline's tokens/s too,
+    peak GPU memory, and the acceptance verdicts (none on a CPU run)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_vs_trl import acceptance, summarise_gpu, summarise_rayft
+
+    peak, flops = 989.0, 40e9  # TFLOP/s, LoRA-aware FLOPs per token
+
+    def row(step: int, tokens_per_s: float, allocated: float) -> dict:
+        return {"step": step, "loss": 2.0, "time": 100.0 + step, "step_time_s": 2.0, "tokens_per_s": tokens_per_s,
+                "tokens_per_s_per_worker": tokens_per_s, "host_rss_gib": 3.0, "peak_tflops": peak,
+                "mfu_lora": tokens_per_s * flops / (peak * 1e12), "mfu_6n": tokens_per_s * 1.4 * flops / (peak * 1e12),
+                "memory_allocated_gib": allocated, "memory_reserved_gib": allocated + 1}  # fmt: skip
+
+    rows = [row(1, 1000.0, 30.0), row(2, 9000.0, 31.0), row(3, 10000.0, 31.5), row(4, 12000.0, 31.0)]
+    rayft = summarise_rayft(rows, started=100.0, skip=2)
+    assert rayft["tokens_per_s"] == 11000.0 and rayft["time_to_first_step_s"] == 1.0
+    assert rayft["flops_per_token_lora"] == pytest.approx(flops)
+    assert rayft["flops_per_token_6n"] == pytest.approx(1.4 * flops)
+    assert (rayft["peak_gpu_allocated_gib"], rayft["peak_gpu_reserved_gib"]) == (31.5, 32.5)
+    per_token = {k: rayft[k] for k in ("flops_per_token_lora", "flops_per_token_6n", "peak_tflops")}
+    summary = summarise_gpu({"rayft": [rayft], "baseline": [{**rayft, "tokens_per_s": 5500.0}]}, per_token)
+    assert summary["rayft"]["mfu_lora"] == round(11000 * flops / 989e12, 4)
+    assert summary["baseline"]["mfu_lora"] == round(5500 * flops / 989e12, 4)  # same yardstick for both
+    report = {"gpu": {"name": "NVIDIA H100"}, "dense": {**summary, "ratio_tokens_per_s": 2.0},
+              "moe": {"rayft": {"mfu_lora": 0.15}}}  # fmt: skip
+    verdicts = acceptance(report)
+    assert verdicts["dense_ratio_tokens_per_s"]["ok"] is True and verdicts["moe_mfu_lora"]["ok"] is False
+    assert verdicts["dense_mfu_lora"]["ok"] is (summary["rayft"]["mfu_lora"] >= 0.4)
+    assert all(v["ok"] is None for v in acceptance({**report, "gpu": None}).values())
+    assert "mfu_lora" not in summarise_rayft([{**r, "mfu_lora": None} for r in rows], 100.0)

@@ -99,14 +99,19 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     num_items_in_batch: torch.Tensor | None = None,
     workspace: Workspace | None = None,
+    drop_unscored: bool | None = None,
 ) -> torch.Tensor:
     """transformers' causal-LM loss for `hidden @ weight.T` (labels shifted by one, the mean over labels != -100,
     or their sum / `num_items_in_batch`), computed in `weight`'s dtype. The weight must be frozen: its gradient is
-    never computed."""
+    never computed.
+
+    `drop_unscored` picks one of two ways to leave out unscored rows (padding, prompts): True drops them before the
+    head (the CPU way: less work, but their count must reach the host), False masks them inside the chunks (the GPU
+    way: no host sync). None picks by device. Both give the same loss on any device, so either runs on CPU tests."""
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    scored_first = hidden.device.type == "cpu"
-    if scored_first:  # dropping unscored rows needs their count on the host: free here, a sync on GPU
+    scored_first = hidden.device.type == "cpu" if drop_unscored is None else drop_unscored
+    if scored_first:  # dropping unscored rows needs their count on the host: free on CPU, a sync on GPU
         keep = (targets != IGNORE_INDEX).nonzero()[:, 0]
         # ... and padding to a multiple of 64 rows, since CPU bf16 matmuls compile a kernel for every new shape
         pad = -len(keep) % ROW_MULTIPLE
@@ -151,9 +156,10 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
     return None
 
 
-def fuse_loss(model: PreTrainedModel) -> str | None:
+def fuse_loss(model: PreTrainedModel, drop_unscored: bool | None = None) -> str | None:
     """Make `model(..., labels=...)` compute its loss with `linear_cross_entropy` (no logits in the output).
-    Returns why it could not, leaving the model as it was. Without labels the forward is the original one."""
+    Returns why it could not, leaving the model as it was. Without labels the forward is the original one.
+    `drop_unscored`: as in `linear_cross_entropy` (None: by device; tests force either branch)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     reason = why_not_fused(model)
@@ -173,7 +179,8 @@ def fuse_loss(model: PreTrainedModel) -> str | None:
             kwargs.pop(unused, None)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           inputs_embeds=inputs_embeds, use_cache=False, **kwargs).last_hidden_state  # fmt: skip
-        loss = linear_cross_entropy(hidden, head(self.get_output_embeddings().weight), labels, num_items, workspace)
+        weight = head(self.get_output_embeddings().weight)
+        loss = linear_cross_entropy(hidden, weight, labels, num_items, workspace, drop_unscored)
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = MethodType(forward, model)

@@ -1,0 +1,439 @@
+"""`make gpu-check STAGE=tests|job|bench|plan`: what rayft must show on one CUDA GPU, as stages that each fit one
+device command (<= 10 minutes; all four <= 20). Never runs in CI; `--dry-run` is the part that runs anywhere.
+
+  tests  `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral and the
+         hub-layout Mistral-Small-4 through grouped_mm), the fused loss's two branches, sharded loading onto the
+         GPU, checkpoint save + exact resume, MFU/memory metrics          → bench/results/gpu_tests_gpu.json
+  job    `pytest -m "gpu and ray"`: a real `ray job submit` on a local Ray head with one GPU, NCCL, a checkpoint
+         every step, then the same job stopped and run again (continues), final/ present
+                                                                          → bench/results/gpu_job_gpu.json
+  bench  bench/train_vs_trl.py --size gpu: dense 8B rayft vs TRL SFTTrainer (alternating) + the scaled
+         Mistral-Small-4 through rayft; then `plan`                       → bench/results/train_vs_trl_gpu.json
+  plan   `rayft plan` for the bench's two configs against the peak GPU memory the bench measured
+                                                                          → bench/results/plan_gpu.json
+
+Every result file also lands in $OUT when that is set (the device tool brings back only what is under $OUT).
+
+    python bench/gpu_check.py --stage tests|job|bench|plan|all [--bench-parts dense,moe]
+    python bench/gpu_check.py --dry-run [--toy]   # anywhere: commands, settings, configs, planner, the kit;
+                                                  # --toy also runs the bench and the plan at toy size on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+KIT = REPO / ".gpu-kit"
+TOY_RESULTS = Path(os.environ.get("TMPDIR", "/tmp")) / "rayft-gpu-check-toy"
+KIT_MAX_MIB = 50
+PLAN_TOLERANCE = 0.10  # acceptance: the planner within 10% of the measured peak
+# The device has no network: libraries that would ask the hub first must not wait for a timeout.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: int  # what the stage may take on one H100/H200 (the device allows 600 s per command)
+    result: str
+    what: str
+
+
+STAGES = {
+    s.name: s
+    for s in (
+        Stage("tests", 240, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
+        Stage("job", 300, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (ray job submit on a 1-GPU local Ray head)"),
+        Stage("bench", 570, "train_vs_trl_gpu.json", "dense 8B rayft vs TRL + scaled Mistral-Small-4, then plan"),
+        Stage("plan", 60, "plan_gpu.json", "rayft plan for the bench configs vs the measured peak GPU memory"),
+    )
+}
+assert sum(s.budget_s for s in STAGES.values()) <= 20 * 60 and all(s.budget_s <= 600 for s in STAGES.values())
+
+
+def pytest_command(marker: str, junit: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        marker,
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rs",
+        "--durations=20",
+        f"--junitxml={junit}",
+        "tests",
+    ]
+
+
+def bench_command(size: str, out: Path) -> list[str]:
+    return [sys.executable, "bench/train_vs_trl.py", "--size", size, "--out", str(out)]
+
+
+def commands(stage: str, toy: bool = False) -> list[list[str]]:
+    """The commands a stage runs (the dry run prints them)."""
+    if stage == "tests":
+        return [pytest_command("gpu and not ray", RESULTS / "gpu_tests_gpu.xml")]
+    if stage == "job":
+        return [pytest_command("gpu and ray", RESULTS / "gpu_job_gpu.xml")]
+    if stage == "bench":
+        return [bench_command("gpu-toy" if toy else "gpu", RESULTS / STAGES["bench"].result)]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "plan",
+            "--config",
+            "<bench config>",
+            "--num-nodes",
+            "1",
+            "--gpu",
+            "<h100|h200>",
+        ]
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Facts and results
+
+
+def facts() -> dict:
+    """Machine, versions and GPU of this run, for every result file."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import ray
+    import trl
+    from _common import machine
+    from train_vs_trl import gpu_facts
+
+    info = {**machine(), **gpu_facts()}
+    info["versions"].update(ray=ray.__version__, trl=trl.__version__)
+    return info
+
+
+def save(name: str, report: dict, directory: Path = RESULTS) -> Path:
+    """bench/results/<name>, and a copy in $OUT for the device tool to bring back."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(json.dumps(report, indent=2))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, Path(out) / name)
+    return path
+
+
+def junit_summary(xml: Path) -> dict:
+    """Counts and every test's outcome, duration and message from pytest's JUnit XML."""
+    if not xml.exists():
+        return {"error": f"pytest wrote no {xml.name}"}
+    root = ET.parse(xml).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    tests = []
+    for case in suite.iter("testcase"):
+        outcome, message = "passed", None
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome, message = (
+                    {"failure": "failed", "error": "error", "skipped": "skipped"}[tag],
+                    node.get("message"),
+                )
+        tests.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": round(float(case.get("time", 0)), 2),
+                "message": (message or "")[:500] or None,
+            }
+        )
+    counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}
+    return {**counts, "seconds": round(float(suite.get("time", 0)), 1), "tests": tests}
+
+
+def stage_outcome(rc: int, summary: dict) -> tuple[int, str | None]:
+    """A GPU stage that ran nothing, or skipped a test (for want of CUDA), proves nothing: a failure here."""
+    if rc == 0 and (summary.get("passed", 0) == 0 or summary.get("skipped", 0)):
+        return 1, "no GPU test passed, or some were skipped: this stage must run on a CUDA machine"
+    return rc, None
+
+
+def run_pytest_stage(stage: str) -> int:
+    (command,) = commands(stage)
+    junit = Path(command[-2].removeprefix("--junitxml="))
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    rc = subprocess.run(command, cwd=REPO).returncode
+    summary = junit_summary(junit)
+    report = {
+        **facts(),
+        "stage": stage,
+        "command": " ".join(command),
+        "exit_code": rc,
+        "wall_s": round(time.time() - started, 1),
+        **summary,
+    }
+    rc, note = stage_outcome(rc, summary)
+    report["exit_code"] = rc
+    if note:
+        report["note"] = note
+    junit.unlink(missing_ok=True)
+    path = save(STAGES[stage].result, report)
+    print(
+        f"gpu-check {stage}: {summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
+        f"{summary.get('error', 0)} errors, {summary.get('skipped', 0)} skipped in {report['wall_s']} s → {path}"
+    )
+    return rc
+
+
+def run_bench(toy: bool, parts: str) -> int:
+    """The bench (toy: on CPU, results to a temp dir, never to bench/results), then the plan against it."""
+    out = (TOY_RESULTS if toy else RESULTS) / STAGES["bench"].result
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (command,) = commands("bench", toy)
+    command[-1] = str(out)
+    env = {**os.environ, "RAYFT_BENCH_PARTS": parts, "RAYFT_BENCH_PARTIAL": str(out)}
+    earlier = json.loads(out.read_text()) if out.exists() else {}
+    rc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL if toy else None).returncode
+    if out.exists():
+        report = merge_parts(json.loads(out.read_text()), earlier)
+        report.setdefault("versions", {}).update(facts()["versions"])
+        save(out.name, report, out.parent)
+        print_bench(report)
+    return rc or run_plan(out)
+
+
+def merge_parts(report: dict, earlier: dict) -> dict:
+    """A bench split over two device commands (`--bench-parts dense`, then `moe`): one report with both parts."""
+    from train_vs_trl import acceptance
+
+    same_gpu = (earlier.get("gpu") or {}).get("name") == (report.get("gpu") or {}).get("name")
+    for part in ("dense", "moe"):
+        if part not in report and part in earlier and same_gpu:
+            report[part] = earlier[part]
+            report.setdefault("merged_from_earlier_run", []).append(part)
+    report["acceptance"] = acceptance(report)
+    return report
+
+
+def print_bench(report: dict) -> None:
+    """The numbers the acceptance is about, one line each."""
+    lines = [f"gpu-check bench on {(report.get('gpu') or {}).get('name', 'CPU (toy)')}:"]
+    dense, moe = report.get("dense"), report.get("moe")
+    if dense:
+        for system in ("rayft", "baseline"):
+            d = dense[system]
+            lines.append(
+                f"  dense 8B {system:8s} {d['tokens_per_s']:>10,.0f} tok/s  MFU(LoRA) {_pct(d['mfu_lora'])}  "
+                f"MFU(6N) {_pct(d['mfu_6n'])}  peak GPU {d.get('peak_gpu_reserved_gib', '-')} GiB reserved"
+            )
+        lines.append(f"  dense 8B rayft / TRL tokens/s: {dense['ratio_tokens_per_s']:.2f}x")
+    if moe:
+        m = moe["rayft"]
+        lines.append(
+            f"  scaled Mistral-Small-4 rayft {m['tokens_per_s']:>10,.0f} tok/s  MFU(LoRA) {_pct(m['mfu_lora'])}  "
+            f"peak GPU {m.get('peak_gpu_reserved_gib', '-')} GiB reserved"
+        )
+    for key, verdict in (report.get("acceptance") or {}).items():
+        ok = {True: "PASS", False: "FAIL", None: "n/a"}[verdict["ok"]]
+        lines.append(f"  acceptance {key}: {verdict['value']} (bar {verdict['bar']}) {ok}")
+    if not report.get("gpu"):
+        lines.append("  (toy run on CPU: checks the code path, measures nothing)")
+    print("\n".join(lines))
+
+
+def _pct(value: float | None) -> str:
+    return "  n/a" if value is None else f"{value:5.1%}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# plan: the planner against the measured peak
+
+
+def plan_configs(bench: dict, root: Path) -> dict[str, dict]:
+    """The bench's two configs, each pointed at a config-only copy of its model (the planner needs no weights)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_vs_trl import model_config
+
+    configs = {}
+    for kind, overrides in (("dense", bench["settings"]["dense_model"]), ("moe", bench["settings"]["moe_model"])):
+        if kind not in bench or "settings" not in bench[kind]:
+            continue
+        directory = root / kind
+        model_config(kind, overrides.get("overrides", overrides)).save_pretrained(str(directory))
+        raw = json.loads(json.dumps(bench[kind]["settings"]))
+        raw["model"]["model_name_or_path"] = str(directory)
+        configs[kind] = raw
+    return configs
+
+
+def run_plan(bench_file: Path) -> int:
+    """`rayft plan` (printed as users see it) and the same numbers in-process, divided by the measured peaks."""
+    import tempfile
+
+    import yaml
+
+    from rayft.config import Config
+    from rayft.plan import meta_structure, plan_memory
+
+    if not bench_file.exists():
+        print(f"gpu-check plan: no {bench_file}: run STAGE=bench first (or carry its result)", file=sys.stderr)
+        return 2
+    bench = json.loads(bench_file.read_text())
+    gpu_name = (bench.get("gpu") or {}).get("name", "")
+    gpu = "h100" if "H100" in gpu_name else "h200"
+    root = Path(tempfile.mkdtemp(prefix="rayft-plan-"))
+    cases = {}
+    for kind, raw in plan_configs(bench, root).items():
+        config = root / f"{kind}.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        shown = subprocess.run(
+            [sys.executable, "-m", "rayft.cli", "plan", "--config", str(config), "--num-nodes", "1", "--gpu", gpu],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        print(shown.stdout or shown.stderr)
+        cfg = Config.from_dict(raw)
+        estimate = plan_memory(cfg, meta_structure(cfg), 1, on_gpu=True, gpu=gpu)
+        measured = bench[kind]["rayft"]
+        overhead = sum(gib for name, gib in estimate.rows if name.startswith("CUDA"))
+        reserved, allocated = measured.get("peak_gpu_reserved_gib"), measured.get("peak_gpu_allocated_gib")
+        ratio = round(estimate.total_gib / reserved, 3) if reserved else None
+        cases[kind] = {
+            "estimate_gib": round(estimate.total_gib, 2),
+            "rows": {name: round(gib, 3) for name, gib in estimate.rows},
+            "measured_peak_reserved_gib": reserved,
+            "measured_peak_allocated_gib": allocated,
+            "ratio_estimate_to_reserved": ratio,
+            "ratio_estimate_to_allocated": round(estimate.total_gib / allocated, 3) if allocated else None,
+            # torch's peaks leave out the CUDA context and NCCL buffers the estimate's overhead row stands for
+            "ratio_estimate_less_overhead_to_reserved": round((estimate.total_gib - overhead) / reserved, 3)
+            if reserved
+            else None,
+            "within_10_percent": None if ratio is None else abs(ratio - 1) <= PLAN_TOLERANCE,
+            "rayft_plan_exit_code": shown.returncode,
+        }
+        verdict = {True: "PASS", False: "FAIL", None: "n/a (no GPU measurement)"}[cases[kind]["within_10_percent"]]
+        print(
+            f"gpu-check plan {kind}: estimate {estimate.total_gib:.1f} GiB vs measured peak {reserved} GiB "
+            f"reserved / {allocated} GiB allocated: ratio {ratio} → {verdict}"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+    report = {
+        **facts(),
+        "bench_file": bench_file.name,
+        "gpu_plan_for": gpu,
+        "cases": cases,
+        "note": "the estimate includes 2 GiB CUDA/NCCL overhead that torch's reserved peak does not count",
+    }
+    save(STAGES["plan"].result, report, bench_file.parent)
+    return 0 if all(c["rayft_plan_exit_code"] == 0 for c in cases.values()) else 1
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# dry run: everything but the GPU
+
+
+def kit_status() -> dict:
+    """Is the device kit built here (it travels with `carry: [".gpu-kit"]`), and how big is it."""
+    if not (KIT / "activate.sh").is_file():
+        return {"present": False, "hint": "build it: ../shared/gpu/make_kit.sh (about 5 minutes)"}
+    size = sum(f.stat().st_size for f in KIT.rglob("*") if f.is_file()) / 2**20
+    manifest = KIT / "MANIFEST.txt"
+    lines = manifest.read_text().splitlines() if manifest.exists() else []
+    counts = {kind: sum(line.startswith(f"{tag} ") for line in lines)
+              for kind, tag in (("shipped", "ship"), ("conditional", "cond"), ("left_to_device", "skip"))}  # fmt: skip
+    built_from = next((line.split("project: ", 1)[1] for line in lines if line.startswith("# project: ")), None)
+    return {"present": True, "mib": round(size, 1), "within_limit": size <= KIT_MAX_MIB, "manifest": bool(lines),
+            **counts, "built_from": built_from}  # fmt: skip
+
+
+def dry_run(toy: bool) -> int:
+    """Commands, budgets and settings of every stage; the bench configs built and validated; the planner's
+    estimates for them on H100 and H200; the kit. With --toy, the bench and plan code at toy size on CPU."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_vs_trl import GPU_SIZES, gpu_settings, model_config
+
+    from rayft.config import Config
+    from rayft.plan import meta_structure, plan_memory
+
+    print(f"gpu-check dry run: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+    for stage in STAGES.values():
+        print(f"stage {stage.name} (budget {stage.budget_s / 60:.1f} min): {stage.what}")
+        for command in commands(stage.name):
+            print("   $ " + shlex.join(command).replace(sys.executable, "python").replace(str(REPO) + "/", ""))
+        print(f"   → bench/results/{stage.result}")
+    total = sum(s.budget_s for s in STAGES.values())
+    print(f"total budget {total / 60:.1f} min (device: 10 min per command)")
+    s = GPU_SIZES["gpu"]
+    root = Path("/tmp/rayft-gpu-bench")
+    for kind in ("dense", "moe"):
+        raw = gpu_settings(root, root / kind, root / "wikitext", s, moe=kind == "moe")
+        cfg = Config.from_dict(raw)  # every key checked as a real run would
+        structure = meta_structure(cfg, model_config(kind, s[kind]))
+        estimates = {
+            gpu: round(plan_memory(cfg, structure, 1, on_gpu=True, gpu=gpu).total_gib, 1) for gpu in ("h100", "h200")
+        }
+        print(
+            f"bench config {kind}: {structure.architecture}, {structure.total / 1e9:.2f}B params, LoRA "
+            f"{structure.lora / 1e6:.1f}M, {cfg.data.max_length} tokens/row x {cfg.train.gradient_accumulation_steps} "
+            f"accumulation, AC {cfg.fsdp.activation_checkpointing}, {cfg.train.max_steps} steps; "
+            f"planned GiB/GPU {estimates}"
+        )
+    kit = kit_status()
+    print(f"gpu kit: {json.dumps(kit)}")
+    if not toy:
+        return 0
+    print("toy bench on CPU (bench/train_vs_trl.py --size gpu-toy) ...")
+    return run_bench(toy=True, parts="dense,moe")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", choices=[*STAGES, "all"], default="tests")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: print and check what the stages would run")
+    parser.add_argument("--toy", action="store_true", help="with --dry-run: run the bench and plan at toy size on CPU")
+    parser.add_argument("--bench-parts", default="dense,moe", help="bench: dense, moe or both (split if over time)")
+    args = parser.parse_args(argv)
+    os.environ.update(OFFLINE)  # inherited by every stage's processes
+    if args.dry_run:
+        return dry_run(args.toy)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA GPU here; run it on the device (README: GPU check) or use --dry-run", file=sys.stderr)
+        return 2
+    stages = list(STAGES) if args.stage == "all" else [args.stage]
+    if "bench" in stages and "plan" in stages:
+        stages.remove("plan")  # the bench stage ends with the plan
+    rc = 0
+    for stage in stages:
+        if stage in ("tests", "job"):
+            rc = run_pytest_stage(stage) or rc
+        elif stage == "bench":
+            rc = run_bench(toy=False, parts=args.bench_parts) or rc
+        else:
+            rc = run_plan(RESULTS / STAGES["bench"].result) or rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The tiny job through a real `ray job submit` on one GPU (`make gpu-check STAGE=job`): a local Ray head with
+`--num-gpus 1`, `ray.use_gpu: true`, one worker on NCCL, FSDP2 in bf16, a checkpoint every step. Then the same
+job stopped after 3 steps and run again (same `ray.name`): it continues from its checkpoint, kill-free, and ends
+with the uninterrupted run's losses and adapter. Skipped with "needs CUDA" where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    RAY_BIN,
+    REPO,
+    STEPS,
+    Fixtures,
+    RayCluster,
+    Run,
+    _stop_group,
+    _wait_for_dashboard,
+    _wait_for_nodes,
+    checkpointing_config,
+    free_port,
+    write_yaml,
+)
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+RUN_NAME = "gpu_run"  # the same for the stopped job and its rerun: that is what makes the rerun continue
+TOLERANCE = 1e-5  # eager attention, fixed shapes: the GPU run repeats itself to float rounding
+
+
+def ray_cli() -> str:
+    """The `ray` next to this interpreter (a venv), else the one on PATH (the GPU kit puts its own there)."""
+    found = RAY_BIN if RAY_BIN.exists() else shutil.which("ray")
+    if not found:
+        pytest.fail("no `ray` command: source .gpu-kit/activate.sh on the device, or install rayft")
+    return str(found)
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> RayCluster:
+    """One head node that owns the one GPU (`--num-gpus 1`); only its own process group is stopped after."""
+    temp_dir = Path(tempfile.gettempdir()) / f"rayft-gpu-{os.getpid()}"
+    gcs_port, dashboard_port = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    # `ray job submit -- python ...` resolves `python` through PATH; a device may have only `python3`
+    shim = temp_dir.with_name(temp_dir.name + "-bin")
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "python").unlink(missing_ok=True)
+    (shim / "python").symlink_to(sys.executable)
+    env["PATH"] = f"{shim}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    head = subprocess.Popen(
+        [ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
+         "--num-gpus", "1", "--num-cpus", str(min(8, os.cpu_count() or 1)), "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        dashboard = f"http://127.0.0.1:{dashboard_port}"
+        _wait_for_dashboard(dashboard, head)
+        _wait_for_nodes(f"127.0.0.1:{gcs_port}", env, 1)
+        yield RayCluster(address=f"127.0.0.1:{gcs_port}", dashboard=dashboard, env=env)
+    finally:
+        _stop_group(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, **overrides) -> dict:
+    """The test suite's checkpointing job (6 steps, save + eval every step, dropout on) on one GPU worker, bf16;
+    a constant LR, so a run stopped early by max_steps trains its steps exactly as the full run does."""
+    cfg = checkpointing_config(
+        fixtures, out, ray__use_gpu=True, ray__num_workers=1, ray__placement_strategy="PACK", ray__max_failures=0,
+        ray__name=RUN_NAME, ray__storage_path=str(storage), train__bf16=True, train__lr_scheduler_type="constant",
+        train__warmup_ratio=0.0, model__attn_implementation="eager", **overrides,
+    )  # fmt: skip
+    return cfg
+
+
+def submit(cluster: RayCluster, cfg: dict, out: Path, log: str) -> tuple[Run, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    config = write_yaml(out / f"{log}.yaml", cfg)
+    job = subprocess.run(
+        [ray_cli(), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
+         "python", "jobs/mistral4.py", "--config", str(config)],
+        env=cluster.env, capture_output=True, text=True, timeout=540, cwd=REPO,
+    )  # fmt: skip
+    text = job.stdout + job.stderr
+    (out / f"{log}.log").write_text(text)
+    assert job.returncode == 0 and "succeeded" in text, text[-6000:]
+    run = Run(out, out / f"{log}.log")
+    return run, text
+
+
+def metrics(storage: Path) -> list[dict]:
+    rows = (storage / RUN_NAME / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, rows) if "loss" in r]
+
+
+def test_gpu_job_checkpoints_every_step_and_a_rerun_continues_exactly(gpu_cluster, fixtures: Fixtures, tmp_path):
+    ref_out, ref_storage = tmp_path / "reference", tmp_path / "reference-storage"
+    _, text = submit(gpu_cluster, gpu_job_config(fixtures, ref_out, ref_storage), ref_out, "reference")
+    assert "1 workers (GPU)" in text, text[-6000:]
+    reference = metrics(ref_storage)
+    assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    for row in reference:  # what the GPU adds to every metrics row
+        assert row["mfu_lora"] is not None and 0 < row["mfu_lora"] < row["mfu_6n"] < 1, row
+        assert 0 < row["memory_allocated_gib"] <= row["memory_reserved_gib"], row
+        assert row["peak_tflops"] and row["eval_loss"] is not None, row
+    snapshot = json.loads((ref_storage / RUN_NAME / "checkpoint_manager_snapshot.json").read_text())
+    kept = {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
+    assert f"checkpoint-{STEPS:06d}" in kept and len(kept) <= 3, kept  # 2 best + the latest
+    assert (ref_out / "final" / "adapter_model.safetensors").is_file()
+
+    out, storage = tmp_path / "split", tmp_path / "split-storage"
+    submit(gpu_cluster, gpu_job_config(fixtures, out, storage, train__max_steps=3), out, "first")
+    assert [r["step"] for r in metrics(storage)] == [1, 2, 3]
+    _, text = submit(gpu_cluster, gpu_job_config(fixtures, out, storage), out, "rerun")  # same job, same ray.name
+    assert "has checkpoints: continuing that run from its latest one" in text, text[-6000:]
+    assert "resumed from" in text and "step 3" in text, text[-6000:]
+    resumed = metrics(storage)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for got, want in zip(resumed, reference, strict=True):
+        for key in ("loss", "eval_loss", "grad_norm", "learning_rate"):
+            assert got[key] == pytest.approx(want[key], rel=TOLERANCE, abs=TOLERANCE), (got["step"], key)
+    final, ref_final = (load_file(d / "final" / "adapter_model.safetensors") for d in (out, ref_out))
+    assert final.keys() == ref_final.keys()
+    for name, tensor in final.items():
+        assert torch.allclose(tensor, ref_final[name], rtol=TOLERANCE, atol=TOLERANCE), name
