@@ -156,3 +156,24 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
     if missing:
         raise ValueError(f"{directory}: the adapter has no {missing[0]} (and {len(missing) - 1} more)")
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def missing_state_files(directory: Path) -> list[str]:
+    """What a checkpoint's DCP state lacks: each file its `.metadata` references, missing or shorter than the
+    byte ranges recorded for it ("name (missing)" / "name (N of M bytes)"). Empty when complete. Raises ValueError
+    when `.metadata` itself cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = Path(directory) / STATE_DIR
+    metadata = FileSystemReader(str(state)).read_metadata()
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = state / name
+        if not path.is_file():
+            problems.append(f"{name} (missing)")
+        elif path.stat().st_size < size:
+            problems.append(f"{name} ({path.stat().st_size:,} of {size:,} bytes)")
+    return problems
