@@ -324,9 +324,9 @@ class Request:
             return sum(1 for n in per_node if n >= 1) >= self.workers
         return sum(per_node) >= self.workers  # PACK, SPREAD: bundles go wherever they fit
 
-    def _bundles_on(self, node: dict[str, float]) -> float:
-        counts = [node.get(r, 0) / amount for r, amount in self.bundle.items() if amount > 0]
-        return math.floor(min(counts)) if counts and min(counts) != math.inf else (math.inf if counts else 0)
+    def _bundles_on(self, node: dict[str, float]) -> int:
+        counts = [math.floor(node.get(r, 0) / amount) for r, amount in self.bundle.items() if amount > 0]
+        return min(counts) if counts else self.workers  # an empty bundle fits anywhere
 
     def describe(self) -> str:
         each = ", ".join(f"{r} {_amount(a)}" for r, a in sorted(self.bundle.items()))
@@ -346,14 +346,17 @@ class Request:
         )
 
 
+UNBOUNDED_NODES = 100_000
+
+
 def node_totals() -> list[dict[str, float]]:
     """Each live node's total resources (what it can ever offer, not what is free now)."""
     return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
 
 
 def autoscaler_ceiling() -> list[dict[str, float]] | None:
-    """The largest cluster the autoscaler may build (its node groups × their max counts; an unbounded group
-    counts as unlimited nodes), or None when no autoscaler declared its configuration (a fixed cluster)."""
+    """The largest cluster the autoscaler may build (its node groups × their max counts; an unbounded group as
+    more nodes than any job asks for), or None when no autoscaler declared its configuration (a fixed cluster)."""
     try:
         from ray._private.state import state
 
@@ -364,11 +367,7 @@ def autoscaler_ceiling() -> list[dict[str, float]] | None:
         return None
     nodes: list[dict[str, float]] = []
     for group in config.node_group_configs:
-        resources = dict(group.resources)
-        if group.max_count < 0:
-            nodes.append({r: math.inf for r in resources})
-        else:
-            nodes += [resources] * group.max_count
+        nodes += [dict(group.resources)] * (UNBOUNDED_NODES if group.max_count < 0 else group.max_count)
     return nodes
 
 

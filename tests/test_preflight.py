@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
-from conftest import Fixtures, tiny_config, write_yaml
+from conftest import REPO, Fixtures, tiny_config, write_yaml
 
 from rayft.cli import main
 
@@ -399,3 +402,178 @@ def test_a_complete_checkpoint_passes(dcp_checkpoint, base, tmp_path, capsys):
     config = _config(tmp_path, base, train={"resume_from_checkpoint": str(dcp_checkpoint)})
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
+
+
+# --- export and eval: the adapter is checked before any work, --out is written atomically ----------------------
+
+
+@pytest.fixture(scope="module")
+def adapter(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """A real PEFT adapter (r=4 on q_proj, v_proj) of the tiny Mistral, as PEFT saves it."""
+    import peft
+    from transformers import MistralForCausalLM
+
+    out = tmp_path_factory.mktemp("adapter") / "final"
+    model = MistralForCausalLM.from_pretrained(str(fixtures.model))
+    peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_base(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """The same architecture at another size: an adapter of the tiny Mistral does not fit it."""
+    return _small_embedding(fixtures, Path(), tmp_path_factory.mktemp("other-base"))
+
+
+def _truncated_adapter(adapter: Path, tmp: Path) -> Path:
+    copy = shutil.copytree(adapter, tmp / "truncated-adapter")
+    truncate(copy / "adapter_model.safetensors", 0.5)
+    return copy
+
+
+EXPORT_CASES = {
+    "truncated adapter": (False, r"adapter_model\.safetensors is truncated: its header declares"),
+    "truncated adapter, --merge": (True, r"adapter_model\.safetensors is truncated: its header declares"),
+    "another base": (False, r"tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' has "
+                     r"shape \[4, 64\], the model at .* needs \[4, 32\]"),
+    "another base, --merge": (True, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EXPORT_CASES))
+def test_export_of_a_damaged_or_foreign_adapter_is_refused_and_leaves_nothing(
+    case, adapter, other_base, fixtures, tmp_path, capsys
+):
+    merge, pattern = EXPORT_CASES[case]
+    source, base = (adapter, other_base) if "another base" in case else (_truncated_adapter(adapter, tmp_path),
+                                                                          fixtures.model)  # fmt: skip
+    out = tmp_path / "exports" / "x"
+    before = set(tmp_path.iterdir())
+    result = run_cli(capsys, "export", "--adapter", str(source), "--base", str(base), "--out", str(out),
+                     *(["--merge"] if merge else []))  # fmt: skip
+    assert_refused(result, pattern)
+    assert set(tmp_path.iterdir()) == before, "something was left behind"
+
+
+def test_export_out_that_is_a_file_or_a_foreign_directory_is_refused(adapter, fixtures, tmp_path, capsys):
+    file = tmp_path / "out.txt"
+    file.write_text("mine")
+    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(file))
+    assert_refused(result, r"--out .*out\.txt is a file; give a directory path")
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_text("meow")
+    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model),
+                     "--out", str(tmp_path / "photos"))  # fmt: skip
+    assert_refused(result, r"--out .*photos is a directory with other content")
+    assert file.read_text() == "mine" and (tmp_path / "photos" / "cat.jpg").read_text() == "meow"
+
+
+def test_export_writes_out_whole_and_replaces_a_previous_export(adapter, fixtures, tmp_path, capsys):
+    out = tmp_path / "export"
+    for _ in range(2):  # the second run replaces the first export
+        result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(out))
+        assert result.rc == 0, result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging or old copies left
+    assert (out / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(fixtures.model)
+    assert oct(out.stat().st_mode & 0o777) != oct(0o700), "the staging directory's 0700 leaked into the export"
+
+
+@pytest.mark.parametrize("case", ["truncated adapter", "another base"])
+def test_eval_of_a_damaged_or_foreign_adapter_is_refused_before_ray(case, adapter, other_base, base, tmp_path, capsys):
+    raw = json.loads(json.dumps(base))
+    if case == "another base":
+        source, pattern = adapter, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"
+        raw["model"]["model_name_or_path"] = str(other_base)
+    else:
+        source, pattern = _truncated_adapter(adapter, tmp_path), r"adapter_model\.safetensors is truncated"
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    assert_refused(run_cli(capsys, "eval", "--config", str(config), "--adapter", str(source)), pattern)
+
+
+# --- the job entrypoint refuses the same way, without starting Ray -----------------------------------------------
+
+
+def test_the_job_refuses_a_model_config_that_does_not_match_its_weights_without_starting_ray(
+    fixtures, mistral4_hub, base, tmp_path
+):
+    model = _kv_heads(fixtures, mistral4_hub, tmp_path)
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model)})
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.monotonic()
+    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    output = job.stdout + job.stderr
+    assert job.returncode == 2, output[-3000:]
+    assert "k_proj.weight' in model.safetensors has shape [32, 64]" in job.stderr and "Traceback" not in output
+    assert "starting a local one" not in output and "Started a local Ray instance" not in output
+    print(f"job refused in {time.monotonic() - start:.1f}s")
+
+
+# --- placement: what the cluster can never place is refused, never retried forever --------------------------------
+
+NODE = {"CPU": 4.0, "memory": 8e9}
+GPU_NODE = {"CPU": 16.0, "GPU": 8.0}
+PLACEMENT = [  # (workers, bundle, strategy, nodes, fits) — worked out by hand
+    (8, {"CPU": 1}, "PACK", [NODE, NODE], True),
+    (12, {"CPU": 1}, "PACK", [NODE, NODE], False),
+    (3, {"CPU": 3}, "SPREAD", [NODE, NODE], False),  # 4 CPUs hold one 3-CPU bundle each: 2 in all
+    (4, {"CPU": 2}, "STRICT_PACK", [NODE, NODE], False),
+    (2, {"CPU": 2}, "STRICT_PACK", [NODE, NODE], True),
+    (2, {"CPU": 1}, "STRICT_SPREAD", [NODE], False),
+    (2, {"CPU": 1}, "STRICT_SPREAD", [NODE, NODE], True),
+    (16, {"GPU": 1}, "PACK", [GPU_NODE, GPU_NODE], True),
+    (3, {"GPU": 1}, "STRICT_SPREAD", [GPU_NODE, GPU_NODE], False),
+    (1, {"GPU": 1}, "PACK", [NODE], False),
+    (9, {"CPU": 1, "GPU": 1}, "PACK", [NODE, GPU_NODE], False),  # only the GPU node holds these: 8
+]
+
+
+@pytest.mark.parametrize(("workers", "bundle", "strategy", "nodes", "fits"), PLACEMENT)
+def test_placement_feasibility(workers, bundle, strategy, nodes, fits):
+    from rayft.launch import Request
+
+    assert Request(workers, bundle, strategy).fits(nodes) is fits
+
+
+def test_workers_the_cluster_can_never_place_are_refused_within_the_deadline(ray_cluster, fixtures, tmp_path):
+    """The session cluster: 2 nodes × 4 CPUs, no autoscaler. 12 one-CPU workers packed can never be placed: the job
+    waits its stated deadline for nodes to join, then exits 2 naming what it asked for and what there is; Ctrl-C
+    stops the wait at once."""
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["ray"].update(address=ray_cluster.address, num_workers=12, placement_strategy="PACK", placement_timeout_s=15)
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    start = time.monotonic()
+    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=ray_cluster.env)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert "waiting up to 15s (ray.placement_timeout_s)" in job.stderr
+    assert "cannot place 12 workers × {CPU 1} = {CPU 12} (PACK): it offers CPU 8, GPU 0 in total on 2 node(s)" in (
+        job.stderr
+    )
+    assert "Traceback" not in job.stderr
+    assert elapsed < 15 + 90, f"{elapsed:.0f}s: start-up and preflight take well under a minute here"
+
+    raw["ray"]["placement_timeout_s"] = 600
+    write_yaml(config, raw)
+    waiting = subprocess.Popen([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO,
+                               env=ray_cluster.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        seen = []
+        for line in waiting.stderr:
+            seen.append(line)
+            if "waiting up to 600s" in line:
+                break
+        else:
+            pytest.fail("the job never said it was waiting:\n" + "".join(seen[-30:]))
+        interrupted = time.monotonic()
+        waiting.send_signal(signal.SIGINT)
+        rest = waiting.communicate(timeout=60)[1]
+        assert waiting.returncode == 130, "".join(seen[-20:]) + rest
+        assert "rayft: interrupted" in rest
+        assert time.monotonic() - interrupted < 30
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
