@@ -108,13 +108,11 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
     for base in _search_roots(root, data.dataset_config_name):
         train = _split_files(base, data.train_split)
         if train:
+            train_source = _as_split(f"split '{data.train_split}' in {base}", train)
             val = _split_files(base, data.val_split) if data.val_split else []
             if data.val_split and not val:
                 _no_val_split(data, str(base), _split_names(base))
-            return (
-                _as_split(f"split '{data.train_split}' in {base}", train),
-                _as_split(f"split '{data.val_split}' in {base}", val) if val else None,
-            )
+            return train_source, _as_split(f"split '{data.val_split}' in {base}", val) if val else None
 
     loose = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in FORMATS)
     if loose:

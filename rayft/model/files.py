@@ -226,8 +226,9 @@ def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
         target_modules=sorted(targets) if isinstance(targets, list | set) else [targets],
         target_experts=bool(saved.get("target_parameters")),
     )
-    if raw["lora"]["target_experts"]:
-        raw["lora"]["lora_dropout"] = 0.0  # the adapter's own setting; dropout does not matter for loading
+    if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; neither matters for eval or export
+        raw["lora"]["lora_dropout"] = 0.0
+        raw["fsdp"]["activation_checkpointing"] = True
     return Config.from_dict(raw)
 
 
