@@ -55,6 +55,13 @@ class Mismatch:
 
 def safetensors_header(path: Path, what: str) -> dict[str, Any]:
     """The parsed header of one safetensors file, after checking that the file holds every byte it declares."""
+    try:
+        return _read_header(path, what)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {path} ({e.strerror or e}); {REDOWNLOAD}") from None
+
+
+def _read_header(path: Path, what: str) -> dict[str, Any]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
