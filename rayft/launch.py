@@ -17,7 +17,7 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft.config import Config, ConfigError, RayConfig, is_uri
-from rayft.data.pipeline import build_datasets, build_eval_dataset
+from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.model.files import check_adapter, with_adapter_shape
 from rayft.preflight import Preflight, preflight
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE
@@ -185,6 +185,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
         check_adapter(adapter, cfg)
     cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
     checked = preflight(cfg)
+    eval_source(cfg.data, split)  # a missing --split is answered before the cluster
     use_gpu = join_cluster(cfg)
     dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer)
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path,

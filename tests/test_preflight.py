@@ -479,16 +479,19 @@ def test_export_writes_out_whole_and_replaces_a_previous_export(adapter, fixture
     assert oct(out.stat().st_mode & 0o777) != oct(0o700), "the staging directory's 0700 leaked into the export"
 
 
-@pytest.mark.parametrize("case", ["truncated adapter", "another base"])
+@pytest.mark.parametrize("case", ["truncated adapter", "another base", "missing split"])
 def test_eval_of_a_damaged_or_foreign_adapter_is_refused_before_ray(case, adapter, other_base, base, tmp_path, capsys):
     raw = json.loads(json.dumps(base))
-    if case == "another base":
+    split = []
+    if case == "missing split":
+        source, pattern, split = adapter, r"data: no split 'tset' in .*; name one with --split", ["--split", "tset"]
+    elif case == "another base":
         source, pattern = adapter, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"
         raw["model"]["model_name_or_path"] = str(other_base)
     else:
         source, pattern = _truncated_adapter(adapter, tmp_path), r"adapter_model\.safetensors is truncated"
     config = write_yaml(tmp_path / "config.yaml", raw)
-    assert_refused(run_cli(capsys, "eval", "--config", str(config), "--adapter", str(source)), pattern)
+    assert_refused(run_cli(capsys, "eval", "--config", str(config), "--adapter", str(source), *split), pattern)
 
 
 # --- the job entrypoint refuses the same way, without starting Ray -----------------------------------------------

@@ -150,10 +150,7 @@ def build_eval_dataset(
     """One split, tokenized and finished as training's validation split is, kept in the object store."""
     configure_ray_data()
     d = cfg.data
-    train_src, val_src = resolve_splits(dataclasses.replace(d, val_split=split))
-    source = train_src if split == d.train_split else val_src
-    if source is None:
-        raise ConfigError(f"data: no split '{split}' in {d.dataset_name_or_path}; name one with --split")
+    source = eval_source(d, split)
     fmt = record_format(d, source.columns(record_fields(d)), source.what)
     tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model),
                        actors_at_start(cfg))  # fmt: skip
@@ -164,6 +161,16 @@ def build_eval_dataset(
             f"data: {source.what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}"
         )
     return dataset, rows
+
+
+def eval_source(d: DataConfig, split: str) -> SplitSource:
+    """The split `rayft eval` scores; checked on the driver before the cluster is joined."""
+    # val_ratio set: a missing split is answered here, naming --split, not with hold-out advice
+    train_src, val_src = resolve_splits(dataclasses.replace(d, val_split=split, val_ratio=0.0))
+    source = train_src if split == d.train_split else val_src
+    if source is None:
+        raise ConfigError(f"data: no split '{split}' in {d.dataset_name_or_path}; name one with --split")
+    return source
 
 
 def actors_at_start(cfg: Config) -> int:
