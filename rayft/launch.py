@@ -317,7 +317,7 @@ class Request:
     strategy: str
 
     def fits(self, nodes: list[dict[str, float]]) -> bool:
-        """Whether some placement exists on nodes with these resource totals (float('inf') = no limit)."""
+        """Whether some placement exists on nodes with these resource totals."""
         per_node = [self._bundles_on(node) for node in nodes]
         if self.strategy == "STRICT_PACK":
             return any(n >= self.workers for n in per_node)
@@ -373,14 +373,11 @@ def autoscaler_ceiling() -> list[dict[str, float]] | None:
 
 
 def describe_nodes(nodes: list[dict[str, float]]) -> str:
-    keys = ("CPU", "GPU", "memory")
-    shown = ["{" + ", ".join(f"{k} {_amount(n[k])}" for k in keys if k in n and k != "memory") + "}" for n in nodes[:8]]
-    totals = {k: sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU")}
+    """Totals, then the first nodes one by one: what a refusal shows next to what was asked for."""
+    shown = ["{" + ", ".join(f"{k} {_amount(n[k])}" for k in ("CPU", "GPU") if k in n) + "}" for n in nodes[:8]]
     more = f" and {len(nodes) - 8} more" if len(nodes) > 8 else ""
-    return (
-        f"CPU {_amount(totals['CPU'])}, GPU {_amount(totals['GPU'])} in total on {len(nodes)} node(s) "
-        f"({', '.join(shown)}{more})"
-    )
+    cpus, gpus = (sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU"))
+    return f"CPU {_amount(cpus)}, GPU {_amount(gpus)} in total on {len(nodes)} node(s) ({', '.join(shown)}{more})"
 
 
 def _amount(value: float) -> str:
