@@ -13,8 +13,12 @@ import codecs
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayft.config import ConfigError
+
+if TYPE_CHECKING:
+    from pyarrow.parquet import ParquetFile
 
 # Compressed column bytes decoded per preflight; beyond it row groups are checked by their metadata only.
 PARQUET_DECODE_BUDGET = 512 * 2**20
@@ -53,8 +57,17 @@ def check_parquet(path: Path, columns: Iterable[str], budget: DecodeBudget) -> i
         raise ConfigError(
             f"{path}: not a readable parquet file ({_first_line(e)}): cut short, or not parquet; write or copy it again"
         ) from None
+    try:
+        _check_row_groups(parquet, path, [c for c in columns if c in parquet.schema_arrow.names], budget)
+        return parquet.metadata.num_rows
+    finally:
+        parquet.close()
+
+
+def _check_row_groups(parquet: ParquetFile, path: Path, wanted: list[str], budget: DecodeBudget) -> None:
+    import pyarrow as pa
+
     meta, size = parquet.metadata, path.stat().st_size
-    wanted = [c for c in columns if c in parquet.schema_arrow.names]
     for group in range(meta.num_row_groups):
         row_group = meta.row_group(group)
         chunks = [row_group.column(i) for i in range(row_group.num_columns)]
@@ -65,7 +78,8 @@ def check_parquet(path: Path, columns: Iterable[str], budget: DecodeBudget) -> i
                     f"{path}: row group {group} (column {chunk.path_in_schema}) lies past the end of the file "
                     f"({size:,} bytes): a corrupt file; write or copy it again"
                 )
-        nbytes = sum(c.total_compressed_size for c in chunks if c.path_in_schema in wanted)
+        # path_in_schema is dotted for nested columns (messages.list.element.role): count them by their top level
+        nbytes = sum(c.total_compressed_size for c in chunks if c.path_in_schema.split(".")[0] in wanted)
         if wanted and budget.take(nbytes):
             try:
                 parquet.read_row_group(group, columns=wanted)
@@ -74,7 +88,6 @@ def check_parquet(path: Path, columns: Iterable[str], budget: DecodeBudget) -> i
                     f"{path}: row group {group} does not decode ({_first_line(e)}): a corrupt file; write or copy "
                     "it again"
                 ) from None
-    return meta.num_rows
 
 
 def parquet_columns(path: Path) -> list[str]:

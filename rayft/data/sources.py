@@ -79,7 +79,7 @@ class SplitSource:
         if self.format == "parquet":
             import pyarrow.parquet as pq
 
-            return sum(pq.ParquetFile(p).metadata.num_rows for p in self.paths)
+            return sum(pq.read_metadata(p).num_rows for p in self.paths)
         return sum(_json_array_length(Path(p)) if self.format == "json" else line_count(Path(p)) for p in self.paths)
 
 
