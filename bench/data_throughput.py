@@ -47,7 +47,7 @@ def ray_pipeline(raw: dict) -> dict:
 
     from rayft.config import Config
     from rayft.data.pipeline import actors_at_start, configure_ray_data, finished, read_split, tokenized
-    from rayft.data.records import record_format
+    from rayft.data.records import record_fields, record_format
     from rayft.data.sources import resolve_splits
     from rayft.data.tokenizer import tokenizer_facts
 
@@ -56,7 +56,7 @@ def ray_pipeline(raw: dict) -> dict:
     tokenizer = tokenizer_facts(cfg.model)  # the driver's look at the tokenizer (preflight's), like datasets_map's
     started = time.perf_counter()
     source, _ = resolve_splits(cfg.data)
-    fmt = record_format(cfg.data, source.columns(), source.what)
+    fmt = record_format(cfg.data, source.columns(record_fields(cfg.data)), source.what)
     tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=cfg.data, tokenizer=tokenizer,
                        actors_at_start=actors_at_start(cfg))  # as training's at this cluster size  # fmt: skip
     blocks = tokens = 0

@@ -9,13 +9,14 @@ import argparse
 import logging
 import shlex
 import sys
+import traceback
 from pathlib import Path
 
 import yaml
 
 from rayft.config import Config, ConfigError, load_config
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEMO_ROOT = Path("rayft-demo")
 
 
@@ -37,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(cfg, args)
         return _train(cfg)
     except ConfigError as e:
+        if args.verbose:
+            traceback.print_exc()
         print(f"rayft: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("rayft: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,13 +54,18 @@ def _parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 2 usage or configuration error (the message names the key or path), 1 the run "
         "failed. `rayft COMMAND --help` for each command.",
     )
+    # Accepted before or after the command (`rayft --verbose validate`, `jobs/mistral4.py --verbose`).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of a configuration error too")  # fmt: skip
+    parser.add_argument("--verbose", action="store_true", default=False, help=common._actions[0].help)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "fine-tune: joins the Ray cluster of `ray job submit` or starts a local one"),
         ("validate", "check config, data, tokenizer and LoRA targets and print the memory plan; no cluster, no GPU"),
         ("eval", "perplexity of the base model, or base + a trained adapter, on one split (on the Ray cluster)"),
     ):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
         p.add_argument("--config", help="YAML file (seed recipe layout); omitted = the built-in tiny demo")
         p.add_argument(
             "--override",
@@ -69,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
             p.add_argument("--split", help="split to score (default: data.val_split)")
     about = "per-GPU memory plan of the run for one or more cluster sizes (no GPU, no weights needed)"
-    p = sub.add_parser("plan", help=about, description=about)
+    p = sub.add_parser("plan", help=about, description=about, parents=[common])
     p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--preset", choices=["mistral-small-4"], help="plan the real model without its files")
@@ -77,24 +88,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--gpu", choices=["h200", "h100"], default="h200")
     about = "copy a trained adapter, or merge it into a standalone text-only checkpoint"
-    p = sub.add_parser("export", help=about, description=about)
+    p = sub.add_parser("export", help=about, description=about, parents=[common])
     p.add_argument("--adapter", required=True, help="PEFT adapter dir (output_dir/final or a checkpoint's adapter/)")
     p.add_argument("--base", required=True, help="the base model directory the adapter was trained on")
     p.add_argument("--out", required=True, help="where to write the export")
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
-    _k8s_parser(sub)
+    _k8s_parser(sub, common)
     return parser
 
 
-def _k8s_parser(sub: argparse._SubParsersAction) -> None:
+def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     from rayft.deploy.k8s import Deployment
 
     d = Deployment()
     k8s = sub.add_parser("k8s", help="KubeRay manifests: render them from the config, validate them")
     actions = k8s.add_subparsers(dest="action", required=True)
     about = "write the RayJob and RayCluster for a config (worker pods, GPUs, paths and entrypoint from it)"
-    p = actions.add_parser("render", help=about, description=about)
+    p = actions.add_parser("render", help=about, description=about, parents=[common])
     p.add_argument("--config", required=True, help="the training YAML (under jobs/ to be baked into the image)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one key; also passed to the job's entrypoint")  # fmt: skip
@@ -130,7 +141,7 @@ def _k8s_parser(sub: argparse._SubParsersAction) -> None:
         metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
         p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text} (default {default})")
     about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
-    p = actions.add_parser("validate", help=about, description=about)
+    p = actions.add_parser("validate", help=about, description=about, parents=[common])
     p.add_argument("files", nargs="+", type=Path)
 
 
@@ -283,7 +294,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     from rayft.preflight import preflight
 
     checked = preflight(cfg)
-    val = checked.validation.describe() if checked.validation else f"none (holding out {cfg.data.val_ratio:.0%})"
+    val = checked.validation.describe() if checked.validation else f"none (holding out {cfg.data.hold_out:.0%})"
     records = checked.records
     kind = records.kind + (", loss on completions only" if records.completion_only else "")
     packing = f"packed into {cfg.data.max_length}-token blocks" if cfg.data.packing else "padded per batch"

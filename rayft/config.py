@@ -130,12 +130,19 @@ class DataConfig:
     bad_records: str = "skip"
     # Examples longer than max_length without packing: truncate or skip them (counted either way).
     overlong: str = "truncate"
-    # Share of the training records held out for evaluation when the dataset has no validation split.
-    val_ratio: float = 0.05
+    # Share of the training records held out for evaluation when there is no validation split. null = 0.05 where
+    # the dataset has no named splits (a single file, a glob); where it has named splits, a `val_split` it lacks
+    # is an error unless this is set (a typo must not silently hold out training data).
+    val_ratio: float | None = None
     # Ray Data actors that tokenize in parallel with training (each holds one tokenizer).
     tokenize_workers: int = 2
     # Rows each worker shuffles locally while streaming; 0 keeps the read order.
     shuffle_buffer_size: int = 1000
+
+    @property
+    def hold_out(self) -> float:
+        """The share of training records held out when there is no validation split."""
+        return DEFAULT_VAL_RATIO if self.val_ratio is None else self.val_ratio
 
 
 @dataclass
@@ -234,9 +241,13 @@ class RayConfig:
     # Logical CPUs of the local cluster started when there is none to join (more than cores, so
     # Ray Data tasks are not starved by the training workers).
     local_num_cpus: int = 8
+    # Seconds to wait, before training starts, for a cluster that cannot place the workers yet to grow (nodes
+    # joining, an autoscaler); then the run is refused. A cluster that can never place them is refused at once.
+    placement_timeout_s: int = 600
 
 
 REPORT_TO = ("none", "tensorboard", "mlflow")
+DEFAULT_VAL_RATIO = 0.05
 
 
 SECTIONS: dict[str, type] = {
@@ -348,7 +359,7 @@ class Config:
         _at_least("data.max_length", d.max_length, 2)
         _at_least("data.tokenize_workers", d.tokenize_workers, 1)
         _at_least("data.shuffle_buffer_size", d.shuffle_buffer_size, 0)
-        if not 0 <= d.val_ratio < 1:
+        if d.val_ratio is not None and not 0 <= d.val_ratio < 1:
             raise ConfigError(f"data.val_ratio must be in [0, 1), got {d.val_ratio}")
         _one_of("data.format", d.format, DATA_FORMATS)
         _one_of("data.bad_records", d.bad_records, ("skip", "error"))
@@ -403,6 +414,7 @@ class Config:
         _at_least("ray.num_workers", r.num_workers, 1)
         _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
         _at_least("ray.local_num_cpus", r.local_num_cpus, 1)
+        _at_least("ray.placement_timeout_s", r.placement_timeout_s, 0)
         _one_of("ray.checkpoint_upload", r.checkpoint_upload, ("async", "sync"))
         _one_of("ray.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
         if not r.name or "/" in r.name:
@@ -433,9 +445,16 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=UniqueKeyLoader)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if raw is None:
+            raise ConfigError(
+                f"{path}: the file is empty (no sections); write the sections to change "
+                f"({', '.join(SECTIONS)}), or leave out --config for the built-in demo"
+            )
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
     for item in overrides:
@@ -445,6 +464,28 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{source}: section '{section}' must be a mapping")
         values[key] = value
     return Config.from_dict(raw, source)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the last
+    value silently, so a second `train:` section would quietly replace the first one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys it brings may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not None:
+                where = f"lines {first} and {line}" if first != line else f"line {line}"
+                raise ConfigError(f"key '{key}' appears twice in one mapping ({where}); keep one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:

@@ -9,21 +9,51 @@ saved as safetensors with its config and tokenizer. Merging holds the whole mode
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
-from rayft.config import DTYPES, ConfigError, ModelConfig
+from rayft.config import DTYPES, Config, ConfigError, ModelConfig
 from rayft.data.tokenizer import copy_tokenizer_files, has_tokenizer
+from rayft.model.files import ADAPTER_CONFIG, INDEX_FILE, check_adapter, check_safetensors_dir, check_weights_match
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bfloat16") -> Path:
+    """Checks everything first (no work on a bad adapter or base), writes into a temporary directory next to
+    `out` and renames it into place: `out` is either the complete export or untouched, never half-written."""
     adapter, base, out = Path(adapter), Path(base), Path(out)
     _check_inputs(adapter, base, dtype)
-    out.mkdir(parents=True, exist_ok=True)
+    model = check_adapter(adapter, Config(model=ModelConfig(model_name_or_path=str(base))))
+    if merge:
+        check_safetensors_dir(base, f"--base {base}")
+        check_weights_match(model, base, bool(getattr(model.config, "tie_word_embeddings", False)))
+    _check_out(out)
+    created = _missing_parents(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the export's permissions
+    try:
+        _write(adapter, base, staging, merge, dtype)
+        _replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for parent in created:  # innermost first
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
+    return out
+
+
+def _write(adapter: Path, base: Path, out: Path, merge: bool, dtype: str) -> None:
     if merge:
         _merge(adapter, base, out, getattr(torch, dtype))
     else:
@@ -33,7 +63,46 @@ def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bflo
         config["base_model_name_or_path"] = str(base.resolve())
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer_files(adapter if has_tokenizer(adapter) else base, out)
-    return out
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Rename the finished export into place; a previous export there is swapped out, then deleted."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_out(out: Path) -> None:
+    """`--out` is a new path, an empty directory or a previous export (replaced); never a file or someone's
+    unrelated directory."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory path (created if missing)")
+    if out.is_dir() and any(out.iterdir()) and not _is_export(out):
+        raise ConfigError(
+            f"--out {out} is a directory with other content (not a previous export); choose a new or empty directory"
+        )
+    existing = out.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, not a directory")
+
+
+def _is_export(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in (ADAPTER_CONFIG, "config.json", INDEX_FILE))
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    missing = []
+    parent = out.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    return missing
 
 
 def _merge(adapter: Path, base: Path, out: Path, dtype: torch.dtype) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft.config import Config, ConfigError, RayConfig, is_uri
-from rayft.data.pipeline import build_datasets, build_eval_dataset
+from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
+from rayft.model.files import check_adapter, with_adapter_shape
 from rayft.preflight import Preflight, preflight
 from rayft.train.atomic import replace_dir, staging_dir
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
@@ -213,8 +216,11 @@ def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) ->
 def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
     """Perplexity of the base model (adapter None) or base + adapter on one split, on the Ray cluster with the
     same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets)."""
+    if adapter:
+        check_adapter(adapter, cfg)
     cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
     checked = preflight(cfg)
+    eval_source(cfg.data, split)  # a missing --split is answered before the cluster
     use_gpu = join_cluster(cfg)
     dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer)
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path,
@@ -235,31 +241,13 @@ def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
     return {**json.loads(run.read_file(EVAL_RESULT)), "rows": rows, "split": split}
 
 
-def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
-    """cfg with LoRA shaped like a saved adapter's adapter_config.json, so that its weights fit."""
-    path = Path(adapter) / "adapter_config.json"
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--adapter: cannot read {path} ({e}); give a PEFT adapter directory") from None
-    raw = cfg.to_dict()
-    targets = saved.get("target_modules") or ["auto"]
-    raw["lora"].update(
-        r=saved.get("r", cfg.lora.r),
-        lora_alpha=saved.get("lora_alpha", cfg.lora.lora_alpha),
-        target_modules=sorted(targets) if isinstance(targets, list | set) else [targets],
-        target_experts=bool(saved.get("target_parameters")),
-    )
-    return Config.from_dict(raw)
-
-
 def join_cluster(cfg: Config) -> bool:
     """Connect, decide GPU or CPU, and refuse what this cluster cannot run; returns use_gpu."""
     started_locally = connect(cfg.ray)
     use_gpu = resolve_use_gpu(cfg.ray)
     if not use_gpu:
         cfg.check_cpu_precision()
-    _check_placement(cfg.ray, cluster_can_grow=not started_locally)
+    wait_for_placement(cfg.ray, _scaling(cfg, use_gpu)._resources_per_worker_not_none, started_locally)
     return use_gpu
 
 
@@ -334,21 +322,102 @@ def resolve_use_gpu(ray_cfg: RayConfig) -> bool:
     return ray_cfg.use_gpu
 
 
-def _check_placement(ray_cfg: RayConfig, cluster_can_grow: bool) -> None:
-    """STRICT_SPREAD with fewer nodes than workers waits for nodes: an error where none can ever join."""
-    if ray_cfg.placement_strategy != "STRICT_SPREAD":
+def wait_for_placement(ray_cfg: RayConfig, bundle: dict[str, float], started_locally: bool) -> None:
+    """Before fit(): the workers' placement group must fit the cluster, or Ray Train cycles between scheduling
+    and rescheduling forever. A cluster that cannot ever fit it is refused at once: the local one, or one whose
+    autoscaler's declared maximum is too small. Otherwise (nodes may still join) this waits, at most
+    `ray.placement_timeout_s`, saying what for; Ctrl-C stops the wait."""
+    request = Request(ray_cfg.num_workers, bundle, ray_cfg.placement_strategy)
+    nodes = node_totals()
+    if request.fits(nodes):
         return
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    if nodes >= ray_cfg.num_workers:
-        return
-    if not cluster_can_grow:
-        raise ConfigError(
-            f"ray.placement_strategy: STRICT_SPREAD puts each of the {ray_cfg.num_workers} workers on its own node, "
-            f"but the local Ray cluster has {nodes}; set ray.placement_strategy: PACK to train on one machine"
+    ceiling = autoscaler_ceiling()
+    if started_locally or (ceiling is not None and not request.fits(ceiling)):
+        raise ConfigError(request.refusal(nodes, "the local Ray cluster" if started_locally else "this cluster, "
+                                          "even at its autoscaler's maximum,"))  # fmt: skip
+    deadline = time.monotonic() + ray_cfg.placement_timeout_s
+    log.warning("waiting up to %ds (ray.placement_timeout_s) for the cluster to fit %s; it offers %s now",
+                ray_cfg.placement_timeout_s, request.describe(), describe_nodes(nodes))  # fmt: skip
+    while time.monotonic() < deadline:
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        nodes = node_totals()
+        if request.fits(nodes):
+            log.info("the cluster now fits %s", request.describe())
+            return
+    raise ConfigError(request.refusal(nodes, f"the cluster (after waiting {ray_cfg.placement_timeout_s}s)"))
+
+
+@dataclass(frozen=True)
+class Request:
+    """The workers' placement group: `workers` bundles of `bundle`, placed by a Ray placement strategy."""
+
+    workers: int
+    bundle: dict[str, float]
+    strategy: str
+
+    def fits(self, nodes: list[dict[str, float]]) -> bool:
+        """Whether some placement exists on nodes with these resource totals."""
+        per_node = [self._bundles_on(node) for node in nodes]
+        if self.strategy == "STRICT_PACK":
+            return any(n >= self.workers for n in per_node)
+        if self.strategy == "STRICT_SPREAD":
+            return sum(1 for n in per_node if n >= 1) >= self.workers
+        return sum(per_node) >= self.workers  # PACK, SPREAD: bundles go wherever they fit
+
+    def _bundles_on(self, node: dict[str, float]) -> int:
+        counts = [math.floor(node.get(r, 0) / amount) for r, amount in self.bundle.items() if amount > 0]
+        return min(counts) if counts else self.workers  # an empty bundle fits anywhere
+
+    def describe(self) -> str:
+        each = ", ".join(f"{r} {_amount(a)}" for r, a in sorted(self.bundle.items()))
+        total = ", ".join(f"{r} {_amount(a * self.workers)}" for r, a in sorted(self.bundle.items()))
+        return f"{self.workers} workers × {{{each}}} = {{{total}}} ({self.strategy})"
+
+    def refusal(self, nodes: list[dict[str, float]], where: str) -> str:
+        if self.strategy == "STRICT_SPREAD" and Request(self.workers, self.bundle, "PACK").fits(nodes):
+            return (
+                f"ray.placement_strategy: STRICT_SPREAD puts each of the {self.workers} workers on its own node, but "
+                f"{where} offers {describe_nodes(nodes)}; set ray.placement_strategy: PACK to share nodes, or add "
+                "nodes"
+            )
+        return (
+            f"ray.num_workers: {where} cannot place {self.describe()}: it offers {describe_nodes(nodes)}; lower "
+            "ray.num_workers or ray.resources_per_worker, change ray.placement_strategy, or add nodes"
         )
-    log.warning(
-        "ray.placement_strategy STRICT_SPREAD needs %d nodes (one per worker) but the cluster has %d now; "
-        "the run waits until enough nodes join (set ray.placement_strategy: PACK to share a node)",
-        ray_cfg.num_workers,
-        nodes,
-    )
+
+
+UNBOUNDED_NODES = 100_000
+
+
+def node_totals() -> list[dict[str, float]]:
+    """Each live node's total resources (what it can ever offer, not what is free now)."""
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def autoscaler_ceiling() -> list[dict[str, float]] | None:
+    """The largest cluster the autoscaler may build (its node groups × their max counts; an unbounded group as
+    more nodes than any job asks for), or None when no autoscaler declared its configuration (a fixed cluster)."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # a private API: its absence means we cannot tell, not an error of the user's
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    nodes: list[dict[str, float]] = []
+    for group in config.node_group_configs:
+        nodes += [dict(group.resources)] * (UNBOUNDED_NODES if group.max_count < 0 else group.max_count)
+    return nodes
+
+
+def describe_nodes(nodes: list[dict[str, float]]) -> str:
+    """Totals, then the first nodes one by one: what a refusal shows next to what was asked for."""
+    shown = ["{" + ", ".join(f"{k} {_amount(n[k])}" for k in ("CPU", "GPU") if k in n) + "}" for n in nodes[:8]]
+    more = f" and {len(nodes) - 8} more" if len(nodes) > 8 else ""
+    cpus, gpus = (sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU"))
+    return f"CPU {_amount(cpus)}, GPU {_amount(gpus)} in total on {len(nodes)} node(s) ({', '.join(shown)}{more})"
+
+
+def _amount(value: float) -> str:
+    return f"{value:g}"

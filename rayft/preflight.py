@@ -1,18 +1,30 @@
-"""Checks that need the filesystem but no cluster: run by `rayft validate` and before every training run."""
+"""Checks that need the filesystem but no cluster: run by `rayft validate`, `rayft eval` and before every training
+run, so that every bad input is answered in seconds, before a GPU is held.
+
+They read what the files hold, cheaply: safetensors headers against file sizes and against the model config.json
+builds on the meta device, the tokenizer against the embedding, data files by content (parquet footers and pages,
+text encodings, the fields of every record), a resume checkpoint against its DCP metadata, and writability by
+creating something.
+"""
 
 from __future__ import annotations
 
-import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayft.config import Config, ConfigError, is_uri
-from rayft.data.records import RecordFormat, record_format
+from torch import nn
+
+from rayft.config import Config, ConfigError, DataConfig, is_uri
+from rayft.data.files import DecodeBudget
+from rayft.data.records import RecordFormat, record_fields, record_format
 from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
+from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
 from rayft.plan import Structure, structure
-from rayft.train.checkpoint import STATE_DIR
+from rayft.train.checkpoint import STATE_DIR, missing_state_files
 
 
 @dataclass
@@ -34,26 +46,65 @@ class Preflight:
 
 
 def preflight(cfg: Config) -> Preflight:
-    _check_model_dir(Path(cfg.model.model_name_or_path).expanduser())
+    model_dir = Path(cfg.model.model_name_or_path).expanduser()
+    _check_model_dir(model_dir)
+    check_safetensors_dir(model_dir)
     tokenizer = _check_tokenizer(cfg)
     train, validation = resolve_splits(cfg.data)
-    records = record_format(cfg.data, train.columns(), train.what)
+    records = _check_data(cfg, train, validation)
     _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
     if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
         _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
     _check_resume_source(cfg.train.resume_from_checkpoint)
     _check_trackers(cfg.trackers)
 
-    targets, structure = inspect_lora(cfg)
-    return Preflight(train, validation, records, tokenizer, targets, structure)
+    model, targets = _weightless_model(cfg)
+    if any(model_dir.glob("*.safetensors")):
+        check_weights_match(model, model_dir, bool(getattr(model.config, "tie_word_embeddings", False)))
+    check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
+    return Preflight(train, validation, records, tokenizer, targets, structure(model, model.config))
 
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
     """Resolve LoRA on a weightless copy of the model: the targets and the structure the memory plan needs."""
+    model, targets = _weightless_model(cfg)
+    return targets, structure(model, model.config)
+
+
+def _weightless_model(cfg: Config) -> tuple[nn.Module, LoraTargets]:
     from rayft.model.build import weightless_lora_model
 
-    model, targets = weightless_lora_model(cfg)
-    return targets, structure(model, model.config)
+    return weightless_lora_model(cfg)
+
+
+def _check_data(cfg: Config, train: SplitSource, validation: SplitSource | None) -> RecordFormat:
+    """Files by content first (a UTF-16 file must not be scanned as UTF-8 JSON), then the record fields across
+    every record, then that a hold-out split can be cut."""
+    d = cfg.data
+    wanted = record_fields(d)
+    budget = DecodeBudget()
+    for source in (train, validation):
+        if source is not None:
+            source.check_content(wanted, budget)
+    records = record_format(d, train.columns(wanted), train.what)
+    if validation is not None:
+        record_format(d, validation.columns(wanted), validation.what)
+    elif cfg.train.eval_strategy != "no":
+        _check_hold_out(d, train)
+    return records
+
+
+def _check_hold_out(d: DataConfig, train: SplitSource) -> None:
+    """Ray's train_test_split needs at least one training record left after holding out (as Ray computes it)."""
+    if d.hold_out <= 0:
+        return
+    rows = train.rows()
+    if int(rows * (1 - d.hold_out)) < 1:
+        raise ConfigError(
+            f"data: {train.what} has {rows} record(s) and there is no validation split: too few to hold out "
+            f"{d.hold_out:.0%} for evaluation; add records or a validation split (data.val_split), or set "
+            "data.val_ratio: 0 (no evaluation)"
+        )
 
 
 def _check_model_dir(path: Path) -> None:
@@ -99,17 +150,41 @@ def _check_resume_source(source: str | None) -> None:
     if source in (None, "latest") or is_uri(source):
         return
     path = Path(source).expanduser()
+    key = "train.resume_from_checkpoint"
     if not (path / STATE_DIR / ".metadata").is_file():
         found = "does not exist" if not path.exists() else f"has no {STATE_DIR}/.metadata (not a rayft checkpoint)"
         raise ConfigError(
-            f"train.resume_from_checkpoint: {path} {found}; give a checkpoint-NNNNNN directory from a run's "
+            f"{key}: {path} {found}; give a checkpoint-NNNNNN directory from a run's "
             "storage path, 'latest' to continue this run, or null"
+        )
+    try:
+        problems = missing_state_files(path)
+    except Exception as e:  # a damaged .metadata: unpickling can fail in many ways
+        raise ConfigError(
+            f"{key}: {path / STATE_DIR / '.metadata'} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+            "damaged: resume from an earlier checkpoint-NNNNNN"
+        ) from None
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise ConfigError(
+            f"{key}: {path} is incomplete: {path / STATE_DIR}/{problems[0]}{more}, which its .metadata references; "
+            "resume from an earlier checkpoint-NNNNNN (or copy this one again)"
         )
 
 
 def _check_writable(key: str, path: Path) -> None:
+    """Create something where the path would go: permission bits say nothing for root, nor for read-only mounts,
+    quotas or network volumes that refuse writes."""
     existing = path
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise ConfigError(f"{key}: cannot create {path} ({existing} is not a writable directory)")
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: cannot create {path}: {existing} is a file, not a directory")
+    try:
+        probe = tempfile.mkdtemp(prefix=".rayft-write-probe-", dir=existing)
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: cannot create {path}: creating anything in {existing} fails ({e.strerror}); choose a writable "
+            "directory"
+        ) from None
+    shutil.rmtree(probe, ignore_errors=True)

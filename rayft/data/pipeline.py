@@ -9,6 +9,7 @@ tokenized in the object store, so that pass is not repeated by every epoch.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -24,7 +25,15 @@ import ray.data
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
-from rayft.data.records import SKIPS, RecordFormat, decode_line, join_wikitext_articles, record_format, segments
+from rayft.data.records import (
+    SKIPS,
+    RecordFormat,
+    decode_line,
+    join_wikitext_articles,
+    record_fields,
+    record_format,
+    segments,
+)
 from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TokenizerFacts, tokenizer_facts
 
@@ -91,15 +100,15 @@ def build_datasets(
     configure_ray_data()
     d = cfg.data
     train_src, val_src = splits or resolve_splits(d)
-    fmt = fmt or record_format(d, train_src.columns(), train_src.what)
+    fmt = fmt or record_format(d, train_src.columns(record_fields(d)), train_src.what)
     tokenizer = tokenizer or tokenizer_facts(cfg.model)
     train = read_split(train_src)
     validation = read_split(val_src) if val_src else None
-    if validation is None and d.val_ratio > 0 and cfg.train.eval_strategy != "no":
-        log.info("data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.val_ratio,
+    if validation is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
+        log.info("data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.hold_out,
                  train_src.what)  # fmt: skip
         # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
-        train, validation = train.train_test_split(test_size=d.val_ratio, shuffle=True, seed=cfg.train.seed)
+        train, validation = train.train_test_split(test_size=d.hold_out, shuffle=True, seed=cfg.train.seed)
 
     tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer)
     train_tokens = tokenize(train, train_src.format, actors_at_start=actors_at_start(cfg))
@@ -141,11 +150,8 @@ def build_eval_dataset(
     """One split, tokenized and finished as training's validation split is, kept in the object store."""
     configure_ray_data()
     d = cfg.data
-    train_src, val_src = resolve_splits(dataclasses.replace(d, val_split=split))
-    source = train_src if split == d.train_split else val_src
-    if source is None:
-        raise ConfigError(f"data: no split '{split}' in {d.dataset_name_or_path}; name one with --split")
-    fmt = record_format(d, source.columns(), source.what)
+    source = eval_source(d, split)
+    fmt = record_format(d, source.columns(record_fields(d)), source.what)
     tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model),
                        actors_at_start(cfg))  # fmt: skip
     dataset = finished(tokens, d).materialize()
@@ -155,6 +161,16 @@ def build_eval_dataset(
             f"data: {source.what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}"
         )
     return dataset, rows
+
+
+def eval_source(d: DataConfig, split: str) -> SplitSource:
+    """The split `rayft eval` scores; checked on the driver before the cluster is joined."""
+    # val_ratio set: a missing split is answered here, naming --split, not with hold-out advice
+    train_src, val_src = resolve_splits(dataclasses.replace(d, val_split=split, val_ratio=0.0))
+    source = train_src if split == d.train_split else val_src
+    if source is None:
+        raise ConfigError(f"data: no split '{split}' in {d.dataset_name_or_path}; name one with --split")
+    return source
 
 
 def actors_at_start(cfg: Config) -> int:
@@ -208,6 +224,7 @@ def read_split(source: SplitSource) -> ray.data.Dataset:
 def _split_lines(batch: pa.Table, json_array_ok: bool) -> pa.Table:
     lines: list[bytes] = []
     for content in batch.column("bytes").to_pylist():
+        content = content.removeprefix(codecs.BOM_UTF8)  # Windows editors write one; it is not part of the text
         if json_array_ok and content.lstrip().startswith(b"["):
             lines += _json_array_records(content)
             continue

@@ -36,6 +36,14 @@ class RecordFormat:
     join_wikitext_articles: bool = False
 
 
+def record_fields(data: DataConfig) -> list[str]:
+    """Every field the record format may read: what the scan of a JSON split looks for beyond its first records."""
+    fields = [data.text_field, data.messages_field, "prompt", data.completion_field]
+    if data.prompt_template is not None:
+        fields += template_fields(data.prompt_template)
+    return list(dict.fromkeys(fields))
+
+
 def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFormat:
     """Pick the record kind (`data.format: auto` looks at the fields) and check the fields it needs exist."""
     kind = data.format

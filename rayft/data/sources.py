@@ -9,14 +9,25 @@ what to change.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rayft.config import ConfigError, DataConfig
+from rayft.data.files import (
+    SNIFF_BYTES,
+    DecodeBudget,
+    check_encoding,
+    check_parquet,
+    json_fields,
+    line_count,
+    parquet_columns,
+)
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 GLOB_CHARS = re.compile(r"[*?[]")
@@ -42,17 +53,34 @@ class SplitSource:
             return f"{self.what} ({len(self.dataset):,} records)"
         return f"{self.what}: {len(self.paths)} {self.format} file(s)"
 
-    def columns(self) -> list[str]:
-        """The record fields, read from the first file (parquet schema, first JSON records) or the dataset."""
+    def columns(self, wanted: Iterable[str] = ()) -> list[str]:
+        """The record fields: the parquet schema, the dataset's columns, or for JSON the keys of the first records
+        plus each `wanted` field that any record of any file has (records lacking it are skipped, not fatal)."""
         if self.format == "hf":
             return list(self.dataset.column_names)
         if self.format == "text":
             return ["text"]
         if self.format == "parquet":
+            return parquet_columns(Path(self.paths[0]))
+        return json_fields([Path(p) for p in self.paths], wanted)
+
+    def check_content(self, columns: Iterable[str], budget: DecodeBudget) -> None:
+        """Every file is what its name says: parquet that decodes, text in UTF-8."""
+        for path in map(Path, self.paths):
+            if self.format == "parquet":
+                check_parquet(path, columns, budget)
+            elif self.format in ("text", "json"):
+                check_encoding(path)
+
+    def rows(self) -> int:
+        """Records before tokenization, as the reader yields them (what a hold-out split divides)."""
+        if self.format == "hf":
+            return len(self.dataset)
+        if self.format == "parquet":
             import pyarrow.parquet as pq
 
-            return list(pq.read_schema(self.paths[0]).names)
-        return sorted({key for record in _first_json_records(Path(self.paths[0])) for key in record})
+            return sum(pq.read_metadata(p).num_rows for p in self.paths)
+        return sum(_json_array_length(Path(p)) if self.format == "json" else line_count(Path(p)) for p in self.paths)
 
 
 def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
@@ -80,11 +108,11 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
     for base in _search_roots(root, data.dataset_config_name):
         train = _split_files(base, data.train_split)
         if train:
+            train_source = _as_split(f"split '{data.train_split}' in {base}", train)
             val = _split_files(base, data.val_split) if data.val_split else []
-            return (
-                _as_split(f"split '{data.train_split}' in {base}", train),
-                _as_split(f"split '{data.val_split}' in {base}", val) if val else None,
-            )
+            if data.val_split and not val:
+                _no_val_split(data, str(base), _split_names(base))
+            return train_source, _as_split(f"split '{data.val_split}' in {base}", val) if val else None
 
     loose = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in FORMATS)
     if loose:
@@ -157,25 +185,41 @@ def _pick_splits(loaded: Any, data: DataConfig, where: str) -> tuple[SplitSource
     train = SplitSource(f"split '{data.train_split}' of {where}", "hf", dataset=loaded[data.train_split])
     if data.val_split and data.val_split in loaded:
         return train, SplitSource(f"split '{data.val_split}' of {where}", "hf", dataset=loaded[data.val_split])
+    if data.val_split:
+        _no_val_split(data, where, list(loaded))
     return train, None
 
 
-def _first_json_records(path: Path, limit: int = 100) -> list[dict[str, Any]]:
-    """Up to `limit` records from the start of a JSON Lines file (or a JSON array), skipping broken lines."""
+def _no_val_split(data: DataConfig, where: str, splits: list[str]) -> None:
+    """A named validation split the dataset lacks: a typo must not quietly turn into holding out training data,
+    so holding out needs data.val_ratio set."""
+    if data.val_ratio is not None:
+        return
+    raise ConfigError(
+        f"data.val_split: no split '{data.val_split}' in {where} (it has {', '.join(sorted(splits)) or 'none'}); "
+        "name one of those, or set data.val_ratio (e.g. 0.05) to hold out training records instead"
+    )
+
+
+def _split_names(base: Path) -> list[str]:
+    """The split names of a directory of `<split>-*.parquet` / `<split>.jsonl` / `<split>/*.txt` files."""
+    names = set()
+    for path in base.iterdir():
+        if path.is_dir() and any(p.suffix in FORMATS for p in path.iterdir()):
+            names.add(path.name)
+        elif path.suffix in FORMATS:
+            names.add(path.stem.split("-")[0])
+    return sorted(names)
+
+
+def _json_array_length(path: Path) -> int:
+    """Records of a JSON file: the elements of a top-level array, else its lines (JSON Lines)."""
     with path.open("rb") as f:
-        head = f.read(1 << 20)
-    if head.lstrip().startswith(b"["):
-        try:
-            records = json.loads(path.read_bytes())
-        except ValueError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return [r for r in records[:limit] if isinstance(r, dict)]
-    records = []
-    for line in head.splitlines()[:limit]:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+        starts_array = f.read(SNIFF_BYTES).lstrip().removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
+    if not starts_array:
+        return line_count(path)
+    try:
+        records = json.loads(path.read_bytes().removeprefix(codecs.BOM_UTF8))
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return len(records) if isinstance(records, list) else 1

@@ -98,11 +98,13 @@ class TokenizerFacts:
     # tokenizer.json when the `tokenizers` library alone encodes exactly as the loaded tokenizer does: the actors
     # then skip transformers (start in a third of the time) and encode about twice as fast.
     rust_file: str | None
+    # Tokens it can produce (added ones included): the embedding must have at least as many rows.
+    vocab_size: int | None = None
 
 
 def tokenizer_facts(model: ModelConfig) -> TokenizerFacts:
     tok = load_tokenizer(model)
-    return TokenizerFacts(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _rust_file(tok, model))
+    return TokenizerFacts(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _rust_file(tok, model), len(tok))
 
 
 def _rust_file(tok: PreTrainedTokenizerBase, model: ModelConfig) -> str | None:

@@ -380,3 +380,22 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def missing_state_files(directory: Path) -> list[str]:
+    """What a checkpoint's DCP state lacks: each file its `.metadata` references, missing or shorter than the
+    byte ranges recorded for it ("name (missing)" / "name (N of M bytes)"). Empty when complete. Raises ValueError
+    when `.metadata` itself cannot be read."""
+    state = Path(directory) / STATE_DIR
+    metadata = tensors_json.read_metadata(state)  # never unpickles anything but DCP's own metadata classes
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = state / name
+        if not path.is_file():
+            problems.append(f"{name} (missing)")
+        elif path.stat().st_size < size:
+            problems.append(f"{name} ({path.stat().st_size:,} of {size:,} bytes)")
+    return problems

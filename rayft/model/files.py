@@ -1,0 +1,288 @@
+"""Checks of weight files that cost only their headers: run on the driver before any cluster resource is held.
+
+A safetensors file is an 8-byte header length, a JSON header (dtype, shape and byte range of every tensor), then
+the data; a file cut short still has a readable header, so the header's byte ranges are compared with the size
+on disk. Shapes are compared with the model `config.json` builds on the meta device: the sharded loader reads
+the rows the model asks for, so a config that does not describe the weights would otherwise load garbage (or the
+neighbouring tensor's bytes) without an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayft.config import Config, ConfigError
+from rayft.model.weights import (
+    FP8_DTYPES,
+    SAFETENSORS_DTYPES,
+    CheckpointKeyError,
+    SafetensorsCheckpoint,
+    checkpoint_key,
+    model_param_name,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+REDOWNLOAD = "download or copy it again"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A model tensor whose checkpoint counterpart has another shape."""
+
+    name: str  # the model's name
+    key: str  # the checkpoint's name
+    file: str
+    model_shape: list[int]
+    file_shape: list[int]
+
+    def __str__(self) -> str:
+        return (
+            f"tensor '{self.key}' in {self.file} has shape {self.file_shape}, the model built from config.json "
+            f"expects {self.model_shape}"
+        )
+
+
+def safetensors_header(path: Path, what: str) -> dict[str, Any]:
+    """The parsed header of one safetensors file, after checking that the file holds every byte it declares."""
+    try:
+        return _read_header(path, what)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {path} ({e.strerror or e}); {REDOWNLOAD}") from None
+
+
+def _read_header(path: Path, what: str) -> dict[str, Any]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ConfigError(f"{what}: {path} is {size} bytes, too short for a safetensors file; {REDOWNLOAD}")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise ConfigError(
+                f"{what}: {path} declares a {header_len}-byte header but has {size} bytes: not a safetensors file, "
+                f"or cut short; {REDOWNLOAD}"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{what}: {path} has a corrupt safetensors header ({e}); {REDOWNLOAD}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{what}: {path} has a corrupt safetensors header (not a JSON object); {REDOWNLOAD}")
+    end = max((_tensor_span(path, what, key, info) for key, info in header.items() if key != "__metadata__"),
+              default=0)  # fmt: skip
+    if 8 + header_len + end > size:
+        raise ConfigError(
+            f"{what}: {path} is truncated: its header declares {8 + header_len + end:,} bytes, the file has "
+            f"{size:,} (an interrupted download or copy); {REDOWNLOAD}"
+        )
+    return header
+
+
+def _tensor_span(path: Path, what: str, key: str, info: Any) -> int:
+    """The end of a tensor's byte range, after checking that range fits its dtype and shape."""
+    try:
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        shape = [int(n) for n in info["shape"]]
+        begin, end = (int(n) for n in info["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(
+            f"{what}: {path}: tensor '{key}' has an unreadable header entry {info!r} (dtype {_dtype_names()}); "
+            f"{REDOWNLOAD}"
+        ) from None
+    if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+        raise ConfigError(
+            f"{what}: {path}: tensor '{key}' spans bytes {begin}..{end}, but {info['dtype']} {shape} needs "
+            f"{math.prod(shape) * dtype.itemsize}: a corrupt header; {REDOWNLOAD}"
+        )
+    return end
+
+
+def _dtype_names() -> str:
+    return "/".join(SAFETENSORS_DTYPES)
+
+
+def check_safetensors_dir(directory: Path, what: str = "model.model_name_or_path") -> None:
+    """Every `*.safetensors` file complete, and the index (when there is one) consistent with the files."""
+    headers = {p.name: safetensors_header(p, what) for p in sorted(directory.glob("*.safetensors"))}
+    index = directory / INDEX_FILE
+    if index.is_file():
+        _check_index(index, headers, what)
+
+
+def _check_index(index: Path, headers: dict[str, dict[str, Any]], what: str) -> None:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{what}: {index} is not a safetensors index ({e}); {REDOWNLOAD}") from None
+    for file in sorted(set(weight_map.values())):
+        if file not in headers:
+            tensor = next(k for k, v in weight_map.items() if v == file)
+            raise ConfigError(
+                f"{what}: {index} names shard {file} (tensor '{tensor}' and others), which is not in "
+                f"{index.parent}; download the missing shard"
+            )
+    for key, file in weight_map.items():
+        if key not in headers[file]:
+            raise ConfigError(
+                f"{what}: {index} puts tensor '{key}' in {file}, which does not have it (the index and the shards "
+                f"come from different downloads?); {REDOWNLOAD}"
+            )
+    indexed = set(weight_map.values())
+    for file in sorted(indexed):
+        extra = sorted(k for k in headers[file] if k != "__metadata__" and k not in weight_map)
+        if extra:
+            raise ConfigError(
+                f"{what}: {index.parent / file} holds tensor '{extra[0]}'"
+                + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+                + f" that {index.name} does not list (the index and the shards come from different downloads?); "
+                + REDOWNLOAD
+            )
+
+
+def check_weights_match(model: nn.Module, directory: Path, tie_word_embeddings: bool) -> None:
+    """Every base parameter of the (meta, possibly LoRA-wrapped) model has a counterpart of the same shape and a
+    usable dtype in the checkpoint. A missing LM head is fine when the config ties it to the embeddings."""
+    checkpoint = SafetensorsCheckpoint(directory)
+    missing: list[str] = []
+    mismatches: list[Mismatch] = []
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        base = model_param_name(name)
+        try:
+            key = checkpoint_key(base, checkpoint)
+        except CheckpointKeyError:
+            if not (tie_word_embeddings and base.endswith("lm_head.weight")):
+                missing.append(base)
+            continue
+        entry = checkpoint.entries[key]
+        if list(entry.shape) != list(param.shape):
+            mismatches.append(Mismatch(base, key, entry.file.name, list(param.shape), list(entry.shape)))
+            continue
+        _check_dtype(key, entry.dtype, param, checkpoint)
+    where = f"model.model_name_or_path: {directory}"
+    if mismatches:
+        more = f" (and {len(mismatches) - 1} more mismatches)" if len(mismatches) > 1 else ""
+        raise ConfigError(
+            f"{where}: {mismatches[0]}{more}; config.json does not describe these weights: use the config.json "
+            "that came with them"
+        )
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{where}: the checkpoint has no tensor for '{missing[0]}'{more} of the model config.json describes; "
+            "a tensor is never left at random init: use the weights that belong to this config"
+        )
+
+
+def _check_dtype(key: str, dtype: torch.dtype, param: torch.Tensor, checkpoint: SafetensorsCheckpoint) -> None:
+    where = f"model.model_name_or_path: {checkpoint.directory}"
+    if param.is_floating_point() and not dtype.is_floating_point:
+        raise ConfigError(f"{where}: tensor '{key}' is {dtype}, the model expects floating-point weights")
+    if dtype in FP8_DTYPES:
+        scales = (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv")
+        scale = next((k for k in scales if k in checkpoint), None)
+        if scale is None:
+            raise ConfigError(f"{where}: FP8 tensor '{key}' has no scale ('{scales[0]}' or '{scales[1]}')")
+        shape = checkpoint.shape(scale)
+        per_row = bool(shape) and shape[0] == checkpoint.shape(key)[0] and math.prod(shape[1:]) == 1
+        if math.prod(shape) != 1 and not per_row:
+            raise ConfigError(
+                f"{where}: '{scale}' has shape {shape}: only static per-tensor or per-expert FP8 scales are "
+                "supported (block-wise FP8 checkpoints are not)"
+            )
+
+
+def check_vocab(tokenizer_size: int | None, model: nn.Module, tokenizer_dir: str) -> None:
+    """Token ids the tokenizer can produce must index the embedding: a larger tokenizer fails (on GPU: a device
+    assert) at the first rare token, hours in."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if tokenizer_size is not None and tokenizer_size > rows:
+        raise ConfigError(
+            f"model.tokenizer_name_or_path: the tokenizer in {tokenizer_dir} has {tokenizer_size:,} tokens, the "
+            f"model's embedding {rows:,} rows: ids from {rows:,} on would index past it; use the tokenizer that "
+            "belongs to the model"
+        )
+
+
+def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
+    """cfg with LoRA shaped like a saved adapter's adapter_config.json, so that its weights fit."""
+    path = Path(adapter) / ADAPTER_CONFIG
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--adapter: cannot read {path} ({e}); give a PEFT adapter directory") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--adapter: {path} is not a JSON object; give a PEFT adapter directory")
+    raw = cfg.to_dict()
+    targets = saved.get("target_modules") or ["auto"]
+    raw["lora"].update(
+        r=saved.get("r", cfg.lora.r),
+        lora_alpha=saved.get("lora_alpha", cfg.lora.lora_alpha),
+        target_modules=sorted(targets) if isinstance(targets, list | set) else [targets],
+        target_experts=bool(saved.get("target_parameters")),
+    )
+    if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; neither matters for eval or export
+        raw["lora"]["lora_dropout"] = 0.0
+        raw["fsdp"]["activation_checkpointing"] = True
+    return Config.from_dict(raw)
+
+
+def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
+    """A saved adapter is complete and fits the base: its safetensors file holds every byte, and each LoRA tensor
+    has the place and shape the base model, wrapped with the adapter's own config, gives it. Returns that wrapped
+    model (on the meta device)."""
+    from rayft.model.build import weightless_lora_model
+
+    adapter = Path(adapter)
+    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter / name).is_file()]
+    if missing:
+        raise ConfigError(f"--adapter {adapter}: not a PEFT adapter directory (missing {', '.join(missing)})")
+    header = safetensors_header(adapter / ADAPTER_WEIGHTS, f"--adapter {adapter}")
+    cfg = with_adapter_shape(base_cfg, adapter)
+    model, _ = weightless_lora_model(cfg)
+    ours = {n: list(p.shape) for n, p in model.named_parameters() if ".lora_" in n}
+    name = model.active_adapter
+    base = cfg.model.model_name_or_path
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        target = key.replace(".lora_A.", f".lora_A.{name}.").replace(".lora_B.", f".lora_B.{name}.")
+        if target not in ours:
+            raise ConfigError(
+                f"--adapter {adapter}: tensor '{key}' has no place in the model at {base} (an adapter for another "
+                "base model?); export or evaluate it with the base it was trained on"
+            )
+        if list(info["shape"]) != ours[target]:
+            raise ConfigError(
+                f"--adapter {adapter}: tensor '{key}' has shape {list(info['shape'])}, the model at {base} with "
+                f"this adapter's config needs {ours[target]} (an adapter for another base model?); use the base it "
+                "was trained on"
+            )
+    lacking = sorted(set(ours) - _targets(header, name))
+    if lacking:
+        raise ConfigError(
+            f"--adapter {adapter}: {ADAPTER_WEIGHTS} has no tensor for '{lacking[0]}'"
+            + (f" and {len(lacking) - 1} more" if len(lacking) > 1 else "")
+            + f" that its {ADAPTER_CONFIG} targets; the adapter is incomplete: copy it again"
+        )
+    return model
+
+
+def _targets(header: dict[str, Any], name: str) -> set[str]:
+    return {
+        k.replace(".lora_A.", f".lora_A.{name}.").replace(".lora_B.", f".lora_B.{name}.")
+        for k in header
+        if k != "__metadata__"
+    }

@@ -1,0 +1,599 @@
+"""Every bad input is answered before a cluster starts: `rayft validate` (in-process: one import of torch for all
+cases) exits 2 with one line naming the file / key / tensor, in seconds, and Ray is never initialised. The inputs
+are real files: model directories whose config.json does not describe their weights, cut-short or inconsistent
+safetensors shards, UTF-16 text, corrupt parquet, JSON Lines whose first records lack the field, damaged DCP
+checkpoints, YAML with duplicate keys. `rayft export` / `rayft eval` refuse damaged or foreign adapters the same
+way and leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+from conftest import REPO, Fixtures, tiny_config, write_yaml
+
+from rayft.cli import main
+
+SECONDS = 60  # generous for a 2-core machine shared by several runs; typically 3-6 s
+
+
+@dataclass
+class Result:
+    rc: int
+    err: str
+    out: str
+    elapsed: float
+
+
+def run_cli(capsys, *argv: str) -> Result:
+    """`rayft ARGV` in this process."""
+    capsys.readouterr()
+    start = time.monotonic()
+    rc = main(list(argv))
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    return Result(rc, captured.err, captured.out, elapsed)
+
+
+def assert_refused(result: Result, pattern: str) -> None:
+    import re
+
+    rc, err, elapsed = result.rc, result.err, result.elapsed
+    assert rc == 2, err[-3000:]
+    assert re.search(pattern, err), err[-3000:]
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("rayft: config error")]) == 1
+    assert elapsed < SECONDS, f"took {elapsed:.1f}s"
+    assert not ray.is_initialized(), "a Ray cluster was started before the error"
+
+
+def variant(src: Path, dst: Path, copy: tuple[str, ...] = ()) -> Path:
+    """A model directory sharing `src`'s files (symlinks) except those in `copy`, which can then be damaged."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name in copy:
+            shutil.copy2(f, dst / f.name)
+        else:
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.unlink()  # a symlink into the shared fixture: never write through it
+    path.write_text(json.dumps(data))
+
+
+def truncate(path: Path, keep: float = 0.6) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep))
+
+
+@pytest.fixture(scope="module")
+def base(fixtures: Fixtures, tmp_path_factory) -> dict:
+    return tiny_config(fixtures, tmp_path_factory.mktemp("preflight-out") / "out")
+
+
+def _config(tmp: Path, raw: dict, **sections: dict) -> Path:
+    raw = json.loads(json.dumps(raw))
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return write_yaml(tmp / "config.yaml", raw)
+
+
+# --- model files: cases build a damaged copy of a real checkpoint and return its directory -----------------------
+
+
+def _kv_heads(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(fx.model, tmp / "m", copy=("config.json",))
+    edit_json(d / "config.json", lambda c: c.update(num_key_value_heads=1))
+    return d
+
+
+def _vocab(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(fx.model, tmp / "m", copy=("config.json",))
+    edit_json(d / "config.json", lambda c: c.update(vocab_size=c["vocab_size"] + 512))
+    return d
+
+
+def _hub_hidden(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(hub, tmp / "m", copy=("config.json",))
+    edit_json(d / "config.json", lambda c: c["text_config"].update(hidden_size=96))
+    return d
+
+
+def _truncated_shard(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(hub, tmp / "m", copy=("model-00002-of-00002.safetensors",))
+    truncate(d / "model-00002-of-00002.safetensors")
+    return d
+
+
+def _missing_shard(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(hub, tmp / "m")
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return d
+
+
+def _unlisted_tensor(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(hub, tmp / "m", copy=("model.safetensors.index.json",))
+    edit_json(d / "model.safetensors.index.json", lambda c: c["weight_map"].pop("language_model.lm_head.weight"))
+    return d
+
+
+def _index_names_absent_tensor(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(hub, tmp / "m", copy=("model.safetensors.index.json",))
+    extra = {"language_model.model.extra.weight": "model-00001-of-00002.safetensors"}
+    edit_json(d / "model.safetensors.index.json", lambda c: c["weight_map"].update(extra))
+    return d
+
+
+def _garbage_header(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    d = variant(fx.model, tmp / "m", copy=("model.safetensors",))
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff" * 64)
+    return d
+
+
+def _small_embedding(fx: Fixtures, hub: Path, tmp: Path) -> Path:
+    """Weights and config agree, but the tokenizer (131k tokens) has more ids than the embedding has rows."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from rayft.data.tokenizer import copy_tokenizer_files
+
+    d = tmp / "m"
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
+    MistralForCausalLM(MistralConfig(vocab_size=1000, **sizes)).save_pretrained(d)
+    copy_tokenizer_files(fx.model, d)
+    return d
+
+
+MODEL_CASES = {
+    "num_key_value_heads 2→1": (
+        _kv_heads, r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' in model\.safetensors has shape \[32, 64\], "
+        r"the model built from config\.json expects \[16, 64\] \(and 3 more mismatches\)",
+    ),
+    "vocab_size +512": (_vocab, r"'model\.embed_tokens\.weight' .* shape \[131072, 64\].* expects \[131584, 64\]"),
+    "hub hidden_size mismatch": (_hub_hidden, r"tensor 'language_model\.model\.embed_tokens\.weight' .* \[131072, 64\]"
+                                 r", the model built from config\.json expects \[131072, 96\]"),
+    "truncated shard": (_truncated_shard, r"model-00002-of-00002\.safetensors is truncated: its header declares"),
+    "index names a missing shard": (_missing_shard, r"index\.json names shard model-00002-of-00002\.safetensors"),
+    "shard holds a tensor the index does not list": (
+        _unlisted_tensor, r"holds tensor 'language_model\.lm_head\.weight' that model\.safetensors\.index\.json does "
+        "not list",
+    ),
+    "index names a tensor its shard lacks": (_index_names_absent_tensor,
+                                             r"puts tensor 'language_model\.model\.extra\.weight' in model-00001"),
+    "garbage safetensors header": (_garbage_header, r"model\.safetensors has a corrupt safetensors header"),
+    "tokenizer larger than the embedding": (_small_embedding, r"has 131,072 tokens, the model's embedding 1,000 rows"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_model_files_that_do_not_match_are_refused(case, fixtures, mistral4_hub, base, tmp_path, capsys):
+    build, pattern = MODEL_CASES[case]
+    model = build(fixtures, mistral4_hub, tmp_path)
+    lora = {"target_modules": ["auto"]}  # the hub model has no q_proj: auto picks its set
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model), "torch_dtype": "float32"}, lora=lora)
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+
+
+def test_tied_lm_head_missing_from_the_checkpoint_is_fine(fixtures, base, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from rayft.demo import make_tiny_mistral
+
+    model = make_tiny_mistral(tmp_path / "tied", tie_word_embeddings=True)
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # noqa: SIM118 (safe_open has no __contains__)
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model)})
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+
+
+# --- YAML ------------------------------------------------------------------------------------------------------
+
+
+def _yaml_cases(good: str) -> dict[str, tuple[str, str]]:
+    return {
+        "duplicate key in a section": (
+            good.replace("train:\n", "train:\n  learning_rate: 0.1\n  learning_rate: 0.2\n", 1),
+            r"key 'learning_rate' appears twice in one mapping \(lines \d+ and \d+\)",
+        ),
+        "duplicate section": (good + "train:\n  seed: 3\n", r"key 'train' appears twice in one mapping \(lines"),
+        "duplicate nested key": (
+            good + "ray:\n  resources_per_worker: {CPU: 1, CPU: 2}\n",
+            r"key 'CPU' appears twice in one mapping \(line \d+\)",
+        ),
+        "empty file": ("", r"the file is empty"),
+        "only comments": ("# nothing here yet\n", r"the file is empty"),
+    }
+
+
+def test_yaml_with_duplicate_keys_or_nothing_in_it_is_refused(base, tmp_path, capsys):
+    import yaml
+
+    good = yaml.safe_dump({k: v for k, v in base.items() if k != "ray"}, sort_keys=False)
+    for case, (text, pattern) in _yaml_cases(good).items():
+        path = tmp_path / f"{case.replace(' ', '_')}.yaml"
+        path.write_text(text)
+        result = run_cli(capsys, "validate", "--config", str(path))
+        assert_refused(result, pattern)
+        assert str(path) in result.err, case
+
+
+def test_a_val_split_that_does_not_exist_is_refused_unless_val_ratio_is_set(base, tmp_path, capsys):
+    config = _config(tmp_path, base, data={"val_split": "valdation"})
+    pattern = r"data\.val_split: no split 'valdation' in .*wikitext-2-raw-v1 \(it has test, train, validation\)"
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+    config = _config(tmp_path, base, data={"val_split": "valdation", "val_ratio": 0.1})
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert "validation: none (holding out 10%)" in result.out
+
+
+# --- data files --------------------------------------------------------------------------------------------------
+
+LINES = [f"The old castle was built in {1800 + i} by the church ." for i in range(40)]
+
+
+def _utf16_bom(tmp: Path) -> dict:
+    path = tmp / "train.txt"
+    path.write_text("\n".join(LINES), encoding="utf-16")  # with its byte-order mark
+    return {"dataset_name_or_path": str(path)}
+
+
+def _utf16_no_bom(tmp: Path) -> dict:
+    path = tmp / "train.jsonl"
+    path.write_bytes("\n".join(json.dumps({"text": t}) for t in LINES).encode("utf-16-le"))
+    return {"dataset_name_or_path": str(path)}
+
+
+def _utf32_bom(tmp: Path) -> dict:
+    path = tmp / "train.txt"
+    path.write_text("\n".join(LINES), encoding="utf-32")
+    return {"dataset_name_or_path": str(path)}
+
+
+def _parquet(tmp: Path, rows: int = 4000) -> Path:
+    path = tmp / "train.parquet"
+    pq.write_table(pa.table({"text": [LINES[i % 40] + f" {i}" for i in range(rows)]}), path, compression="snappy",
+                   row_group_size=1000)  # fmt: skip
+    return path
+
+
+def _truncated_parquet(tmp: Path) -> dict:
+    path = _parquet(tmp)
+    truncate(path, 0.7)
+    return {"dataset_name_or_path": str(path)}
+
+
+def _garbled_parquet(tmp: Path) -> dict:
+    path = _parquet(tmp)
+    meta = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    assert meta.dictionary_page_offset and meta.data_page_offset - meta.dictionary_page_offset > 2000
+    with open(path, "r+b") as f:  # overwrite 1000 bytes of row group 1's compressed dictionary page
+        f.seek(meta.dictionary_page_offset + 100)
+        f.write(os.urandom(1000))
+    return {"dataset_name_or_path": str(path)}
+
+
+def _no_record_has_the_field(tmp: Path) -> dict:
+    path = tmp / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t}) for t in LINES))
+    return {"dataset_name_or_path": str(path)}
+
+
+def _one_record(tmp: Path) -> dict:
+    path = tmp / "train.jsonl"
+    path.write_text(json.dumps({"text": LINES[0]}) + "\n")
+    return {"dataset_name_or_path": str(path)}
+
+
+DATA_CASES = {
+    "UTF-16 text with BOM": (_utf16_bom, r"train\.txt is UTF-16LE text \(its byte-order mark says so\).*iconv"),
+    "UTF-32 text with BOM": (_utf32_bom, r"train\.txt is UTF-32LE text"),
+    "UTF-16 JSON Lines without BOM": (_utf16_no_bom, r"train\.jsonl: [\d,]+ of its first [\d,]+ bytes are NUL"),
+    "truncated parquet": (_truncated_parquet, r"train\.parquet: not a readable parquet file"),
+    "garbled parquet pages": (_garbled_parquet, r"train\.parquet: row group 1 does not decode"),
+    "no record has the field": (_no_record_has_the_field, r"records have no field 'text' \(data\.text_field\); their "
+                                r"fields are body"),
+    "one record, no validation split": (_one_record, r"has 1 record\(s\) and there is no validation split: too few"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
+def test_bad_data_files_are_refused_by_content(case, base, tmp_path, capsys):
+    build, pattern = DATA_CASES[case]
+    config = _config(tmp_path, base, data=build(tmp_path))
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+
+
+def test_records_lacking_the_field_anywhere_are_skipped_not_fatal(base, tmp_path, capsys):
+    """The field check reads every record: opening records without the field, or a first record over 1 MiB, do not
+    hide the records that have it (bad_records: skip counts those without)."""
+    late = tmp_path / "late.jsonl"
+    late.write_text("\n".join([json.dumps({"id": i}) for i in range(500)] + [json.dumps({"text": t}) for t in LINES]))
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text("\n".join([json.dumps({"text": "word " * 400_000})] + [json.dumps({"text": t}) for t in LINES]))
+    for path in (late, huge):
+        config = _config(tmp_path, base, data={"dataset_name_or_path": str(path)})
+        result = run_cli(capsys, "validate", "--config", str(config))
+        assert result.rc == 0, result.err
+
+    from rayft.config import DataConfig
+    from rayft.data.sources import resolve_splits
+
+    train, _ = resolve_splits(DataConfig(dataset_name_or_path=str(late)))
+    assert "text" in train.columns(["text", "messages"]) and train.rows() == 540
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused(base, tmp_path, capsys):
+    """/proc accepts no new entries, whatever the permission bits (and root's os.access) say."""
+    config = _config(tmp_path, base, train={"output_dir": "/proc/rayft-out"})
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)),
+                   r"train\.output_dir: cannot create /proc/rayft-out: creating anything in /proc fails")  # fmt: skip
+
+
+# --- a checkpoint to resume from ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoint(tmp_path_factory) -> Path:
+    """A real DCP state directory (what every rank writes), as torch.distributed.checkpoint saves it."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path_factory.mktemp("ckpt") / "checkpoint-000004"
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}, "progress": {"step": 4}}
+    dcp.save(state, checkpoint_id=str(directory / "state"))
+    return directory
+
+
+def _deleted_distcp(ckpt: Path, tmp: Path) -> Path:
+    copy = shutil.copytree(ckpt, tmp / ckpt.name)
+    next((copy / "state").glob("*.distcp")).unlink()
+    return copy
+
+
+def _truncated_distcp(ckpt: Path, tmp: Path) -> Path:
+    copy = shutil.copytree(ckpt, tmp / ckpt.name)
+    truncate(next((copy / "state").glob("*.distcp")), 0.5)
+    return copy
+
+
+def _garbled_metadata(ckpt: Path, tmp: Path) -> Path:
+    copy = shutil.copytree(ckpt, tmp / ckpt.name)
+    (copy / "state" / ".metadata").write_bytes(b"not a pickle")
+    return copy
+
+
+CHECKPOINT_CASES = {
+    "deleted .distcp file": (_deleted_distcp, r"checkpoint-000004 is incomplete: .*state/__0_0\.distcp \(missing\)"),
+    "truncated .distcp file": (_truncated_distcp, r"is incomplete: .*__0_0\.distcp \([\d,]+ of [\d,]+ bytes\)"),
+    "unreadable .metadata": (_garbled_metadata, r"state/\.metadata cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_a_damaged_resume_checkpoint_is_refused(case, dcp_checkpoint, base, tmp_path, capsys):
+    build, pattern = CHECKPOINT_CASES[case]
+    config = _config(tmp_path, base, train={"resume_from_checkpoint": str(build(dcp_checkpoint, tmp_path))})
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+
+
+def test_a_complete_checkpoint_passes(dcp_checkpoint, base, tmp_path, capsys):
+    config = _config(tmp_path, base, train={"resume_from_checkpoint": str(dcp_checkpoint)})
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+
+
+# --- export and eval: the adapter is checked before any work, --out is written atomically ----------------------
+
+
+@pytest.fixture(scope="module")
+def adapter(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """A real PEFT adapter (r=4 on q_proj, v_proj) of the tiny Mistral, as PEFT saves it."""
+    import peft
+    from transformers import MistralForCausalLM
+
+    out = tmp_path_factory.mktemp("adapter") / "final"
+    model = MistralForCausalLM.from_pretrained(str(fixtures.model))
+    peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_base(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """The same architecture at another size: an adapter of the tiny Mistral does not fit it."""
+    return _small_embedding(fixtures, Path(), tmp_path_factory.mktemp("other-base"))
+
+
+def _truncated_adapter(adapter: Path, tmp: Path) -> Path:
+    copy = shutil.copytree(adapter, tmp / "truncated-adapter")
+    truncate(copy / "adapter_model.safetensors", 0.5)
+    return copy
+
+
+EXPORT_CASES = {
+    "truncated adapter": (False, r"adapter_model\.safetensors is truncated: its header declares"),
+    "truncated adapter, --merge": (True, r"adapter_model\.safetensors is truncated: its header declares"),
+    "another base": (False, r"tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' has "
+                     r"shape \[4, 64\], the model at .* needs \[4, 32\]"),
+    "another base, --merge": (True, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EXPORT_CASES))
+def test_export_of_a_damaged_or_foreign_adapter_is_refused_and_leaves_nothing(
+    case, adapter, other_base, fixtures, tmp_path, capsys
+):
+    merge, pattern = EXPORT_CASES[case]
+    source, base = (adapter, other_base) if "another base" in case else (_truncated_adapter(adapter, tmp_path),
+                                                                          fixtures.model)  # fmt: skip
+    out = tmp_path / "exports" / "x"
+    before = set(tmp_path.iterdir())
+    result = run_cli(capsys, "export", "--adapter", str(source), "--base", str(base), "--out", str(out),
+                     *(["--merge"] if merge else []))  # fmt: skip
+    assert_refused(result, pattern)
+    assert set(tmp_path.iterdir()) == before, "something was left behind"
+
+
+def test_export_out_that_is_a_file_or_a_foreign_directory_is_refused(adapter, fixtures, tmp_path, capsys):
+    file = tmp_path / "out.txt"
+    file.write_text("mine")
+    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(file))
+    assert_refused(result, r"--out .*out\.txt is a file; give a directory path")
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_text("meow")
+    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model),
+                     "--out", str(tmp_path / "photos"))  # fmt: skip
+    assert_refused(result, r"--out .*photos is a directory with other content")
+    assert file.read_text() == "mine" and (tmp_path / "photos" / "cat.jpg").read_text() == "meow"
+
+
+def test_export_writes_out_whole_and_replaces_a_previous_export(adapter, fixtures, tmp_path, capsys):
+    out = tmp_path / "export"
+    for _ in range(2):  # the second run replaces the first export
+        result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(out))
+        assert result.rc == 0, result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging or old copies left
+    assert (out / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(fixtures.model)
+    assert oct(out.stat().st_mode & 0o777) != oct(0o700), "the staging directory's 0700 leaked into the export"
+
+
+@pytest.mark.parametrize("case", ["truncated adapter", "another base", "missing split"])
+def test_eval_of_a_damaged_or_foreign_adapter_is_refused_before_ray(case, adapter, other_base, base, tmp_path, capsys):
+    raw = json.loads(json.dumps(base))
+    split = []
+    if case == "missing split":
+        source, pattern, split = adapter, r"data: no split 'tset' in .*; name one with --split", ["--split", "tset"]
+    elif case == "another base":
+        source, pattern = adapter, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"
+        raw["model"]["model_name_or_path"] = str(other_base)
+    else:
+        source, pattern = _truncated_adapter(adapter, tmp_path), r"adapter_model\.safetensors is truncated"
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    assert_refused(run_cli(capsys, "eval", "--config", str(config), "--adapter", str(source), *split), pattern)
+
+
+# --- the job entrypoint refuses the same way, without starting Ray -----------------------------------------------
+
+
+def test_the_job_refuses_a_model_config_that_does_not_match_its_weights_without_starting_ray(
+    fixtures, mistral4_hub, base, tmp_path
+):
+    model = _kv_heads(fixtures, mistral4_hub, tmp_path)
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model)})
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.monotonic()
+    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    output = job.stdout + job.stderr
+    assert job.returncode == 2, output[-3000:]
+    assert "k_proj.weight' in model.safetensors has shape [32, 64]" in job.stderr and "Traceback" not in output
+    assert "starting a local one" not in output and "Started a local Ray instance" not in output
+    print(f"job refused in {time.monotonic() - start:.1f}s")
+
+
+# --- placement: what the cluster can never place is refused, never retried forever --------------------------------
+
+NODE = {"CPU": 4.0, "memory": 8e9}
+GPU_NODE = {"CPU": 16.0, "GPU": 8.0}
+PLACEMENT = [  # (workers, bundle, strategy, nodes, fits) — worked out by hand
+    (8, {"CPU": 1}, "PACK", [NODE, NODE], True),
+    (12, {"CPU": 1}, "PACK", [NODE, NODE], False),
+    (3, {"CPU": 3}, "SPREAD", [NODE, NODE], False),  # 4 CPUs hold one 3-CPU bundle each: 2 in all
+    (4, {"CPU": 2}, "STRICT_PACK", [NODE, NODE], False),
+    (2, {"CPU": 2}, "STRICT_PACK", [NODE, NODE], True),
+    (2, {"CPU": 1}, "STRICT_SPREAD", [NODE], False),
+    (2, {"CPU": 1}, "STRICT_SPREAD", [NODE, NODE], True),
+    (16, {"GPU": 1}, "PACK", [GPU_NODE, GPU_NODE], True),
+    (3, {"GPU": 1}, "STRICT_SPREAD", [GPU_NODE, GPU_NODE], False),
+    (1, {"GPU": 1}, "PACK", [NODE], False),
+    (9, {"CPU": 1, "GPU": 1}, "PACK", [NODE, GPU_NODE], False),  # only the GPU node holds these: 8
+]
+
+
+@pytest.mark.parametrize(("workers", "bundle", "strategy", "nodes", "fits"), PLACEMENT)
+def test_placement_feasibility(workers, bundle, strategy, nodes, fits):
+    from rayft.launch import Request
+
+    assert Request(workers, bundle, strategy).fits(nodes) is fits
+
+
+def test_workers_the_cluster_can_never_place_are_refused_within_the_deadline(ray_cluster, fixtures, tmp_path):
+    """The session cluster: 2 nodes × 4 CPUs, no autoscaler. 12 one-CPU workers packed can never be placed: the job
+    waits its stated deadline for nodes to join, then exits 2 naming what it asked for and what there is; Ctrl-C
+    stops the wait at once."""
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["ray"].update(address=ray_cluster.address, num_workers=12, placement_strategy="PACK", placement_timeout_s=15)
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    start = time.monotonic()
+    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=ray_cluster.env)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert "waiting up to 15s (ray.placement_timeout_s)" in job.stderr
+    assert "cannot place 12 workers × {CPU 1} = {CPU 12} (PACK): it offers CPU 8, GPU 0 in total on 2 node(s)" in (
+        job.stderr
+    )
+    assert "Traceback" not in job.stderr
+    assert elapsed < 15 + 90, f"{elapsed:.0f}s: start-up and preflight take well under a minute here"
+
+    raw["ray"]["placement_timeout_s"] = 600
+    write_yaml(config, raw)
+    waiting = subprocess.Popen([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO,
+                               env=ray_cluster.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        seen = []
+        for line in waiting.stderr:
+            seen.append(line)
+            if "waiting up to 600s" in line:
+                break
+        else:
+            pytest.fail("the job never said it was waiting:\n" + "".join(seen[-30:]))
+        interrupted = time.monotonic()
+        waiting.send_signal(signal.SIGINT)
+        rest = waiting.communicate(timeout=60)[1]
+        assert waiting.returncode == 130, "".join(seen[-20:]) + rest
+        assert "rayft: interrupted" in rest
+        assert time.monotonic() - interrupted < 30
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):
+    """Windows editors start UTF-8 files with a BOM: it passes the encoding check and is dropped when lines are read,
+    so the first JSON record is not a bad_json skip."""
+    from rayft.data.pipeline import _split_lines
+    from rayft.data.records import decode_line
+
+    content = "\ufeff".encode() + b'{"text": "first"}\n{"text": "second"}\n'
+    lines = _split_lines(pa.table({"bytes": [content]}), json_array_ok=True).column("_raw").to_pylist()
+    assert [decode_line(line, "json") for line in lines] == [({"text": "first"}, ""), ({"text": "second"}, "")]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(content)
+    from rayft.data.files import check_encoding, json_fields
+
+    check_encoding(path)  # no error
+    assert json_fields([path], ["text"]) == ["text"]
