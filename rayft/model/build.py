@@ -172,7 +172,8 @@ def fsdp_mesh(fsdp: FsdpConfig, device_type: str) -> DeviceMesh | None:
 
 def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPolicy, device_type: str = "cpu") -> None:
     """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head)."""
-    offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
+    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
     mesh = fsdp_mesh(fsdp, device_type)
     reshard = fsdp.reshards(dist.get_world_size())
     layers = decoder_layers(model)
