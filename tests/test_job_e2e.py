@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, SEED_CONFIG, STEPS, Fixtures, RayCluster, Run, submit_job
-from peft import PeftModel, get_peft_model
+from conftest import REPO, SEED_CONFIG, STEPS, Fixtures, RayCluster, Run, submit_job, tiny_config, write_yaml
+from fixtures.families import make_tiny_family
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
@@ -191,3 +192,41 @@ def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
                        "down_proj"}  # fmt: skip
     assert len(adapter) == 2 * 2 * 8  # A and B x 2 layers x 8 modules, nothing from the vision tower
     assert all(adapter[k].abs().sum() > 0 for k in adapter if ".lora_B." in k)
+
+
+def test_tied_embedding_models_of_three_families_fine_tune_with_sharded_loading(
+    ray_cluster: RayCluster, fixtures: Fixtures, smollm2: Path, tmp_path
+):
+    """What a new user does with a small real model: `ray job submit` with the defaults (`load_mode: sharded`, LoRA
+    targets `auto`) on models whose head is the tied embedding — the real pretrained SmolLM2-135M (Llama) and tiny
+    Qwen2 and Gemma3 — then `PeftModel.from_pretrained` of `final/` on `from_pretrained` of the same checkpoint."""
+    models = {
+        "llama": smollm2,
+        "qwen2": make_tiny_family("qwen2", tmp_path / "qwen2", tied=True, tokenizer_from=fixtures.model),
+        "gemma3_text": make_tiny_family("gemma3_text", tmp_path / "gemma3", tied=True, tokenizer_from=fixtures.model),
+    }
+    for family, model_dir in models.items():
+        out = tmp_path / f"{family}-out"
+        cfg = tiny_config(fixtures, out, max_steps=3, logging_steps=1, eval_strategy="no", save_strategy="no",
+                          per_device_train_batch_size=2, gradient_accumulation_steps=1)  # fmt: skip
+        cfg["model"]["model_name_or_path"] = str(model_dir)
+        cfg["lora"]["target_modules"] = ["auto"]
+        out.mkdir()
+        job = submit_job(ray_cluster, "--config", str(write_yaml(out / "config.yaml", cfg)))
+        logs = _assert_succeeded(job)
+        losses = [loss for _, loss, _ in _progress(logs)]
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (family, logs[-4000:])
+        if family == "llama":  # pretrained weights, head included: far below a random model's ln(49152) = 10.8
+            assert losses[0] < 6.0, losses
+
+        saved = load_file(out / "final" / "adapter_model.safetensors")
+        assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == {
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        }, family  # fmt: skip
+        assert all(saved[k].abs().sum() > 0 for k in saved if ".lora_B." in k), family  # it trained
+        base = _base(model_dir)
+        assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+        tuned = PeftModel.from_pretrained(base, str(out / "final"))
+        loaded = get_peft_model_state_dict(tuned)
+        assert set(loaded) == set(saved), family  # every tensor found its place
+        assert all(torch.equal(loaded[k], saved[k].to(loaded[k].dtype)) for k in saved), family

@@ -64,3 +64,29 @@ def test_validate_prints_the_warning_for_the_seed_yaml_on_mistral4(mistral4_hub,
     assert result.returncode == 0, result.stderr
     assert "Mistral4ForCausalLM" in result.stdout and "trainable params" in result.stdout
     assert "warning: lora.target_modules: q_proj, k_proj, v_proj match nothing" in result.stderr
+
+
+def _meta_model(model_type: str, **fields):
+    import torch
+    from fixtures.families import FAMILIES, TINY
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=512, **{**TINY, **FAMILIES.get(model_type, {}), **fields})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"])
+def test_auto_targets_every_projection_of_each_dense_family(model_type):
+    targets = resolve_targets(_meta_model(model_type), LoraConfig(target_modules=["auto"]))
+    assert targets.names == SEED_TARGETS and not targets.unmatched
+    assert len(targets.modules) == 2 * 7  # 2 layers x q, k, v, o, gate, up, down
+
+
+def test_auto_on_an_unknown_architecture_is_an_error_listing_its_linear_layers():
+    """Phi-3 fuses q/k/v and gate/up: the dense list would silently adapt only o_proj and down_proj."""
+    names = r"its linear layers are: down_proj, gate_up_proj, lm_head, o_proj, qkv_proj"
+    with pytest.raises(ConfigError, match=r"auto has no target set for model type 'phi3' \(Phi3ForCausalLM.*" + names):
+        resolve_targets(_meta_model("phi3"), LoraConfig(target_modules=["auto"]))
+    explicit = resolve_targets(_meta_model("phi3"), LoraConfig(target_modules=["qkv_proj", "o_proj"]))
+    assert len(explicit.modules) == 2 * 2

@@ -41,6 +41,19 @@ def test_flop_counts_and_both_mfus_match_the_hand_computation(small_lora_model):
     assert peak_flops(torch.device("cpu")) is None
 
 
+def test_a_tied_head_still_counts_as_a_matmul():
+    """With tied word embeddings the head is the embedding matrix (skipped as a lookup), but every token is still
+    multiplied by it: the same FLOPs as the untied model."""
+    config = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        model = MistralForCausalLM(config)
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert flop_model(model, config, seq_len=128).base_params == 2 * 36_864 + 64_000
+
+
 def test_mistral4_counts_only_the_routed_experts_a_token_visits():
     """Mistral-Small-4 (transformers' default Mistral4Config, on meta): ~6.5B parameters active per token of
     ~119B, so the MFU is about the computation that happens, not the whole MoE."""

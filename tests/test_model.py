@@ -165,3 +165,24 @@ def _train_two_ways(rank: int, world: int, port: int, raw: dict, out: str) -> No
                 torch.save({"losses": losses, "lora": full}, Path(out) / f"{name}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def test_cpu_offload_materialises_the_shards_on_the_host(fixtures: Fixtures, tmp_path, process_group):
+    """FSDP2 refuses offloaded parameters that are not on the CPU: with `fsdp.cpu_offload` the model is built on the
+    host even when the worker's device is a GPU (here a CUDA device this machine has not: main created the shards
+    there and failed), and it still loads and trains."""
+    raw = tiny_config(fixtures, tmp_path)
+    raw["fsdp"] = {"cpu_offload": True}
+    cfg = Config.from_dict(raw)
+    model = build_model(cfg, on_gpu=False, device=torch.device("cuda", 0))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2]])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters() if p.requires_grad)
+
+    from rayft.model.build import materialization_device
+
+    assert materialization_device(cfg.fsdp, torch.device("cuda", 0)) == torch.device("cpu")
+    without = Config.from_dict(tiny_config(fixtures, tmp_path)).fsdp
+    assert materialization_device(without, torch.device("cuda", 0)) == torch.device("cuda", 0)

@@ -1,21 +1,39 @@
-"""Per-rank sharded loading: shards equal the checkpoint, FP8 slices dequantise like the whole tensor."""
+"""Per-rank sharded loading: shards equal the checkpoint (every common dense family, tied or not, and a real
+pretrained model), FP8 slices dequantise like the file's bytes say, and a checkpoint that does not fit is refused."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import struct
+from pathlib import Path
 
+import numpy as np
+import peft
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
+from fixtures.families import FAMILIES, make_tiny_family
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rayft.config import Config
-from rayft.model.build import build_model
-from rayft.model.weights import CheckpointKeyError, SafetensorsCheckpoint, dequantize, load_sharded_, model_param_name
+from rayft.config import Config, ModelConfig
+from rayft.model.build import build_model, empty_model, fused_loss
+from rayft.model.weights import (
+    CheckpointKeyError,
+    CheckpointShapeError,
+    SafetensorsCheckpoint,
+    buffers_kept,
+    dequantize,
+    load_sharded_,
+    model_param_name,
+    tied_parameters,
+)
 
 
 def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -> None:
@@ -64,11 +82,47 @@ def _fp8_checkpoint(tmp_path) -> tuple[SafetensorsCheckpoint, dict[str, torch.Te
     return SafetensorsCheckpoint(tmp_path), tensors
 
 
-def test_fp8_slices_dequantise_like_the_whole_tensor(tmp_path):
-    checkpoint, raw = _fp8_checkpoint(tmp_path)
+def _raw_tensor_bytes(path: Path, key: str) -> tuple[dict, bytes]:
+    """A tensor's header entry and data bytes, read from the safetensors file by its format (8-byte header length,
+    JSON header, data) — not through rayft's reader or the safetensors library."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    info = json.loads(data[8 : 8 + length])[key]
+    begin, end = info["data_offsets"]
+    return info, data[8 + length + begin : 8 + length + end]
+
+
+def decode_e4m3(raw: bytes, shape: list[int]) -> np.ndarray:
+    """float8 E4M3 (fn) by its bit layout: sign · 1.mmm · 2^(eeee − 7), subnormals 0.mmm · 2^−6, S.1111.111 = NaN."""
+    bits = np.frombuffer(raw, dtype=np.uint8).reshape(shape).astype(np.int64)
+    sign = np.where(bits >> 7, -1.0, 1.0)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return np.where((exponent == 15) & (mantissa == 7), np.nan, sign * magnitude)
+
+
+def test_the_e4m3_decoder_knows_the_format():
+    """Values from the OCP FP8 spec: max normal 448, min normal 2^-6, min subnormal 2^-9, NaN, signed zero."""
+    got = decode_e4m3(bytes([0x7E, 0x08, 0x01, 0x38, 0xC0, 0x80, 0x7F]), [7])
+    assert got[:6].tolist() == [448.0, 2.0**-6, 2.0**-9, 1.0, -2.0, 0.0] and np.isnan(got[6])
+
+
+def _fp8_reference(path: Path, key: str, scale_key: str) -> np.ndarray:
+    """The dequantised tensor from the file's bytes: decoded E4M3 × its fp32 scale (broadcast per tensor or expert)."""
+    info, raw = _raw_tensor_bytes(path, key)
+    assert info["dtype"] == "F8_E4M3", key
+    scale_info, scale_raw = _raw_tensor_bytes(path, scale_key)
+    assert scale_info["dtype"] == "F32", scale_key
+    scale = np.frombuffer(scale_raw, dtype="<f4").reshape(scale_info["shape"]).astype(np.float64)
+    return (decode_e4m3(raw, info["shape"]) * scale).astype(np.float32)  # fp64 product of fp32s: exact, then rounded
+
+
+def test_fp8_slices_dequantise_like_the_file_bytes_say(tmp_path):
+    checkpoint, _ = _fp8_checkpoint(tmp_path)
     for key, scale in (("layers.0.proj.weight", "layers.0.proj.weight_scale_inv"),
                        ("layers.0.experts.gate_up_proj", "layers.0.experts.gate_up_proj_scale_inv")):  # fmt: skip
-        whole = raw[key].to(torch.float32) * raw[scale].to(torch.float32)
+        whole = torch.from_numpy(_fp8_reference(tmp_path / "model.safetensors", key, scale))
+        assert whole.abs().max() > 0 and not whole.isnan().any()
         rows = checkpoint.rows(key, 1, 3)
         assert rows.dtype == torch.float8_e4m3fn and rows.shape[0] == 2
         assert torch.equal(dequantize(rows, key, checkpoint, start=1), whole[1:3]), key
@@ -85,13 +139,21 @@ MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 
 
 def _dequantised_reference(model_dir: str) -> dict[str, torch.Tensor]:
-    """Every language-model tensor of the hub files as fp32 (`fp8 * scale`), keyed like the llava layout."""
-    checkpoint = SafetensorsCheckpoint(model_dir)
+    """Every language-model tensor of the hub files as fp32, keyed like the llava layout: FP8 ones decoded from
+    their bytes × their scale (`_fp8_reference`), the rest as the safetensors library reads them."""
     out = {}
-    for key in checkpoint.weight_map:
-        if key.startswith("language_model.") and not key.endswith(("_scale_inv", "activation_scale")):
-            rows = checkpoint.rows(key, 0, checkpoint.shape(key)[0])
-            out[key] = dequantize(rows, key, checkpoint, 0).to(torch.float32)
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        plain = load_file(str(path))
+        keys = list(plain)
+        for key in keys:
+            if not key.startswith("language_model.") or key.endswith(("_scale_inv", "activation_scale")):
+                continue
+            scale = next((k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in keys),
+                         None)  # fmt: skip
+            if scale is not None:
+                out[key] = torch.from_numpy(_fp8_reference(path, key, scale))
+            else:
+                out[key] = plain[key].to(torch.float32)
     return out
 
 
@@ -133,3 +195,205 @@ def test_routed_expert_lora_trains_on_every_rank_and_saves(trained_expert_adapte
     assert len(experts) == 8 and all(v.abs().sum() > 0 for v in experts.values())
     config = json.loads((trained_expert_adapter / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+# --- Model families: sharded loading equals from_pretrained, tied heads are the embedding, the model trains -------
+
+FAMILY_CASES = [f"{family}-{'tied' if tied else 'untied'}" for family in FAMILIES for tied in (True, False)]
+REAL = "smollm2-135m"  # real pretrained weights: Llama architecture, tied embeddings
+
+
+@pytest.fixture(scope="module")
+def family_models(smollm2: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    tiny = {c: make_tiny_family(c.rpartition("-")[0], root / c, tied=c.endswith("-tied")) for c in FAMILY_CASES}
+    return {**tiny, REAL: smollm2}
+
+
+@pytest.fixture(scope="module")
+def family_loads(family_models: dict[str, Path], fixtures: Fixtures, tmp_path_factory) -> dict[str, list[str]]:
+    """Every family loaded sharded on 2 gloo ranks in one spawn (cheap), checked against `from_pretrained` of the
+    same directory on rank 0: what went wrong, per family (empty when all is right)."""
+    out = tmp_path_factory.mktemp("family-loads")
+    raw = tiny_config(fixtures, out)
+    raw["lora"].update(target_modules=["auto"], lora_dropout=0.0)
+    models = {case: str(path) for case, path in family_models.items()}
+    mp.spawn(_families_rank, args=(2, free_port(), raw, models, str(out / "problems.json")), nprocs=2)
+    return json.loads((out / "problems.json").read_text())
+
+
+@pytest.mark.parametrize("case", [*FAMILY_CASES, REAL])
+def test_each_family_loads_sharded_exactly_as_from_pretrained_and_trains(family_loads, family_models, case):
+    with safe_open(str(family_models[case] / "model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    tied = case.endswith("-tied") or case == REAL
+    assert ("lm_head.weight" in stored) is not tied  # a tied checkpoint stores the head once, as the embedding
+    assert family_loads[case] == []
+
+
+def _families_rank(rank: int, world: int, port: int, raw: dict, models: dict[str, str], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # toy matrices: threads would only contend with the other rank
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    problems = {}
+    try:
+        for case, model_dir in models.items():
+            raw["model"]["model_name_or_path"] = model_dir
+            try:
+                problems[case] = _check_family(Config.from_dict(raw), case, rank)
+            except Exception as e:  # raised alike on both ranks (the load is planned whole before any copy)
+                problems[case] = [f"{type(e).__name__}: {e}"]
+            gc.collect()
+        if rank == 0:
+            Path(out).write_text(json.dumps(problems))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_family(cfg: Config, case: str, rank: int) -> list[str]:
+    """Collectives on both ranks; comparisons on rank 0, collected rather than raised so both ranks stay in step."""
+    problems = []
+    model_dir = cfg.model.model_name_or_path
+    torch.manual_seed(0)
+    model = build_model(cfg, on_gpu=False)
+    base = model.get_base_model()
+    head, embedding = base.get_output_embeddings().weight, base.get_input_embeddings().weight
+    tied = bool(tied_parameters(model))
+    if tied != case.endswith(("-tied", REAL)):
+        problems.append(f"tied_parameters says tied={tied}")
+    if tied and not (head is embedding and isinstance(head, DTensor)):
+        problems.append("the head is not the embedding's DTensor")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if rank == 0 else None
+    expected = reference.state_dict() if rank == 0 else {}
+    loaded = set(tied_parameters(model))
+    for name, param in model.named_parameters():
+        full = param.full_tensor()  # collective
+        if rank == 0 and ".lora_" not in name:
+            loaded.add(model_param_name(name))
+            if not torch.equal(full, expected[model_param_name(name)]):
+                problems.append(f"{name} differs from from_pretrained")
+    if rank == 0 and loaded != set(expected):
+        problems.append(f"loaded {sorted(loaded ^ set(expected))} unlike from_pretrained")
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) if case == REAL else None
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids if tokenizer else None
+    if ids is None:
+        ids = torch.tensor([[1, 17, 300, 42, 5, 77, 2]])
+    with torch.no_grad():
+        output = model(input_ids=ids, labels=ids)  # LoRA B = 0: the base model's logits
+        logits, plain_loss = output.logits, output.loss.item()
+    if rank == 0:
+        with torch.no_grad():
+            want = reference(input_ids=ids).logits
+        if (want - logits).abs().max() > 1e-4:
+            problems.append(f"logits differ from from_pretrained by {(want - logits).abs().max():.2e}")
+        if tokenizer is not None and tokenizer.decode(logits[0, -1].argmax()) != " Paris":
+            problems.append(f"the real model's next token is {tokenizer.decode(logits[0, -1].argmax())!r}")
+    del reference, expected
+
+    if tied and case != REAL:  # training goes the same way untied; the real model trains in the job test
+        problems += _fused_loss_and_training_problems(model, cfg, case, ids, plain_loss)
+    return problems
+
+
+def _fused_loss_and_training_problems(model, cfg: Config, case: str, ids: torch.Tensor, plain_loss: float) -> list[str]:
+    """The fused loss finds the head through the tied embedding and equals transformers' loss (Gemma2's soft-capped
+    logits keep the plain path); LoRA training lowers the loss and leaves the head tied."""
+    problems = []
+    why_not = fused_loss(model, cfg)
+    if case.startswith("gemma2"):
+        if "final_logit_softcapping" not in (why_not or ""):
+            problems.append(f"fused loss on soft-capped logits: {why_not}")
+    elif why_not is not None:
+        problems.append(f"no fused loss: {why_not}")
+    else:
+        with torch.no_grad():
+            fused = model(input_ids=ids, labels=ids).loss.item()
+        if abs(fused - plain_loss) > 1e-5 * abs(plain_loss):
+            problems.append(f"fused loss {fused} != {plain_loss}")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    losses = []
+    for _ in range(2):  # the second loss is after one update
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if not losses[-1] < losses[0]:
+        problems.append(f"LoRA training did not lower the loss: {losses}")
+    base = model.get_base_model()
+    if base.get_output_embeddings().weight is not base.get_input_embeddings().weight:
+        problems.append("training untied the head")
+    return problems
+
+
+# --- Checkpoints that do not fit the model are refused before a byte is copied ------------------------------------
+
+
+def _sentinel_model() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Embedding(8, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("stored", "message"),
+    [
+        ({"0.weight": torch.ones(4, 6)}, r"'0\.weight' has shape \[4, 6\] in the checkpoint, the model's '0\.weight' "
+                                         r"has \[6, 4\]"),  # transposed
+        ({"1.weight": torch.ones(9, 4)}, r"'1\.weight' has shape \[9, 4\] in the checkpoint, the model's '1\.weight' "
+                                         r"has \[8, 4\]"),  # a bigger vocabulary: main copied its first 8 rows
+        ({"0.bias": torch.ones(5)}, r"'0\.bias' has shape \[5\] .* has \[6\]"),  # main read past its end
+        ({"0.weight": torch.ones(6, 4, dtype=torch.int32)}, r"'0\.weight' is torch\.int32 in the checkpoint, the "
+                                                            r"model's '0\.weight' is torch\.float32"),
+    ],
+    ids=["transposed", "more-rows", "fewer-rows", "integer"],
+)  # fmt: skip
+def test_a_tensor_that_does_not_fit_is_refused_before_any_copy(tmp_path, stored, message):
+    fitting = {"0.weight": torch.zeros(6, 4), "0.bias": torch.zeros(6), "1.weight": torch.zeros(8, 4)}
+    save_file({**fitting, **stored}, str(tmp_path / "model.safetensors"))
+    model = _sentinel_model()
+    with pytest.raises(CheckpointShapeError, match=message):
+        load_sharded_(model, tmp_path)
+    assert all((p == 7.0).all() for p in model.parameters())  # nothing was copied, not even the fitting tensors
+
+
+def test_rows_outside_a_tensor_are_refused(tmp_path):
+    save_file({"a": torch.arange(6.0).reshape(3, 2), "b": torch.ones(2, 2)}, str(tmp_path / "model.safetensors"))
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    assert checkpoint.rows("a", 1, 3).tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    with pytest.raises(CheckpointShapeError, match=r"rows \[2, 4\) of 'a' lie outside its shape \[3, 2\]"):
+        checkpoint.rows("a", 2, 4)  # main returned a's last row and b's first
+
+
+# --- Embedding LoRA starts as PEFT starts it: a zero delta ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_embedding_lora_starts_like_peft_a_zero_delta(tmp_path, tied):
+    """One process, no FSDP (the export path); LoRA on the embedding (tied: also the head) and on q_proj."""
+    model_dir = make_tiny_family("llama", tmp_path / "llama", tied=tied)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    meta = empty_model(ModelConfig(model_name_or_path=str(model_dir), torch_dtype="float32"))
+    model = peft.get_peft_model(meta, lora)
+    with buffers_kept(model):
+        model.to_empty(device=torch.device("cpu"))
+    torch.manual_seed(0)
+    load_sharded_(model, model_dir)
+    ours = dict(model.named_parameters())
+    base = model.get_base_model()
+    assert (base.lm_head.weight is base.model.embed_tokens.base_layer.weight) is tied  # retied after to_empty
+    # PEFT's own init of the same adapter on from_pretrained, for comparison
+    theirs = dict(peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)), lora).named_parameters())
+    for name in ("base_model.model.model.embed_tokens.lora_embedding_A.default",
+                 "base_model.model.model.embed_tokens.lora_embedding_B.default"):  # fmt: skip
+        assert ours[name].shape == theirs[name].shape
+        assert ours[name].any().item() == theirs[name].any().item(), name  # A = 0, B ≠ 0 in both
+    b_ours, b_theirs = (p["base_model.model.model.embed_tokens.lora_embedding_B.default"] for p in (ours, theirs))
+    assert 0.7 < b_ours.std().item() < 1.3 and 0.7 < b_theirs.std().item() < 1.3  # N(0, 1) in both
+    ids = torch.tensor([[1, 17, 300, 42, 5]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(model_dir))(input_ids=ids).logits
+        assert torch.allclose(model(input_ids=ids).logits, want, atol=1e-5)  # the adapter starts as no change

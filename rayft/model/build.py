@@ -24,7 +24,7 @@ from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
 from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
-from rayft.model.weights import buffers_kept, load_sharded_
+from rayft.model.weights import buffers_kept, load_sharded_, tie_weights_
 
 log = logging.getLogger("rayft")
 
@@ -48,9 +48,18 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
     if sharded:
         with buffers_kept(model):
-            model.to_empty(device=device or torch.device("cpu"))
+            model.to_empty(device=materialization_device(cfg.fsdp, device))
         load_sharded_(model, Path(cfg.model.model_name_or_path))
     return model
+
+
+def materialization_device(fsdp: FsdpConfig, device: torch.device | None) -> torch.device:
+    """Where the sharded parameters are created: the training device, except with `fsdp.cpu_offload`, where FSDP2
+    keeps the shards in host memory (it copies each unit to the GPU for its forward and backward) and refuses
+    parameters that live anywhere else."""
+    if fsdp.cpu_offload or device is None:
+        return torch.device("cpu")
+    return device
 
 
 def fused_loss(model: peft.PeftModel, cfg: Config) -> str | None:
@@ -106,7 +115,9 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
     if getattr(config, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
     with init_empty_weights(include_buffers=False):
-        return causal_lm_class(config)._from_config(config, **kwargs)
+        model = causal_lm_class(config)._from_config(config, **kwargs)
+    tie_weights_(model)  # before LoRA and fully_shard: FSDP2 then shards the tied embedding/head as one parameter
+    return model
 
 
 def weightless_lora_model(cfg: Config, config: PretrainedConfig | None = None) -> tuple[peft.PeftModel, LoraTargets]:
@@ -114,7 +125,9 @@ def weightless_lora_model(cfg: Config, config: PretrainedConfig | None = None) -
     config = config if config is not None else text_config(cfg.model.model_name_or_path)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
-        return wrap(causal_lm_class(config)._from_config(config), cfg.lora)
+        model = causal_lm_class(config)._from_config(config)
+        tie_weights_(model)
+        return wrap(model, cfg.lora)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
@@ -196,7 +209,8 @@ def fsdp_mesh(fsdp: FsdpConfig, device_type: str) -> DeviceMesh | None:
 
 def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPolicy, device_type: str = "cpu") -> None:
     """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head)."""
-    offload = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
+    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
     mesh = fsdp_mesh(fsdp, device_type)
     reshard = fsdp.reshards(dist.get_world_size())
     layers = decoder_layers(model)

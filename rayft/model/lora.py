@@ -4,6 +4,7 @@ The seed recipe's list (`q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, dow
 Mistral/Llama but on Mistral4 (MLA attention + MoE) it silently matches only `o_proj` and the shared expert's MLP.
 So `auto` picks the set per architecture, and an explicit list is checked name by name before training: names
 that match nothing are reported loudly with the model's real module names; a list matching nothing is an error.
+`auto` on an architecture it has no set for is an error listing the model's linear layers, rather than a guess.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 # Multi-head latent attention's projections; with MoE, gate/up/down exist only in the shared expert (the routed
 # experts are fused 3D parameters, not modules).
 MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# Every attention and MLP projection; the dense families share the names (Qwen2 adds q/k/v biases, Qwen3 and Gemma
+# norms, none of them LoRA targets). Keyed by the text model's `model_type`.
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 AUTO_TARGETS = {
+    **dict.fromkeys(DENSE_FAMILIES, DENSE_TARGETS),
     "mistral4": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
 }
@@ -52,14 +57,22 @@ class LoraTargets:
         )
 
 
-def target_names(lora: LoraConfig, model_type: str) -> list[str]:
-    if list(lora.target_modules) == ["auto"]:
-        return list(AUTO_TARGETS.get(model_type, DENSE_TARGETS))
-    return list(lora.target_modules)
+def target_names(lora: LoraConfig, model: nn.Module) -> list[str]:
+    if list(lora.target_modules) != ["auto"]:
+        return list(lora.target_modules)
+    model_type = getattr(model.config, "model_type", "")
+    if model_type not in AUTO_TARGETS:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(
+            f"lora.target_modules: auto has no target set for model type '{model_type}' ({type(model).__name__}; "
+            f"known: {', '.join(sorted(AUTO_TARGETS))}); list the modules to adapt instead — its linear layers "
+            f"are: {', '.join(linear)}"
+        )
+    return list(AUTO_TARGETS[model_type])
 
 
 def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
-    names = target_names(lora, getattr(model.config, "model_type", ""))
+    names = target_names(lora, model)
     adaptable = [n for n, m in model.named_modules() if isinstance(m, ADAPTABLE)]
     hits = {t: [m for m in adaptable if m == t or m.endswith(f".{t}")] for t in names}
     targets = LoraTargets(

@@ -3,6 +3,9 @@
 No rank ever holds the whole checkpoint: every parameter's local shard (dim-0 rows, FSDP2's `Shard(0)`) is read
 as exactly those bytes of the file, mapped from the checkpoint's key layout, dequantised from FP8 when the
 checkpoint is quantised (static per-tensor or per-expert scales, applied per slice) and cast to the model dtype.
+Every read is planned and checked (key, shape, dtype, FP8 scale) before the first byte is copied, so a checkpoint
+that does not fit the model fails whole, naming the tensors, instead of half-filling it. Tied word embeddings
+(Llama-3.2, Qwen2.5, Gemma, SmolLM2: the head is the embedding matrix, stored once) are one parameter, read once.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import math
 import re
 import struct
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +35,11 @@ PEFT_PREFIX = "base_model.model."
 
 class CheckpointKeyError(RuntimeError):
     """A model tensor has no counterpart in the checkpoint: loading must fail, never leave random weights."""
+
+
+class CheckpointShapeError(CheckpointKeyError):
+    """A checkpoint tensor's shape or dtype does not fit the model's parameter (a transposed or resized tensor, a
+    config that does not match the weights): copying its bytes anyway would give a silently wrong model."""
 
 
 SAFETENSORS_DTYPES = {
@@ -79,9 +88,16 @@ class SafetensorsCheckpoint:
     def shape(self, key: str) -> list[int]:
         return list(self.entries[key].shape)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self.entries[key].dtype
+
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a tensor along dim 0 (the whole tensor when it is 0-d)."""
         entry = self.entries[key]
+        if entry.shape and not 0 <= start <= stop <= entry.shape[0]:
+            raise CheckpointShapeError(
+                f"rows [{start}, {stop}) of '{key}' lie outside its shape {list(entry.shape)} in {entry.file}"
+            )
         if not entry.shape:
             out, first = torch.empty((), dtype=entry.dtype), 0
         else:
@@ -114,48 +130,155 @@ def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
     raise CheckpointKeyError(f"'{name}' is not in the checkpoint at {checkpoint.directory}")
 
 
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Head name → embedding name (the base model's own names, as in checkpoints: `lm_head.weight` →
+    `model.embed_tokens.weight`) for the weights the model's config ties; {} when nothing is tied.
+
+    transformers decides this (`tie_word_embeddings` and the class's `_tied_weights_keys`); a tied head is the same
+    parameter as its embedding, so a checkpoint stores it once and needs only one of the two names."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
+    expand = getattr(base, "get_expanded_tied_weights_keys", None)
+    return dict(expand(all_submodels=True)) if expand is not None else {}
+
+
+def tie_weights_(model: nn.Module) -> None:
+    """Make every tied head the very parameter of its embedding (one tensor, one FSDP shard, read once).
+
+    Call it before `fully_shard` so FSDP2 manages the pair as one parameter; a later `to_empty` of a plain (unsharded)
+    model splits them again (`nn.Module._apply` makes a new parameter per module), which calling this again undoes."""
+    owners: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module, _, attr = name.rpartition(".")
+        owners[model_param_name(name)].append((model.get_submodule(module), attr, param))
+    for head, embedding in tied_parameters(model).items():
+        if not owners.get(head) or not owners.get(embedding):
+            continue
+        shared = owners[embedding][0][2]
+        for module, attr, param in owners[head]:
+            if param is shared:
+                continue
+            if isinstance(param, DTensor) or isinstance(shared, DTensor):
+                raise RuntimeError(f"'{head}' and '{embedding}' were sharded as two parameters: tie before fully_shard")
+            setattr(module, attr, shared)
+
+
 def model_param_name(name: str) -> str:
     """The base model's own name for a parameter of the PEFT-wrapped model."""
     return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(PEFT_PREFIX))  # nested wrappers: experts
 
 
 def load_sharded_(model: nn.Module, directory: Path) -> None:
-    """Copy every base parameter's local shard from the checkpoint and give the LoRA parameters a fresh init."""
+    """Copy every base parameter's local shard from the checkpoint and give the LoRA parameters a fresh init.
+    Nothing is copied unless every tensor is there with the model's shape and a usable dtype."""
     checkpoint = SafetensorsCheckpoint(directory)
-    missing = []
-    fp8_scales = fp8_scale_params(model)  # FP8 storage: its scales are filled together with its bytes
-    filled_with_weight = {id(p) for p in fp8_scales.values()}
     try:
+        tie_weights_(model)
+        reads = plan_reads(model, checkpoint)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if id(param) in filled_with_weight:
-                    continue
-                local, start = _local_rows(param)
                 if ".lora_" in name:
+                    local, start = _local_rows(param)
                     _init_lora_(name, local, param.shape, start)
-                    continue
-                base_name = model_param_name(name)
-                try:
-                    key = checkpoint_key(base_name, checkpoint)
-                except CheckpointKeyError:
-                    missing.append(base_name)
-                    continue
-                if name in fp8_scales:
-                    _load_fp8_(local, _local_rows(fp8_scales[name]), start, key, checkpoint)
-                    continue
-                # Bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a fixed size
-                # however large the tensor (a 128-expert fused weight is GBs).
-                step = max(1, CHUNK_BYTES // max(1, 4 * local[0].numel()))
-                for lo in range(0, local.shape[0], step):
-                    hi = min(lo + step, local.shape[0])
-                    local[lo:hi].copy_(
-                        dequantize(checkpoint.rows(key, start + lo, start + hi), key, checkpoint, start + lo)
-                    )
+            for read in reads:
+                _copy_rows_(read, checkpoint)
     finally:
         checkpoint.close()
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One parameter's local shard and where its rows come from."""
+
+    key: str
+    local: torch.Tensor
+    start: int
+    scale: tuple[torch.Tensor, int] | None = None  # FP8 storage (`rayft.model.fp8`): its row scales, filled with it
+
+
+def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Read]:
+    """Every base parameter's checkpoint key, checked against the checkpoint's shape and dtype; raises
+    `CheckpointKeyError` for missing tensors and `CheckpointShapeError` for ones that do not fit, naming them all."""
+    partners = {}
+    for head, embedding in tied_parameters(model).items():
+        partners[head], partners[embedding] = embedding, head  # either name serves the one tied parameter
+    fp8_scales = fp8_scale_params(model)
+    filled_with_weight = {id(p) for p in fp8_scales.values()}
+    reads, missing, misfits = [], [], []
+    for name, param in model.named_parameters():
+        if ".lora_" in name or id(param) in filled_with_weight:
+            continue
+        base_name = model_param_name(name)
+        key = _find_key(base_name, checkpoint) or _find_key(partners.get(base_name), checkpoint)
+        if key is None:
+            missing.append(base_name)
+            continue
+        misfit = _misfit(base_name, param, key, checkpoint, fp8_storage=name in fp8_scales)
+        if misfit:
+            misfits.append(misfit)
+            continue
+        local, start = _local_rows(param)
+        scale = _local_rows(fp8_scales[name]) if name in fp8_scales else None
+        reads.append(_Read(key, local, start, scale))
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointKeyError(f"the checkpoint at {directory} lacks {len(missing)} model tensors: {shown}")
+        raise CheckpointKeyError(
+            f"the checkpoint at {checkpoint.directory} lacks {len(missing)} model tensors: {_first(missing)}"
+        )
+    if misfits:
+        raise CheckpointShapeError(
+            f"the checkpoint at {checkpoint.directory} does not fit the model ({len(misfits)} tensors): "
+            f"{_first(misfits)}; is model_name_or_path the checkpoint this config describes?"
+        )
+    return reads
+
+
+def _find_key(name: str | None, checkpoint: SafetensorsCheckpoint) -> str | None:
+    if name is None:
+        return None
+    try:
+        return checkpoint_key(name, checkpoint)
+    except CheckpointKeyError:
+        return None
+
+
+def _misfit(
+    name: str, param: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, fp8_storage: bool = False
+) -> str | None:
+    """Why the checkpoint's `key` cannot fill `param` (global shape and dtype), or None. FP8 storage (E4M3 bytes
+    in a uint8 parameter) takes any floating-point tensor: its own bytes, or quantised per row while loading."""
+    stored, wanted = checkpoint.shape(key), list(param.shape)
+    if stored != wanted:
+        return f"'{key}' has shape {stored} in the checkpoint, the model's '{name}' has {wanted}"
+    dtype = checkpoint.dtype(key)
+    wanted_float = fp8_storage or param.dtype.is_floating_point
+    if wanted_float != dtype.is_floating_point or (not wanted_float and dtype != param.dtype):
+        return f"'{key}' is {dtype} in the checkpoint, the model's '{name}' is {param.dtype}"
+    if dtype in FP8_DTYPES:
+        try:
+            fp8_scale_key(key, checkpoint)
+        except CheckpointKeyError as e:
+            return str(e)
+    return None
+
+
+def _first(items: list[str], shown: int = 5) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def _copy_rows_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
+    """Fill a local shard in bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a
+    fixed size however large the tensor (a 128-expert fused weight is GBs)."""
+    if read.scale is not None:
+        _load_fp8_(read.local, read.scale, read.start, read.key, checkpoint)
+        return
+    local = read.local
+    if local.ndim == 0:
+        local.copy_(dequantize(checkpoint.rows(read.key, 0, 1), read.key, checkpoint, 0).reshape(()))
+        return
+    step = max(1, CHUNK_BYTES // max(1, 4 * math.prod(local.shape[1:])))
+    for lo in range(0, local.shape[0], step):
+        hi = min(lo + step, local.shape[0])
+        rows = checkpoint.rows(read.key, read.start + lo, read.start + hi)
+        local[lo:hi].copy_(dequantize(rows, read.key, checkpoint, read.start + lo))
 
 
 def _load_fp8_(
@@ -190,22 +313,27 @@ def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, 
 
 def fp8_scale(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
     """The static scale of FP8 `rows` (from row `start`): 0-d per tensor, or the rows' own ([n,1,1] per expert)."""
+    scale_key = fp8_scale_key(key, checkpoint)
+    if math.prod(checkpoint.shape(scale_key)) == 1:
+        return checkpoint.rows(scale_key, 0, 1).reshape(())
+    return checkpoint.rows(scale_key, start, start + rows.shape[0])
+
+
+def fp8_scale_key(key: str, checkpoint: SafetensorsCheckpoint) -> str:
+    """The static scale of an FP8 tensor: per tensor (one value) or per row of dim 0 (per expert)."""
     scale_key = next(
         (k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in checkpoint), None
     )
     if scale_key is None:
         raise CheckpointKeyError(f"FP8 tensor '{key}' has no '{key}_scale_inv' / 'weight_scale_inv' scale")
     scale_shape = checkpoint.shape(scale_key)
-    if math.prod(scale_shape) == 1:
-        scale = checkpoint.rows(scale_key, 0, 1).reshape(())
-    elif scale_shape[0] == checkpoint.shape(key)[0] and math.prod(scale_shape[1:]) == 1:
-        scale = checkpoint.rows(scale_key, start, start + rows.shape[0])
-    else:
-        raise CheckpointKeyError(
+    per_row = bool(scale_shape) and scale_shape[0] == checkpoint.shape(key)[0] and math.prod(scale_shape[1:]) == 1
+    if math.prod(scale_shape) != 1 and not per_row:
+        raise CheckpointShapeError(
             f"'{scale_key}' has shape {scale_shape}: only static per-tensor or per-expert FP8 scales are supported "
             "(block-wise FP8 checkpoints are not)"
         )
-    return scale
+    return scale_key
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -217,13 +345,18 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _init_lora_(name: str, local: torch.Tensor, shape: torch.Size, start: int) -> None:
-    """PEFT's default init: A ~ kaiming-uniform, B = 0. Every rank draws the whole (small) A from the same seeded
-    stream and keeps its rows, so the adapter starts the same however the weights are sharded or replicated."""
-    if ".lora_B." in name:
+    """PEFT's default init (`LoraLayer.reset_lora_parameters`), so the adapter starts as a zero delta: linear layers
+    A ~ kaiming-uniform, B = 0; embeddings the other way round, `lora_embedding_A` = 0, `lora_embedding_B` ~ N(0, 1).
+    Every rank draws the whole (small) random matrix from the same seeded stream and keeps its rows, so the adapter
+    starts the same however the weights are sharded or replicated."""
+    if ".lora_B." in name or ".lora_embedding_A." in name:
         local.zero_()
         return
     full = torch.empty(shape, dtype=local.dtype, device=local.device)
-    nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+    if ".lora_embedding_B." in name:
+        nn.init.normal_(full)
+    else:
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
     local.copy_(full[start : start + local.shape[0]])
 
 

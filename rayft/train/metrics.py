@@ -55,6 +55,11 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             seen.update(id(p) for p in module.parameters(recurse=False))
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base_model.get_output_embeddings() if hasattr(base_model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    if head_weight is not None and id(head_weight) in seen and not head_weight.requires_grad:
+        base += head_weight.numel()  # a tied head is the embedding matrix, yet a matmul every token goes through
     for p in model.parameters():
         if id(p) in seen:
             continue
