@@ -31,7 +31,7 @@ def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bflo
     model = check_adapter(adapter, Config(model=ModelConfig(model_name_or_path=str(base))))
     if merge:
         check_safetensors_dir(base, f"--base {base}")
-        check_weights_match(model, base, bool(getattr(model.config, "tie_word_embeddings", False)))
+        check_weights_match(model, base)
     _check_out(out)
     created = _missing_parents(out)
     out.parent.mkdir(parents=True, exist_ok=True)

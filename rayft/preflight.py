@@ -60,7 +60,7 @@ def preflight(cfg: Config) -> Preflight:
 
     model, targets = _weightless_model(cfg)
     if any(model_dir.glob("*.safetensors")):
-        check_weights_match(model, model_dir, bool(getattr(model.config, "tie_word_embeddings", False)))
+        check_weights_match(model, model_dir)
     check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
     return Preflight(train, validation, records, tokenizer, targets, structure(model, model.config))
 

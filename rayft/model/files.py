@@ -12,21 +12,18 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from rayft.config import Config, ConfigError
 from rayft.model.weights import (
-    FP8_DTYPES,
     SAFETENSORS_DTYPES,
     CheckpointKeyError,
+    CheckpointShapeError,
     SafetensorsCheckpoint,
-    checkpoint_key,
-    model_param_name,
+    plan_reads,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -34,23 +31,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 REDOWNLOAD = "download or copy it again"
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """A model tensor whose checkpoint counterpart has another shape."""
-
-    name: str  # the model's name
-    key: str  # the checkpoint's name
-    file: str
-    model_shape: list[int]
-    file_shape: list[int]
-
-    def __str__(self) -> str:
-        return (
-            f"tensor '{self.key}' in {self.file} has shape {self.file_shape}, the model built from config.json "
-            f"expects {self.model_shape}"
-        )
 
 
 def safetensors_header(path: Path, what: str) -> dict[str, Any]:
@@ -150,58 +130,22 @@ def _check_index(index: Path, headers: dict[str, dict[str, Any]], what: str) -> 
             )
 
 
-def check_weights_match(model: nn.Module, directory: Path, tie_word_embeddings: bool) -> None:
-    """Every base parameter of the (meta, possibly LoRA-wrapped) model has a counterpart of the same shape and a
-    usable dtype in the checkpoint. A missing LM head is fine when the config ties it to the embeddings."""
+def check_weights_match(model: nn.Module, directory: Path) -> None:
+    """The sharded loader's own read plan, made here on the meta model `config.json` builds: every base tensor is
+    in the checkpoint (a tied head is its embedding) with the model's shape, a usable dtype and FP8 scale — what
+    would fail on the workers after the cluster started fails now."""
     checkpoint = SafetensorsCheckpoint(directory)
-    missing: list[str] = []
-    mismatches: list[Mismatch] = []
-    for name, param in model.named_parameters():
-        if ".lora_" in name:
-            continue
-        base = model_param_name(name)
-        try:
-            key = checkpoint_key(base, checkpoint)
-        except CheckpointKeyError:
-            if not (tie_word_embeddings and base.endswith("lm_head.weight")):
-                missing.append(base)
-            continue
-        entry = checkpoint.entries[key]
-        if list(entry.shape) != list(param.shape):
-            mismatches.append(Mismatch(base, key, entry.file.name, list(param.shape), list(entry.shape)))
-            continue
-        _check_dtype(key, entry.dtype, param, checkpoint)
-    where = f"model.model_name_or_path: {directory}"
-    if mismatches:
-        more = f" (and {len(mismatches) - 1} more mismatches)" if len(mismatches) > 1 else ""
+    try:
+        plan_reads(model, checkpoint)
+    except CheckpointShapeError as e:
+        raise ConfigError(f"model.model_name_or_path: {e}") from None
+    except CheckpointKeyError as e:
         raise ConfigError(
-            f"{where}: {mismatches[0]}{more}; config.json does not describe these weights: use the config.json "
-            "that came with them"
-        )
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ConfigError(
-            f"{where}: the checkpoint has no tensor for '{missing[0]}'{more} of the model config.json describes; "
-            "a tensor is never left at random init: use the weights that belong to this config"
-        )
-
-
-def _check_dtype(key: str, dtype: torch.dtype, param: torch.Tensor, checkpoint: SafetensorsCheckpoint) -> None:
-    where = f"model.model_name_or_path: {checkpoint.directory}"
-    if param.is_floating_point() and not dtype.is_floating_point:
-        raise ConfigError(f"{where}: tensor '{key}' is {dtype}, the model expects floating-point weights")
-    if dtype in FP8_DTYPES:
-        scales = (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv")
-        scale = next((k for k in scales if k in checkpoint), None)
-        if scale is None:
-            raise ConfigError(f"{where}: FP8 tensor '{key}' has no scale ('{scales[0]}' or '{scales[1]}')")
-        shape = checkpoint.shape(scale)
-        per_row = bool(shape) and shape[0] == checkpoint.shape(key)[0] and math.prod(shape[1:]) == 1
-        if math.prod(shape) != 1 and not per_row:
-            raise ConfigError(
-                f"{where}: '{scale}' has shape {shape}: only static per-tensor or per-expert FP8 scales are "
-                "supported (block-wise FP8 checkpoints are not)"
-            )
+            f"model.model_name_or_path: {e}; a tensor is never left at random init: use the weights that belong "
+            "to this config.json"
+        ) from None
+    finally:
+        checkpoint.close()
 
 
 def check_vocab(tokenizer_size: int | None, model: nn.Module, tokenizer_dir: str) -> None:
