@@ -285,13 +285,26 @@ def _stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def submit_job(cluster: RayCluster, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`ray job submit --working-dir <repo> -- python jobs/mistral4.py ARGS`, blocking until the job ends."""
-    return subprocess.run(
-        [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
-         "python", "jobs/mistral4.py", *args],
-        env=cluster.env, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-    )  # fmt: skip
+AGENT_NOT_READY = "No available agent to submit job"  # Ray's own word for a transient state: "try again later"
+
+
+def submit_job(
+    cluster: RayCluster, *args: str, timeout: float = 900, ray_bin: str | Path = RAY_BIN
+) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir <repo> -- python jobs/mistral4.py ARGS`, blocking until the job ends.
+
+    A fresh cluster's head can answer before any node's job agent has registered (seen on a loaded 2-core machine):
+    Ray refuses the submission without creating a job, so it is sent again for up to two minutes."""
+    deadline = time.monotonic() + 120
+    while True:
+        job = subprocess.run(
+            [str(ray_bin), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
+             "python", "jobs/mistral4.py", *args],
+            env=cluster.env, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        )  # fmt: skip
+        if job.returncode == 0 or AGENT_NOT_READY not in job.stderr + job.stdout or time.monotonic() > deadline:
+            return job
+        time.sleep(3)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,6 @@ import pytest
 import torch
 from conftest import (
     RAY_BIN,
-    REPO,
     STEPS,
     Fixtures,
     RayCluster,
@@ -28,6 +27,7 @@ from conftest import (
     _wait_for_nodes,
     checkpointing_config,
     free_port,
+    submit_job,
     write_yaml,
 )
 from safetensors.torch import load_file
@@ -89,11 +89,7 @@ def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, **overrides) ->
 def submit(cluster: RayCluster, cfg: dict, out: Path, log: str) -> tuple[Run, str]:
     out.mkdir(parents=True, exist_ok=True)
     config = write_yaml(out / f"{log}.yaml", cfg)
-    job = subprocess.run(
-        [ray_cli(), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
-         "python", "jobs/mistral4.py", "--config", str(config)],
-        env=cluster.env, capture_output=True, text=True, timeout=540, cwd=REPO,
-    )  # fmt: skip
+    job = submit_job(cluster, "--config", str(config), timeout=540, ray_bin=ray_cli())
     text = job.stdout + job.stderr
     (out / f"{log}.log").write_text(text)
     assert job.returncode == 0 and "succeeded" in text, text[-6000:]
