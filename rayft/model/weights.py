@@ -226,7 +226,7 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
     if misfits:
         raise CheckpointShapeError(
             f"the checkpoint at {checkpoint.directory} does not fit the model ({len(misfits)} tensors): "
-            f"{_first(misfits)}; is model_name_or_path the checkpoint this config describes?"
+            f"{_first(misfits, shown=2)}; is model_name_or_path the checkpoint this config describes?"
         )
     return reads
 
