@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 
 STAGE ?= tests
 
-.PHONY: install demo test lint gpu-check
+.PHONY: install demo test lint prometheus gpu-check
 
 install: $(VENV)/.installed
 
@@ -25,7 +25,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# tests/test_dashboard.py runs a real Prometheus: present already, or Debian's package (root), or a loud failure.
+prometheus:
+	sh tests/tools/ensure-prometheus.sh
+
+test: lint prometheus
 	$(PY) -m pytest -v -p no:cacheprovider --durations=15
 
 # On one CUDA GPU, never in CI: STAGE=tests|job|bench|plan|all (README: GPU check). On the device there is no .venv:

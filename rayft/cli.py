@@ -133,6 +133,9 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
         "active_deadline_s": "seconds the RayJob may run",
         "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
         "backoff_limit": "fresh clusters after a failed job (default: 1, or 0 with ray.max_failures: -1)",
+        "prometheus_host": "RAY_PROMETHEUS_HOST on the head: the in-cluster Prometheus URL the dashboard queries",
+        "grafana_host": "RAY_GRAFANA_HOST on the head: the in-cluster Grafana URL the dashboard checks",
+        "grafana_iframe_host": "RAY_GRAFANA_IFRAME_HOST on the head: the Grafana URL the browser loads panels from",
     }
     for field, text in flags.items():
         default = getattr(d, field)
@@ -140,6 +143,8 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
         kind = int if isinstance(default, int) or field == "backoff_limit" else str
         metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
         p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text} (default {default})")
+    about = "also render a PodMonitor (head and workers) and rayft's Grafana dashboard as a ConfigMap"
+    p.add_argument("--monitoring", action="store_true", default=None, help=about)
     about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
     p = actions.add_parser("validate", help=about, description=about, parents=[common])
     p.add_argument("files", nargs="+", type=Path)

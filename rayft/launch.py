@@ -303,7 +303,7 @@ def connect(ray_cfg: RayConfig) -> bool:
     """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), or start a private local one (→ True)."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the dashboard's Train view needs it
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST) needs it
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)

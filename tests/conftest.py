@@ -167,6 +167,7 @@ class RayCluster:
     dashboard: str
     env: dict[str, str]
     metrics_ports: tuple[int, ...] = ()  # each node's Prometheus endpoint
+    temp_dir: Path | None = None  # --temp-dir: session_latest/ holds Ray's Prometheus service-discovery file
 
 
 class MetricsScraper(threading.Thread):
@@ -235,7 +236,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
             )
         )
         _wait_for_nodes(address, env, 2)
-        yield RayCluster(address=address, dashboard=dashboard, env=env, metrics_ports=metrics_ports)
+        yield RayCluster(address=address, dashboard=dashboard, env=env, metrics_ports=metrics_ports, temp_dir=temp_dir)
     finally:
         for p in reversed(procs):
             _stop_group(p)
@@ -308,9 +309,31 @@ def submit_job(
 
 
 @pytest.fixture(scope="session")
-def reference_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory) -> Run:
+def prometheus(ray_cluster: RayCluster, tmp_path_factory):
+    """A real Prometheus scraping the test cluster through Ray's service-discovery file (the documented set-up),
+    every second; installed where missing (never skipped), stopped by PID at the end of the session."""
+    from fixtures import prometheus as prom
+
+    sd_file = ray_cluster.temp_dir / "session_latest" / prom.SD_FILE
+    deadline = time.monotonic() + 30
+    while not sd_file.exists() and time.monotonic() < deadline:  # Ray's writer refreshes it every 5 s
+        time.sleep(1)
+    assert sd_file.exists(), f"Ray wrote no {sd_file}"
+    server = prom.start(prom.ensure_binary(), sd_file, tmp_path_factory.mktemp("prometheus"), free_port())
+    try:
+        prom.wait_for_targets(server, len(ray_cluster.metrics_ports))
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory, request) -> Run:
     """The tiny job through `ray job submit`, checkpointing every step and never interrupted: the e2e tests read
-    it, and every recovery test must end with exactly its result."""
+    it, and every recovery test must end with exactly its result. Where a collected test uses `prometheus`, the
+    server is started first, so that it scrapes this run while it trains (rayft's gauges live as long as rank 0)."""
+    if any("prometheus" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("prometheus")
     out = tmp_path_factory.mktemp("reference")
     config = write_yaml(out / "config.yaml", checkpointing_config(fixtures, out))
     scraper = MetricsScraper(ray_cluster.metrics_ports)

@@ -267,3 +267,76 @@ def test_containerfile_builds_on_the_pinned_ray_gpu_image():
     pinned = re.search(r"^ray==(\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
     assert pinned == RAY_VERSION  # image, rayVersion in the manifests and the tested Ray are one version
     assert "-c /app/constraints.txt" in text and in_image("/app/jobs/mistral4.py") == REPO / "jobs" / "mistral4.py"
+
+
+def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboard(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    hosts = {
+        "--prometheus-host": "http://prometheus-operated.monitoring:9090",
+        "--grafana-host": "http://grafana.monitoring:80",
+        "--grafana-iframe-host": "https://grafana.example.com",
+    }
+    docs = render(capsys, "--config", EXAMPLE, "--monitoring", "--namespace", "ml", "--name", "ft",
+                  *[a for kv in hosts.items() for a in kv])  # fmt: skip
+    assert set(docs) == {"RayJob", "RayCluster", "PodMonitor", "ConfigMap"}
+    for doc in docs.values():
+        assert validate(doc) == [], doc["kind"]
+    spec = docs["RayCluster"]["spec"]
+    head = spec["headGroupSpec"]["template"]
+    env = {e["name"]: e["value"] for e in head["spec"]["containers"][0]["env"]}
+    assert env["RAY_PROMETHEUS_HOST"] == hosts["--prometheus-host"]
+    assert env["RAY_GRAFANA_HOST"] == hosts["--grafana-host"]
+    assert env["RAY_GRAFANA_IFRAME_HOST"] == hosts["--grafana-iframe-host"]
+
+    # The PodMonitor selects the head and the GPU workers, by labels both pod templates carry, on a port both name.
+    monitor = docs["PodMonitor"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert monitor["metadata"]["namespace"] == "ml" and monitor["spec"]["namespaceSelector"]["matchNames"] == ["ml"]
+    pods = [head, *[g["template"] for g in spec["workerGroupSpecs"]]]
+    for pod in pods:
+        assert selector.items() <= pod["metadata"]["labels"].items(), pod["metadata"]["labels"]
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
+        assert ports.get(endpoint["port"]) == 8080, ports  # Ray's default --metrics-export-port under KubeRay
+
+    # The ConfigMap carries exactly the checked-in dashboard, labelled for Grafana's sidecar.
+    config_map = docs["ConfigMap"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = config_map["data"].values()
+    assert text == (REPO / "cluster" / "grafana" / "rayft-dashboard.json").read_text()
+
+    # Without the flags nothing of this is rendered; --out writes one file per manifest.
+    plain = render(capsys, "--config", EXAMPLE)
+    assert set(plain) == {"RayJob", "RayCluster"}
+    plain_env = {
+        e["name"] for e in plain["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert not {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"} & plain_env
+    assert cli.main(["k8s", "render", "--config", EXAMPLE, "--monitoring", "--out", str(tmp_path)]) == cli.EXIT_OK
+    written = sorted(p.name for p in tmp_path.glob("*.yaml"))
+    assert written == ["grafana-dashboard.yaml", "podmonitor.yaml", "raycluster.yaml", "rayjob.yaml"]
+    capsys.readouterr()
+    assert cli.main(["k8s", "validate", *map(str, tmp_path.glob("*.yaml"))]) == cli.EXIT_OK
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--grafana-host", "grafana:3000"], "--grafana-host: 'grafana:3000' is not a URL"),
+        (["--grafana-iframe-host", "https://g.example.com"], "--grafana-iframe-host needs --grafana-host"),
+    ],
+)
+def test_monitoring_flags_refuse_bad_urls(capsys, monkeypatch, args: list[str], says: str):
+    monkeypatch.chdir(REPO)
+    assert says in render_error(capsys, "--config", EXAMPLE, *args)
+
+
+def test_pod_monitor_shape_check_names_the_field():
+    from rayft.deploy import monitoring
+
+    good = monitoring.pod_monitor("ft", "ml", {"rayft.io/job": "ft"})
+    assert validate(good) == []
+    bad = copy.deepcopy(good)
+    bad["spec"]["podMetricsEndpoints"][0]["port"] = 8080  # the operator wants the port's name
+    del bad["spec"]["selector"]
+    assert [p.split(":")[0] for p in validate(bad)] == ["spec", "spec.podMetricsEndpoints.0.port"], validate(bad)

@@ -93,6 +93,11 @@ def validate(doc: Any, directory: Path | None = None) -> list[str]:
 
     if not isinstance(doc, dict):
         return ["not a mapping"]
+    from rayft.deploy import monitoring
+
+    shape = monitoring.problems(doc)
+    if shape is not None:  # PodMonitor, ConfigMap: rayft's own shape check, no CRD
+        return shape
     schema = schemas(directory or crd_dir()).get((doc.get("apiVersion"), doc.get("kind")))
     if schema is None:
         return [f"unknown apiVersion/kind {doc.get('apiVersion')}/{doc.get('kind')} (no CRD for it)"]

@@ -53,6 +53,13 @@ class Deployment:
     ttl_after_finished_s: int = 3600
     # Fresh clusters after a failed job (None: derived from ray.max_failures, see backoff_limit).
     backoff_limit: int | None = None
+    # Charts: the Ray dashboard's Metrics tab embeds Grafana once these are set on the head (in-cluster Prometheus
+    # and Grafana URLs; the Grafana URL the user's browser reaches); `monitoring` adds a PodMonitor for head and
+    # workers and rayft's Grafana dashboard as a ConfigMap for Grafana's sidecar.
+    prometheus_host: str | None = None
+    grafana_host: str | None = None
+    grafana_iframe_host: str | None = None
+    monitoring: bool = False
 
     def check(self) -> None:
         if name_problems("RayJob", self.name):
@@ -72,6 +79,13 @@ class Deployment:
         for flag, value in deadlines.items():
             if value < 1:
                 raise ConfigError(f"{flag}: must be a positive number of seconds, got {value}")
+        hosts = {"--prometheus-host": self.prometheus_host, "--grafana-host": self.grafana_host,
+                 "--grafana-iframe-host": self.grafana_iframe_host}  # fmt: skip
+        for flag, url in hosts.items():
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{flag}: '{url}' is not a URL; give it with its scheme, e.g. http://grafana:3000")
+        if self.grafana_iframe_host and not self.grafana_host:
+            raise ConfigError("--grafana-iframe-host needs --grafana-host (the in-cluster Grafana the head checks)")
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,19 @@ def render(cfg: Config, job: JobSource, dep: Deployment) -> dict[str, dict[str, 
         "metadata": _metadata(dep, f"{dep.name}-cluster"),
         "spec": spec,
     }
-    return {"rayjob": rayjob, "raycluster": raycluster}
+    return {"rayjob": rayjob, "raycluster": raycluster, **monitoring_manifests(dep)}
+
+
+def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
+    """{"podmonitor": …, "grafana-dashboard": …} with `monitoring`, else nothing."""
+    if not dep.monitoring:
+        return {}
+    from rayft.deploy import grafana, monitoring
+
+    return {
+        "podmonitor": monitoring.pod_monitor(dep.name, dep.namespace, _labels(dep)),
+        "grafana-dashboard": monitoring.dashboard_config_map(dep.name, dep.namespace, _labels(dep), grafana.render()),
+    }
 
 
 def check_fits(cfg: Config, dep: Deployment) -> int:
@@ -237,6 +263,7 @@ def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
                         "name": "ray-worker",
                         "image": dep.image,
                         "env": _env(gpu_env(dep)),
+                        **({"ports": [{"containerPort": 8080, "name": "metrics"}]} if dep.monitoring else {}),
                         "resources": _requests_are_limits(gpu_limits),
                         # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
                         "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
@@ -267,12 +294,16 @@ def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
 
 
 def head_env(dep: Deployment) -> dict[str, str]:
-    """The driver runs on the head: Ray Train's run state for the dashboard, Hugging Face caches on the PVC."""
-    return {
+    """The driver runs on the head: Ray Train's run state for the dashboard, Hugging Face caches on the PVC; the
+    dashboard (also on the head) finds Prometheus and Grafana through RAY_*_HOST."""
+    env = {
         "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HOME": f"{dep.mount_path}/hf-cache",
     }
+    hosts = {"RAY_PROMETHEUS_HOST": dep.prometheus_host, "RAY_GRAFANA_HOST": dep.grafana_host,
+             "RAY_GRAFANA_IFRAME_HOST": dep.grafana_iframe_host}  # fmt: skip
+    return {**env, **{k: v for k, v in hosts.items() if v}}
 
 
 def gpu_env(dep: Deployment) -> dict[str, str]:

@@ -116,12 +116,15 @@ GAUGES = {
     "learning_rate": "learning rate",
     "grad_norm": "gradient norm before clipping",
     "tokens_per_s": "training tokens per second, all workers",
+    "tokens_per_s_per_worker": "training tokens per second, one worker",
     "step_time_s": "seconds per optimizer step",
     "data_wait_share": "share of the window the slowest worker waited for data",
     "mfu_6n": "model FLOPs utilisation, 6N formula",
     "mfu_lora": "model FLOPs utilisation, LoRA-aware formula",
     "memory_allocated_gib": "peak GPU memory allocated, worst worker",
+    "memory_reserved_gib": "peak GPU memory reserved, worst worker",
     "host_rss_gib": "peak host RSS, worst worker",
+    "checkpoint_stall_s": "seconds training stood still for checkpoints so far in this attempt",
     "step": "optimizer steps done",
 }
 
