@@ -295,8 +295,8 @@ def submit_job(
     """`ray job submit --working-dir <repo> -- python jobs/mistral4.py ARGS`, blocking until the job ends.
 
     A fresh cluster's head can answer before any node's job agent has registered (seen on a loaded 2-core machine):
-    Ray refuses the submission without creating a job, so it is sent again for up to two minutes."""
-    deadline = time.monotonic() + 120
+    Ray refuses the submission without creating a job, so it is sent again for up to five minutes."""
+    deadline = time.monotonic() + 300
     while True:
         job = subprocess.run(
             [str(ray_bin), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
