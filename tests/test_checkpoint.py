@@ -347,3 +347,63 @@ def test_final_adapter_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["final"], "staging dirs left behind"
     finally:
         dist.destroy_process_group()
+
+
+# --- `rayft eval --adapter` loads every kind of LoRA tensor PEFT saves -------------------------------------------
+
+
+def _load_adapter_rank(rank: int, world: int, port: int, raw: dict, adapter_dir: str) -> None:
+    """Two FSDP2 ranks build the LoRA model from the config and load the adapter file; every LoRA tensor, gathered
+    from the shards, must be the file's."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from rayft.config import Config
+    from rayft.model.build import build_model
+    from rayft.train.checkpoint import load_adapter_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        load_adapter_weights(model, Path(adapter_dir))
+        want = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+        got = {n.replace(".default", ""): p.full_tensor() for n, p in model.named_parameters() if ".lora_" in n}
+        assert set(got) == set(want), set(got) ^ set(want)
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor.to(got[key].dtype)), key
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_adapter_with_embedding_lora_loads_into_the_sharded_model(fixtures: Fixtures, tmp_path):
+    """PEFT saves embedding LoRA as `lora_embedding_A/B` (no `.weight`): `load_adapter_weights` (what `rayft eval
+    --adapter` uses) must place those as well as `lora_A/B`. The adapter is PEFT's own, every tensor random."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    targets = ["embed_tokens", "q_proj"]
+    model = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32),
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets),
+    )
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.normal_()
+    adapter_dir = tmp_path / "adapter"
+    model.save_pretrained(str(adapter_dir), save_embedding_layers=False)
+    keys = load_file_keys(adapter_dir / "adapter_model.safetensors")
+    assert any(".lora_embedding_A" in k for k in keys) and any(".lora_A." in k for k in keys), keys
+
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["lora"].update(target_modules=targets, r=4, lora_alpha=8, lora_dropout=0.0)
+    mp.spawn(_load_adapter_rank, args=(2, free_port(), raw, str(adapter_dir)), nprocs=2)
+
+
+def load_file_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())

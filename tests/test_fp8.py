@@ -376,3 +376,83 @@ def test_fsdp2_gathers_fp8_bytes_and_trains_like_the_dequantised_fp32_path(fixtu
         assert sum(local_fp8.values()) <= 0.6 * local_fp32["float32"] / 2, (model, local_fp8, local_fp32)
         for step_fp8, step_fp32 in zip(fp8["frozen_gathered_per_step"], fp32["frozen_gathered_per_step"], strict=True):
             assert 0 < step_fp8 <= 0.6 * step_fp32 / 2, (model, step_fp8, step_fp32)
+
+
+# --- Only the experts a micro-batch routes to are dequantised, a bounded chunk at a time ----------------------------
+
+
+class _Dequantised(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every float8 → wider conversion the ops run (a dequantisation), by its element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        source = args[0] if args else None
+        if isinstance(source, torch.Tensor) and source.dtype == torch.float8_e4m3fn and func in (
+            torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.copy_.default,
+        ):  # fmt: skip
+            self.sizes.append(source.numel())
+        return func(*args, **(kwargs or {}))
+
+
+def _experts_and_reference() -> tuple[Fp8Experts, nn.Module]:
+    model = _tiny("mistral4")
+    experts = model.model.layers[0].mlp.experts
+    fp8 = Fp8Experts(experts, torch.float32)
+    with torch.no_grad():
+        for w in ("gate_up_proj", "down_proj"):
+            getattr(experts, w).copy_(_dequantised(getattr(fp8, w), getattr(fp8, f"{w}_scale")))
+    return fp8, experts
+
+
+def test_an_expert_without_tokens_is_never_dequantised():
+    """Tokens routed to experts {1, 2, 5} of 8: forward and backward dequantise exactly those three experts' weights
+    (each twice: forward, then the input gradient), never the others; output and input gradient are transformers'
+    grouped_mm experts on the dequantised fp32 weights."""
+    fp8, reference = _experts_and_reference()
+    assert fp8.num_experts == 8
+    top_k = torch.tensor([[1, 2], [5, 1], [2, 5], [1, 5], [2, 1]])
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    probe = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    seen = _Dequantised()
+    with seen:
+        out = fp8(hidden, top_k, weights)
+        (out * probe).sum().backward()
+    per_expert = fp8.gate_up_proj[0].numel() + fp8.down_proj[0].numel()
+    assert sum(seen.sizes) == 2 * 3 * per_expert, (seen.sizes, per_expert)
+
+    hidden_ref = hidden.detach().clone().requires_grad_()
+    want = reference(hidden_ref, top_k, weights)
+    (want * probe).sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_active_experts_are_dequantised_a_bounded_chunk_at_a_time(monkeypatch):
+    """With a budget of two experts' weights, no single dequantisation is larger than that, and the result (output
+    and input gradient) is the one-chunk result, bit for bit."""
+    from rayft.model import fp8 as fp8_module
+
+    fp8, _ = _experts_and_reference()
+    top_k = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [0, 7], [1, 6], [3, 4]])
+    weights = torch.rand(7, 2, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(1))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        x = hidden.clone().requires_grad_()
+        seen = _Dequantised()
+        with seen:
+            out = fp8(x, top_k, weights)
+            out.square().sum().backward()
+        return out.detach(), x.grad, seen.sizes
+
+    whole_out, whole_grad, whole_sizes = run()
+    assert max(whole_sizes) == 8 * fp8.gate_up_proj[0].numel()  # default budget: all 8 experts at once
+    monkeypatch.setattr(fp8_module, "EXPERT_DEQUANT_BUDGET", 2 * fp8.gate_up_proj[0].numel())
+    out, grad, sizes = run()
+    assert max(sizes) <= 2 * fp8.gate_up_proj[0].numel() and len(sizes) > len(whole_sizes)
+    assert sum(sizes) == sum(whole_sizes)
+    assert torch.equal(out, whole_out) and torch.equal(grad, whole_grad)

@@ -17,8 +17,10 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ STORAGE = torch.uint8  # E4M3 bit patterns; see the module docstring for why not
 FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
+EXPERT_DEQUANT_BUDGET = 2**28  # elements of routed-expert weights dequantised at once (512 MiB in bf16)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,26 +94,75 @@ class _FrozenLinear(torch.autograd.Function):
         return dx.to(ctx.input_dtype), None, None
 
 
+class ExpertChunk(NamedTuple):
+    """Experts dequantised together: their ids, their rows of the expert-sorted input, and the group ends."""
+
+    experts: torch.Tensor  # [n] expert ids, each with at least one row
+    start: int  # first row
+    end: int  # one past the last row
+    offs: torch.Tensor  # [n] int32 group ends, relative to `start`
+
+
+def expert_chunks(counts: list[int], per_expert: int, device: torch.device) -> list[ExpertChunk]:
+    """The experts that received rows in this micro-batch (`counts`: rows per expert, in expert order), in chunks
+    of at most `EXPERT_DEQUANT_BUDGET // per_expert` experts (`per_expert`: elements of one expert's weight), so
+    the dequantised weights alive at once are those of one chunk: an expert with no rows is never dequantised, and
+    a 128-expert layer never holds its whole stack in the compute dtype."""
+    per_chunk = max(1, EXPERT_DEQUANT_BUDGET // per_expert)
+    active = [e for e, n in enumerate(counts) if n]
+    chunks, row = [], 0
+    for i in range(0, len(active), per_chunk):
+        ids = active[i : i + per_chunk]
+        ends = list(itertools.accumulate(counts[e] for e in ids))
+        chunks.append(
+            ExpertChunk(
+                experts=torch.tensor(ids, dtype=torch.long, device=device),
+                start=row,
+                end=row + ends[-1],
+                offs=torch.tensor(ends, dtype=torch.int32, device=device),
+            )
+        )
+        row += ends[-1]
+    return chunks
+
+
+def _grouped_chunks(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, chunks: list[ExpertChunk], transpose: bool
+) -> torch.Tensor:
+    """Σ over chunks of grouped_mm(x rows of the chunk, dequant(W of its experts)), one chunk dequantised at a
+    time; `transpose` multiplies by Wᵀ (forward) rather than W (input gradient)."""
+    out_dim = data.shape[1] if transpose else data.shape[2]
+    parts = []
+    for chunk in chunks:
+        weight = dequantize_rows(data.index_select(0, chunk.experts), scale.index_select(0, chunk.experts), x.dtype)
+        rhs = weight.transpose(-2, -1) if transpose else weight
+        parts.append(F.grouped_mm(x[chunk.start : chunk.end].contiguous(), rhs, offs=chunk.offs))
+        del weight, rhs
+    return torch.cat(parts) if parts else x.new_zeros(0, out_dim)
+
+
 class _FrozenGroupedLinear(torch.autograd.Function):
-    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert, `offs` = group ends), no weight
-    gradient; saves only the E4M3 bytes and their scales."""
+    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert), dequantising only the experts
+    that have rows, a chunk at a time (`expert_chunks`); no weight gradient; saves only the E4M3 bytes and their
+    scales (and the chunks' small index tensors)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, chunks: list[ExpertChunk]
+    ) -> torch.Tensor:
         dtype = _compute_dtype(x)
-        ctx.save_for_backward(offs, data, scale)
-        ctx.dtype, ctx.input_dtype = dtype, x.dtype
-        weight = dequantize_rows(data, scale, dtype)  # [E, out, in]
+        ctx.save_for_backward(data, scale)
+        ctx.dtype, ctx.input_dtype, ctx.chunks = dtype, x.dtype, chunks
         with torch.autocast(x.device.type, enabled=False):
-            return F.grouped_mm(x.to(dtype).contiguous(), weight.transpose(-2, -1), offs=offs)
+            return _grouped_chunks(x.to(dtype), data, scale, chunks, transpose=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        offs, data, scale = ctx.saved_tensors
+        data, scale = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            dx = F.grouped_mm(grad.to(ctx.dtype).contiguous(), dequantize_rows(data, scale, ctx.dtype), offs=offs)
+            dx = _grouped_chunks(grad.to(ctx.dtype), data, scale, ctx.chunks, transpose=False)
         return dx.to(ctx.input_dtype), None, None, None
 
 
@@ -206,18 +258,20 @@ class Fp8Experts(nn.Module):
         num_tokens, top_k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
         routed = hidden_states[perm // top_k]
-        # histc, as transformers: no host sync, CPU needs float input
-        counts = torch.histc(expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate, up = self._project("gate_up_proj", routed, offs).chunk(2, dim=-1)
-        out = self._project("down_proj", self.act_fn(gate) * up, offs)
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # every expert's group end (LoRA's grouped_mm)
+        rows = counts.tolist()  # the one host sync: which experts to dequantise
+        gate, up = self._project("gate_up_proj", routed, offs, rows).chunk(2, dim=-1)
+        out = self._project("down_proj", self.act_fn(gate) * up, offs, rows)
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
         unsorted = torch.empty_like(out)
         unsorted[perm] = out
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        out = _FrozenGroupedLinear.apply(x, offs, getattr(self, name), getattr(self, f"{name}_scale"))
+    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        data = getattr(self, name)
+        chunks = expert_chunks(rows, data[0].numel(), x.device)
+        out = _FrozenGroupedLinear.apply(x, data, getattr(self, f"{name}_scale"), chunks)
         for lhs, rhs, scaling in self.lora_factors.get(name, ()):
             # (x · (s·lhs·rhs)ᵀ) per group = s · (x · rhsᵀ) · lhsᵀ; lhs [E, out, r], rhs [E, r, in]
             x_in = x.to(out.dtype).contiguous()

@@ -209,22 +209,34 @@ def publish_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTraine
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def adapter_file_keys(state_dict: dict[str, Any], adapter: str) -> dict[str, str]:
+    """Key in a saved PEFT adapter file → key of this model's state dict, for every LoRA tensor of `adapter`.
+
+    PEFT saves a tensor under its module key with the adapter's name taken out (`k.replace(f".{adapter}", "")`):
+    `...q_proj.lora_A.default.weight` → `...q_proj.lora_A.weight`, `...embed_tokens.lora_embedding_A.default` →
+    `...embed_tokens.lora_embedding_A`; the same rule, applied to this model's keys, gives every place."""
+    return {
+        key.replace(f".{adapter}", ""): key
+        for key in state_dict
+        if ".lora_" in key and (f".{adapter}." in key or key.endswith(f".{adapter}"))
+    }
+
+
 def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
     """A saved PEFT adapter into the (sharded) LoRA model built from its config: every rank reads the small file
     whole and keeps its own shards of it."""
     from safetensors.torch import load_file
 
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
-    name = model.active_adapter
     ours = model.state_dict()
+    places = adapter_file_keys(ours, model.active_adapter)
     state = {}
     for key, tensor in saved.items():
-        # PEFT files leave out the adapter's name: ...q_proj.lora_A.weight is ...q_proj.lora_A.default.weight here
-        target = key.replace(".lora_A.", f".lora_A.{name}.").replace(".lora_B.", f".lora_B.{name}.")
-        if target not in ours:
+        target = places.get(key)
+        if target is None:
             raise ValueError(f"{directory}: {key} has no place in this model (an adapter for another base?)")
         state[target] = tensor.to(ours[target].dtype)
-    missing = [k for k in ours if ".lora_" in k and k not in state]
+    missing = [k for k in places.values() if k not in state]
     if missing:
         raise ValueError(f"{directory}: the adapter has no {missing[0]} (and {len(missing) - 1} more)")
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
