@@ -1,12 +1,14 @@
 """Host memory and all-gather bytes per rank with the frozen base in FP8 against bf16 (`model.frozen_dtype`).
 
-Two gloo ranks build the same LoRA + FSDP2 model from one bf16 checkpoint (a dense Mistral whose decoder matrices
-dominate: small vocabulary) twice — `frozen_dtype: bfloat16` and `float8_e4m3fn` (quantised at load) — and train 3
+Two gloo ranks build the same LoRA + FSDP2 model from one FP8 checkpoint in the hub's Mistral-Small-4 layout
+(`tests/fixtures/hub_layout.py`, scaled up so that its routed experts dominate: 3 layers × 32 experts of 1024 × 512,
+a 32k vocabulary) twice — `frozen_dtype: bfloat16` (dequantised at load) and `auto` (kept in FP8) — and train 3
 steps. Each rank reports its RSS after loading and its peak RSS over loading + training (both as increases over
-the RSS it had before building; glibc's mmap threshold fixed, see `measure`), the bytes of its shards of the
-decoder's frozen weights, and the bytes its decoder layers all-gathered per step less LoRA's. The acceptance bound:
-RSS(fp8) ≤ 0.6 × frozen bf16 bytes + the fixed overhead, the fixed overhead being the bf16 run's RSS minus its
-frozen bf16 bytes.
+the RSS it had before building), the bytes of its shards of the decoder's frozen weights, and the bytes its decoder
+layers all-gathered per step less LoRA's. The acceptance bound: RSS(fp8) ≤ 0.6 × frozen bf16 bytes + the fixed
+overhead, the fixed overhead being the bf16 run's RSS minus its frozen bf16 bytes. Both pairs of runs are made twice:
+with glibc's default malloc and with the mmap threshold rayft sets for its workers (`MALLOC_MMAP_THRESHOLD_`,
+see `rayft.launch.WORKER_ENV`).
 
     python bench/fp8_memory.py [--size small|default] [--out bench/results/fp8_memory_cpu.json]
 """
@@ -24,10 +26,16 @@ import torch.multiprocessing as mp
 from _common import MIB, cli, free_port, machine, reset_peak_rss, rss_kib
 
 SIZES = {
-    # ~250 MB of bf16 decoder matrices (8 layers × 15.7M) next to 2 × 33.5M embedding/head parameters
-    "default": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "vocab_size": 32768},
-    "small": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 4096},
-}
+    # 151M routed-expert parameters (302 MiB in bf16) next to 2 × 33.5M embedding/head parameters
+    "default": {
+        "hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_size": 1024, "n_routed_experts": 32,
+        "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "head_dim": 64, "vocab_size": 32768,
+    },
+    "small": {"vocab_size": 4096},  # the test fixture's shapes
+}  # fmt: skip
+MALLOC = {"glibc default": None, "rayft workers": "1048576"}  # MALLOC_MMAP_THRESHOLD_
 STEPS = 3
 
 
@@ -83,46 +91,28 @@ def _count_frozen_all_gathers(layer, box: list[int]) -> None:
     layer.set_custom_all_gather(Counting())
 
 
-def measure(raw: dict, vocab: int, world: int = 2) -> list[dict]:
-    # glibc raises its mmap threshold after freeing a large block, so freed temporaries (a dequantised weight, a
-    # quantised read chunk) then stay resident and RSS stops tracking live memory; a fixed threshold (both runs)
-    # returns them, so RSS measures what is actually held.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 * MIB))
-    with tempfile.TemporaryDirectory() as results:
-        mp.spawn(_rank, args=(world, free_port(), raw, vocab, results), nprocs=world)
-        return [json.loads(Path(results, f"rank{r}.json").read_text()) for r in range(world)]
+def measure(raw: dict, vocab: int, mmap_threshold: str | None, world: int = 2) -> list[dict]:
+    """The ranks are spawned with `MALLOC_MMAP_THRESHOLD_` as given (None: unset, glibc's dynamic threshold)."""
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = mmap_threshold
+    try:
+        with tempfile.TemporaryDirectory() as results:
+            mp.spawn(_rank, args=(world, free_port(), raw, vocab, results), nprocs=world)
+            return [json.loads(Path(results, f"rank{r}.json").read_text()) for r in range(world)]
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def make_model(root: Path, size: dict) -> Path:
-    from transformers import MistralConfig, MistralForCausalLM
+    from fixtures.hub_layout import make_tiny_mistral_small4
 
-    from rayft import demo
-
-    model_dir = root / "dense-bf16"
-    demo.make_tokenizer(model_dir)
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=size["vocab_size"], hidden_size=size["hidden_size"], intermediate_size=size["intermediate_size"],
-        num_hidden_layers=size["num_hidden_layers"], num_attention_heads=8, num_key_value_heads=4,
-        head_dim=size["hidden_size"] // 8, tie_word_embeddings=False,
-    )  # fmt: skip
-    MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(str(model_dir))
-    return model_dir
+    return make_tiny_mistral_small4(root / "mistral-small-4", **size)
 
 
-def run(size_name: str) -> dict:
-    size = SIZES[size_name]
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model(Path(tmp), size)
-        results = {}
-        for frozen in ("bfloat16", "float8_e4m3fn"):
-            raw = {
-                "model": {"model_name_or_path": str(model_dir), "torch_dtype": "bfloat16", "frozen_dtype": frozen},
-                "lora": {"target_modules": ["auto"], "lora_dropout": 0.0},
-                "ray": {"use_gpu": False},
-            }
-            results[frozen] = measure(raw, size["vocab_size"])
-    bf16, fp8 = results["bfloat16"], results["float8_e4m3fn"]
+def _checks(bf16: list[dict], fp8: list[dict]) -> list[dict]:
     checks = []
     for rank, (b, f) in enumerate(zip(bf16, fp8, strict=True)):
         frozen = b["frozen_decoder_local_mib"]
@@ -131,13 +121,34 @@ def run(size_name: str) -> dict:
             bound = 0.6 * frozen + fixed
             checks.append({"rank": rank, "measure": key, "fp8": round(f[key], 1), "bf16": round(b[key], 1),
                            "bound": round(bound, 1), "within": f[key] <= bound})  # fmt: skip
+    return checks
+
+
+def run(size_name: str) -> dict:
+    size = SIZES[size_name]
+    vocab = size["vocab_size"]
+    results: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp), size)
+        for malloc, threshold in MALLOC.items():
+            results[malloc] = {}
+            for frozen in ("bfloat16", "auto"):
+                raw = {
+                    "model": {"model_name_or_path": str(model_dir), "torch_dtype": "bfloat16", "frozen_dtype": frozen},
+                    "lora": {"target_modules": ["auto"], "lora_dropout": 0.0},
+                    "ray": {"use_gpu": False},
+                }
+                results[malloc][frozen] = measure(raw, vocab, threshold)
+    bf16, fp8 = results["rayft workers"]["bfloat16"], results["rayft workers"]["auto"]
     return {
         "benchmark": "fp8_memory",
-        "what": "per-rank host RSS increase and frozen all-gather bytes, frozen base bf16 vs FP8, 2 gloo ranks",
+        "what": "per-rank host RSS increase and frozen all-gather bytes, frozen base bf16 vs FP8, 2 gloo ranks, "
+        "hub-layout Mistral-Small-4 (FP8 checkpoint)",
         **machine(),
         "size": size_name,
+        "model": size,
         "results": results,
-        "checks": checks,
+        "checks": {malloc: _checks(r["bfloat16"], r["auto"]) for malloc, r in results.items()},
         "frozen_local_fp8_over_bf16": round(
             fp8[0]["frozen_decoder_local_mib"] / bf16[0]["frozen_decoder_local_mib"], 3
         ),

@@ -98,9 +98,14 @@ class ExpertChunk(NamedTuple):
     """Experts dequantised together: their ids, their rows of the expert-sorted input, and the group ends."""
 
     experts: torch.Tensor  # [n] expert ids, each with at least one row
+    span: tuple[int, int] | None  # (first, end) when the ids are a contiguous range: the weights are a view
     start: int  # first row
     end: int  # one past the last row
     offs: torch.Tensor  # [n] int32 group ends, relative to `start`
+
+    def select(self, stacked: torch.Tensor) -> torch.Tensor:
+        """These experts' entries of a per-expert tensor: a view for a contiguous range, else a (1-byte) copy."""
+        return stacked[self.span[0] : self.span[1]] if self.span else stacked.index_select(0, self.experts)
 
 
 def expert_chunks(counts: list[int], per_expert: int, device: torch.device) -> list[ExpertChunk]:
@@ -117,6 +122,7 @@ def expert_chunks(counts: list[int], per_expert: int, device: torch.device) -> l
         chunks.append(
             ExpertChunk(
                 experts=torch.tensor(ids, dtype=torch.long, device=device),
+                span=(ids[0], ids[-1] + 1) if ids[-1] - ids[0] == len(ids) - 1 else None,
                 start=row,
                 end=row + ends[-1],
                 offs=torch.tensor(ends, dtype=torch.int32, device=device),
@@ -134,7 +140,7 @@ def _grouped_chunks(
     out_dim = data.shape[1] if transpose else data.shape[2]
     parts = []
     for chunk in chunks:
-        weight = dequantize_rows(data.index_select(0, chunk.experts), scale.index_select(0, chunk.experts), x.dtype)
+        weight = dequantize_rows(chunk.select(data), chunk.select(scale), x.dtype)
         rhs = weight.transpose(-2, -1) if transpose else weight
         parts.append(F.grouped_mm(x[chunk.start : chunk.end].contiguous(), rhs, offs=chunk.offs))
         del weight, rhs

@@ -1,0 +1,240 @@
+"""The frozen base in FP8 (`model.frozen_dtype: auto` on the hub-layout Mistral-Small-4) through real `ray job submit`
+runs, and two jobs of the same default `ray.name` on one cluster at once.
+
+One pair of concurrent submissions on the two-node test cluster serves every test here: both train the tiny FP8
+Mistral-Small-4 (fp32 compute, LoRA on the MLA set, the shared expert and the routed experts), checkpointing and
+evaluating every step, with the default `ray.name` and different output directories; one of them loses a worker
+(SIGKILL by PID from Ray's state API) after its first checkpoint and resumes. Every expected value comes from
+outside the code under test: the uninterrupted run, PEFT on a model holding weights decoded from the checkpoint's
+raw E4M3 bytes with numpy (`test_weights._dequantised_reference`), transformers loading the merged export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import AGENT_NOT_READY, RAY_BIN, REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
+from peft import PeftModel
+from safetensors.torch import load_file
+from test_job_e2e import _eval
+from test_recovery import assert_same_training, resumes
+from test_weights import _dequantised_reference
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import Mistral4Config, Mistral4ForCausalLM
+
+pytestmark = pytest.mark.ray
+
+PROBE = torch.tensor([[1, 1784, 3937, 1278, 8312, 1321, 1261, 2], [1, 1278, 8321, 7932, 1044, 2, 11, 11]])
+
+
+@dataclass
+class Submitted:
+    """One `ray job submit --no-wait` job: its submission id, its run and the log Ray kept of it."""
+
+    submission_id: str
+    run: Run
+
+
+def _fp8_config(fx: Fixtures, hub: Path, out: Path) -> dict:
+    cfg = checkpointing_config(fx, out, lora__lora_dropout=0.0, lora__target_experts=True, train__bf16=False)
+    cfg["model"].update(model_name_or_path=str(hub), torch_dtype="float32")  # frozen_dtype auto: stays FP8
+    cfg["lora"]["target_modules"] = ["auto"]
+    cfg["fsdp"] = {"activation_checkpointing": True}  # target_experts needs it
+    assert cfg["ray"].get("name") in (None, "ray_run")  # both jobs keep the default name
+    return cfg
+
+
+def _submit(cluster: RayCluster, config: Path) -> str:
+    """`ray job submit --no-wait`; resent while no job agent has registered yet (as conftest.submit_job)."""
+    submission_id = f"fp8-{uuid.uuid4().hex[:8]}"
+    deadline = time.monotonic() + 300
+    while True:
+        job = subprocess.run(
+            [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO),
+             "--submission-id", submission_id, "--no-wait", "--", "python", "jobs/mistral4.py", "--config",
+             str(config)],
+            env=cluster.env, capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        if job.returncode == 0:
+            return submission_id
+        if AGENT_NOT_READY not in job.stderr + job.stdout or time.monotonic() > deadline:
+            pytest.fail(f"ray job submit failed:\n{job.stdout[-3000:]}\n{job.stderr[-3000:]}")
+        time.sleep(3)
+
+
+def _wait(cluster: RayCluster, jobs: list[Submitted], timeout: float = 1200) -> None:
+    """Until every job ended; each job's log is written beside its run. Fails on any job that did not succeed."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(cluster.dashboard)
+    deadline = time.monotonic() + timeout
+    pending = {j.submission_id: j for j in jobs}
+    while pending and time.monotonic() < deadline:
+        for sid, job in list(pending.items()):
+            if client.get_job_status(sid).is_terminal():
+                job.run.log.write_text(client.get_job_logs(sid))
+                del pending[sid]
+        time.sleep(2)
+    for job in jobs:
+        if job.submission_id in pending:
+            job.run.log.write_text(client.get_job_logs(job.submission_id))
+        status = client.get_job_status(job.submission_id)
+        assert status == JobStatus.SUCCEEDED, f"{job.submission_id}: {status}\n{job.run.text()[-6000:]}"
+
+
+def _job_workers(address: str, submission_id: str) -> list[int]:
+    """PIDs of the live training workers of this submission, from Ray's state API on the test's own cluster."""
+    from ray.util.state import list_actors, list_jobs
+
+    jobs = [j.job_id for j in list_jobs(address=address) if j.submission_id == submission_id and j.job_id]
+    if not jobs:
+        return []
+    filters = [("job_id", "=", jobs[0]), ("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    return [a.pid for a in list_actors(address=address, filters=filters) if a.pid]
+
+
+def _wait_until(condition, what: str, run: Run, timeout: float = 600, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out waiting for {what}\n{run.text()[-4000:] if run.log.exists() else ''}")
+
+
+@pytest.fixture(scope="module")
+def fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict[str, Run]:
+    """`reference`: the FP8 job uninterrupted; `killed`: the same job, submitted at the same time with the same
+    default `ray.name` into another output dir, whose worker is SIGKILLed after its first registered checkpoint
+    (`ray.max_failures` 2: Ray restarts the group, which resumes from the latest checkpoint)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")  # the state API and job client talk to the test cluster
+        return _run_fp8_jobs(ray_cluster, fixtures, mistral4_hub, tmp_path_factory.mktemp("fp8-jobs"))
+
+
+def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, root: Path) -> dict[str, Run]:
+    jobs = {}
+    for label in ("reference", "killed"):
+        out = root / label
+        out.mkdir()
+        config = write_yaml(out / "config.yaml", _fp8_config(fixtures, mistral4_hub, out))
+        jobs[label] = Submitted(_submit(ray_cluster, config), Run(out, out / "job.log"))
+    killed = jobs["killed"]
+    _wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run)
+    group = _wait_until(lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
+                        "the two training workers", killed.run)  # fmt: skip
+    steps_before_kill = max((r["step"] for r in killed.run.metrics()), default=0)
+    os.kill(max(group), signal.SIGKILL)
+    _wait(ray_cluster, list(jobs.values()))
+    assert steps_before_kill < STEPS, "the job finished before its worker was killed"
+    return {label: job.run for label, job in jobs.items()}
+
+
+def test_fp8_job_trains_in_fp8_and_a_killed_worker_resumes_to_the_uninterrupted_adapter(fp8_jobs: dict[str, Run]):
+    reference, killed = fp8_jobs["reference"], fp8_jobs["killed"]
+    for run in (reference, killed):
+        # 8 linears + 1 routed-expert stack per layer, 2 layers: the FP8 checkpoint stayed FP8 in memory
+        assert "frozen base: 18 decoder matrices stored as FP8 E4M3" in run.text(), run.text()[:4000]
+    losses = [r["loss"] for r in reference.metrics()]
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    resumed = resumes(killed.text())
+    assert len(resumed) == 1 and resumed[0] >= 1, killed.text()[-6000:]
+    assert_same_training(killed, reference)
+
+
+def _checkpoint_files_present_and_loading(run: Run, tmp: Path) -> int:
+    """Every registered checkpoint of `run`: each DCP file its metadata names is there and long enough, the state
+    converts to one torch file holding the LoRA tensors, and the adapter loads. Returns the count."""
+    registered = run.registered()
+    assert registered, f"{run.run_dir}: nothing registered"
+    for name in sorted(registered):
+        state = run.run_dir / name / "state"
+        metadata = FileSystemReader(str(state)).read_metadata()
+        needed: dict[str, int] = {}
+        for item in metadata.storage_data.values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        assert len(needed) == 2, f"{state}: {sorted(needed)} (one file per rank expected)"
+        for file, size in needed.items():
+            assert (state / file).is_file() and (state / file).stat().st_size >= size, f"{state / file} lost"
+        dcp_to_torch_save(state, tmp / f"{run.out.name}-{name}.pt")
+        model = torch.load(tmp / f"{run.out.name}-{name}.pt", weights_only=False)["model"]
+        assert model and all(".lora_" in k for k in model), f"{state}: {list(model)[:5]}"
+        adapter = load_file(run.run_dir / name / "adapter" / "adapter_model.safetensors")
+        assert set(adapter) == {k.replace(".default", "") for k in model}, name
+    return len(registered)
+
+
+def test_two_concurrent_jobs_with_the_default_name_keep_every_checkpoint_shard(fp8_jobs: dict[str, Run], tmp_path):
+    """Issue 16: two jobs with the default `ray.name` and different output dirs, on one node pair at the same
+    time (their workers share the nodes' spool directory): both finished, and every checkpoint each registered has
+    all its shards and loads."""
+    for run in fp8_jobs.values():
+        assert run.run_dir.name == "ray_run" and "rayft: final adapter:" in run.text()
+        assert _checkpoint_files_present_and_loading(run, tmp_path) >= 2
+
+
+def _numpy_dequantised_text_model(hub: Path) -> Mistral4ForCausalLM:
+    """The text model in fp32 holding the hub checkpoint decoded from its raw bytes with numpy (not rayft)."""
+    text = json.loads((hub / "config.json").read_text())["text_config"]
+    model = Mistral4ForCausalLM(Mistral4Config(**text)).float()
+    tensors = {
+        key.removeprefix("language_model."): tensor
+        for key, tensor in _dequantised_reference(str(hub)).items()
+        if key.startswith("language_model.")
+    }
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    return model.eval()
+
+
+def test_fp8_adapter_loads_with_peft_on_the_dequantised_base_and_the_merged_export_matches(
+    fp8_jobs: dict[str, Run], mistral4_hub: Path, tmp_path
+):
+    final = fp8_jobs["reference"].out / "final"
+    tuned = PeftModel.from_pretrained(_numpy_dequantised_text_model(mistral4_hub), str(final)).eval()
+    with torch.no_grad():
+        want = tuned(input_ids=PROBE).logits
+        with tuned.disable_adapter():
+            untuned = tuned(input_ids=PROBE).logits
+    assert (want - untuned).abs().max() > 1e-3, "the adapter changes nothing"
+
+    out = tmp_path / "merged"
+    merged_run = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "export", "--adapter", str(final), "--base",
+         str(mistral4_hub), "--out", str(out), "--merge", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert merged_run.returncode == 0, merged_run.stderr[-3000:]
+    merged = Mistral4ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    reference = tuned.merge_and_unload()  # PEFT folds the adapter (routed experts included) into the numpy base
+    ours, theirs = merged.state_dict(), reference.state_dict()
+    assert set(ours) == set(theirs)
+    for key, tensor in theirs.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-6, atol=1e-6, msg=key)
+    with torch.no_grad():
+        got = merged(input_ids=PROBE).logits
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_eval_on_the_fp8_base_scores_as_the_dequantised_fp32_base(fp8_jobs: dict[str, Run], ray_cluster):
+    """`rayft eval --adapter final` with the base kept in FP8 (`auto`) and dequantised at load (`float32`): the
+    same loss, and the one training reported for that (best) checkpoint."""
+    run = fp8_jobs["reference"]
+    config, final = run.out / "config.yaml", str(run.out / "final")
+    fp8 = _eval(ray_cluster, config, "--adapter", final)
+    fp32 = _eval(ray_cluster, config, "--adapter", final, "--override", "model.frozen_dtype=float32")
+    assert fp8 == pytest.approx(fp32, rel=1e-4)
+    best = min(r["eval_loss"] for r in run.metrics() if "eval_loss" in r)
+    assert fp8 == pytest.approx(best, abs=2e-4)
