@@ -30,7 +30,7 @@ SIZES = {
     "default": {
         "hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_size": 1024, "n_routed_experts": 32,
         "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "q_lora_rank": 256, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64,
         "head_dim": 64, "vocab_size": 32768,
     },
     "small": {"vocab_size": 4096},  # the test fixture's shapes
