@@ -7,8 +7,8 @@ steps. Each rank reports its RSS after loading and its peak RSS over loading + t
 the RSS it had before building), the bytes of its shards of the decoder's frozen weights, and the bytes its decoder
 layers all-gathered per step less LoRA's. The acceptance bound: RSS(fp8) ≤ 0.6 × frozen bf16 bytes + the fixed
 overhead, the fixed overhead being the bf16 run's RSS minus its frozen bf16 bytes. Both pairs of runs are made twice:
-with glibc's default malloc and with the mmap threshold rayft sets for its workers (`MALLOC_MMAP_THRESHOLD_`,
-see `rayft.launch.WORKER_ENV`).
+with glibc's default malloc (what rayft's workers run with) and with its mmap threshold fixed at 1 MiB
+(`MALLOC_MMAP_THRESHOLD_`, which makes RSS track live memory: freed temporaries go back to the system at once).
 
     python bench/fp8_memory.py [--size small|default] [--out bench/results/fp8_memory_cpu.json]
 """
@@ -35,7 +35,7 @@ SIZES = {
     },
     "small": {"vocab_size": 4096},  # the test fixture's shapes
 }  # fmt: skip
-MALLOC = {"glibc default": None, "rayft workers": "1048576"}  # MALLOC_MMAP_THRESHOLD_
+MALLOC = {"glibc default": None, "mmap threshold 1 MiB": "1048576"}  # MALLOC_MMAP_THRESHOLD_
 STEPS = 3
 
 
@@ -139,7 +139,7 @@ def run(size_name: str) -> dict:
                     "ray": {"use_gpu": False},
                 }
                 results[malloc][frozen] = measure(raw, vocab, threshold)
-    bf16, fp8 = results["rayft workers"]["bfloat16"], results["rayft workers"]["auto"]
+    bf16, fp8 = results["glibc default"]["bfloat16"], results["glibc default"]["auto"]
     return {
         "benchmark": "fp8_memory",
         "what": "per-rank host RSS increase and frozen all-gather bytes, frozen base bf16 vs FP8, 2 gloo ranks, "

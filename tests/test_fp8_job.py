@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,13 +56,24 @@ def _fp8_config(fx: Fixtures, hub: Path, out: Path) -> dict:
     return cfg
 
 
-def _submit(cluster: RayCluster, config: Path) -> str:
+def _working_dir(out: Path) -> Path:
+    """The job's code (jobs/, rayft/) in a working dir of its own. Two submissions of one identical working dir at
+    the same instant share Ray's unpacked copy, and Ray was seen to remove it under the second job's driver
+    (`os.getcwd()`: FileNotFoundError at import) — a Ray race, not what this module tests."""
+    code = out / "code"
+    for part in ("jobs", "rayft"):
+        shutil.copytree(REPO / part, code / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (code / "SUBMITTED_FROM").write_text(str(out))  # a package hash of its own
+    return code
+
+
+def _submit(cluster: RayCluster, config: Path, working_dir: Path) -> str:
     """`ray job submit --no-wait`; resent while no job agent has registered yet (as conftest.submit_job)."""
     submission_id = f"fp8-{uuid.uuid4().hex[:8]}"
     deadline = time.monotonic() + 300
     while True:
         job = subprocess.run(
-            [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO),
+            [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(working_dir),
              "--submission-id", submission_id, "--no-wait", "--", "python", "jobs/mistral4.py", "--config",
              str(config)],
             env=cluster.env, capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -130,7 +142,7 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
         out = root / label
         out.mkdir()
         config = write_yaml(out / "config.yaml", _fp8_config(fixtures, mistral4_hub, out))
-        jobs[label] = Submitted(_submit(ray_cluster, config), Run(out, out / "job.log"))
+        jobs[label] = Submitted(_submit(ray_cluster, config, _working_dir(out)), Run(out, out / "job.log"))
     killed = jobs["killed"]
     _wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run)
     group = _wait_until(lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
