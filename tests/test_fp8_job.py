@@ -12,7 +12,9 @@ raw E4M3 bytes with numpy (`test_weights._dequantised_reference`), transformers 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +29,6 @@ import torch
 from conftest import AGENT_NOT_READY, RAY_BIN, REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_job_e2e import _eval
 from test_recovery import assert_same_training, resumes
 from test_weights import _dequantised_reference
 from torch.distributed.checkpoint import FileSystemReader
@@ -240,13 +241,43 @@ def test_fp8_adapter_loads_with_peft_on_the_dequantised_base_and_the_merged_expo
     assert (got - want).abs().max().item() < 1e-4
 
 
+def _evals(cluster: RayCluster, runs: list[tuple[Path, tuple[str, ...]]]) -> list[tuple[float, str]]:
+    """`rayft eval --config C ARGS` for each (C, ARGS) at the same time (each config has its own output dir, so
+    its own eval run dir); the loss each printed, and its output."""
+    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for config, args in runs
+    ]
+    losses = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-4000:]
+        found = re.search(r"eval .* on 'validation' \([\d,]+ rows\): loss ([\d.]+), perplexity ([\d.]+)", stdout)
+        assert found, stdout + stderr[-3000:]
+        assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-3)
+        losses.append((float(found[1]), stdout + stderr))
+    return losses
+
+
 def test_eval_on_the_fp8_base_scores_as_the_dequantised_fp32_base(fp8_jobs: dict[str, Run], ray_cluster):
     """`rayft eval --adapter final` with the base kept in FP8 (`auto`) and dequantised at load (`float32`): the
-    same loss, and the one training reported for that (best) checkpoint."""
+    same loss, and the one training reported for that (best) checkpoint. (The second eval runs from the other
+    job's config: the same settings, another output dir.)"""
     run = fp8_jobs["reference"]
-    config, final = run.out / "config.yaml", str(run.out / "final")
-    fp8 = _eval(ray_cluster, config, "--adapter", final)
-    fp32 = _eval(ray_cluster, config, "--adapter", final, "--override", "model.frozen_dtype=float32")
+    adapter = ("--adapter", str(run.out / "final"))
+    (fp8, fp8_log), (fp32, fp32_log) = _evals(ray_cluster, [
+        (run.out / "config.yaml", adapter),
+        (fp8_jobs["killed"].out / "config.yaml", (*adapter, "--override", "model.frozen_dtype=float32")),
+    ])  # fmt: skip
+    assert "stored as FP8 E4M3" in fp8_log and "stored as FP8 E4M3" not in fp32_log, fp8_log[-3000:]
     assert fp8 == pytest.approx(fp32, rel=1e-4)
     best = min(r["eval_loss"] for r in run.metrics() if "eval_loss" in r)
     assert fp8 == pytest.approx(best, abs=2e-4)
