@@ -193,9 +193,14 @@ def test_two_concurrent_jobs_with_the_default_name_keep_every_checkpoint_shard(f
     """Issue 16: two jobs with the default `ray.name` and different output dirs, on one node pair at the same
     time (their workers share the nodes' spool directory): both finished, and every checkpoint each registered has
     all its shards and loads."""
-    for run in fp8_jobs.values():
+    spans = {}
+    for label, run in fp8_jobs.items():
         assert run.run_dir.name == "ray_run" and "rayft: final adapter:" in run.text()
         assert _checkpoint_files_present_and_loading(run, tmp_path) >= 2
+        # from the run's identity (written as it starts training) to its final adapter
+        spans[label] = ((run.run_dir / "rayft_run.json").stat().st_mtime, (run.out / "final").stat().st_mtime)
+    (a_start, a_end), (b_start, b_end) = spans.values()
+    assert a_start < b_end and b_start < a_end, f"the two jobs did not train at the same time: {spans}"
 
 
 def _numpy_dequantised_text_model(hub: Path) -> Mistral4ForCausalLM:
