@@ -163,6 +163,9 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
+    # Dense peak of one worker's device in TFLOP/s, for MFU where rayft does not know it (another GPU, a CPU);
+    # None = rayft's table of GPUs (H100/H200/B200...). Overrides the table when set.
+    peak_tflops: float | None = None
     # Loss straight from the hidden states, chunk by chunk, never the full logits (see rayft/loss.py).
     fused_loss: bool = True
     # GPU: FSDP2 computes in bf16 (fp32 gradients reduced). CPU: bf16 autocast where the CPU has bf16 instructions.
@@ -327,6 +330,8 @@ class Config:
         _at_least("train.warmup_steps", t.warmup_steps, 0)
         _at_least("train.weight_decay", t.weight_decay, 0)
         _positive("train.max_grad_norm", t.max_grad_norm)
+        if t.peak_tflops is not None:
+            _positive("train.peak_tflops", t.peak_tflops)
         if t.max_steps != -1:
             _at_least("train.max_steps", t.max_steps, 1, hint=" (or -1 to train for num_train_epochs)")
         if t.save_total_limit is not None:

@@ -32,6 +32,7 @@ CASES = {
     "typo'd key": (["train.learnin_rate=1e-4"], "did you mean 'learning_rate'"),
     "wrong type": (["train.num_train_epochs=many"], "train.num_train_epochs must be an integer"),
     "negative learning rate": (["train.learning_rate=-0.001"], "train.learning_rate must be > 0"),
+    "zero peak": (["train.peak_tflops=0"], "train.peak_tflops must be > 0"),
     "zero workers": (["ray.num_workers=0"], "ray.num_workers must be >= 1"),
     "unknown scheduler": (["train.lr_scheduler_type=cosine_annealing"], "train.lr_scheduler_type"),
     "missing model path": (["model.model_name_or_path=/nonexistent/model"], "/nonexistent/model does not exist"),

@@ -14,7 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, SEED_CONFIG, STEPS, Fixtures, RayCluster, Run, submit_job, tiny_config, write_yaml
+from conftest import (
+    CPU_PEAK_TFLOPS,
+    REPO,
+    SEED_CONFIG,
+    STEPS,
+    Fixtures,
+    RayCluster,
+    Run,
+    submit_job,
+    tiny_config,
+    write_yaml,
+)
 from fixtures.families import make_tiny_family
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -73,18 +84,25 @@ def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(refer
     batch = re.search(r"effective batch (\d+) = 2 per device × (\d+) accumulation × 2 workers; ([\d,]+) tokens", logs)
     assert batch and int(batch[1]) == 2 * int(batch[2]) * 2 and int(batch[3].replace(",", "")) == int(batch[1]) * 32
     assert re.search(rf"→ {STEPS} steps", logs)
-    # one progress line per logging step (every step here), with throughput, memory and ETA; no MFU on CPU
-    line = re.compile(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss [\d.]+ .*\| tok/s [\d,]+ \| step [\d.]+s .*"
-                      r"\| rss [\d.]+ GiB \| ETA \d+m\d+s")  # fmt: skip
+    # one progress line per logging step (every step here), with throughput, MFU against the stated CPU peak
+    # (train.peak_tflops), memory and ETA
+    line = re.compile(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss [\d.]+ .*\| tok/s [\d,]+ \| step [\d.]+s "
+                      r"\| MFU\(LoRA\) [\d.]+% \| MFU\(6N\) [\d.]+% .*\| rss [\d.]+ GiB \| ETA \d+m\d+s")  # fmt: skip
     assert {int(m[1]) for m in line.finditer(logs)} == set(range(1, STEPS + 1)), logs[-4000:]
-    assert "MFU(" not in logs and "no MFU on cpu" in logs
+    assert f"peak {CPU_PEAK_TFLOPS:g} TFLOP/s per worker (train.peak_tflops)" in logs
+    per_token = re.search(r"FLOPs/token: ([\d.]+) G \(6N\), ([\d.]+) G \(LoRA-aware\)", logs)
+    assert per_token, logs[:4000]
 
     rows = reference_run.metrics()
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, STEPS + 1))
     for row in train_rows:
         assert set(row) >= TRAIN_FIELDS, TRAIN_FIELDS - set(row)
-        assert row["mfu_6n"] is None and row["mfu_lora"] is None and row["peak_tflops"] is None  # CPU
+        # MFU = tokens/s per worker × FLOPs per token (as logged, 3 decimals of GFLOP) / the stated peak
+        assert row["peak_tflops"] == CPU_PEAK_TFLOPS
+        for key, logged in (("mfu_6n", per_token[1]), ("mfu_lora", per_token[2])):
+            expected = row["tokens_per_s_per_worker"] * float(logged) * 1e9 / (CPU_PEAK_TFLOPS * 1e12)
+            assert row[key] == pytest.approx(expected, rel=0.01, abs=2e-6), (key, row)
         assert row["memory_allocated_gib"] is None and row["memory_reserved_gib"] is None
         assert row["host_rss_gib"] > 0.1 and row["tokens_per_s"] > 0 and row["step_time_s"] > 0
         assert row["tokens_per_s_per_worker"] == pytest.approx(row["tokens_per_s"] / 2)

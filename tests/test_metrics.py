@@ -39,6 +39,9 @@ def test_flop_counts_and_both_mfus_match_the_hand_computation(small_lora_model):
     assert mfu(1e6, flops.per_token_lora, peak) == pytest.approx(758_272e6 / 989e12)
     assert mfu(1e6, flops.per_token_lora, None) is None  # CPU: no peak, no MFU
     assert peak_flops(torch.device("cpu")) is None
+    # A stated peak (train.peak_tflops) is taken as given, on any device: MFU then exists on CPU too.
+    assert peak_flops(torch.device("cpu"), 0.25) == 0.25e12
+    assert mfu(1e6, flops.per_token_lora, peak_flops(torch.device("cpu"), 0.25)) == pytest.approx(758_272e6 / 0.25e12)
 
 
 def test_a_tied_head_still_counts_as_a_matmul():

@@ -84,8 +84,11 @@ def attention_flops(text: Any, seq_len: int) -> float:
     return 2.0 * text.num_hidden_layers * seq_len * heads * (d_qk + d_v)
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Peak bf16 FLOP/s of this rank's GPU; None on CPU or an unknown GPU (MFU is then reported as null)."""
+def peak_flops(device: torch.device, stated_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of this rank's device: the one the config states (`train.peak_tflops`), else the table's bf16
+    figure for a known GPU; None on CPU or an unknown GPU without a stated peak (MFU is then reported as null)."""
+    if stated_tflops is not None:
+        return stated_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -285,8 +288,13 @@ def perplexity(loss: float) -> float | None:
     return math.exp(loss) if math.isfinite(loss) and loss < 700 else None
 
 
-def flops_line(flops: FlopModel, peak: float | None, device) -> str:
-    where = f"peak {peak / 1e12:.0f} TFLOP/s bf16 per GPU" if peak else f"no MFU on {device.type} (no known peak)"
+def flops_line(flops: FlopModel, peak: float | None, device, stated: bool = False) -> str:
+    if stated:
+        where = f"peak {peak / 1e12:g} TFLOP/s per worker (train.peak_tflops)"
+    elif peak:
+        where = f"peak {peak / 1e12:.0f} TFLOP/s bf16 per GPU"
+    else:
+        where = f"no MFU on {device.type} (no known peak; train.peak_tflops states one)"
     return (
         f"FLOPs/token: {flops.per_token_6n / 1e9:.3f} G (6N), {flops.per_token_lora / 1e9:.3f} G (LoRA-aware) | "
         f"{flops.base_params:,} frozen + {flops.lora_params:,} trainable matmul params per token | {where}"
