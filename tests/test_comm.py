@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rayft.config import Config
 from rayft.model.build import frozen_fp8
+from rayft.parallel.tally import KINDS
 from rayft.plan import meta_structure
 from rayft.plan.comm import Cluster, Layout, plan_comm
-from rayft.parallel.tally import KINDS
 
 STEPS = 2  # the first gathers the frozen root (embeddings, head) once for the run; the second is the steady state
 ACCUM = 2
