@@ -36,6 +36,35 @@ def test_real_config_plan_is_within_10_percent_of_the_reference():
     assert all(0.5 * bf16 < f < 0.7 * bf16 for f, bf16 in zip(fp8, totals, strict=True)), (fp8, totals)
 
 
+def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
+    result = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "plan", "--preset", "mistral-small-4", "--num-nodes", "2", "3",
+         "--override", "data.max_length=4096", "--override", "fsdp.activation_checkpointing=true",
+         "--override", "train.gradient_accumulation_steps=1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    two, three = result.stdout.split("layouts on ")[1:]
+    assert two.startswith("2 node(s) x 1 GPU (W=2), h200: 989 TFLOP/s bf16 at 40% MFU, network 400 Gb/s (50 GB/s)")
+    rows = {
+        (m[1].strip(" *"), m[2]): m[3].split() for m in re.finditer(r"^([ *][\w +]+?)\s+(fp8|bf16)\s+(.+)$", two, re.M)
+    }
+    # columns: GiB/GPU fits gather r-scatter all-red a2a network compute comm step serial bound
+    fsdp, ep = rows[("FSDP", "fp8")], rows[("EP 2 + replicated", "fp8")]
+    # FSDP on 2 ranks receives one whole copy of the decoder layers per micro-batch (half in forward, half in
+    # backward): the routed experts alone are 36 layers x 128 x 3 x 4096 x 2048 weights at 1 byte = 116.0 GB
+    assert 115.96 < float(fsdp[2]) < 1.05 * 115.96, fsdp
+    assert fsdp[-1] == "comm" and abs(float(fsdp[9]) - float(fsdp[2]) / 50) < 0.01, fsdp  # 50 GB/s: all network
+    # EP 2: 36 MoE layers x 6 passes (AC) x 4096 tokens x top-4 x 4096 hidden x 2 B, half to the other node
+    assert float(ep[5]) == round(36 * 6 * 4096 * 4 * 4096 * 2 / 2 / 1e9, 2) == 14.50, ep
+    assert ep[2] == "0.00" and ep[-1] == "comp" and float(ep[9]) < float(fsdp[9]) / 2, (ep, fsdp)
+    assert rows[("replicated", "fp8")][1] == "OOM"  # 119B params in FP8 on one H200
+    assert "* fastest that fits: EP 2" in two
+    # 3 nodes: no k > 1 divides both 3 workers and 128 experts, so FSDP it is, and communication-bound
+    assert "EP " not in three.split("* fastest")[0]
+    assert re.search(r"^\*FSDP\s+fp8 .* comm$", three, re.M), three
+
+
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
     raw = {"model": {"model_name_or_path": str(fixtures.model), "torch_dtype": "float32"}, "data": {"max_length": 512}}
     cfg = Config.from_dict(raw)
