@@ -50,7 +50,7 @@ def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
         (m[1].strip(" *"), m[2]): m[3].split() for m in re.finditer(r"^([ *][\w +]+?)\s+(fp8|bf16)\s+(.+)$", two, re.M)
     }
     # columns: GiB/GPU fits gather r-scatter all-red a2a network compute comm step serial bound
-    fsdp, ep = rows[("FSDP", "fp8")], rows[("EP 2 + replicated", "fp8")]
+    fsdp, ep = rows[("FSDP", "fp8")], rows[("EP 2", "fp8")]
     # FSDP on 2 ranks receives one whole copy of the decoder layers per micro-batch (half in forward, half in
     # backward): the routed experts alone are 36 layers x 128 x 3 x 4096 x 2048 weights at 1 byte = 116.0 GB
     assert 115.96 < float(fsdp[2]) < 1.05 * 115.96, fsdp
@@ -118,19 +118,24 @@ def test_comm_model_against_hand_computed_bytes():
     assert hsdp.per_step("all_gather") == 2 * (2 * 18_400 / 2 + 2_200 / 2) == 39_000
     assert hsdp.per_step("reduce_scatter") == 1_200 / 2 == 600
     assert hsdp.per_step("all_reduce") == 2 * (1_200 / 2) / 2 + 12 == 612
-    # EP 2 + FSDP: experts (6,000 x 2 B) and their LoRA (100 x 2 B) are not gathered; tokens travel instead:
-    # 2 MoE layers x 4 passes x 32 tokens x top-2 x 16 hidden x 2 B = 16,384 B sent, half to the other EP rank
-    ep = plan(Layout(shard=4, expert_parallel=2))
-    assert ep.per_step("all_gather") == 2 * (2 * 6_200 * 3 / 4 + 1_650) == 21_900
-    assert ep.per_step("reduce_scatter") == 200 * 4 * 3 / 4 == 600
-    assert ep.per_step("all_reduce") == 2 * (100 * 4 / 2) / 2 + 12 == 212  # expert LoRA over its 2 replicas
+    # EP 2 on the (ep, dp) = 2 x 2 mesh: experts (6,000 x 2 B) and their LoRA (100 x 2 B) are never gathered; the
+    # rest is sharded within the node (dp: ranks 0-1, 2-3) and replicated across (ep: ranks 0 and 2).
+    ep = plan(Layout(shard=2, expert_parallel=2))
+    assert ep.per_step("all_gather") == 2 * (2 * 6_200 / 2 + 2_200 / 2) == 14_600
+    assert ep.per_step("reduce_scatter") == 200 * 4 / 2 == 400
+    # the non-expert LoRA shards (800 B / 2) across the 2 nodes, the expert LoRA (400 B / 2) within the node
+    assert ep.per_step("all_reduce") == 2 * 400 / 2 + 2 * 200 / 2 + 12 == 612
+    # 2 MoE layers x 4 passes x 32 tokens x top-2 x 16 hidden x 2 B = 16,384 B sent, half to the other EP rank,
+    # which sits on the other node
     assert ep.per_step("all_to_all") == 2 * 16_384 / 2 == 16_384
-    assert ep.per_step(inter_node=True) == 2 * (2 * 6_200 / 4 + 2_200 / 4) + 800 / 4 + 200 + 4 == 7_704
-    replicated = plan(Layout(shard=4, expert_parallel=2, replicate_dense=True))
-    assert replicated.per_step("all_gather") == replicated.per_step("reduce_scatter") == 0
-    assert replicated.per_step("all_reduce") == 2 * 800 * 3 / 4 + 200 + 12 == 1_412
+    assert ep.per_step(inter_node=True) == 400 + 4 + 2 * 16_384 / 2 == 16_788
+    # EP 4 = W: the rest held whole on every worker, its LoRA gradients all-reduced over all 4
+    whole = plan(Layout(shard=1, expert_parallel=4))
+    assert whole.per_step("all_gather") == whole.per_step("reduce_scatter") == 0
+    assert whole.per_step("all_reduce") == 2 * 800 * 3 / 4 + 12 == 1_212
+    assert whole.per_step("all_to_all") == 2 * 16_384 * 3 / 4 == 24_576
     cfg.fsdp.activation_checkpointing = True  # the recompute dispatches and combines again: 6 passes
-    assert plan(Layout(shard=4, expert_parallel=2)).per_step("all_to_all") == 2 * 16_384 * 6 / 4 / 2 == 24_576
+    assert plan(Layout(shard=2, expert_parallel=2)).per_step("all_to_all") == 2 * 16_384 * 6 / 4 / 2 == 24_576
 
 
 def test_step_time_and_the_layout_auto_picks():
@@ -144,12 +149,12 @@ def test_step_time_and_the_layout_auto_picks():
     assert math.isclose(fsdp.overlapped_comm_s, 19_804 / 1e9 + (59_412 - 19_804) / 2e9)
     assert math.isclose(fsdp.predicted_s, fsdp.overlapped_comm_s) and fsdp.comm_bound
     assert math.isclose(fsdp.serial_s, compute + fsdp.overlapped_comm_s)
-    ep = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(4, 2), cluster, True, False), hw)
-    assert math.isclose(ep.all_to_all_s, 16_384 / 2e9)  # the EP pair shares a node: NVLink only
-    assert math.isclose(ep.predicted_s, 7_704 / 1e9 + (22_712 - 7_704) / 2e9 + 16_384 / 2e9)
-    # EP 2 + replicated moves least (1,412 B of all-reduce + 16,384 B of all-to-all); EP 4 would send tokens
-    # across nodes. Everything fits (the toy is KiB), so `auto` takes EP 2.
-    assert choose_expert_parallel(cfg, TOY, cluster, hw, fp8=False) == 2
+    ep = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(2, 2), cluster, True, False), hw)
+    assert math.isclose(ep.all_to_all_s, 16_384 / 1e9)  # the EP pair spans the two nodes: all of it over the network
+    assert math.isclose(ep.predicted_s, 404 / 1e9 + (15_612 - 404) / 2e9 + 16_384 / 1e9)
+    # EP 4: 1,212 B of all-reduce (404 B over the network) + 24,576 B of all-to-all (16,384 B over the network):
+    # 2.13e-5 s against EP 2's 2.44e-5 s and FSDP's 3.96e-5 s; everything fits (the toy is KiB): `auto` takes 4
+    assert choose_expert_parallel(cfg, TOY, cluster, hw, fp8=False) == 4
     # and a GPU fast enough to hide FSDP's bytes behind compute makes the layout compute-bound
     slow = Hardware("h200", mfu=1e-9, inter_gbits=8, intra_gbytes=4)
     assert not step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), slow).comm_bound
@@ -158,10 +163,10 @@ def test_step_time_and_the_layout_auto_picks():
 def test_expert_parallel_memory_holds_e_over_k_experts_whole():
     cfg = _toy_cfg()
     rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=2).rows)
-    # bf16 storage: 6,000 expert weights x 2 B over 2 ranks; the other 4,000 frozen x 2 B sharded over 4
+    # bf16 storage: 6,000 expert weights x 2 B over 2 ranks; the other 4,000 frozen x 2 B sharded over W/k = 2
     assert rows["routed experts (2 of 4 whole)"] * 2**30 == 6_000
-    assert rows["non-expert weights (/4)"] * 2**30 == 2_000
-    assert rows["LoRA params+grads+AdamW"] * 2**30 == (200 / 4 + 100 / 2) * 16
-    rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=2, replicate_dense=True).rows)
+    assert rows["non-expert weights (/2)"] * 2**30 == 4_000
+    assert rows["LoRA params+grads+AdamW"] * 2**30 == (200 / 2 + 100 / 2) * 16
+    rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=4).rows)
     assert rows["non-expert weights (/1)"] * 2**30 == 8_000
     assert "gathered root (embeddings, head)" not in rows

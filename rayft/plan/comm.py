@@ -18,13 +18,14 @@ Layouts:
               micro-batch. Per step: LoRA gradients reduce-scattered, LoRA·r·(S−1)/S (on the last micro-batch).
   HSDP        S = GPUs per node (gathers stay on NVLink), R = nodes: as FSDP within the node, then the
               reduce-scattered LoRA gradients (LoRA·r/S) all-reduced across the R replicas.
-  EP k        every MoE layer's E routed experts split over groups of k workers, E/k whole experts each (never
-              gathered); replicated across the W/k groups (their LoRA gradients, expert_LoRA·r/k, all-reduced there).
-              Tokens travel instead: per MoE layer per micro-batch each rank sends s·top_k·h·c bytes to dispatch and
-              as much to combine, forward and backward: 4·s·top_k·h·c·(k−1)/k received, 6·… with activation
-              checkpointing (its recompute dispatches and combines again); uniform routing assumed.
-    + FSDP    the rest (attention, shared expert, norms, router, embeddings, head) FSDP-sharded over all W workers.
-    + repl.   the rest held whole on every worker (nothing gathered); its LoRA gradients all-reduced over W.
+  EP k        rayft.parallel.expert's (ep, dp) mesh of k × W/k workers: every MoE layer's E routed experts split
+              over each ep-group of k workers (ranks W/k apart), E/k whole experts each, never gathered; the W/k
+              workers of a dp-group (consecutive ranks) hold the same experts and all-reduce their LoRA gradients
+              (expert_LoRA·r/k). Tokens travel instead: per MoE layer per micro-batch each rank sends s·top_k·h·c
+              bytes to dispatch and as much to combine, forward and backward: 4·s·top_k·h·c·(k−1)/k received,
+              6·… with activation checkpointing (its recompute dispatches and combines again); uniform routing.
+              The rest (attention, shared expert, norms, router, embeddings, head) is HSDP on the same mesh:
+              sharded over dp (S = W/k), replicated over ep (R = k); held whole when W = k.
 Plus one 8-byte all-reduce per step (the step's target-token count). Scalar reductions inside gradient clipping
 are neither counted here nor tallied.
 
@@ -61,16 +62,15 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the model is spread: the (non-expert) weights sharded over groups of `shard` workers, routed experts
-    split over `expert_parallel` workers, or the non-expert part whole on each worker (`replicate_dense`)."""
+    """How the model is spread: the (non-expert) weights sharded over groups of `shard` consecutive workers and
+    replicated across the groups; routed experts split over `expert_parallel` workers (then shard = W / k)."""
 
     shard: int
     expert_parallel: int = 1
-    replicate_dense: bool = False
 
     def name(self, cluster: Cluster) -> str:
         if self.expert_parallel > 1:
-            return f"EP {self.expert_parallel} + {'replicated' if self.replicate_dense else 'FSDP'}"
+            return f"EP {self.expert_parallel}" + ("" if self.shard == 1 else f", rest HSDP {self.shard}")
         if self.shard == cluster.world:
             return "FSDP"
         return "replicated" if self.shard == 1 else f"HSDP {self.shard}x{cluster.world // self.shard}"
@@ -107,7 +107,7 @@ class CommPlan:
 
 def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     """FSDP over all workers; HSDP (shard within a node, replicate across) on several multi-GPU nodes, or full
-    replication on single-GPU nodes; EP k (+ FSDP, + replicated) for every k > 1 dividing W and the experts."""
+    replication on single-GPU nodes; EP k for every k > 1 dividing W and the experts."""
     w, g = cluster.world, cluster.gpus_per_node
     out = [Layout(shard=w)]
     if cluster.nodes > 1:
@@ -115,7 +115,7 @@ def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     if s.num_experts:
         for k in range(2, w + 1):
             if w % k == 0 and s.num_experts % k == 0:
-                out += [Layout(shard=w, expert_parallel=k), Layout(shard=w, expert_parallel=k, replicate_dense=True)]
+                out.append(Layout(shard=w // k, expert_parallel=k))
     return out
 
 
@@ -127,16 +127,12 @@ def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gp
     experts_as_gathered = (s.experts + s.expert_rows * c if fp8 else s.experts * c) if k > 1 else 0
     expert_lora = s.expert_lora if k > 1 else 0
     layers = _gathered_layers(s, c, fp8) - experts_as_gathered - expert_lora * c
-    dense_lora = s.lora - expert_lora
-    if layout.replicate_dense:
-        plan.transfers += _all_reduce("LoRA gradients, non-expert", dense_lora * r, w, cluster.nodes_spanned(w))
-    else:
-        plan.transfers += _sharded(cfg, s, layout, cluster, layers, dense_lora, c, r)
-    if k > 1:
-        replicas = w // k
-        plan.transfers += _all_reduce("LoRA gradients, routed experts", expert_lora * r / k, replicas,
-                                      cluster.nodes_spanned(replicas, stride=k))  # fmt: skip
-        plan.transfers.append(_all_to_all(cfg, s, k, cluster.nodes_spanned(k), c))
+    plan.transfers += _sharded(cfg, s, layout, cluster, layers, s.lora - expert_lora, c, r)
+    if k > 1:  # ep-groups: k ranks W/k apart; dp-groups: W/k consecutive ranks holding the same experts
+        dp = w // k
+        plan.transfers += _all_reduce("LoRA gradients, routed experts", expert_lora * r / k, dp,
+                                      cluster.nodes_spanned(dp))  # fmt: skip
+        plan.transfers.append(_all_to_all(cfg, s, k, cluster.nodes_spanned(k, stride=dp), c))
     plan.transfers += _all_reduce("step's target-token count", TARGET_COUNT_BYTES, w, cluster.nodes_spanned(w))
     plan.transfers = [t for t in plan.transfers if t.received > 0]
     return plan

@@ -70,12 +70,11 @@ def plan_memory(
     gpu: str | None = None,
     fp8: bool = False,
     expert_parallel: int = 1,
-    replicate_dense: bool = False,
 ) -> MemoryPlan:
     """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8.
 
     With `expert_parallel` k > 1 each GPU holds E/k routed experts of every MoE layer whole (never gathered) and the
-    rest of the model is FSDP-sharded over all workers, or held whole on each (`replicate_dense`)."""
+    rest of the model is sharded over W/k workers (rayft.parallel.expert's (ep, dp) mesh), whole when W = k."""
     c, p, tokens = compute_bytes(cfg, on_gpu), stored_bytes(cfg), tokens_per_micro_batch(cfg)
     shards = cfg.fsdp.shard_group(world_size)
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
@@ -85,9 +84,8 @@ def plan_memory(
         layer = (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
     else:
         stored, layer = s.total * p, s.largest_layer * c
-    if expert_parallel > 1 or replicate_dense:
-        weights = _expert_parallel_weights(cfg, s, world_size, c, p, fp8, stored, layer, expert_parallel,
-                                           replicate_dense)  # fmt: skip
+    if expert_parallel > 1:
+        weights = _expert_parallel_weights(cfg, s, world_size, c, p, fp8, stored, layer, expert_parallel)
         dequantised = s.fp8_largest // expert_parallel  # the largest FP8 tensor is a layer's expert stack
     else:
         gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards(world_size) else s.layers
@@ -117,22 +115,21 @@ def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, f
 
 
 def _expert_parallel_weights(
-    cfg: Config, s: Structure, world: int, c: int, p: int, fp8: bool, stored: float, layer: float, k: int,
-    replicate_dense: bool,
-) -> list[tuple[str, float]]:  # fmt: skip
-    """Weight rows of an EP×FSDP / EP×replicated layout: E/k experts whole, the rest sharded over W or whole."""
+    cfg: Config, s: Structure, world: int, c: int, p: int, fp8: bool, stored: float, layer: float, k: int
+) -> list[tuple[str, float]]:
+    """Weight rows of expert parallelism: E/k experts whole, the rest sharded over W/k workers (whole if W = k)."""
     if fp8:
         experts = s.experts + 4 * s.expert_rows
         experts_layer = s.experts_layer + 4 * s.expert_rows // max(s.moe_layers, 1)
     else:
         experts, experts_layer = s.experts * p, s.experts_layer * c
-    dense_shards = 1 if replicate_dense else world
+    dense_shards = world // k
     expert_lora = s.expert_lora
     rows = [
         (f"non-expert weights (/{dense_shards})", (stored - experts) / dense_shards),
         (f"routed experts ({s.num_experts // k} of {s.num_experts} whole)", experts / k),
     ]
-    if not replicate_dense:
+    if dense_shards > 1:
         gathered = 1 + cfg.fsdp.forward_prefetch
         rows += [
             (f"gathered layers, non-expert part ({gathered} x)", gathered * (layer - experts_layer)),

@@ -126,8 +126,7 @@ def plan_layouts(
 
 def _memory(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, fp8: bool) -> MemoryPlan:
     sharded = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, shard_size=layout.shard))
-    return plan_memory(sharded, s, cluster.world, True, hw.gpu, fp8=fp8, expert_parallel=layout.expert_parallel,
-                       replicate_dense=layout.replicate_dense)  # fmt: skip
+    return plan_memory(sharded, s, cluster.world, True, hw.gpu, fp8=fp8, expert_parallel=layout.expert_parallel)
 
 
 def fastest_fitting(plans: list[LayoutPlan]) -> LayoutPlan | None:
