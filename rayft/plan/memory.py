@@ -15,6 +15,10 @@ c = bytes of the compute dtype, p = bytes of the stored weights):
 With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (linears, routed experts; R rows) count
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
 for its matmul: + F_max · c (the largest, e.g. one layer's expert stack) + its fp32 block (≤ 256 MiB).
+Expert parallelism over k workers (rayft.parallel.expert's (ep, dp) mesh): the routed experts E/k whole per GPU
+(P_experts · p / k, FP8: 1 byte + row scales), the rest sharded over the W/k workers of a dp-group (whole when W = k;
+its layers and root gathered as above when sharded), LoRA (P_lora_rest / (W/k) + P_lora_experts / k) · 16, the
+largest dequantised FP8 tensor / k, + the tokens' all-to-all buffers 2 · s · top_k · h · c (send and receive).
 """
 
 from __future__ import annotations

@@ -258,8 +258,8 @@ class LossWindow:
 
     def take(self, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
         """Window means over all ranks (the loss per target token of each step, tokens/s of the whole group,
-        seconds per step, the share of the window the slowest rank spent waiting for data), the hardware's
-        metrics; then a new window."""
+        seconds per step, the share of the window the slowest rank spent waiting for data, the bytes collectives
+        moved into a rank per step by kind), the hardware's metrics; then a new window."""
         elapsed = time.perf_counter() - self.started
         moved = torch.tensor([self.moved[kind] for kind in KINDS], dtype=torch.float64, device=self.device)
         totals = torch.cat([self.sums, moved])
