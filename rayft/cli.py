@@ -79,7 +79,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
             p.add_argument("--split", help="split to score (default: data.val_split)")
-    about = "per-GPU memory plan of the run for one or more cluster sizes (no GPU, no weights needed)"
+    about = (
+        "per-GPU memory plan of the run for one or more cluster sizes, and each layout's bytes moved and step "
+        "time (no GPU, no weights needed)"
+    )
     p = sub.add_parser("plan", help=about, description=about, parents=[common])
     p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE")
