@@ -79,14 +79,40 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
             p.add_argument("--split", help="split to score (default: data.val_split)")
-    about = "per-GPU memory plan of the run for one or more cluster sizes (no GPU, no weights needed)"
+    about = (
+        "per-GPU memory plan of the run for one or more cluster sizes, and each layout's bytes moved and step "
+        "time (no GPU, no weights needed)"
+    )
     p = sub.add_parser("plan", help=about, description=about, parents=[common])
     p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--preset", choices=["mistral-small-4"], help="plan the real model without its files")
     p.add_argument("--num-nodes", type=int, nargs="+", default=[3], help="one or more cluster sizes")
     p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument("--gpu", choices=["h200", "h100"], default="h200")
+    p.add_argument(
+        "--gpu",
+        choices=["h200", "h100"],
+        default="h200",
+        help="GPU: its memory, and its dense bf16 peak for the step time (989 TFLOP/s both)",
+    )
+    # Defaults (None here, so `rayft --help` needs no torch): rayft.plan.steptime.Hardware's.
+    p.add_argument("--mfu", type=float, help="share of the peak FLOP/s the matmuls reach, assumed (default 0.4)")
+    p.add_argument(
+        "--interconnect-gbps",
+        type=float,
+        metavar="GBIT_S",
+        help="inter-node network per GPU in gigaBITS per second, each direction "
+        "(default 400: one 400G InfiniBand NIC per GPU)",
+    )
+    p.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        metavar="GBYTE_S",
+        help="NVLink per GPU in gigaBYTES per second, both directions together as NVIDIA quotes it "
+        "(default 900: H100/H200 SXM); half of it is what a GPU receives",
+    )
+    p.add_argument("--no-layouts", dest="layouts", action="store_false",
+                   help="the memory table only, without the layouts' communication and step time")  # fmt: skip
     about = "copy a trained adapter, or merge it into a standalone text-only checkpoint"
     p = sub.add_parser("export", help=about, description=about, parents=[common])
     p.add_argument("--adapter", required=True, help="PEFT adapter dir (output_dir/final or a checkpoint's adapter/)")
@@ -165,6 +191,9 @@ def _load(args: argparse.Namespace) -> Config:
 def _plan(args: argparse.Namespace) -> int:
     from rayft.model.build import frozen_fp8
     from rayft.plan import format_plans, meta_structure, plan_memory
+    from rayft.plan.comm import Cluster
+    from rayft.plan.report import format_layouts
+    from rayft.plan.steptime import Hardware, plan_layouts
 
     cfg = load_config(args.config, args.override)
     config = None
@@ -186,6 +215,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     other = plans(not fp8) if s.fp8 else None
     print(format_plans(plans(fp8), s, cfg.data.max_length * cfg.train.per_device_train_batch_size, other))
+    if args.layouts:
+        given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
+        hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
+        for nodes in args.num_nodes:
+            cluster = Cluster(nodes, args.gpus_per_node)
+            layouts = [p for f in ([fp8, not fp8] if s.fp8 else [fp8]) for p in plan_layouts(cfg, s, cluster, hw, f)]
+            print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
     return EXIT_OK
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -9,7 +10,9 @@ import sys
 from conftest import REPO, Fixtures
 
 from rayft.config import Config
-from rayft.plan import meta_structure, plan_memory
+from rayft.plan import Structure, meta_structure, plan_memory
+from rayft.plan.comm import Cluster, Layout, plan_comm
+from rayft.plan.steptime import Hardware, choose_expert_parallel, step_time
 
 # Mistral-Small-4, bf16, full shard, AC on, r=16, attention + shared-expert LoRA, 1 x 4096 tokens per GPU.
 REFERENCE_GIB = {3: 97, 4: 79, 8: 51}
@@ -33,6 +36,35 @@ def test_real_config_plan_is_within_10_percent_of_the_reference():
     assert all(0.5 * bf16 < f < 0.7 * bf16 for f, bf16 in zip(fp8, totals, strict=True)), (fp8, totals)
 
 
+def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
+    result = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "plan", "--preset", "mistral-small-4", "--num-nodes", "2", "3",
+         "--override", "data.max_length=4096", "--override", "fsdp.activation_checkpointing=true",
+         "--override", "train.gradient_accumulation_steps=1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    two, three = result.stdout.split("layouts on ")[1:]
+    assert two.startswith("2 node(s) x 1 GPU (W=2), h200: 989 TFLOP/s bf16 at 40% MFU, network 400 Gb/s (50 GB/s)")
+    rows = {
+        (m[1].strip(" *"), m[2]): m[3].split() for m in re.finditer(r"^([ *][\w +]+?)\s+(fp8|bf16)\s+(.+)$", two, re.M)
+    }
+    # columns: GiB/GPU fits gather r-scatter all-red a2a network compute comm step serial bound
+    fsdp, ep = rows[("FSDP", "fp8")], rows[("EP 2", "fp8")]
+    # FSDP on 2 ranks receives one whole copy of the decoder layers per micro-batch (half in forward, half in
+    # backward): the routed experts alone are 36 layers x 128 x 3 x 4096 x 2048 weights at 1 byte = 116.0 GB
+    assert 115.96 < float(fsdp[2]) < 1.05 * 115.96, fsdp
+    assert fsdp[-1] == "comm" and abs(float(fsdp[9]) - float(fsdp[2]) / 50) < 0.01, fsdp  # 50 GB/s: all network
+    # EP 2: 36 MoE layers x 6 passes (AC) x 4096 tokens x top-4 x 4096 hidden x 2 B, half to the other node
+    assert float(ep[5]) == round(36 * 6 * 4096 * 4 * 4096 * 2 / 2 / 1e9, 2) == 14.50, ep
+    assert ep[2] == "0.00" and ep[-1] == "comp" and float(ep[9]) < float(fsdp[9]) / 2, (ep, fsdp)
+    assert rows[("replicated", "fp8")][1] == "OOM"  # 119B params in FP8 on one H200
+    assert "* fastest that fits: EP 2" in two
+    # 3 nodes: no k > 1 divides both 3 workers and 128 experts, so FSDP it is, and communication-bound
+    assert "EP " not in three.split("* fastest")[0]
+    assert re.search(r"^\*FSDP\s+fp8 .* comm$", three, re.M), three
+
+
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
     raw = {"model": {"model_name_or_path": str(fixtures.model), "torch_dtype": "float32"}, "data": {"max_length": 512}}
     cfg = Config.from_dict(raw)
@@ -47,3 +79,94 @@ def test_plan_rows_follow_the_config(fixtures: Fixtures):
     cfg.train.fused_loss = False
     assert dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)["logits + loss"] * 2**30 == 512 * 131072 * 12
     assert "CUDA/NCCL/allocator overhead" not in without
+
+
+# A toy structure whose every count is picked by hand; the expected bytes below are worked out by hand from them.
+TOY = Structure(
+    architecture="Toy", total=10_000, largest_layer=5_000, layers=2, root=1_100, lora=300, hidden=16, vocab=64,
+    top_k=2, moe_intermediate=8, fp8=7_000, fp8_rows=500, fp8_layer=3_500, fp8_layer_rows=250, fp8_largest=1_500,
+    layers_lora=200, experts=6_000, expert_rows=400, experts_layer=3_000, expert_lora=100, num_experts=4,
+    moe_layers=2, active_base=2_000, attention_per_position=10.0,
+)  # fmt: skip
+# frozen: 9,000 in layers, 1,000 in the root; LoRA: 200 in layers (100 of it on experts), 100 in the root
+
+
+def _toy_cfg() -> Config:
+    # GPU, bf16 compute (c = 2), fp32 gradient reduction (r = 4), 32 tokens per micro-batch, 2 micro-batches per step
+    return Config.from_dict({"data": {"max_length": 32}, "train": {"gradient_accumulation_steps": 2}})
+
+
+def test_comm_model_against_hand_computed_bytes():
+    cfg, two_by_two = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2)
+
+    def plan(layout: Layout, fp8: bool = False):
+        return plan_comm(cfg, TOY, layout, two_by_two, on_gpu=True, fp8=fp8)
+
+    # FSDP over 4: layers (9,000 + 200) x 2 B gathered forward + backward, 3/4 from others, x 2 micro-batches;
+    # the root holds LoRA, so it is gathered every micro-batch: 1,100 x 2 B x 3/4
+    fsdp = plan(Layout(shard=4))
+    assert fsdp.per_step("all_gather") == 2 * (2 * 18_400 * 3 / 4 + 2_200 * 3 / 4) == 58_500
+    assert fsdp.per_step("reduce_scatter") == 300 * 4 * 3 / 4 == 900
+    assert fsdp.per_step("all_reduce") == 2 * 8 * 3 / 4 == 12  # the step's target count
+    assert fsdp.per_step("all_to_all") == 0
+    # over the network: the other node's half of every gathered tensor, shared by this node's 2 GPUs (T · 1/4)
+    assert fsdp.per_step(inter_node=True) == 2 * (2 * 18_400 / 4 + 2_200 / 4) + 1_200 / 4 + 2 * 8 / 4 == 19_804
+    # FP8: 7,000 matrix weights at 1 B + 500 row scales at 2 B, the other 2,000 frozen at 2 B, LoRA 400 B
+    assert plan(Layout(shard=4), fp8=True).per_step("all_gather") == 2 * (2 * 12_400 * 3 / 4 + 1_650) == 40_500
+    # HSDP: gathered within the node (1/2 from the other GPU), gradient shards all-reduced across the 2 nodes
+    hsdp = plan(Layout(shard=2))
+    assert hsdp.per_step("all_gather") == 2 * (2 * 18_400 / 2 + 2_200 / 2) == 39_000
+    assert hsdp.per_step("reduce_scatter") == 1_200 / 2 == 600
+    assert hsdp.per_step("all_reduce") == 2 * (1_200 / 2) / 2 + 12 == 612
+    # EP 2 on the (ep, dp) = 2 x 2 mesh: experts (6,000 x 2 B) and their LoRA (100 x 2 B) are never gathered; the
+    # rest is sharded within the node (dp: ranks 0-1, 2-3) and replicated across (ep: ranks 0 and 2).
+    ep = plan(Layout(shard=2, expert_parallel=2))
+    assert ep.per_step("all_gather") == 2 * (2 * 6_200 / 2 + 2_200 / 2) == 14_600
+    assert ep.per_step("reduce_scatter") == 200 * 4 / 2 == 400
+    # the non-expert LoRA shards (800 B / 2) across the 2 nodes, the expert LoRA (400 B / 2) within the node
+    assert ep.per_step("all_reduce") == 2 * 400 / 2 + 2 * 200 / 2 + 12 == 612
+    # 2 MoE layers x 4 passes x 32 tokens x top-2 x 16 hidden x 2 B = 16,384 B sent, half to the other EP rank,
+    # which sits on the other node
+    assert ep.per_step("all_to_all") == 2 * 16_384 / 2 == 16_384
+    assert ep.per_step(inter_node=True) == 400 + 4 + 2 * 16_384 / 2 == 16_788
+    # EP 4 = W: the rest held whole on every worker, its LoRA gradients all-reduced over all 4
+    whole = plan(Layout(shard=1, expert_parallel=4))
+    assert whole.per_step("all_gather") == whole.per_step("reduce_scatter") == 0
+    assert whole.per_step("all_reduce") == 2 * 800 * 3 / 4 + 12 == 1_212
+    assert whole.per_step("all_to_all") == 2 * 16_384 * 3 / 4 == 24_576
+    cfg.fsdp.activation_checkpointing = True  # the recompute dispatches and combines again: 6 passes
+    assert plan(Layout(shard=2, expert_parallel=2)).per_step("all_to_all") == 2 * 16_384 * 6 / 4 / 2 == 24_576
+
+
+def test_step_time_and_the_layout_auto_picks():
+    cfg, cluster = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2)
+    # 8 Gb/s = 1e9 B/s over the network; NVLink 4 GB/s both directions = 2e9 B/s received
+    hw = Hardware("h200", mfu=0.5, inter_gbits=8, intra_gbytes=4)
+    # FLOPs/token: 4 x 2,000 frozen + 6 x (200 LoRA + 100 expert LoRA x 2/4) + 3 x 10 x 32 attention = 10,460
+    compute = 2 * 32 * 10_460 / (989e12 * 0.5)
+    fsdp = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), hw)
+    assert math.isclose(fsdp.compute_s, compute)
+    assert math.isclose(fsdp.overlapped_comm_s, 19_804 / 1e9 + (59_412 - 19_804) / 2e9)
+    assert math.isclose(fsdp.predicted_s, fsdp.overlapped_comm_s) and fsdp.comm_bound
+    assert math.isclose(fsdp.serial_s, compute + fsdp.overlapped_comm_s)
+    ep = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(2, 2), cluster, True, False), hw)
+    assert math.isclose(ep.all_to_all_s, 16_384 / 1e9)  # the EP pair spans the two nodes: all of it over the network
+    assert math.isclose(ep.predicted_s, 404 / 1e9 + (15_612 - 404) / 2e9 + 16_384 / 1e9)
+    # EP 4: 1,212 B of all-reduce (404 B over the network) + 24,576 B of all-to-all (16,384 B over the network):
+    # 2.13e-5 s against EP 2's 2.44e-5 s and FSDP's 3.96e-5 s; everything fits (the toy is KiB): `auto` takes 4
+    assert choose_expert_parallel(cfg, TOY, cluster, hw, fp8=False) == 4
+    # and a GPU fast enough to hide FSDP's bytes behind compute makes the layout compute-bound
+    slow = Hardware("h200", mfu=1e-9, inter_gbits=8, intra_gbytes=4)
+    assert not step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), slow).comm_bound
+
+
+def test_expert_parallel_memory_holds_e_over_k_experts_whole():
+    cfg = _toy_cfg()
+    rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=2).rows)
+    # bf16 storage: 6,000 expert weights x 2 B over 2 ranks; the other 4,000 frozen x 2 B sharded over W/k = 2
+    assert rows["routed experts (2 of 4 whole)"] * 2**30 == 6_000
+    assert rows["non-expert weights (/2)"] * 2**30 == 4_000
+    assert rows["LoRA params+grads+AdamW"] * 2**30 == (200 / 2 + 100 / 2) * 16
+    rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=4).rows)
+    assert rows["non-expert weights (/1)"] * 2**30 == 8_000
+    assert "gathered root (embeddings, head)" not in rows

@@ -34,7 +34,7 @@ class Panel:
     unit: str = "short"
 
 
-# Grafana units: percentunit shows 0.47 as 47%, gbytes is GiB (IEC), s seconds.
+# Grafana units: percentunit shows 0.47 as 47%, gbytes is GiB (IEC), bytes IEC multiples, s seconds.
 PANELS = (
     Panel("Loss", "Training loss (mean over the logging window) and validation loss.",
           (("loss", "train"), ("eval_loss", "eval"))),
@@ -57,6 +57,12 @@ PANELS = (
     Panel("Checkpoint stall", "Seconds training stood still for checkpoints so far in this attempt.",
           (("checkpoint_stall_s", "checkpoint stall"),), "s"),
     Panel("Optimizer step", "Optimizer steps done.", (("step", "step"),)),
+    Panel("Bytes received per step", "What the collectives moved into each worker per optimizer step, by kind "
+          "(mean over workers): FSDP's all-gathers and reduce-scatters, all-reduces, expert parallelism's "
+          "all-to-all. `rayft plan` predicts the same numbers.",
+          (("comm_all_gather_bytes", "all-gather"), ("comm_reduce_scatter_bytes", "reduce-scatter"),
+           ("comm_all_reduce_bytes", "all-reduce"), ("comm_all_to_all_bytes", "all-to-all"),
+           ("comm_bytes", "total")), "bytes"),
 )  # fmt: skip
 
 

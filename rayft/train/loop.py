@@ -21,6 +21,7 @@ from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
 from rayft.model.fp8 import fp8_layers
+from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
@@ -108,6 +109,7 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
     logging window that measures it (FLOPs per token, the device's peak)."""
     on_gpu = device.type == "cuda"
     model = build_model(cfg, on_gpu, device)
+    count_fsdp_collectives(model)  # one Python call per collective: always on
     not_fused = fused_loss(model, cfg)
     model.train()
     optimizer = build_optimizer(model, cfg.train, on_gpu)

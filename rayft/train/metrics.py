@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rayft.parallel.tally import KINDS
+
 # Dense (no sparsity) bf16 peak per GPU, vendor figures; matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
                    "A100": 312e12, "A800": 312e12, "L40S": 362e12}  # fmt: skip
@@ -128,6 +130,16 @@ GAUGES = {
     "memory_reserved_gib": "peak GPU memory reserved, worst worker",
     "host_rss_gib": "peak host RSS, worst worker",
     "checkpoint_stall_s": "seconds training stood still for checkpoints so far in this attempt",
+    **{
+        f"comm_{kind}_bytes": f"bytes {what} into each worker per optimizer step (received from the others, mean)"
+        for kind, what in (
+            ("all_gather", "all-gathered"),
+            ("reduce_scatter", "reduce-scattered"),
+            ("all_reduce", "all-reduced"),
+            ("all_to_all", "all-to-all'ed"),
+        )
+    },
+    "comm_bytes": "bytes all collectives moved into each worker per optimizer step (mean over workers)",
     "step": "optimizer steps done",
 }
 
@@ -236,17 +248,24 @@ class LossWindow:
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
         self.one, self.zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
         self.started, self.steps = time.perf_counter(), 0
+        self.moved = dict.fromkeys(KINDS, 0)  # this rank's collective bytes in the window (host ints, no sync)
 
     def add(self, loss: torch.Tensor, last_of_step: bool, tokens: torch.Tensor) -> None:
         self.sums += torch.stack([loss.double(), self.one if last_of_step else self.zero, tokens.double()])
         self.steps += last_of_step
 
+    def add_moved(self, moved: dict[str, int]) -> None:
+        """One optimizer step's collective bytes (`rayft.parallel.tally.TALLY.take()`)."""
+        for kind, nbytes in moved.items():
+            self.moved[kind] += nbytes
+
     def take(self, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
         """Window means over all ranks (the loss per target token of each step, tokens/s of the whole group,
-        seconds per step, the share of the window the slowest rank spent waiting for data), the hardware's
-        metrics; then a new window."""
+        seconds per step, the share of the window the slowest rank spent waiting for data, the bytes collectives
+        moved into a rank per step by kind), the hardware's metrics; then a new window."""
         elapsed = time.perf_counter() - self.started
-        totals = self.sums.clone()
+        moved = torch.tensor([self.moved[kind] for kind in KINDS], dtype=torch.float64, device=self.device)
+        totals = torch.cat([self.sums, moved])
         dist.all_reduce(totals)
         waits = self.sums.new_tensor([data_wait_s])
         dist.all_reduce(waits, op=dist.ReduceOp.MAX)
@@ -254,6 +273,7 @@ class LossWindow:
         steps = self.steps
         self.sums.zero_()
         self.started, self.steps = time.perf_counter(), 0
+        self.moved = dict.fromkeys(KINDS, 0)
         metrics = {
             "loss": totals[0].item() / max(totals[1].item(), 1),
             "learning_rate": scheduler.get_last_lr()[0],
@@ -261,9 +281,16 @@ class LossWindow:
             "tokens_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed / max(steps, 1),
             "data_wait_share": waits.item() / elapsed if elapsed > 0 else 0.0,
+            **moved_per_step(totals[3:].tolist(), self.world_size, steps),
         }
         metrics.update(hardware_metrics(metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device))
         return metrics
+
+
+def moved_per_step(summed: list[float], world: int, steps: int) -> dict[str, float]:
+    """Bytes each worker received per optimizer step by collective kind, from the window's sums over all workers."""
+    per_step = {f"comm_{kind}_bytes": total / world / max(steps, 1) for kind, total in zip(KINDS, summed, strict=True)}
+    return {**per_step, "comm_bytes": sum(per_step.values())}
 
 
 def hardware_metrics(tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device) -> dict[str, Any]:

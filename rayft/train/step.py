@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from rayft.config import Config
 from rayft.model.build import set_gradient_sync
+from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint import Progress
 from rayft.train.metrics import LossWindow
 from rayft.train.schedule import Plan
@@ -56,6 +57,7 @@ def train_step(
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    window.add_moved(TALLY.take())
     return grad_norm
 
 
@@ -74,6 +76,7 @@ def evaluate(
         totals += torch.stack([loss.double() * predicted, predicted.double()])
     model.reshard()  # no backward follows: free the root's gathered weights now
     model.train()
+    TALLY.take()  # evaluation's gathers are not a training step's
     dist.all_reduce(totals)
     return totals[0].item() / totals[1].item() if totals[1] > 0 else math.nan
 
@@ -88,6 +91,7 @@ def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:
     gradients over them); one small all-reduce per step, no host sync."""
     count = sum(targets(batch) for batch in group).double()
     dist.all_reduce(count)
+    TALLY.add("all_reduce", 2 * count.element_size() * (world_size - 1) // world_size)
     return (count / world_size).clamp_min(1.0)
 
 

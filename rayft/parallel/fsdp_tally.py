@@ -1,0 +1,84 @@
+"""FSDP2's collectives counted into `TALLY`, from the tensors FSDP2 hands to them.
+
+Why FSDP2's hooks rather than a TorchDispatchMode on the c10d ops: a dispatch mode runs Python for every aten op
+of the step (thousands per micro-batch), while FSDP2 calls its all-gather, reduce-scatter and HSDP all-reduce hook
+once per FSDP unit and step phase, so counting there costs one Python call per collective, next to a collective
+that moves kilobytes to gigabytes. The wrappers keep FSDP2's own communication (`DefaultAllGather`,
+`DefaultReduceScatter`) and only add the bytes:
+  all-gather      output bytes · (g−1)/g          g = ranks of the shard group
+  reduce-scatter  input bytes · (g−1)/g
+  HSDP all-reduce 2 · bytes · (R−1)/R            R = replicas (the mesh's first dimension), after the reduce-scatter
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor
+
+from rayft.parallel.tally import TALLY
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountedAllGather(AllGather):
+    def __init__(self, inner: AllGather | None = None) -> None:
+        self.inner = inner or DefaultAllGather()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, async_op: bool = False):
+        ranks = group.size()
+        TALLY.add("all_gather", _nbytes(output_tensor) * (ranks - 1) // ranks)
+        return self.inner(output_tensor, input_tensor, group, async_op)
+
+
+class CountedReduceScatter(ReduceScatter):
+    def __init__(self, inner: ReduceScatter | None = None) -> None:
+        self.inner = inner or DefaultReduceScatter()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, op, async_op: bool = False):
+        ranks = group.size()
+        TALLY.add("reduce_scatter", _nbytes(input_tensor) * (ranks - 1) // ranks)
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def count_fsdp_collectives(model: nn.Module) -> int:
+    """Count every FSDP unit's all-gathers and reduce-scatters (and HSDP all-reduces) of `model` into `TALLY`;
+    returns the number of units counted."""
+    replicas = _replicas(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_custom_all_gather(CountedAllGather())
+        unit.set_custom_reduce_scatter(CountedReduceScatter())
+        if replicas > 1:
+            unit.set_all_reduce_hook(_all_reduce_counter(replicas))
+    return len(units)
+
+
+def _replicas(model: nn.Module) -> int:
+    """Replicas of each shard: the first dimension of a 2-D (replicate, shard) mesh, else 1."""
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is None or param.device_mesh.ndim < 2:
+        return 1
+    return param.device_mesh.size(0)
+
+
+def _all_reduce_counter(replicas: int):
+    def counted(reduce_output: torch.Tensor) -> None:
+        """Runs after FSDP2's HSDP all-reduce of the reduce-scattered gradients (it issues that one itself)."""
+        TALLY.add("all_reduce", 2 * _nbytes(reduce_output) * (replicas - 1) // replicas)
+
+    return counted

@@ -1,0 +1,168 @@
+"""Per-GPU memory plan of a run, from the model's structure on the meta device (no weights needed).
+
+Formula (bytes per GPU, world W = nodes × GPUs per node, s = tokens per micro-batch, h = hidden, V = vocab,
+c = bytes of the compute dtype, p = bytes of the stored weights):
+  sharded weights      P_total · p / W
+  gathered layers      (1 + forward_prefetch) · P_layer · c      (every layer when reshard_after_forward is off)
+  gathered root        P_root · c                                 (embeddings + head stay gathered after forward)
+  LoRA                 P_lora · (4 param + 4 grad + 8 Adam) / W
+  activations, AC on   L · s · h · c  (layer inputs)  +  one layer's working set
+               AC off  L · (one layer's working set)
+      a layer's working set = s · h · 17c (attention/norms/MLP, flash attention: no s² term)
+                              + s · top_k · moe_intermediate · 3c (routed experts' gate/up/act)
+  logits + loss        s · V · (c + 8)    (logits, fp32 log-softmax, fp32 gradient)
+  runtime overhead     2 GiB on GPU (CUDA context, NCCL buffers, allocator slack); not counted on CPU
+With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (linears, routed experts; R rows) count
+1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
+for its matmul: + F_max · c (the largest, e.g. one layer's expert stack) + its fp32 block (≤ 256 MiB).
+Expert parallelism over k workers (rayft.parallel.expert's (ep, dp) mesh): the routed experts E/k whole per GPU
+(P_experts · p / k, FP8: 1 byte + row scales), the rest sharded over the W/k workers of a dp-group (whole when W = k;
+its layers and root gathered as above when sharded), LoRA (P_lora_rest / (W/k) + P_lora_experts / k) · 16, the
+largest dequantised FP8 tensor / k, + the tokens' all-to-all buffers 2 · s · top_k · h · c (send and receive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayft.config import Config
+from rayft.model.fp8 import DEQUANT_BLOCK
+from rayft.model.loss import chunk_rows
+from rayft.plan.structure import Structure
+
+GIB = 2**30
+GPU_GIB = {"h100": 79.6, "h200": 139.8}  # usable memory the device reports
+RUNTIME_OVERHEAD_GIB = 2.0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    world_size: int
+    rows: list[tuple[str, float]]  # (component, GiB per GPU)
+    gpu: str | None
+    frozen: str = "bf16"  # how the frozen base is stored: bf16, fp32 or fp8
+
+    @property
+    def total_gib(self) -> float:
+        return sum(gib for _, gib in self.rows)
+
+    @property
+    def capacity_gib(self) -> float | None:
+        return GPU_GIB.get(self.gpu) if self.gpu else None
+
+
+def compute_bytes(cfg: Config, on_gpu: bool) -> int:
+    """c: bytes per element of gathered weights and activations (bf16 on GPU with train.bf16, else fp32)."""
+    return 2 if (on_gpu and cfg.train.bf16 and cfg.fsdp.param_dtype in ("auto", "bfloat16")) else 4
+
+
+def stored_bytes(cfg: Config) -> int:
+    """p: bytes per element of the stored frozen weights (`model.torch_dtype`)."""
+    return 4 if cfg.model.torch_dtype == "float32" else 2
+
+
+def tokens_per_micro_batch(cfg: Config) -> int:
+    """s: tokens each GPU runs per micro-batch (padded rows: max_length each)."""
+    return cfg.data.max_length * cfg.train.per_device_train_batch_size
+
+
+def plan_memory(
+    cfg: Config,
+    s: Structure,
+    world_size: int,
+    on_gpu: bool,
+    gpu: str | None = None,
+    fp8: bool = False,
+    expert_parallel: int = 1,
+) -> MemoryPlan:
+    """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8.
+
+    With `expert_parallel` k > 1 each GPU holds E/k routed experts of every MoE layer whole (never gathered) and the
+    rest of the model is sharded over W/k workers (rayft.parallel.expert's (ep, dp) mesh), whole when W = k."""
+    c, p, tokens = compute_bytes(cfg, on_gpu), stored_bytes(cfg), tokens_per_micro_batch(cfg)
+    shards = cfg.fsdp.shard_group(world_size)
+    # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
+    logit_rows = min(tokens, chunk_rows(s.vocab, on_gpu)) if cfg.train.fused_loss else tokens
+    if fp8:
+        stored = (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows
+        layer = (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
+    else:
+        stored, layer = s.total * p, s.largest_layer * c
+    if expert_parallel > 1:
+        weights = _expert_parallel_weights(cfg, s, world_size, c, p, fp8, stored, layer, expert_parallel)
+        dequantised = s.fp8_largest // expert_parallel  # the largest FP8 tensor is a layer's expert stack
+    else:
+        gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards(world_size) else s.layers
+        weights = [
+            (f"sharded weights (/{shards})", stored / shards),
+            (f"gathered layers ({gathered_layers} x {_count(s.largest_layer)})", gathered_layers * layer),
+            ("gathered root (embeddings, head)", s.root * c),
+            (f"LoRA params+grads+AdamW (/{shards})", s.lora * 16 / shards),
+        ]
+        dequantised = s.fp8_largest
+    rows = [*weights, _activations(cfg, s, tokens, c), ("logits + loss", logit_rows * s.vocab * (c + 8))]
+    if expert_parallel > 1:
+        rows.append(("token all-to-all buffers (send + receive)", 2 * tokens * s.top_k * s.hidden * c))
+    if fp8:
+        rows.append(("FP8 weight dequantised for its matmul", dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4))
+    if on_gpu:
+        rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
+    frozen = "fp8" if fp8 else ("fp32" if p == 4 else "bf16")
+    return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
+
+
+def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, float]:
+    layer_working_set = tokens * s.hidden * 17 * c + tokens * s.top_k * s.moe_intermediate * 3 * c
+    if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
+        return "activations (AC on)", s.layers * tokens * s.hidden * c + layer_working_set
+    return "activations (AC off)", s.layers * layer_working_set
+
+
+def _expert_parallel_weights(
+    cfg: Config, s: Structure, world: int, c: int, p: int, fp8: bool, stored: float, layer: float, k: int
+) -> list[tuple[str, float]]:
+    """Weight rows of expert parallelism: E/k experts whole, the rest sharded over W/k workers (whole if W = k)."""
+    if fp8:
+        experts = s.experts + 4 * s.expert_rows
+        experts_layer = s.experts_layer + 4 * s.expert_rows // max(s.moe_layers, 1)
+    else:
+        experts, experts_layer = s.experts * p, s.experts_layer * c
+    dense_shards = world // k
+    expert_lora = s.expert_lora
+    rows = [
+        (f"non-expert weights (/{dense_shards})", (stored - experts) / dense_shards),
+        (f"routed experts ({s.num_experts // k} of {s.num_experts} whole)", experts / k),
+    ]
+    if dense_shards > 1:
+        gathered = 1 + cfg.fsdp.forward_prefetch
+        rows += [
+            (f"gathered layers, non-expert part ({gathered} x)", gathered * (layer - experts_layer)),
+            ("gathered root (embeddings, head)", s.root * c),
+        ]
+    rows.append(("LoRA params+grads+AdamW", ((s.lora - expert_lora) / dense_shards + expert_lora / k) * 16))
+    return rows
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
+def format_plans(plans: list[MemoryPlan], s: Structure, tokens: int, other: list[MemoryPlan] | None = None) -> str:
+    """The table of `plans`; with `other` (the same runs with the frozen base stored the other way: FP8 / bf16),
+    a line of its totals next to them."""
+    head = f"{s.architecture}: {s.total / 1e9:.2f}B params, LoRA {s.lora / 1e6:.1f}M trainable, {tokens} tokens/GPU"
+    head += f", frozen base stored in {plans[0].frozen}"
+    names = [name for name, _ in plans[0].rows]
+    width = max(len(name) for name in names) + 2
+    lines = [head, "component".ljust(width) + "".join(f"{'W=' + str(p.world_size):>10}" for p in plans)]
+    for i, name in enumerate(names):
+        label = name.split(" (/")[0] if "(/" in name else name
+        lines.append(label.ljust(width) + "".join(f"{p.rows[i][1]:>10.2f}" for p in plans))
+    lines.append("total GiB/GPU".ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in plans))
+    if other:
+        label = f"  with {other[0].frozen} base"
+        lines.append(label.ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in other))
+    if plans[0].capacity_gib:
+        verdicts = "".join(f"{'fits' if p.total_gib <= p.capacity_gib else 'OOM':>10}" for p in plans)
+        lines.append(f"on {plans[0].gpu} ({plans[0].capacity_gib} GiB)".ljust(width) + verdicts)
+    return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""The layout table `rayft plan` prints for each cluster size: memory, bytes received, step time, the fastest fit."""
+
+from __future__ import annotations
+
+from rayft.config import Config
+from rayft.plan.comm import Cluster
+from rayft.plan.memory import tokens_per_micro_batch
+from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, flops_per_token
+from rayft.plan.structure import Structure
+
+GB = 1e9
+KINDS = (("all_gather", "gather"), ("reduce_scatter", "r-scatter"), ("all_reduce", "all-red"), ("all_to_all", "a2a"))
+
+
+def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, plans: list[LayoutPlan]) -> str:
+    """One row per layout and frozen-base storage; `*` marks the fastest that fits (what `auto` picks)."""
+    m = cfg.train.gradient_accumulation_steps
+    tokens = tokens_per_micro_batch(cfg)
+    head = [
+        f"layouts on {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU (W={cluster.world}), {hw.gpu}: "
+        f"{hw.peak / 1e12:.0f} TFLOP/s bf16 at {hw.mfu:.0%} MFU, network {hw.inter_gbits:g} Gb/s "
+        f"({hw.inter_bytes_per_s / GB:g} GB/s) and NVLink {hw.intra_gbytes:g} GB/s "
+        f"({hw.intra_bytes_per_s / GB:g} GB/s received) per GPU",
+        f"{tokens} tokens/GPU per micro-batch, {m} per step, {flops_per_token(cfg, s) / 1e9:.1f} GFLOP/token; "
+        "GB received per GPU per step (network: the part over the inter-node links); seconds per step",
+    ]
+    columns = ["layout", "base", "GiB/GPU", "fits", *(label for _, label in KINDS), "network",
+               "compute", "comm", "step", "serial", "bound"]  # fmt: skip
+    widths = [20, 4, 8, 5, 9, 10, 8, 8, 8, 8, 7, 7, 7, 6]
+    lines = [*head, _row(columns, widths)]
+    best = fastest_fitting(plans)
+    for plan in plans:
+        mark = "*" if plan is best else " "
+        cells = [
+            f"{mark}{plan.layout.name(cluster)}",
+            plan.memory.frozen,
+            f"{plan.memory.total_gib:.1f}",
+            "yes" if plan.fits else "OOM",
+            *(f"{plan.comm.per_step(kind) / GB:.2f}" for kind, _ in KINDS),
+            f"{plan.comm.per_step(inter_node=True) / GB:.2f}",
+            f"{plan.time.compute_s:.2f}",
+            f"{plan.time.comm_s:.2f}",
+            f"{plan.time.predicted_s:.2f}",
+            f"{plan.time.serial_s:.2f}",
+            "comm" if plan.time.comm_bound else "comp",
+        ]
+        lines.append(_row(cells, widths))
+    lines.append(
+        f"* fastest that fits: {best.layout.name(cluster)}, {best.memory.frozen} base"
+        if best
+        else "* no layout fits: more nodes, FP8 base, activation checkpointing or fewer tokens per micro-batch"
+    )
+    return "\n".join(lines)
+
+
+def _row(cells: list[str], widths: list[int]) -> str:
+    """Layout and storage left-aligned, numbers right-aligned."""
+    return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))

@@ -1,0 +1,149 @@
+"""Predicted seconds per optimizer step of each layout, which layouts communication bounds, and the fastest layout
+that fits (`parallel.expert_parallel: auto`).
+
+Compute, per token, for LoRA on a frozen base: forward 2·N (every matrix weight a token meets: N_active, routed
+experts counting top_k / E of theirs), backward only the input gradient, 2·N (no weight gradient for frozen
+weights), so 4·N_active — not the 6·N of full training. The LoRA matrices get their weight gradients too: 6·N_lora
+(expert LoRA counted top_k / E). Attention scores and values add 3·A(s) (A = forward FLOPs at context s).
+Activation checkpointing recomputes the forward: + 2·N_active + 2·N_lora + A. Compute time = tokens · FLOPs per
+token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU.
+
+Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
+(received per GPU, comm.py). FSDP's gathers and gradient reductions run on their own streams, prefetched a layer
+ahead, so they overlap compute; the all-to-all of expert parallelism cannot (the experts wait for their tokens)
+and adds to it. Predicted step = max(compute, overlappable comm) + all-to-all; the serial figure (nothing
+overlapped) is the upper bound. A layout is communication-bound when its communication alone takes longer than
+its compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rayft.config import Config, ConfigError
+from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
+from rayft.plan.memory import GPU_GIB, MemoryPlan, plan_memory, tokens_per_micro_batch
+from rayft.plan.structure import Structure
+from rayft.train.metrics import PEAK_BF16_FLOPS
+
+DEFAULT_MFU = 0.4
+DEFAULT_INTER_GBITS = 400.0  # per GPU, each direction (one 400 Gb/s NDR InfiniBand NIC per GPU)
+DEFAULT_INTRA_GBYTES = 900.0  # NVLink 4 on H100/H200: 900 GB/s per GPU, both directions together
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str  # h100, h200
+    mfu: float = DEFAULT_MFU
+    inter_gbits: float = DEFAULT_INTER_GBITS
+    intra_gbytes: float = DEFAULT_INTRA_GBYTES
+
+    @property
+    def peak(self) -> float:
+        return PEAK_BF16_FLOPS[self.gpu.upper()]
+
+    @property
+    def inter_bytes_per_s(self) -> float:
+        """What one GPU receives per second over the network: Gb/s per direction / 8."""
+        return self.inter_gbits * 1e9 / 8
+
+    @property
+    def intra_bytes_per_s(self) -> float:
+        """What one GPU receives per second over NVLink: half the bidirectional GB/s figure."""
+        return self.intra_gbytes * 1e9 / 2
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    overlapped_comm_s: float  # FSDP gathers, gradient reductions
+    all_to_all_s: float
+
+    @property
+    def comm_s(self) -> float:
+        return self.overlapped_comm_s + self.all_to_all_s
+
+    @property
+    def predicted_s(self) -> float:
+        return max(self.compute_s, self.overlapped_comm_s) + self.all_to_all_s
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def comm_bound(self) -> bool:
+        return self.comm_s > self.compute_s
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    layout: Layout
+    fp8: bool
+    memory: MemoryPlan
+    comm: CommPlan
+    time: StepTime
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.capacity_gib is None or self.memory.total_gib <= self.memory.capacity_gib
+
+
+def flops_per_token(cfg: Config, s: Structure) -> float:
+    """Hardware FLOPs per token of a LoRA step (module docstring), activation recompute included."""
+    ac = cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing
+    lora = s.lora - s.expert_lora + (s.expert_lora * s.top_k / s.num_experts if s.num_experts else 0)
+    attention = s.attention_per_position * cfg.data.max_length
+    return (4 + 2 * ac) * s.active_base + (6 + 2 * ac) * lora + (3 + ac) * attention
+
+
+def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware) -> StepTime:
+    m = cfg.train.gradient_accumulation_steps
+    compute = m * tokens_per_micro_batch(cfg) * flops_per_token(cfg, s) / (hw.peak * hw.mfu)
+    overlapped = all_to_all = 0.0
+    for t in comm.transfers:
+        seconds = t.inter_node / hw.inter_bytes_per_s + (t.received - t.inter_node) / hw.intra_bytes_per_s
+        seconds *= m if t.per == MICRO_BATCH else 1
+        if t.kind == "all_to_all":
+            all_to_all += seconds
+        else:
+            overlapped += seconds
+    return StepTime(compute, overlapped, all_to_all)
+
+
+def plan_layouts(
+    cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, fp8: bool, candidates: list[Layout] | None = None
+) -> list[LayoutPlan]:
+    """Memory, bytes moved and step time of every layout on `cluster` (GPU, the frozen base as `fp8` says)."""
+    out = []
+    for layout in candidates if candidates is not None else layouts(cluster, s):
+        memory = _memory(cfg, s, layout, cluster, hw, fp8)
+        comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, fp8=fp8)
+        out.append(LayoutPlan(layout, fp8, memory, comm, step_time(cfg, s, comm, hw)))
+    return out
+
+
+def _memory(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, fp8: bool) -> MemoryPlan:
+    sharded = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, shard_size=layout.shard))
+    return plan_memory(sharded, s, cluster.world, True, hw.gpu, fp8=fp8, expert_parallel=layout.expert_parallel)
+
+
+def fastest_fitting(plans: list[LayoutPlan]) -> LayoutPlan | None:
+    fitting = [p for p in plans if p.fits]
+    # ties (compute hides the difference) go to the layout that moves less: it has more slack
+    return min(fitting, key=lambda p: (round(p.time.predicted_s, 6), p.time.serial_s)) if fitting else None
+
+
+def choose_expert_parallel(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, fp8: bool) -> int:
+    """`parallel.expert_parallel: auto`: the expert-parallel degree of the fastest layout that fits the GPU
+    (1: no expert parallelism). Only `fsdp.shard_size` as configured is considered for k = 1."""
+    candidates = [Layout(shard=cfg.fsdp.shard_group(cluster.world))]
+    candidates += [layout for layout in layouts(cluster, s) if layout.expert_parallel > 1]
+    best = fastest_fitting(plan_layouts(cfg, s, cluster, hw, fp8, candidates))
+    if best is None:
+        raise ConfigError(
+            f"parallel.expert_parallel: auto: no layout fits {hw.gpu} ({GPU_GIB[hw.gpu]} GiB) on {cluster.nodes} "
+            f"node(s) x {cluster.gpus_per_node} GPU(s); see `rayft plan` for the memory of each"
+        )
+    return best.layout.expert_parallel

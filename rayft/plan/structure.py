@@ -1,0 +1,126 @@
+"""What the planner needs to know about a model: parameter counts by role, read from the LoRA-wrapped model on the
+meta device (no weights, no memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from rayft.config import Config
+from rayft.model.fp8 import EXPERT_WEIGHTS
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the memory, communication and time formulas need from the model (counts of parameters)."""
+
+    architecture: str
+    total: int  # frozen parameters
+    largest_layer: int
+    layers: int
+    root: int  # every parameter outside the decoder layers (embeddings, final norm, head), LoRA included
+    lora: int  # trainable parameters
+    hidden: int
+    vocab: int
+    top_k: int
+    moe_intermediate: int
+    fp8: int = 0  # frozen decoder matrices (linears, routed experts) that FP8 storage holds
+    fp8_rows: int = 0  # their rows: one fp32 scale each
+    fp8_layer: int = 0  # of those, in the largest layer
+    fp8_layer_rows: int = 0
+    fp8_largest: int = 0  # the largest single such tensor: dequantised whole for its matmul
+    layers_lora: int = 0  # trainable parameters inside the decoder layers (the rest are the root's)
+    experts: int = 0  # frozen routed-expert weights (fused 3D stacks), all layers
+    expert_rows: int = 0  # their rows (FP8 row scales)
+    experts_layer: int = 0  # of those, in the largest layer
+    expert_lora: int = 0  # LoRA parameters on the routed experts (`lora.target_experts`)
+    num_experts: int = 0  # routed experts per MoE layer (E)
+    moe_layers: int = 0  # decoder layers with routed experts
+    active_base: int = 0  # frozen matrix weights a token is multiplied by (routed experts: top_k / E of theirs)
+    attention_per_position: float = 0.0  # forward attention FLOPs per token per position of context (A(s) / s)
+
+    @property
+    def layers_frozen(self) -> int:
+        """Frozen parameters inside the decoder layers: what FSDP gathers per layer, less LoRA."""
+        return self.total - (self.root - (self.lora - self.layers_lora))
+
+    @property
+    def root_lora(self) -> int:
+        return self.lora - self.layers_lora
+
+
+def structure(model: nn.Module, config) -> Structure:
+    """Parameter counts of a (meta) PEFT model with its decoder layers."""
+    from rayft.model.build import decoder_layers
+    from rayft.train.metrics import flop_model
+
+    layers = decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    params = list(model.parameters())
+    fp8_per_layer = [fp8_matrices(layer) for layer in layers]
+    experts_per_layer = [expert_stacks(layer) for layer in layers]
+    largest = max(range(len(layers)), key=lambda i: sum(p.numel() for p in layers[i].parameters()))
+    flops = flop_model(model, config, seq_len=1)
+    return Structure(
+        architecture=type(model.get_base_model()).__name__,
+        total=sum(p.numel() for p in params if not p.requires_grad),
+        largest_layer=sum(p.numel() for p in layers[largest].parameters()),
+        layers=len(layers),
+        root=sum(p.numel() for p in params if id(p) not in in_layers),
+        lora=sum(p.numel() for p in params if p.requires_grad),
+        hidden=config.hidden_size,
+        vocab=config.vocab_size,
+        top_k=getattr(config, "num_experts_per_tok", 0) or 0,
+        moe_intermediate=getattr(config, "moe_intermediate_size", 0) or 0,
+        fp8=sum(p.numel() for ps in fp8_per_layer for p in ps),
+        fp8_rows=sum(_rows(p) for ps in fp8_per_layer for p in ps),
+        fp8_layer=sum(p.numel() for p in fp8_per_layer[largest]),
+        fp8_layer_rows=sum(_rows(p) for p in fp8_per_layer[largest]),
+        fp8_largest=max((p.numel() for ps in fp8_per_layer for p in ps), default=0),
+        layers_lora=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) in in_layers),
+        experts=sum(p.numel() for ps in experts_per_layer for p in ps),
+        expert_rows=sum(_rows(p) for ps in experts_per_layer for p in ps),
+        experts_layer=sum(p.numel() for p in experts_per_layer[largest]),
+        expert_lora=sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n),
+        num_experts=max((p.shape[0] for ps in experts_per_layer for p in ps), default=0),
+        moe_layers=sum(1 for ps in experts_per_layer if ps),
+        active_base=flops.base_params,
+        attention_per_position=flops.attention,
+    )
+
+
+def _rows(p: nn.Parameter) -> int:
+    return p.numel() // p.shape[-1]
+
+
+def expert_stacks(layer: nn.Module) -> list[nn.Parameter]:
+    """The frozen fused routed-expert weights of a decoder layer ([E, out, in]): what expert parallelism keeps whole
+    on the rank that owns each expert instead of sharding."""
+    return [
+        p
+        for module in layer.modules()
+        for n, p in module.named_parameters(recurse=False)
+        if p.ndim == 3 and n in EXPERT_WEIGHTS and not p.requires_grad
+    ]
+
+
+def fp8_matrices(layer: nn.Module) -> list[nn.Parameter]:
+    """The frozen matrices of a decoder layer that FP8 storage holds: linear weights and fused 3D expert weights
+    (what `rayft.model.fp8.to_fp8_` swaps), LoRA's own excluded."""
+    out = []
+    for name, module in layer.named_modules():
+        if ".lora_" in f".{name}":
+            continue
+        if isinstance(module, nn.Linear):
+            out.append(module.weight)
+        out += [p for n, p in module.named_parameters(recurse=False) if p.ndim == 3 and n in EXPERT_WEIGHTS]
+    return [p for p in out if not p.requires_grad]
+
+
+def meta_structure(cfg: Config, config=None) -> Structure:
+    """Structure of the weightless LoRA model (from `config`, or the config of model.model_name_or_path)."""
+    from rayft.model.build import weightless_lora_model
+
+    model, _ = weightless_lora_model(cfg, config)
+    return structure(model, model.config)

@@ -1,0 +1,152 @@
+"""The collective byte tally (rayft.parallel) against the planner's communication model (rayft.plan.comm).
+
+Two gloo ranks in-process train the tiny dense Mistral and the tiny hub-layout Mistral-Small-4 through the training
+loop's own `train_step`; what FSDP2 moved is counted three ways: the tally its hooks fill, a TorchDispatchMode
+watching the c10d ops themselves (an independent witness), and the planner's prediction from the meta model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import Fixtures, free_port, tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rayft.config import Config
+from rayft.model.build import frozen_fp8
+from rayft.parallel.tally import KINDS
+from rayft.plan import meta_structure
+from rayft.plan.comm import Cluster, Layout, plan_comm
+
+STEPS = 2  # the first gathers the frozen root (embeddings, head) once for the run; the second is the steady state
+ACCUM = 2
+WORLD = 2
+
+
+class C10dBytes(TorchDispatchMode):
+    """Bytes received from other ranks by the c10d ops dispatched while active (the tally's ring convention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved = dict.fromkeys(KINDS, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__ if func.namespace == "c10d" else ""
+        if name == "_allgather_base_":
+            self._add("all_gather", args[0], args[2])
+        elif name == "_reduce_scatter_base_":
+            self._add("reduce_scatter", args[1], args[2])
+        elif name == "allreduce_":
+            for t in args[0]:
+                self._add("all_reduce", t, args[1], 2)
+        return func(*args, **(kwargs or {}))
+
+    def _add(self, kind: str, tensor: torch.Tensor, group, times: int = 1) -> None:
+        ranks = dist.ProcessGroup.unbox(group).size()  # the op carries the group as a TorchScript object
+        self.moved[kind] += times * tensor.numel() * tensor.element_size() * (ranks - 1) // ranks
+
+    def take(self) -> dict[str, int]:
+        taken, self.moved = self.moved, dict.fromkeys(KINDS, 0)
+        return taken
+
+
+def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
+    from rayft.model.build import build_model, decoder_layers
+    from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.train.metrics import FlopModel, LossWindow
+    from rayft.train.step import train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for label, raw in runs.items():
+            torch.manual_seed(0)
+            cfg = Config.from_dict(raw)
+            model = build_model(cfg, on_gpu=False)
+            count_fsdp_collectives(model)
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+            window = LossWindow(torch.device("cpu"), world, FlopModel(0, 0, 0.0), None)
+            kept = [] if cfg.fsdp.reshards(world) else decoder_layers(model)
+            ids = torch.randint(3, 1000, (1, cfg.data.max_length), generator=torch.Generator().manual_seed(rank))
+            group = [{"input_ids": ids, "labels": ids} for _ in range(ACCUM)]
+            tallied, witnessed = [], []
+            for _ in range(STEPS):
+                before = dict(window.moved)
+                with C10dBytes() as witness:
+                    norm = train_step(model, optimizer, scheduler, group, window, world_size=world, kept_layers=kept,
+                                      autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
+                tallied.append({k: window.moved[k] - before[k] for k in KINDS})
+                witnessed.append(witness.take())
+            metrics = window.take(norm, scheduler, 0.0)
+            results[label] = {"tallied": tallied, "witnessed": witnessed,
+                              "metrics": {k: v for k, v in metrics.items() if k.startswith("comm_")}}  # fmt: skip
+            del model, optimizer
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_measured_bytes_per_step_match_the_planner_for_fsdp(fixtures: Fixtures, mistral4_hub, tmp_path):
+    def config(model_dir, frozen: str, hub: bool, shard_size: int | None = None) -> dict:
+        raw = tiny_config(fixtures, tmp_path)
+        raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="float32", frozen_dtype=frozen)
+        raw["lora"].update(lora_dropout=0.0)
+        raw["data"]["max_length"] = 16
+        raw["train"].update(gradient_accumulation_steps=ACCUM, per_device_train_batch_size=1)
+        raw["fsdp"] = {"shard_size": shard_size}
+        if hub:
+            raw["lora"].update(target_modules=["auto"], target_experts=True)
+            raw["fsdp"]["activation_checkpointing"] = True
+        return raw
+
+    runs = {
+        "hub_fp8": config(mistral4_hub, "auto", hub=True),  # the FP8 checkpoint kept FP8 (1 byte + row scales)
+        "hub_fp32": config(mistral4_hub, "float32", hub=True),
+        "dense_fp8": config(fixtures.model, "float8_e4m3fn", hub=False),
+        "dense_fp32": config(fixtures.model, "float32", hub=False),
+        "dense_replicated": config(fixtures.model, "float32", hub=False, shard_size=1),  # LoRA grads all-reduced
+    }
+    out = tmp_path / "results.json"
+    mp.spawn(_train_rank, args=(WORLD, free_port(), runs, str(out)), nprocs=WORLD)
+    results = json.loads(out.read_text())
+    for label, raw in runs.items():
+        cfg, got = Config.from_dict(raw), results[label]
+        s = meta_structure(cfg)
+        fp8 = frozen_fp8(cfg.model)
+        predicted = plan_comm(cfg, s, Layout(shard=cfg.fsdp.shard_group(WORLD)), Cluster(1, WORLD), False, fp8)
+        steady = got["tallied"][-1]
+        print(label, {k: (steady[k], round(predicted.per_step(k))) for k in KINDS})
+        for kind in KINDS:
+            want = predicted.per_step(kind)
+            assert abs(steady[kind] - want) <= 0.05 * want, (label, kind, steady[kind], want)
+        # The hooks saw what went through c10d: gathers and reduce-scatters byte for byte; all-reduces too, but
+        # for the scalars of gradient clipping, which the tally leaves out.
+        for tallied, witnessed in zip(got["tallied"], got["witnessed"], strict=True):
+            assert tallied["all_gather"] == witnessed["all_gather"], (label, tallied, witnessed)
+            assert tallied["reduce_scatter"] == witnessed["reduce_scatter"], (label, tallied, witnessed)
+            assert 0 <= witnessed["all_reduce"] - tallied["all_reduce"] <= 16, (label, tallied, witnessed)
+        # A frozen root (embeddings, head) is gathered once for the run, in step 1: its parameters at 4 bytes, half
+        # from the other rank. One with LoRA (the dense fixture's head) is gathered in every micro-batch instead.
+        if cfg.fsdp.shard_group(WORLD) > 1:
+            first_extra = got["tallied"][0]["all_gather"] - steady["all_gather"]
+            once = s.root * 4 // 2 if s.lora == s.layers_lora else 0
+            assert abs(first_extra - once) <= 0.05 * once, (label, first_extra, s.root)
+        # The metrics the loop logs: per optimizer step, mean over ranks and over the window's steps
+        mean = {k: sum(step[k] for step in got["tallied"]) / STEPS for k in KINDS}
+        for kind in KINDS:
+            assert abs(got["metrics"][f"comm_{kind}_bytes"] - mean[kind]) <= 0.01 * mean[kind] + 8, (label, kind)
+    # FP8 storage gathers the decoder matrices at 1 byte per weight, not 4 (row scales and LoRA aside); the dense
+    # fixture's gathers are mostly its root (LoRA on the head), which FP8 does not touch.
+    fp8, fp32 = (results[f"hub_{x}"]["tallied"][-1]["all_gather"] for x in ("fp8", "fp32"))
+    assert fp8 < 0.5 * fp32, (fp8, fp32)
+    fp8, fp32 = (results[f"dense_{x}"]["tallied"][-1]["all_gather"] for x in ("fp8", "fp32"))
+    assert fp8 < fp32, (fp8, fp32)
