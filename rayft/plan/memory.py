@@ -14,7 +14,8 @@ c = bytes of the compute dtype, p = bytes of the stored weights):
   runtime overhead     2 GiB on GPU (CUDA context, NCCL buffers, allocator slack); not counted on CPU
 With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (linears, routed experts; R rows) count
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
-for its matmul: + F_max · c (the largest, e.g. one layer's expert stack) + its fp32 block (≤ 256 MiB).
+for its matmul: + D · c + its fp32 block (≤ 256 MiB) + D bytes (experts gathered when not one range), D =
+the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `fp8_dequantised`).
 Expert parallelism over k workers (rayft.parallel.expert's (ep, dp) mesh): the routed experts E/k whole per GPU
 (P_experts · p / k, FP8: 1 byte + row scales), the rest sharded over the W/k workers of a dp-group (whole when W = k;
 its layers and root gathered as above when sharded), LoRA (P_lora_rest / (W/k) + P_lora_experts / k) · 16, the
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayft.config import Config
-from rayft.model.fp8 import DEQUANT_BLOCK
+from rayft.model.fp8 import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET
 from rayft.model.loss import chunk_rows
 from rayft.plan.structure import Structure
 
@@ -90,7 +91,6 @@ def plan_memory(
         stored, layer = s.total * p, s.largest_layer * c
     if expert_parallel > 1:
         weights = _expert_parallel_weights(cfg, s, world_size, c, p, fp8, stored, layer, expert_parallel)
-        dequantised = s.fp8_largest // expert_parallel  # the largest FP8 tensor is a layer's expert stack
     else:
         gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards(world_size) else s.layers
         weights = [
@@ -99,12 +99,14 @@ def plan_memory(
             ("gathered root (embeddings, head)", s.root * c),
             (f"LoRA params+grads+AdamW (/{shards})", s.lora * 16 / shards),
         ]
-        dequantised = s.fp8_largest
     rows = [*weights, _activations(cfg, s, tokens, c), ("logits + loss", logit_rows * s.vocab * (c + 8))]
     if expert_parallel > 1:
         rows.append(("token all-to-all buffers (send + receive)", 2 * tokens * s.top_k * s.hidden * c))
     if fp8:
-        rows.append(("FP8 weight dequantised for its matmul", dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4))
+        dequantised = fp8_dequantised(s, expert_parallel)
+        # its compute-dtype copy, the fp32 block it is made in, and (experts not in one range) their bytes gathered
+        transient = dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4 + (dequantised if s.fp8_expert_numel else 0)
+        rows.append(("FP8 weight dequantised for its matmul", transient))
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
     frozen = "fp8" if fp8 else ("fp32" if p == 4 else "bf16")
@@ -166,3 +168,14 @@ def format_plans(plans: list[MemoryPlan], s: Structure, tokens: int, other: list
         verdicts = "".join(f"{'fits' if p.total_gib <= p.capacity_gib else 'OOM':>10}" for p in plans)
         lines.append(f"on {plans[0].gpu} ({plans[0].capacity_gib} GiB)".ljust(width) + verdicts)
     return "\n".join(lines)
+
+
+def fp8_dequantised(s: Structure, expert_parallel: int = 1) -> int:
+    """Elements of the largest FP8 weight dequantised at once: a whole linear, or one chunk of a layer's routed
+    experts (`rayft.model.fp8.expert_chunks`: only experts with tokens, at most EXPERT_DEQUANT_BUDGET elements, at
+    least one expert; counted as if every local expert had tokens, as at thousands of tokens per micro-batch)."""
+    experts = 0
+    if s.fp8_expert_numel:
+        local = max(1, s.num_experts // expert_parallel)
+        experts = min(local, max(1, EXPERT_DEQUANT_BUDGET // s.fp8_expert_numel)) * s.fp8_expert_numel
+    return max(s.fp8_linear_largest, experts)

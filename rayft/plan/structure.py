@@ -29,7 +29,9 @@ class Structure:
     fp8_rows: int = 0  # their rows: one fp32 scale each
     fp8_layer: int = 0  # of those, in the largest layer
     fp8_layer_rows: int = 0
-    fp8_largest: int = 0  # the largest single such tensor: dequantised whole for its matmul
+    fp8_largest: int = 0  # the largest single such tensor
+    fp8_linear_largest: int = 0  # the largest FP8 linear weight: dequantised whole for its matmul
+    fp8_expert_numel: int = 0  # one routed expert's weight in the largest FP8 expert stack (out · in)
     layers_lora: int = 0  # trainable parameters inside the decoder layers (the rest are the root's)
     experts: int = 0  # frozen routed-expert weights (fused 3D stacks), all layers
     expert_rows: int = 0  # their rows (FP8 row scales)
@@ -78,6 +80,8 @@ def structure(model: nn.Module, config) -> Structure:
         fp8_layer=sum(p.numel() for p in fp8_per_layer[largest]),
         fp8_layer_rows=sum(_rows(p) for p in fp8_per_layer[largest]),
         fp8_largest=max((p.numel() for ps in fp8_per_layer for p in ps), default=0),
+        fp8_linear_largest=max((p.numel() for ps in fp8_per_layer for p in ps if p.ndim == 2), default=0),
+        fp8_expert_numel=max((p[0].numel() for ps in fp8_per_layer for p in ps if p.ndim == 3), default=0),
         layers_lora=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) in in_layers),
         experts=sum(p.numel() for ps in experts_per_layer for p in ps),
         expert_rows=sum(_rows(p) for ps in experts_per_layer for p in ps),
