@@ -168,17 +168,22 @@ class ExpertParallel:
                 entries.append((name, model[name], _setter(model, name)))
         for name in sorted(optim):
             if is_expert_lora(name):
+                optim[name] = dict(optim[name])  # it may be the optimizer's own: replace entries in a copy
                 for key in sorted(optim[name]):
                     if torch.is_tensor(optim[name][key]) and optim[name][key].ndim:
                         entries.append((name, optim[name][key], _setter(optim[name], key)))
         return entries
 
-    def gather_adapter(self, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Collective: a full (gathered) adapter state dict with the expert LoRA made whole."""
-        return {
-            name: self.full(name, tensor).cpu() if is_expert_lora(name) else tensor
-            for name, tensor in sorted(full_state.items())
-        }
+    def gather_adapter(self, model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective: the gathered adapter state dict (rank 0's; the others' are empty under `cpu_offload`) with
+        the expert LoRA made whole from every worker's parameters."""
+        whole = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad and is_expert_lora(name):
+                whole[name] = self.full(name, param.detach()).cpu()
+        if full_state and not whole.keys() <= full_state.keys():
+            raise RuntimeError(f"expert LoRA {sorted(whole.keys() - full_state.keys())[:1]} not in the adapter state")
+        return {**full_state, **whole} if full_state else {}
 
 
 def _setter(mapping: dict, key: str):

@@ -200,7 +200,7 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     )
     if (ep := expert_layout(model)) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
-        full = ep.gather_adapter(full)
+        full = ep.gather_adapter(model, full)
     if dist.get_rank() == 0:
         model.save_pretrained(str(directory), state_dict=full, safe_serialization=True, save_embedding_layers=False)
         if tokenizer is not None:
