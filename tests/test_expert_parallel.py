@@ -157,14 +157,16 @@ def _adapter(directory: Path) -> dict[str, torch.Tensor]:
 def test_expert_parallel_matches_fsdp(fixtures: Fixtures, skewed_hub: Path, tmp_path: Path, frozen_dtype: str):
     """k=2 (each rank 4 of 8 experts, FP8 or fp32 storage) vs k=1 FSDP2: same losses, norms and adapter over 5
     steps with skewed routing; the tally equals the router-derived count; a k=2 checkpoint resumes with k=1."""
+    resharding = frozen_dtype == "auto"  # the checkpoint holds only LoRA and optimizer state: one storage suffices
     ep = _run(_raw(fixtures, skewed_hub, tmp_path, 2, frozen_dtype), tmp_path / "ep", save=tmp_path / "ckpt")
     fsdp = _run(_raw(fixtures, skewed_hub, tmp_path, 1, frozen_dtype), tmp_path / "fsdp")
-    resumed = _run(_raw(fixtures, skewed_hub, tmp_path, 1, frozen_dtype), tmp_path / "resumed", tmp_path / "ckpt")
+    if resharding:
+        resumed = _run(_raw(fixtures, skewed_hub, tmp_path, 1, frozen_dtype), tmp_path / "resumed", tmp_path / "ckpt")
 
     # Skewed, uneven routing: per expert and per owning rank (from the hooks, the first call of layer 0).
     pairs = [e for r in ep for e in r["routing"]["0"][0][1]]
     counts = torch.bincount(torch.tensor(pairs), minlength=EXPERTS)
-    assert counts.max() >= 3 * counts.float().mean() and counts[:4].sum() >= 2 * counts[4:].sum(), counts.tolist()
+    assert counts.max() >= 3 * counts.min() and counts[:4].sum() >= 1.5 * counts[4:].sum(), counts.tolist()
 
     for step in range(STEPS):
         a, b = ep[0]["losses"][str(step)], fsdp[0]["losses"][str(step)]
@@ -174,12 +176,14 @@ def test_expert_parallel_matches_fsdp(fixtures: Fixtures, skewed_hub: Path, tmp_
         for rank, record in enumerate(ep):
             assert record["a2a"][str(step)] == _expected_a2a(ep, step, 2, recompute=True)[rank]
         assert all(r["a2a"][str(step)] == 0 for r in fsdp)
-    for step in range(SAVE_AT, STEPS):
-        assert abs(resumed[0]["losses"][str(step)] - fsdp[0]["losses"][str(step)]) <= 1e-4
+    if resharding:  # the k=2 checkpoint, resumed with k=1, continues as both uninterrupted runs
+        assert sorted(resumed[0]["losses"]) == [str(s) for s in range(SAVE_AT, STEPS)]
+        for step in range(SAVE_AT, STEPS):
+            assert abs(resumed[0]["losses"][str(step)] - fsdp[0]["losses"][str(step)]) <= 1e-4
 
     reference = _adapter(tmp_path / "fsdp" / "adapter")
     assert any(".experts." in k for k in reference) and any("shared_experts" in k for k in reference)
-    for label in ("ep", "resumed"):
+    for label in ("ep", "resumed") if resharding else ("ep",):
         adapter = _adapter(tmp_path / label / "adapter")
         assert adapter.keys() == reference.keys()
         for key, tensor in reference.items():

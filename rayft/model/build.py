@@ -25,7 +25,7 @@ from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import buffers_kept, load_sharded_, tie_weights_
-from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, mark_expert_rows_, split_experts_
+from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
 
 log = logging.getLogger("rayft")
 
@@ -41,8 +41,6 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
         swapped = to_fp8_(decoder_layers(model), model.dtype)
         log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
                  swapped, cfg.model.frozen_dtype)  # fmt: skip
-    if ep is not None:
-        mark_expert_rows_(model, ep)
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -52,6 +50,9 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     if ep is None:
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
     else:
+        blocks = split_experts_(model, ep)
+        log.info("expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
+                 blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, ep.k)  # fmt: skip
         model.expert_parallel = ep  # checkpoints, the adapter and the gradient step read the layout from here
         ignored = set(expert_params(model))
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu", ep.mesh, ignored)
@@ -63,16 +64,12 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
 
 
 def _expert_parallel(cfg: Config, model: PreTrainedModel, on_gpu: bool) -> ExpertParallel | None:
-    """`parallel.expert_parallel` k > 1: the layout, with every MoE block of the weightless model cut to its E/k
-    experts; None for k = 1 (FSDP over every expert, as without the setting)."""
+    """`parallel.expert_parallel` k > 1: the layout (mesh, groups); None for k = 1 (FSDP over every expert, as
+    without the setting). `split_experts_` cuts the model to this worker's experts once LoRA is on."""
     k = cfg.parallel.expert_groups()
     if k == 1:
         return None
-    ep = expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
-    blocks = split_experts_(model, ep)
-    log.info("expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
-             blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, k)  # fmt: skip
-    return ep
+    return expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
 
 
 def materialization_device(fsdp: FsdpConfig, device: torch.device | None) -> torch.device:

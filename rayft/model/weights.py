@@ -344,9 +344,11 @@ def fp8_scale_key(key: str, checkpoint: SafetensorsCheckpoint) -> str:
 def _expert_rows(model: nn.Module, name: str) -> tuple[int, int, int] | None:
     """(first expert, experts held, E) when `name` belongs to routed experts split by expert parallelism
     (`rayft.parallel.expert`: the experts module's `ep_rows`), else None."""
-    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    if hasattr(owner, "get_base_layer") and ".lora_" in name:  # a LoRA factor: its wrapper's experts
-        owner = model.get_submodule(name.split(".lora_")[0]).get_base_layer()
+    if ".lora_" in name:  # a LoRA factor: its wrapper's base layer (for expert LoRA, the experts)
+        wrapper = model.get_submodule(name.split(".lora_")[0])
+        owner = wrapper.get_base_layer() if hasattr(wrapper, "get_base_layer") else wrapper
+    else:
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     return getattr(owner, "ep_rows", None)
 
 

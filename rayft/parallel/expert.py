@@ -262,9 +262,10 @@ class ExpertParallelMoE(nn.Module):
 
 
 def split_experts_(model: nn.Module, ep: ExpertParallel) -> int:
-    """On the weightless (meta) model, before FP8, LoRA and FSDP: every supported MoE block keeps E/k experts
-    and routes through `ep`. Returns the blocks changed; ConfigError when the model has MoE blocks of another
-    kind (their routing is not wired for EP)."""
+    """On the weightless (meta) model, after FP8 and LoRA, before FSDP: every supported MoE block keeps E/k experts
+    (frozen storage, FP8 scales, expert LoRA factors) and routes through `ep`. Cutting after PEFT has wrapped the
+    experts makes PEFT create (and draw the random numbers for) the same adapters as with k = 1, so the adapter
+    starts the same. Returns the blocks changed; ConfigError when the model has MoE blocks of another kind."""
     blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
     others = sorted({type(m).__name__ for m in blocks if type(m).__name__ not in SUPPORTED_MOE})
     if others:
@@ -272,19 +273,35 @@ def split_experts_(model: nn.Module, ep: ExpertParallel) -> int:
             f"parallel.expert_parallel: {', '.join(others)} blocks are not supported (only {', '.join(SUPPORTED_MOE)})"
         )
     for moe in blocks:
-        experts = moe.experts
-        for name in ("gate_up_proj", "down_proj"):
-            param = getattr(experts, name)
-            local = torch.empty((ep.local, *param.shape[1:]), dtype=param.dtype, device=param.device)
-            setattr(experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
-        experts.num_experts = ep.local
+        _cut_experts_(moe.experts, ep)
         moe.__class__ = type(f"ExpertParallel{type(moe).__name__}", (ExpertParallelMoE, type(moe)), {})
         moe.ep = ep
     return len(blocks)
 
 
-def mark_expert_rows_(model: nn.Module, ep: ExpertParallel) -> None:
-    """After the FP8 swap: each experts module says which rows of the checkpoint's [E, ...] tensors it holds
-    (`ep_rows` = (first expert, experts held, E)), which the loader reads instead of its FSDP rows."""
-    for moe in moe_layers(model):
-        moe.experts.ep_rows = (ep.first, ep.local, ep.num_experts)
+def _cut_experts_(experts: nn.Module, ep: ExpertParallel) -> None:
+    """Keep E/k experts: every [E, ...] parameter of the base experts module, and each PEFT expert-LoRA wrapper's
+    factors ([E·r, in] and [out, E·r]) and expert count. Meta tensors: nothing is allocated or drawn."""
+    wrappers, base = [], experts
+    while hasattr(base, "base_layer"):
+        wrappers.append(base)
+        base = base.base_layer
+    for name, param in list(base.named_parameters(recurse=False)):
+        if param.shape and param.shape[0] == ep.num_experts:
+            local = torch.empty((ep.local, *param.shape[1:]), dtype=param.dtype, device="meta")
+            setattr(base, name, nn.Parameter(local, requires_grad=param.requires_grad))
+    base.num_experts = ep.local
+    base.ep_rows = (ep.first, ep.local, ep.num_experts)  # the rows of the checkpoint's [E, ...] tensors it reads
+    for wrapper in wrappers:
+        wrapper.num_experts = ep.local
+        for adapter in list(wrapper.lora_A):
+            a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
+            rank = a.out_features // ep.num_experts
+            wrapper.lora_A[adapter] = _linear(a.in_features, rank * ep.local, a)
+            wrapper.lora_B[adapter] = _linear(rank * ep.local, b.out_features, b)
+
+
+def _linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:
+    return nn.Linear(
+        in_features, out_features, bias=like.bias is not None, device="meta", dtype=like.weight.dtype
+    ).requires_grad_(like.weight.requires_grad)
