@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEPS, Fixtures, RayCluster, checkpointing_config, submit_job, write_yaml
+from conftest import STEPS, Fixtures, RayCluster, Run, checkpointing_config, submit_job, write_yaml
 from safetensors.torch import load_file
-from test_recovery import Run, finish, resumes, start, train_workers, wait_until
+from test_recovery import finish, resumes, start, train_workers, wait_until
 
 pytestmark = pytest.mark.ray
 
