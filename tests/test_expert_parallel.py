@@ -222,3 +222,50 @@ def test_preflight_refuses_k_that_does_not_split_the_experts(fixtures: Fixtures,
         _check_expert_parallel(cfg, text_config(str(mistral4_hub)))
     with pytest.raises(ConfigError, match="has no routed experts"):
         _check_expert_parallel(cfg, text_config(str(fixtures.model)))
+
+
+def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    """One forward/backward of every rank's own batch; rank 0 saves every trainable parameter's whole gradient
+    (FSDP's gathered, the experts' made whole over the ep-group) after the step's averaging."""
+    from torch.distributed.tensor import DTensor
+
+    from rayft.model.build import build_model
+    from rayft.train.step import clip_gradients_, step_targets
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(42)
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        ids = _batch(0, rank)
+        model(input_ids=ids, labels=ids, num_items_in_batch=step_targets([{"labels": ids}], world)).loss.backward()
+        clip_gradients_(model, 1e9)
+        ep = getattr(model, "expert_parallel", None)
+        grads = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                grad = param.grad
+                if isinstance(grad, DTensor):
+                    grad = grad.full_tensor()
+                elif ep is not None and ".experts." in name:
+                    grad = ep.full(name, grad)
+                grads[name] = grad
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_over_a_sharded_dp_dimension_matches_fsdp(fixtures: Fixtures, skewed_hub: Path, tmp_path: Path):
+    """4 ranks, k=2: a (ep 2 × dp 2) mesh, the non-expert part sharded over dp, expert gradients summed over dp:
+    the first step's gradients equal FSDP2's over all 4 ranks."""
+    grads = {}
+    for k in (1, 2):
+        raw = _raw(fixtures, skewed_hub, tmp_path, k, "auto")
+        raw["ray"]["num_workers"] = 4
+        mp.spawn(_gradients_rank, args=(4, free_port(), raw, str(tmp_path / f"k{k}.pt")), nprocs=4)
+        grads[k] = torch.load(tmp_path / f"k{k}.pt")
+    assert grads[1].keys() == grads[2].keys()
+    assert any(".experts." in n and g.abs().sum() > 0 for n, g in grads[2].items())
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[2][name], grad, atol=1e-7, rtol=1e-5, msg=name)
