@@ -100,10 +100,12 @@ class ExpertParallel:
             if self.dp_group is not None:
                 self._sum_over_dp(grads)
         others = [p.grad for p in model.parameters() if p.requires_grad and id(p) not in ids and p.grad is not None]
-        other_sq = _norm(others) ** 2 if others else torch.zeros(())
-        expert_sq = (_norm(grads) ** 2 if grads else torch.zeros(())).to(torch.float64)
-        dist.all_reduce(expert_sq, group=self.group)  # every worker of the group holds other experts
-        total = torch.sqrt(other_sq.to(torch.float64).cpu() + expert_sq.cpu())
+        other_sq = _norm(others).to(torch.float64).cpu() ** 2 if others else torch.zeros((), dtype=torch.float64)
+        expert_sq = torch.zeros((), dtype=torch.float64)
+        if grads:  # the same on every worker: expert LoRA is on or off for all
+            expert_sq = _norm(grads).to(torch.float64) ** 2
+            dist.all_reduce(expert_sq, group=self.group)  # every worker of the group holds other experts
+        total = torch.sqrt(other_sq + expert_sq.cpu())
         coef = min(1.0, max_norm / (total.item() + 1e-6))
         if coef < 1.0:
             for g in [*others, *grads]:
@@ -144,7 +146,8 @@ class ExpertParallel:
         """The whole tensor as a DTensor sharded by rows over `ep` (replicated over `dp`): the same key, shape and
         layout a k = 1 (FSDP) checkpoint stores, so DCP reshards between the two."""
         whole = self.full(name, local)
-        rows = whole.chunk(self.k)[self.rank] if whole.shape[0] >= self.k else whole[: 0 if self.rank else None]
+        chunks = whole.chunk(self.k)  # DTensor's Shard(0) split: ceil-sized chunks, the last ones short or empty
+        rows = chunks[self.rank] if self.rank < len(chunks) else whole[:0]
         placements = (Shard(0), Replicate())
         return DTensor.from_local(rows.contiguous(), self.mesh, placements, shape=whole.shape, stride=whole.stride())
 
