@@ -249,6 +249,17 @@ class RayConfig:
     placement_timeout_s: int = 600
 
 
+@dataclass
+class ParallelConfig:
+    # Expert parallelism: the routed experts of every MoE layer split over groups of k workers, each holding E/k
+    # experts whole (frozen, never gathered); tokens travel to their experts by all-to-all. 1 = FSDP only.
+    expert_parallel: int | str = 1
+
+    def expert_groups(self) -> int:
+        """k as an integer (`check` has refused anything else)."""
+        return int(self.expert_parallel)
+
+
 REPORT_TO = ("none", "tensorboard", "mlflow")
 DEFAULT_VAL_RATIO = 0.05
 
@@ -260,6 +271,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "fsdp": FsdpConfig,
     "ray": RayConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -271,6 +283,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
@@ -415,6 +428,7 @@ class Config:
         _at_least("fsdp.backward_prefetch", f.backward_prefetch, 0)
         if r.use_gpu is False:
             self.check_cpu_precision()
+        self.check_expert_parallel()
 
         _at_least("ray.num_workers", r.num_workers, 1)
         _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
@@ -427,6 +441,31 @@ class Config:
         for key, amount in (r.resources_per_worker or {}).items():
             if amount < 0:
                 raise ConfigError(f"ray.resources_per_worker.{key} must be >= 0, got {amount}")
+
+    def check_expert_parallel(self) -> None:
+        """`parallel.expert_parallel`: an integer k >= 1 dividing the workers, and what EP cannot combine with
+        (the experts' count is checked where the model's config is read: `rayft.parallel.expert.check_experts`)."""
+        k, workers = self.parallel.expert_parallel, self.ray.num_workers
+        if isinstance(k, str):
+            raise ConfigError(
+                f"parallel.expert_parallel: {k!r} is not available yet (the planner's choice comes with `rayft plan`); "
+                f"give an integer k that divides ray.num_workers {workers} and the number of routed experts"
+            )
+        _at_least("parallel.expert_parallel", k, 1)
+        if k == 1:
+            return
+        if workers % k:
+            valid = [d for d in range(1, workers + 1) if workers % d == 0]
+            raise ConfigError(f"parallel.expert_parallel {k} must divide ray.num_workers {workers}; valid: {valid}")
+        if self.fsdp.shard_size is not None:
+            raise ConfigError(
+                "fsdp.shard_size cannot be combined with parallel.expert_parallel > 1 (the non-expert part is then "
+                "sharded over the workers that hold the same experts); remove fsdp.shard_size"
+            )
+        if self.model.load_mode != "sharded":
+            raise ConfigError(
+                "parallel.expert_parallel > 1 needs model.load_mode: sharded (each worker reads only its own experts)"
+            )
 
     def check_cpu_precision(self) -> None:
         """gloo cannot all-gather bf16/fp16 (the process aborts), so CPU training computes in fp32."""
@@ -529,6 +568,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
+        for arg in args[1:]:  # `int | str`: the first type that takes the value, else the first type's error
+            try:
+                return _coerce(value, args[0], key)
+            except ConfigError:
+                if arg is str and isinstance(value, str):
+                    return value
         return _coerce(value, args[0], key)
     if value is None:
         raise ConfigError(f"{key} must not be null (expected {_type_name(hint)})")

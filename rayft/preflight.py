@@ -59,6 +59,7 @@ def preflight(cfg: Config) -> Preflight:
     _check_trackers(cfg.trackers)
 
     model, targets = _weightless_model(cfg)
+    _check_expert_parallel(cfg, model.config)
     if any(model_dir.glob("*.safetensors")):
         check_weights_match(model, model_dir)
     check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
@@ -75,6 +76,20 @@ def _weightless_model(cfg: Config) -> tuple[nn.Module, LoraTargets]:
     from rayft.model.build import weightless_lora_model
 
     return weightless_lora_model(cfg)
+
+
+def _check_expert_parallel(cfg: Config, config) -> None:
+    """`parallel.expert_parallel` k > 1 against the model: routed experts that split into k groups (ConfigError
+    naming the valid k), before any worker starts."""
+    from rayft.parallel.expert import check_experts, num_routed_experts
+
+    k = cfg.parallel.expert_groups()
+    if k == 1:
+        return
+    experts = num_routed_experts(config)
+    if not experts:
+        raise ConfigError(f"parallel.expert_parallel {k}: the model ({config.model_type}) has no routed experts; use 1")
+    check_experts(k, experts, cfg.ray.num_workers)
 
 
 def _check_data(cfg: Config, train: SplitSource, validation: SplitSource | None) -> RecordFormat:

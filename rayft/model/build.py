@@ -25,6 +25,7 @@ from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import buffers_kept, load_sharded_, tie_weights_
+from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
 
 log = logging.getLogger("rayft")
 
@@ -34,6 +35,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
     sharded = cfg.model.load_mode == "sharded"
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
+    ep = _expert_parallel(cfg, model, on_gpu)
     fp8 = frozen_fp8(cfg.model)
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
         swapped = to_fp8_(decoder_layers(model), model.dtype)
@@ -45,12 +47,29 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     model = apply_lora(model, cfg.lora)
     if fp8:
         adopt_lora_(model)
-    apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
+    if ep is None:
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
+    else:
+        blocks = split_experts_(model, ep)
+        log.info("expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
+                 blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, ep.k)  # fmt: skip
+        model.expert_parallel = ep  # checkpoints, the adapter and the gradient step read the layout from here
+        ignored = set(expert_params(model))
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu", ep.mesh, ignored)
     if sharded:
         with buffers_kept(model):
             model.to_empty(device=materialization_device(cfg.fsdp, device))
         load_sharded_(model, Path(cfg.model.model_name_or_path))
     return model
+
+
+def _expert_parallel(cfg: Config, model: PreTrainedModel, on_gpu: bool) -> ExpertParallel | None:
+    """`parallel.expert_parallel` k > 1: the layout (mesh, groups); None for k = 1 (FSDP over every expert, as
+    without the setting). `split_experts_` cuts the model to this worker's experts once LoRA is on."""
+    k = cfg.parallel.expert_groups()
+    if k == 1:
+        return None
+    return expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
 
 
 def materialization_device(fsdp: FsdpConfig, device: torch.device | None) -> torch.device:
@@ -207,12 +226,24 @@ def fsdp_mesh(fsdp: FsdpConfig, device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, (world // shards, shards), mesh_dim_names=("replicate", "shard"))
 
 
-def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPolicy, device_type: str = "cpu") -> None:
-    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head)."""
+def apply_fsdp(
+    model: nn.Module,
+    fsdp: FsdpConfig,
+    mp_policy: MixedPrecisionPolicy,
+    device_type: str = "cpu",
+    mesh: DeviceMesh | None = None,
+    ignored: set[nn.Parameter] | None = None,
+) -> None:
+    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head).
+    `mesh`/`ignored`: expert parallelism's (ep, dp) mesh (HSDP: replicated over ep) and its experts, which
+    FSDP leaves alone."""
     # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
     offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
-    mesh = fsdp_mesh(fsdp, device_type)
-    reshard = fsdp.reshards(dist.get_world_size())
+    if mesh is None:
+        mesh, reshard = fsdp_mesh(fsdp, device_type), fsdp.reshards(dist.get_world_size())
+    else:
+        shards = mesh.size(1)
+        reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shards > 1
     layers = decoder_layers(model)
     for layer in layers:
         fully_shard(
@@ -221,9 +252,11 @@ def apply_fsdp(model: nn.Module, fsdp: FsdpConfig, mp_policy: MixedPrecisionPoli
             mp_policy=mp_policy,
             reshard_after_forward=reshard,
             offload_policy=offload,
+            ignored_params=ignored,
         )
     # The root's weights are needed again right at the start of backward: keep them gathered.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload,
+                ignored_params=ignored)  # fmt: skip
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     if not any(p.requires_grad for p in model.parameters() if id(p) not in in_layers):
         # Frozen embeddings + LM head never change: gathered once, not again for every micro-batch.

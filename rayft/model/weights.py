@@ -177,8 +177,8 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if ".lora_" in name:
-                    local, start = _local_rows(param)
-                    _init_lora_(name, local, param.shape, start)
+                    local, start, shape = _lora_rows(model, name, param)
+                    _init_lora_(name, local, shape, start)
             for read in reads:
                 _copy_rows_(read, checkpoint)
     finally:
@@ -212,12 +212,12 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
         if key is None:
             missing.append(base_name)
             continue
-        misfit = _misfit(base_name, param, key, checkpoint, fp8_storage=name in fp8_scales)
+        misfit = _misfit(base_name, _global_shape(model, name, param), key, checkpoint, fp8_storage=name in fp8_scales)
         if misfit:
             misfits.append(misfit)
             continue
-        local, start = _local_rows(param)
-        scale = _local_rows(fp8_scales[name]) if name in fp8_scales else None
+        local, start = _rows(model, name, param)
+        scale = _rows(model, name, fp8_scales[name]) if name in fp8_scales else None
         reads.append(_Read(key, local, start, scale))
     if missing:
         raise CheckpointKeyError(
@@ -241,17 +241,22 @@ def _find_key(name: str | None, checkpoint: SafetensorsCheckpoint) -> str | None
 
 
 def _misfit(
-    name: str, param: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, fp8_storage: bool = False
+    name: str,
+    param: tuple[list[int], torch.dtype],
+    key: str,
+    checkpoint: SafetensorsCheckpoint,
+    fp8_storage: bool = False,
 ) -> str | None:
-    """Why the checkpoint's `key` cannot fill `param` (global shape and dtype), or None. FP8 storage (E4M3 bytes
-    in a uint8 parameter) takes any floating-point tensor: its own bytes, or quantised per row while loading."""
-    stored, wanted = checkpoint.shape(key), list(param.shape)
+    """Why the checkpoint's `key` cannot fill a parameter of (global shape, dtype) `param`, or None. FP8 storage
+    (E4M3 bytes in a uint8 parameter) takes any floating-point tensor: its own bytes, or quantised per row while
+    loading."""
+    (wanted, param_dtype), stored = param, checkpoint.shape(key)
     if stored != wanted:
         return f"'{key}' has shape {stored} in the checkpoint, the model's '{name}' has {wanted}"
     dtype = checkpoint.dtype(key)
-    wanted_float = fp8_storage or param.dtype.is_floating_point
-    if wanted_float != dtype.is_floating_point or (not wanted_float and dtype != param.dtype):
-        return f"'{key}' is {dtype} in the checkpoint, the model's '{name}' is {param.dtype}"
+    wanted_float = fp8_storage or param_dtype.is_floating_point
+    if wanted_float != dtype.is_floating_point or (not wanted_float and dtype != param_dtype):
+        return f"'{key}' is {dtype} in the checkpoint, the model's '{name}' is {param_dtype}"
     if dtype in FP8_DTYPES:
         try:
             fp8_scale_key(key, checkpoint)
@@ -334,6 +339,46 @@ def fp8_scale_key(key: str, checkpoint: SafetensorsCheckpoint) -> str:
             "(block-wise FP8 checkpoints are not)"
         )
     return scale_key
+
+
+def _expert_rows(model: nn.Module, name: str) -> tuple[int, int, int] | None:
+    """(first expert, experts held, E) when `name` belongs to routed experts split by expert parallelism
+    (`rayft.parallel.expert`: the experts module's `ep_rows`), else None."""
+    if ".lora_" in name:  # a LoRA factor: its wrapper's base layer (for expert LoRA, the experts)
+        wrapper = model.get_submodule(name.split(".lora_")[0])
+        owner = wrapper.get_base_layer() if hasattr(wrapper, "get_base_layer") else wrapper
+    else:
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return getattr(owner, "ep_rows", None)
+
+
+def _global_shape(model: nn.Module, name: str, param: torch.Tensor) -> tuple[list[int], torch.dtype]:
+    """The parameter's whole shape (all experts for an expert-parallel one) and its dtype."""
+    shape, rows = list(param.shape), _expert_rows(model, name)
+    if rows is not None:
+        shape[0] = rows[2]
+    return shape, param.dtype
+
+
+def _lora_rows(model: nn.Module, name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, torch.Size]:
+    """A LoRA factor's local rows, the global row they start at and the whole factor's shape. An expert-parallel
+    lora_A ([experts·r, in], expert-major) holds its experts' rows of the one all E experts would have, so it
+    starts as those rows of the same random draw."""
+    rows = _expert_rows(model, name)
+    if rows is None or ".lora_A." not in name:
+        local, start = _local_rows(param)
+        return local, start, param.shape
+    first, held, total = rows
+    rank = param.shape[0] // held
+    return param.data, first * rank, torch.Size((total * rank, *param.shape[1:]))
+
+
+def _rows(model: nn.Module, name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a parameter and the global row they start at (its FSDP shard, or its experts)."""
+    rows = _expert_rows(model, name)
+    if rows is None:
+        return _local_rows(param)
+    return param.data, rows[0]
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:

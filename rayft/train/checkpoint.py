@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from rayft.parallel.expert import ExpertParallel, is_expert_lora
 from rayft.train import state as tensors_json
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
 from rayft.train.rundir import RunDir, checkpoint_dir_name
@@ -78,7 +79,10 @@ def save_checkpoint(
 ) -> None:
     """Collective: every rank writes its own shards and document; rank 0 adds the adapter and trainer_state.json
     (with the id of the run that wrote it: only that run's housekeeping may ever delete the directory)."""
-    tensors, document = tensors_json.split(_training_state(model, optimizer, scheduler, progress))
+    state = _training_state(model, optimizer, scheduler, progress)
+    if (ep := expert_layout(model)) is not None:
+        ep.to_checkpoint(state)
+    tensors, document = tensors_json.split(state)
     tensors[DOCUMENT] = {f"rank{dist.get_rank()}": tensors_json.to_tensor(document)}
     dcp.save(tensors, checkpoint_id=str(directory / STATE_DIR))
     save_adapter(model, directory / ADAPTER_DIR)
@@ -98,12 +102,18 @@ def load_checkpoint(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     document, progress = read_document(directory, rank)
-    tensors, _ = tensors_json.split(_training_state(model, optimizer, scheduler, progress))
+    ep = expert_layout(model)
+    target = _training_state(model, optimizer, scheduler, progress)
+    if ep is not None:
+        ep.to_checkpoint(target)
+    tensors, _ = tensors_json.split(target)
     if rank >= progress.world_size:  # no RNG of this rank in the checkpoint: keep the seeded one
         del tensors["rng"]
         document.pop("rng", None)
     tensors_json.load_tensors(tensors, directory / STATE_DIR)
     state = tensors_json.join(document, tensors)
+    if ep is not None:
+        ep.from_checkpoint(state)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_TRAINABLE)
     scheduler.load_state_dict(state["scheduler"])
@@ -146,6 +156,11 @@ def check_format(directory: Path):
     return metadata
 
 
+def expert_layout(model) -> ExpertParallel | None:
+    """The expert-parallel layout the model was built with (`rayft.parallel.expert`), None for FSDP only."""
+    return getattr(model, "expert_parallel", None)
+
+
 def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str, Any]:
     """What DCP writes and reads back. RNG states differ per rank, so each rank has its own key."""
     return {
@@ -184,6 +199,8 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     )
+    if (ep := expert_layout(model)) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
+        full = ep.gather_adapter(model, full)
     if dist.get_rank() == 0:
         model.save_pretrained(str(directory), state_dict=full, safe_serialization=True, save_embedding_layers=False)
         if tokenizer is not None:
@@ -235,6 +252,8 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
         target = places.get(key)
         if target is None:
             raise ValueError(f"{directory}: {key} has no place in this model (an adapter for another base?)")
+        if (ep := expert_layout(model)) is not None and is_expert_lora(target):
+            tensor = ep.local_part(target, tensor)
         state[target] = tensor.to(ours[target].dtype)
     missing = [k for k in places.values() if k not in state]
     if missing:

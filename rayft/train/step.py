@@ -53,12 +53,21 @@ def train_step(
         mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
         tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=loss.device)
         window.add(loss.detach(), last, tokens)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    grad_norm = clip_gradients_(model, max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     window.add_moved(TALLY.take())
     return grad_norm
+
+
+def clip_gradients_(model, max_grad_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm and return it; with expert parallelism the expert LoRA's gradients are
+    averaged first and its norm summed over the workers holding different experts (`rayft.parallel.expert`)."""
+    ep = getattr(model, "expert_parallel", None)
+    if ep is not None:
+        return ep.clip_gradients_(model, max_grad_norm)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
 
 
 @torch.no_grad()

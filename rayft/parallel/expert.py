@@ -1,0 +1,310 @@
+"""Expert parallelism: every worker keeps E/k routed experts of each MoE layer resident, tokens travel to them.
+
+A frozen MoE under FSDP alone re-gathers every expert's weights in every forward and backward although each token
+uses top_k of E of them. Here the world is a (ep, dp) device mesh (k × W/k workers, ep-groups strided by W/k):
+- the routed experts (frozen base, FP8 or not, and their LoRA) are split over `ep`: worker i of a group holds
+  experts [i·E/k, (i+1)·E/k) whole and never gathers them; the k groups along `dp` hold the same experts;
+- everything else (attention, shared expert, router, norms, embeddings, head) is FSDP2 on the same mesh as HSDP:
+  replicated over `ep`, sharded over `dp` (replicated outright when W = k); FSDP averages its LoRA gradients;
+- each MoE layer sends every (token, expert) pair's hidden state to the worker holding the expert (all-to-all with
+  the per-expert counts exchanged first, dropless), runs the local experts through their usual grouped-GEMM path
+  and sends the outputs back, where the router's weights combine them.
+
+The expert LoRA's gradients arrive through the all-to-all's backward already summed over the ep-group's tokens;
+`clip_gradients_` averages them as FSDP averages the rest (sum over `dp`, divide by W) and takes the global norm.
+Checkpoints and the published adapter hold the expert LoRA in PEFT's own layout and shape (as with k = 1), so a
+run resumes with another k and the adapter file is the same either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from rayft.config import ConfigError
+from rayft.parallel.alltoall import exchange, exchange_counts
+from rayft.parallel.tally import TALLY
+
+SUPPORTED_MOE = ("Mistral4MoE",)  # router → (logits, weights, indices); fused experts; shared expert added after
+
+
+@dataclass
+class ExpertParallel:
+    """The layout of one run: k workers share each MoE layer's experts; this worker's place in it."""
+
+    k: int
+    num_experts: int
+    mesh: DeviceMesh  # (ep, dp): FSDP's HSDP mesh for the non-expert part, and the checkpoint's
+    group: dist.ProcessGroup  # this worker's ep-group (all-to-all)
+    dp_group: dist.ProcessGroup | None  # workers holding the same experts; None when W = k
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.k
+
+    @property
+    def first(self) -> int:
+        """Global index of this worker's first expert."""
+        return self.rank * self.local
+
+    def route(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, experts: nn.Module):
+        """The routed experts' output for `hidden` [T, H] with the router's top-k `index`/`weights` [T, K]."""
+        tokens, top_k = index.shape
+        pairs = index.reshape(-1)
+        order = torch.argsort(pairs, stable=True)  # by expert, so by owner: each owner's rows are one block
+        counts = torch.bincount(pairs, minlength=self.num_experts)
+        received = exchange_counts(counts, self.group)  # [k, E/k]: each source's pairs for each local expert
+        sent = counts.view(self.k, self.local).sum(1).tolist()
+        arriving = received.view(self.k, self.local).sum(1).tolist()
+        rows = exchange(hidden[order // top_k], arriving, sent, self.group)
+        out = self._local_experts(rows, received, experts)
+        back = exchange(out, sent, arriving, self.group)
+        per_pair = back[torch.argsort(order)].view(tokens, top_k, -1)
+        return (per_pair * weights.unsqueeze(-1).to(per_pair.dtype)).sum(dim=1).to(hidden.dtype)
+
+    def _local_experts(self, rows: torch.Tensor, received: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """Rows (by source worker, then local expert) through the local experts' own forward, weight 1 each.
+        A worker no token was routed to runs one zero row: grouped_mm's backward refuses zero rows, and its
+        all-to-all backward must run like everyone else's."""
+        n = rows.shape[0]
+        ids = torch.arange(self.local, device=rows.device).repeat(self.k).repeat_interleave(received)
+        if n == 0:
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+            ids = ids.new_full((1,), self.local - 1)
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return experts(rows, ids.unsqueeze(-1), ones)[:n]
+
+    # -- gradients -------------------------------------------------------------------------------------------
+
+    def clip_gradients_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Average the expert LoRA gradients as FSDP averages the others, clip all by the global norm; returns
+        the norm before clipping (what `clip_grad_norm_` returns for k = 1)."""
+        experts = [p for p in expert_params(model) if p.requires_grad]
+        ids = {id(p) for p in experts}
+        for p in experts:  # an expert no token reached still takes its (zero) gradient, as with k = 1
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in experts]
+        if grads:
+            torch._foreach_div_(grads, dist.get_world_size())
+            if self.dp_group is not None:
+                self._sum_over_dp(grads)
+        others = [p.grad for p in model.parameters() if p.requires_grad and id(p) not in ids and p.grad is not None]
+        other_sq = _norm(others).to(torch.float64).cpu() ** 2 if others else torch.zeros((), dtype=torch.float64)
+        expert_sq = torch.zeros((), dtype=torch.float64)
+        if grads:  # the same on every worker: expert LoRA is on or off for all
+            expert_sq = _norm(grads).to(torch.float64) ** 2
+            dist.all_reduce(expert_sq, group=self.group)  # every worker of the group holds other experts
+        total = torch.sqrt(other_sq + expert_sq.cpu())
+        coef = min(1.0, max_norm / (total.item() + 1e-6))
+        if coef < 1.0:
+            for g in [*others, *grads]:
+                g.mul_(coef)
+        return total.to(torch.float32)
+
+    def _sum_over_dp(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        w = dist.get_world_size(self.dp_group)
+        TALLY.add("all_reduce", flat.numel() * flat.element_size() * 2 * (w - 1) // w)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+
+    # -- the expert LoRA in PEFT's layout: checkpoints and the adapter -----------------------------------------
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Collective over the ep-group: the whole tensor, as PEFT lays it out for E experts, from every worker's
+        part. lora_A is [E·r, in] expert-major (a worker's rows are contiguous); lora_B is [out, r·E] with the
+        expert as the fastest index, so the parts interleave."""
+        parts = [torch.empty_like(local) for _ in range(self.k)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        if ".lora_B." not in name:
+            return torch.cat(parts)
+        out = local.shape[0]
+        return torch.cat([p.view(out, -1, self.local) for p in parts], dim=2).reshape(out, -1)
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This worker's experts' part of a whole PEFT-layout expert LoRA tensor (the inverse of `full`)."""
+        if ".lora_B." not in name:
+            rank = full.shape[0] // self.num_experts
+            return full[self.first * rank : (self.first + self.local) * rank].contiguous()
+        out = full.shape[0]
+        view = full.reshape(out, -1, self.num_experts)[:, :, self.first : self.first + self.local]
+        return view.reshape(out, -1).contiguous()
+
+    def sharded(self, name: str, local: torch.Tensor) -> DTensor:
+        """The whole tensor as a DTensor sharded by rows over `ep` (replicated over `dp`): the same key, shape and
+        layout a k = 1 (FSDP) checkpoint stores, so DCP reshards between the two."""
+        whole = self.full(name, local)
+        chunks = whole.chunk(self.k)  # DTensor's Shard(0) split: ceil-sized chunks, the last ones short or empty
+        rows = chunks[self.rank] if self.rank < len(chunks) else whole[:0]
+        placements = (Shard(0), Replicate())
+        return DTensor.from_local(rows.contiguous(), self.mesh, placements, shape=whole.shape, stride=whole.stride())
+
+    def to_checkpoint(self, state: dict) -> None:
+        """Replace, in a `_training_state` dict, the local expert LoRA tensors (and their optimizer moments) with
+        their `sharded` form."""
+        for name, tensor, put in self._expert_entries(state):
+            put(self.sharded(name, tensor))
+
+    def from_checkpoint(self, state: dict) -> None:
+        """The inverse of `to_checkpoint` after DCP has filled the sharded tensors."""
+        for name, tensor, put in self._expert_entries(state):
+            put(self.local_part(name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor))
+
+    def _expert_entries(self, state: dict):
+        """(name, tensor, setter) for every expert LoRA tensor of the model and optimizer state."""
+        entries = []
+        model, optim = state.get("model", {}), state.get("optim", {}).get("state", {})
+        for name in sorted(model):
+            if is_expert_lora(name):
+                entries.append((name, model[name], _setter(model, name)))
+        for name in sorted(optim):
+            if is_expert_lora(name):
+                optim[name] = dict(optim[name])  # it may be the optimizer's own: replace entries in a copy
+                for key in sorted(optim[name]):
+                    if torch.is_tensor(optim[name][key]) and optim[name][key].ndim:
+                        entries.append((name, optim[name][key], _setter(optim[name], key)))
+        return entries
+
+    def gather_adapter(self, model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective: the gathered adapter state dict (rank 0's; the others' are empty under `cpu_offload`) with
+        the expert LoRA made whole from every worker's parameters."""
+        whole = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad and is_expert_lora(name):
+                whole[name] = self.full(name, param.detach()).cpu()
+        if full_state and not whole.keys() <= full_state.keys():
+            raise RuntimeError(f"expert LoRA {sorted(whole.keys() - full_state.keys())[:1]} not in the adapter state")
+        return {**full_state, **whole} if full_state else {}
+
+
+def _setter(mapping: dict, key: str):
+    def put(value):
+        mapping[key] = value
+
+    return put
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(tensors)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def is_expert_lora(name: str) -> bool:
+    return ".experts." in name and ".lora_" in name
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ in SUPPORTED_MOE or isinstance(m, ExpertParallelMoE)]
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter (frozen and LoRA) of the routed experts: each worker's own, never FSDP's."""
+    return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
+
+
+def num_routed_experts(config) -> int:
+    return getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def check_experts(k: int, num_experts: int, world: int) -> None:
+    """A ConfigError naming the valid k when the experts or the workers do not split into k groups."""
+    if num_experts % k == 0 and world % k == 0:
+        return
+    valid = [d for d in range(1, math.gcd(num_experts, world) + 1) if num_experts % d == 0 and world % d == 0]
+    what = f"{num_experts} routed experts" if num_experts % k else f"{world} workers"
+    raise ConfigError(f"parallel.expert_parallel {k} does not divide the model's {what}; valid: {valid}")
+
+
+def expert_parallel(k: int, config, device_type: str) -> ExpertParallel:
+    """The (ep, dp) mesh and this worker's groups; raises ConfigError when k does not fit."""
+    world = dist.get_world_size()
+    experts = num_routed_experts(config)
+    if not experts:
+        raise ConfigError(f"parallel.expert_parallel {k}: the model ({config.model_type}) has no routed experts")
+    check_experts(k, experts, world)
+    mesh = init_device_mesh(device_type, (k, world // k), mesh_dim_names=("ep", "dp"))
+    group = _own_groups(mesh.mesh.t())  # its own groups: the all-to-all never queues behind FSDP's collectives
+    dp_group = mesh.get_group("dp") if world > k else None
+    return ExpertParallel(k, experts, mesh, group, dp_group)
+
+
+def _own_groups(rows: torch.Tensor) -> dist.ProcessGroup:
+    """New process groups, one per row of ranks (every worker creates all of them, in order); this worker's."""
+    mine = None
+    for ranks in rows.tolist():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+class ExpertParallelMoE(nn.Module):
+    """Mixin put in front of a supported MoE block's class: the same computation with the routed experts
+    (E/k of them here) reached through `ExpertParallel.route`."""
+
+    ep: ExpertParallel
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residuals, shape = hidden_states, hidden_states.shape
+        _, weights, index = self.gate(hidden_states)
+        flat = hidden_states.view(-1, shape[-1])
+        routed = self.ep.route(flat, index, weights, self.experts).view(*shape)
+        return routed + self.shared_experts(residuals)
+
+
+def split_experts_(model: nn.Module, ep: ExpertParallel) -> int:
+    """On the weightless (meta) model, after FP8 and LoRA, before FSDP: every supported MoE block keeps E/k experts
+    (frozen storage, FP8 scales, expert LoRA factors) and routes through `ep`. Cutting after PEFT has wrapped the
+    experts makes PEFT create (and draw the random numbers for) the same adapters as with k = 1, so the adapter
+    starts the same. Returns the blocks changed; ConfigError when the model has MoE blocks of another kind."""
+    blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    others = sorted({type(m).__name__ for m in blocks if type(m).__name__ not in SUPPORTED_MOE})
+    if others:
+        raise ConfigError(
+            f"parallel.expert_parallel: {', '.join(others)} blocks are not supported (only {', '.join(SUPPORTED_MOE)})"
+        )
+    for moe in blocks:
+        _cut_experts_(moe.experts, ep)
+        moe.__class__ = type(f"ExpertParallel{type(moe).__name__}", (ExpertParallelMoE, type(moe)), {})
+        moe.ep = ep
+    return len(blocks)
+
+
+def _cut_experts_(experts: nn.Module, ep: ExpertParallel) -> None:
+    """Keep E/k experts: every [E, ...] parameter of the base experts module, and each PEFT expert-LoRA wrapper's
+    factors ([E·r, in] and [out, E·r]) and expert count. Meta tensors: nothing is allocated or drawn."""
+    wrappers, base = [], experts
+    while hasattr(base, "base_layer"):
+        wrappers.append(base)
+        base = base.base_layer
+    for name, param in list(base.named_parameters(recurse=False)):
+        if param.shape and param.shape[0] == ep.num_experts:
+            local = torch.empty((ep.local, *param.shape[1:]), dtype=param.dtype, device="meta")
+            setattr(base, name, nn.Parameter(local, requires_grad=param.requires_grad))
+    base.num_experts = ep.local
+    base.ep_rows = (ep.first, ep.local, ep.num_experts)  # the rows of the checkpoint's [E, ...] tensors it reads
+    for wrapper in wrappers:
+        wrapper.num_experts = ep.local
+        for adapter in list(wrapper.lora_A):
+            a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
+            rank = a.out_features // ep.num_experts
+            wrapper.lora_A[adapter] = _linear(a.in_features, rank * ep.local, a)
+            wrapper.lora_B[adapter] = _linear(rank * ep.local, b.out_features, b)
+
+
+def _linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:
+    return nn.Linear(
+        in_features, out_features, bias=like.bias is not None, device="meta", dtype=like.weight.dtype
+    ).requires_grad_(like.weight.requires_grad)

@@ -1,0 +1,271 @@
+"""Expert parallelism (rayft.parallel.expert) against FSDP2 alone, in-process on 2 gloo ranks.
+
+The reference is the same run with `parallel.expert_parallel: 1` (every expert FSDP-sharded, routed by
+transformers' own grouped-GEMM path): per-step losses, gradient norms and the gathered adapter must agree. The
+router is skewed (a few experts' router rows scaled up) so the experts get very uneven token counts, one rank's
+experts far more than the other's. The all-to-all byte tally is checked against a count made from the router's
+own choices, read by forward hooks on the router (not by the code under test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import Fixtures, free_port, tiny_config
+from fixtures.hub_layout import TINY_MISTRAL4, make_tiny_mistral_small4
+from safetensors.torch import load_file, save_file
+
+from rayft.config import Config, ConfigError
+
+STEPS = 5
+SAVE_AT = 3  # the k=2 run writes a checkpoint after this step; a k=1 run resumes from it
+HIDDEN, EXPERTS, TOP_K = TINY_MISTRAL4["hidden_size"], TINY_MISTRAL4["n_routed_experts"], 2
+SKEW = {0: 6.0, 1: 4.0, 2: 3.0}  # router rows scaled: experts 0-2 (all on rank 0 with k=2) take most tokens
+
+
+@pytest.fixture(scope="module")
+def skewed_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """The tiny hub-layout Mistral-Small-4 (FP8 experts) with a router that favours experts 0-2."""
+    directory = make_tiny_mistral_small4(tmp_path_factory.mktemp("skewed") / "m", tokenizer_from=fixtures.model)
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        routers = [k for k in tensors if k.endswith("mlp.gate.weight")]
+        for key in routers:
+            weight = tensors[key].float()
+            for expert, scale in SKEW.items():
+                weight[expert] *= scale
+            tensors[key] = weight.to(tensors[key].dtype)
+        if routers:
+            save_file(tensors, str(file), metadata={"format": "pt"})
+    return directory
+
+
+def _raw(fixtures: Fixtures, model: Path, out: Path, k: int, frozen_dtype: str, experts: bool = True) -> dict:
+    raw = tiny_config(fixtures, out, max_grad_norm=0.5)
+    raw["model"].update(model_name_or_path=str(model), torch_dtype="float32", frozen_dtype=frozen_dtype)
+    raw["lora"].update(target_modules=["auto"], target_experts=experts, lora_dropout=0.0)
+    raw["fsdp"] = {"activation_checkpointing": experts}
+    raw["ray"]["num_workers"] = 2
+    raw["parallel"] = {"expert_parallel": k}
+    return raw
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    """Each rank's own tokens, the same in every run; ranks see different lengths' worth of routing."""
+    return torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _record_routing(model, calls: list) -> None:
+    """Forward hooks on every router: (layer, expert index of each (token, k) pair) per call, recompute included."""
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(lambda _m, _i, out, name=name: calls.append((name, out[2].reshape(-1))))
+
+
+def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | None, save: str | None) -> None:
+    from rayft.model.build import build_model
+    from rayft.parallel.tally import TALLY
+    from rayft.train.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
+    from rayft.train.step import clip_gradients_, step_targets
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(42)
+        cfg = Config.from_dict(raw)
+        model = build_model(cfg, on_gpu=False)
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        first = 0
+        if resume:
+            first = load_checkpoint(Path(resume), model, optimizer, scheduler).step
+        calls: list = []
+        _record_routing(model, calls)
+        record = {"losses": {}, "grad_norms": {}, "a2a": {}, "routing": {}, "all_reduce": {}}
+        TALLY.take()
+        for step in range(first, STEPS):
+            calls.clear()
+            ids = _batch(step, rank)
+            per_rank = step_targets([{"labels": ids}], world)
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=per_rank).loss
+            loss.backward()
+            norm = clip_gradients_(model, cfg.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            total = loss.detach().clone()
+            dist.all_reduce(total)  # each rank's loss is its token sum over the mean count: the sum is the mean
+            taken = TALLY.take()
+            record["losses"][step] = total.item() / world
+            record["grad_norms"][step] = float(norm)
+            record["a2a"][step] = taken["all_to_all"]
+            record["all_reduce"][step] = taken["all_reduce"]
+            record["routing"][step] = [(name, idx.tolist()) for name, idx in calls]
+            if save and step + 1 == SAVE_AT:
+                save_checkpoint(Path(save), model, optimizer, scheduler, Progress(step=SAVE_AT, world_size=world), {})
+        Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+        save_adapter(model, Path(out) / "adapter")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(raw: dict, out: Path, resume: Path | None = None, save: Path | None = None) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    args = (2, free_port(), raw, str(out), resume and str(resume), save and str(save))
+    mp.spawn(_rank, args=args, nprocs=2)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _expected_a2a(ranks: list[dict], step: int, k: int, recompute: bool) -> list[int]:
+    """Bytes each rank receives from the other in a step, from the router's choices alone: per MoE call,
+    dispatch brings the other rank's pairs for my experts, combine brings back my pairs that went out; backward
+    does both again (once per layer: a recomputed forward's calls are the second per layer); each forward call
+    also exchanges the per-expert counts (E/k int64 from each other rank)."""
+    local = EXPERTS // k
+    owner = [e // local for e in range(EXPERTS)]
+    expected = []
+    for me in range(k):
+        total = 0
+        seen: set[str] = set()
+        calls = [call for call in zip(*(r["routing"][str(step)] for r in ranks), strict=True)]
+        for per_rank in calls:
+            name = per_rank[0][0]
+            into_mine = sum(owner[e] == me for r, (_, idx) in enumerate(per_rank) if r != me for e in idx)
+            mine_out = sum(owner[e] != me for e in per_rank[me][1])
+            pairs_bytes = (into_mine + mine_out) * HIDDEN * 4
+            total += pairs_bytes + (k - 1) * local * 8  # forward: dispatch + combine, and the counts
+            if name not in seen:
+                total += pairs_bytes  # backward: the gradients of both exchanges
+            seen.add(name)
+        assert recompute == (len(calls) == 2 * len(seen)), "a forward per layer, and one recompute when checkpointed"
+        expected.append(total)
+    return expected
+
+
+def _adapter(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("frozen_dtype", ["auto", "float32"])
+def test_expert_parallel_matches_fsdp(fixtures: Fixtures, skewed_hub: Path, tmp_path: Path, frozen_dtype: str):
+    """k=2 (each rank 4 of 8 experts, FP8 or fp32 storage) vs k=1 FSDP2: same losses, norms and adapter over 5
+    steps with skewed routing; the tally equals the router-derived count; a k=2 checkpoint resumes with k=1."""
+    resharding = frozen_dtype == "auto"  # the checkpoint holds only LoRA and optimizer state: one storage suffices
+    ep = _run(_raw(fixtures, skewed_hub, tmp_path, 2, frozen_dtype), tmp_path / "ep", save=tmp_path / "ckpt")
+    fsdp = _run(_raw(fixtures, skewed_hub, tmp_path, 1, frozen_dtype), tmp_path / "fsdp")
+    if resharding:
+        resumed = _run(_raw(fixtures, skewed_hub, tmp_path, 1, frozen_dtype), tmp_path / "resumed", tmp_path / "ckpt")
+
+    # Skewed, uneven routing: per expert and per owning rank (from the hooks, the first call of layer 0).
+    pairs = [e for r in ep for e in r["routing"]["0"][0][1]]
+    counts = torch.bincount(torch.tensor(pairs), minlength=EXPERTS)
+    assert counts.max() >= 3 * counts.min() and counts[:4].sum() >= 1.5 * counts[4:].sum(), counts.tolist()
+
+    for step in range(STEPS):
+        a, b = ep[0]["losses"][str(step)], fsdp[0]["losses"][str(step)]
+        assert abs(a - b) <= 1e-4, f"step {step}: EP loss {a} vs FSDP {b}"
+        na, nb = ep[0]["grad_norms"][str(step)], fsdp[0]["grad_norms"][str(step)]
+        assert abs(na - nb) <= 1e-4 * max(1.0, nb), f"step {step}: grad norm {na} vs {nb}"
+        for rank, record in enumerate(ep):
+            assert record["a2a"][str(step)] == _expected_a2a(ep, step, 2, recompute=True)[rank]
+        assert all(r["a2a"][str(step)] == 0 for r in fsdp)
+    if resharding:  # the k=2 checkpoint, resumed with k=1, continues as both uninterrupted runs
+        assert sorted(resumed[0]["losses"]) == [str(s) for s in range(SAVE_AT, STEPS)]
+        for step in range(SAVE_AT, STEPS):
+            assert abs(resumed[0]["losses"][str(step)] - fsdp[0]["losses"][str(step)]) <= 1e-4
+
+    reference = _adapter(tmp_path / "fsdp" / "adapter")
+    assert any(".experts." in k for k in reference) and any("shared_experts" in k for k in reference)
+    for label in ("ep", "resumed") if resharding else ("ep",):
+        adapter = _adapter(tmp_path / label / "adapter")
+        assert adapter.keys() == reference.keys()
+        for key, tensor in reference.items():
+            assert adapter[key].shape == tensor.shape, key
+            torch.testing.assert_close(adapter[key], tensor, atol=1e-4, rtol=1e-3, msg=f"{label}: {key}")
+    configs = [json.loads((tmp_path / run / "adapter" / "adapter_config.json").read_text()) for run in ("ep", "fsdp")]
+    for config in configs:  # PEFT writes its target set in hash order, which differs between processes
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1]
+
+
+def test_expert_parallel_config_errors(fixtures: Fixtures, tmp_path: Path):
+    from rayft.parallel.expert import check_experts
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["ray"]["num_workers"] = 4
+    for k, fragment in ((3, "must divide ray.num_workers 4; valid: [1, 2, 4]"), ("auto", "not available yet")):
+        raw["parallel"] = {"expert_parallel": k}
+        with pytest.raises(ConfigError, match=r"parallel\.expert_parallel") as e:
+            Config.from_dict(raw)
+        assert fragment in str(e.value)
+    with pytest.raises(ConfigError, match=r"does not divide the model's 6 routed experts; valid: \[1, 2\]"):
+        check_experts(4, 6, 4)
+
+
+def test_preflight_refuses_k_that_does_not_split_the_experts(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path):
+    """Before any worker starts: 8 routed experts do not split 3 ways, and a dense model has none to split."""
+    from rayft.model.build import text_config
+    from rayft.preflight import _check_expert_parallel
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["ray"]["num_workers"] = 6
+    raw["parallel"] = {"expert_parallel": 3}
+    cfg = Config.from_dict(raw)
+    with pytest.raises(ConfigError, match=r"does not divide the model's 8 routed experts; valid: \[1, 2\]"):
+        _check_expert_parallel(cfg, text_config(str(mistral4_hub)))
+    with pytest.raises(ConfigError, match="has no routed experts"):
+        _check_expert_parallel(cfg, text_config(str(fixtures.model)))
+
+
+def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    """One forward/backward of every rank's own batch; rank 0 saves every trainable parameter's whole gradient
+    (FSDP's gathered, the experts' made whole over the ep-group) after the step's averaging."""
+    from torch.distributed.tensor import DTensor
+
+    from rayft.model.build import build_model
+    from rayft.train.step import clip_gradients_, step_targets
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(42)
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        ids = _batch(0, rank)
+        model(input_ids=ids, labels=ids, num_items_in_batch=step_targets([{"labels": ids}], world)).loss.backward()
+        clip_gradients_(model, 1e9)
+        ep = getattr(model, "expert_parallel", None)
+        grads = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                grad = param.grad
+                if isinstance(grad, DTensor):
+                    grad = grad.full_tensor()
+                elif ep is not None and ".experts." in name:
+                    grad = ep.full(name, grad)
+                grads[name] = grad
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_over_a_sharded_dp_dimension_matches_fsdp(fixtures: Fixtures, skewed_hub: Path, tmp_path: Path):
+    """4 ranks, k=2: a (ep 2 × dp 2) mesh, the non-expert part sharded over dp, expert gradients summed over dp:
+    the first step's gradients equal FSDP2's over all 4 ranks."""
+    grads = {}
+    for k in (1, 2):
+        raw = _raw(fixtures, skewed_hub, tmp_path, k, "auto")
+        raw["ray"]["num_workers"] = 4
+        mp.spawn(_gradients_rank, args=(4, free_port(), raw, str(tmp_path / f"k{k}.pt")), nprocs=4)
+        grads[k] = torch.load(tmp_path / f"k{k}.pt")
+    assert grads[1].keys() == grads[2].keys()
+    assert any(".experts." in n and g.abs().sum() > 0 for n, g in grads[2].items())
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[2][name], grad, atol=1e-7, rtol=1e-5, msg=name)
