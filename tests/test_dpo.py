@@ -209,34 +209,37 @@ def test_sequence_logprobs_equal_full_logits(lora_head: bool):
     assert torch.allclose(hidden.grad, want_grad, atol=1e-5)
 
 
-def parity(fx: Fixtures, tmp_path, loss_type: str, beta: float) -> dict:
-    records = make_pairs(80, seed=3)
-    s = Settings(model=str(fx.model), steps=10, loss_type=loss_type, beta=beta)
-    ours = in_process("run_rayft", s, records, tmp_path / "rayft")
-    theirs = in_process("run_trl", s, records, tmp_path / "rayft", str(tmp_path / "rayft" / "initial-adapter"))
-    other = in_process("run_rayft", dataclasses.replace(s, seed=s.seed + 1), records, tmp_path / "reseeded")
-    return {"rayft": ours, "trl": theirs, "reseeded": other}
-
-
 def gap(a: list[dict], b: list[dict], key: str) -> float:
     return max(abs(x[key] - y[key]) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.5)])
-def test_dpo_matches_trl_dpotrainer(fixtures: Fixtures, tmp_path, loss_type: str, beta: float):
-    """Same tiny Mistral, pairs, file order, initial LoRA weights and beta, 10 steps of 2 × 4 pairs: the first
-    step is ln 2 (sigmoid) or 1/(4β²) (ipo) on both sides (policy = reference before any update); the per-step loss
-    and rewards/accuracies stay as close to TRL's as rayft is to itself under another seed (another LoRA init)."""
-    runs = parity(fixtures, tmp_path, loss_type, beta)
-    ours, theirs, other = (runs[k]["steps"] for k in ("rayft", "trl", "reseeded"))
-    assert runs["rayft"]["first_ids"] == runs["trl"]["first_ids"]  # same token ids, BOS and EOS included
-    assert len(ours) == len(theirs) == 10
-    first = math.log(2) if loss_type == "sigmoid" else 1 / (2 * beta) ** 2
-    assert ours[0]["loss"] == pytest.approx(first, abs=1e-5) and theirs[0]["loss"] == pytest.approx(first, abs=1e-4)
-    print(json.dumps({k: [round(r["loss"], 5) for r in v["steps"]] for k, v in runs.items()}))
-    print(json.dumps({k: [r["rewards/accuracies"] for r in v["steps"]] for k, v in runs.items()}))
-    yardstick = gap(ours, other, "loss")
-    assert gap(ours, theirs, "loss") <= max(yardstick, 1e-4), (gap(ours, theirs, "loss"), yardstick)
-    assert ours[-1]["loss"] < ours[0]["loss"] and theirs[-1]["loss"] < theirs[0]["loss"]  # both learn
-    accuracy_gap = gap(ours, theirs, "rewards/accuracies")
-    assert accuracy_gap <= max(gap(ours, other, "rewards/accuracies"), 0.125), accuracy_gap
+PARITY = [("sigmoid", 0.1), ("ipo", 0.5)]
+
+
+def test_dpo_matches_trl_dpotrainer(fixtures: Fixtures, tmp_path):
+    """Same tiny Mistral, pairs, file order, initial LoRA weights and beta, 10 steps of 2 × 2 pairs, for sigmoid
+    and ipo: the first step is ln 2 (sigmoid) or 1/(4β²) (ipo) on both sides (policy = reference before any
+    update); the per-step loss and rewards/accuracies stay as close to TRL's as rayft is to itself under another
+    seed (another LoRA init). One process per system runs both losses (start-up is most of the cost)."""
+    records = make_pairs(40, seed=3)
+    settings = [Settings(model=str(fixtures.model), steps=10, batch=2, loss_type=lt, beta=b) for lt, b in PARITY]
+    ours = in_process("run_each", "run_rayft", settings, records, tmp_path / "rayft")
+    adapters = [str(tmp_path / "rayft" / str(i) / "initial-adapter") for i in range(len(settings))]
+    theirs = in_process("run_each", "run_trl", settings, records, tmp_path / "trl", *adapters)
+    reseeded = [dataclasses.replace(s, seed=s.seed + 1) for s in settings]
+    other = in_process("run_each", "run_rayft", reseeded, records, tmp_path / "reseeded")
+    for (loss_type, beta), a, b, c in zip(PARITY, ours, theirs, other, strict=True):
+        print(loss_type, json.dumps({k: [round(r["loss"], 5) for r in run["steps"]]
+                                     for k, run in (("rayft", a), ("trl", b), ("reseeded", c))}))  # fmt: skip
+        print(loss_type, json.dumps({k: [r["rewards/accuracies"] for r in run["steps"]]
+                                     for k, run in (("rayft", a), ("trl", b), ("reseeded", c))}))  # fmt: skip
+        assert a["first_ids"] == b["first_ids"]  # same token ids, BOS and EOS included
+        a, b, c = a["steps"], b["steps"], c["steps"]
+        assert len(a) == len(b) == 10
+        first = math.log(2) if loss_type == "sigmoid" else 1 / (2 * beta) ** 2
+        assert a[0]["loss"] == pytest.approx(first, abs=1e-5) and b[0]["loss"] == pytest.approx(first, abs=1e-4)
+        yardstick = gap(a, c, "loss")
+        assert gap(a, b, "loss") <= max(yardstick, 1e-4), (loss_type, gap(a, b, "loss"), yardstick)
+        assert a[-1]["loss"] < a[0]["loss"] and b[-1]["loss"] < b[0]["loss"]  # both learn
+        accuracy_gap = gap(a, b, "rewards/accuracies")
+        assert accuracy_gap <= max(gap(a, c, "rewards/accuracies"), 0.25), (loss_type, accuracy_gap)
