@@ -243,3 +243,20 @@ def test_dpo_matches_trl_dpotrainer(fixtures: Fixtures, tmp_path):
         assert a[-1]["loss"] < a[0]["loss"] and b[-1]["loss"] < b[0]["loss"]  # both learn
         accuracy_gap = gap(a, b, "rewards/accuracies")
         assert accuracy_gap <= max(gap(a, c, "rewards/accuracies"), 0.25), (loss_type, accuracy_gap)
+
+
+def test_eval_result_line_for_preference_pairs():
+    from rayft.cli import eval_summary
+    from rayft.train.metrics import progress_line
+
+    result = {"split": "validation", "rows": 16, "eval_loss": 0.61, "eval_rewards/chosen": 0.2,
+              "eval_rewards/rejected": -0.1, "eval_rewards/accuracies": 0.875, "eval_rewards/margins": 0.3,
+              "eval_logps/chosen": -20.0, "eval_logps/rejected": -25.0, "eval_s": 1.0}  # fmt: skip
+    assert eval_summary(result, adapter=True) == (
+        "rayft: eval base + adapter on 'validation' (16 pairs): DPO loss 0.6100, rewards/chosen 0.2000, "
+        "rewards/rejected -0.1000, rewards/accuracies 0.8750, rewards/margins 0.3000, logps/chosen -20.0000, "
+        "logps/rejected -25.0000"
+    )
+    line = progress_line({"step": 3, "epoch": 0.5, "loss": 0.6, "rewards/margins": 0.25, "rewards/accuracies": 0.75},
+                         10, None)  # fmt: skip
+    assert line == "step 3/10 | epoch 0.50 | loss 0.6000 | rewards/margins 0.2500 | rewards/accuracies 0.7500"
