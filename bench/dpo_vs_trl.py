@@ -5,7 +5,8 @@ Both systems train one process each (rayft: one gloo rank, FSDP2 + PEFT, `rayft.
 `PreferenceTokenize` → `PreferenceCollate`; TRL: `DPOTrainer` as users run it on CPU) on the same tiny
 Mistral-architecture model (real tekken tokenizer, 131k vocab; the SFT bench's size), the same pairs in the same
 order, the same initial LoRA weights (TRL loads rayft's initial adapter), LoRA r=16 on the seven projections (TRL
-refuses LoRA on lm_head for DPO), beta 0.1, sigmoid loss, fp32, AdamW, constant LR. The reference is the base with
+refuses LoRA on lm_head for DPO), beta 0.1, sigmoid loss, fp32, AdamW, constant LR; 48 pairs with 20-word prompts and
+20-40-word completions (≤ 128 tokens), 2 pairs × 2 accumulation per step, 8 steps. The reference is the base with
 the adapter switched off on both sides. Reported per system (median over repeats): steady-state tokens/s (real
 tokens of chosen + rejected sequences, padding not counted; steps after the first), step time, peak RSS; the ratio
 rayft/TRL; then rayft's DPO peak RSS against rayft's SFT step on the same rows (no second model: within 10%).
@@ -26,7 +27,7 @@ from rayft.demo import make_tiny_mistral
 MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
 SIZES = {
-    "default": {"steps": 10, "repeats": 2, "pairs": 96},
+    "default": {"steps": 8, "repeats": 2, "pairs": 48},
     "smoke": {"steps": 2, "repeats": 1, "pairs": 16},
 }
 
@@ -55,8 +56,8 @@ def run(size: str) -> dict:
     p = SIZES[size]
     root = Path(tempfile.mkdtemp(prefix="rayft-dpo-bench-"))
     model = make_tiny_mistral(root / "model", **MODEL)
-    records = make_pairs(p["pairs"], seed=0, words=(40, 80), prompt_words=40)
-    s = Settings(model=str(model), steps=p["steps"], batch=4, accumulation=2, max_length=256, lora_r=16)
+    records = make_pairs(p["pairs"], seed=0, words=(20, 40), prompt_words=20)
+    s = Settings(model=str(model), steps=p["steps"], batch=2, accumulation=2, max_length=128, lora_r=16)
     runs: dict[str, list[dict]] = {"rayft": [], "trl": []}
     for r in range(p["repeats"]):  # alternating, so both see the same machine load on average
         ours = in_process("run_rayft", s, records, root / f"rayft-{r}")
