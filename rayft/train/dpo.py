@@ -1,7 +1,7 @@
 """Preference tuning (DPO and its relatives) with LoRA: the loss, its metrics, one optimizer step, evaluation.
 
-The reference model is the policy with its adapter switched off (PEFT's `disable_adapter()`), run without
-gradients on the same FSDP2-sharded base: no second model in memory. A micro-batch holds B pairs as 2B rows
+The reference model is the policy with its adapter switched off (`adapter_off`, as PEFT's `disable_adapter()`),
+run without gradients on the same FSDP2-sharded base: no second model in memory. A micro-batch holds B pairs as 2B rows
 (chosen first, then rejected: `rayft.data.preference.PreferenceCollate`), so one forward scores both sides of every
 pair. Log-probabilities are summed over completion tokens only; the loss and metrics follow TRL's `DPOTrainer`
 (same names), and every pair of a step weighs the same across micro-batches and workers, as every token does in
@@ -11,14 +11,15 @@ SFT (the step's pair count is all-reduced once per step).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
@@ -77,8 +78,25 @@ def logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_logprobs(model, batch: Batch) -> torch.Tensor:
     """The same rows under the base model: the adapter switched off, no gradients."""
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), adapter_off(model):
         return logprobs(model, batch)[0]
+
+
+@contextmanager
+def adapter_off(model) -> Iterator[None]:
+    """PEFT's `disable_adapter()` without its `requires_grad` toggling: that lands on whichever LoRA parameters
+    are registered at the moment, and under FSDP2 the kept-gathered root (LoRA on `lm_head`) then comes back with
+    its sharded parameters frozen — left out of the optimizer's gradients and of checkpoints. The reference pass
+    runs without gradients, so only each LoRA layer's switch is flipped."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, state in zip(layers, before, strict=True):
+            layer._disable_adapters = state
 
 
 def pair_scores(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, dpo: DpoConfig) -> PairScores:
