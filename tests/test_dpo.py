@@ -260,3 +260,12 @@ def test_eval_result_line_for_preference_pairs():
     line = progress_line({"step": 3, "epoch": 0.5, "loss": 0.6, "rewards/margins": 0.25, "rewards/accuracies": 0.75},
                          10, None)  # fmt: skip
     assert line == "step 3/10 | epoch 0.50 | loss 0.6000 | rewards/margins 0.2500 | rewards/accuracies 0.7500"
+
+
+def test_reference_pass_leaves_every_lora_weight_trainable_and_checkpointed(fixtures: Fixtures, tmp_path):
+    """PEFT's disable_adapter() re-enables requires_grad on the gathered parameters FSDP2 has registered at that
+    moment, leaving the sharded ones frozen (out of checkpoints: a resume then failed on a missing key);
+    rayft's reference pass flips only the adapter switch."""
+    found = in_process("trainable_after_reference_passes", str(fixtures.model), tmp_path)
+    assert found["frozen"] == []
+    assert found["after"] == found["before"] and len(found["before"]) == 6  # A and B: q_proj × 2 layers, lm_head
