@@ -84,10 +84,10 @@ def reference_logprobs(model, batch: Batch) -> torch.Tensor:
 
 @contextmanager
 def adapter_off(model) -> Iterator[None]:
-    """PEFT's `disable_adapter()` without its `requires_grad` toggling: that lands on whichever LoRA parameters
-    are registered at the moment, and under FSDP2 the kept-gathered root (LoRA on `lm_head`) then comes back with
-    its sharded parameters frozen — left out of the optimizer's gradients and of checkpoints. The reference pass
-    runs without gradients, so only each LoRA layer's switch is flipped."""
+    """PEFT's `disable_adapter()` without its `requires_grad` toggling: re-enabling sets it on whichever LoRA
+    parameters FSDP2 has registered at that moment (the gathered ones of a unit kept unsharded), so the sharded
+    parameters came back frozen — left out of gradient clipping and of checkpoints (a resume then failed on a
+    missing key). The reference pass runs without gradients, so only each LoRA layer's switch is flipped."""
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     before = [m._disable_adapters for m in layers]
     for layer in layers:
