@@ -63,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("train", "fine-tune: joins the Ray cluster of `ray job submit` or starts a local one"),
         ("validate", "check config, data, tokenizer and LoRA targets and print the memory plan; no cluster, no GPU"),
-        ("eval", "perplexity of the base model, or base + a trained adapter, on one split (on the Ray cluster)"),
+        (
+            "eval",
+            "perplexity of the base model, or base + a trained adapter, on one split (on the Ray cluster); "
+            "on preference pairs (train.objective: dpo) the DPO loss and reward metrics against the base",
+        ),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[common])
         p.add_argument("--config", help="YAML file (seed recipe layout); omitted = the built-in tiny demo")
@@ -323,6 +327,11 @@ def eval_summary(result: dict, adapter: bool) -> str:
     """The result line of `rayft eval`; perplexity is null when the loss is not finite (an empty split) or
     overflows exp()."""
     model = "base + adapter" if adapter else "base model"
+    if "eval_rewards/margins" in result:  # preference pairs: rewards of base + adapter against the base alone
+        shown = [k for k in result if k.startswith("eval_") and "/" in k]
+        rewards = ", ".join(f"{k.removeprefix('eval_')} {result[k]:.4f}" for k in shown)
+        return (f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} pairs): DPO loss "
+                f"{result['eval_loss']:.4f}, {rewards}")  # fmt: skip
     ppl = result.get("eval_perplexity")
     perplexity = f"{ppl:.3f}" if ppl is not None else "n/a (the loss is not a finite number below 700)"
     return (f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} rows): loss {result['eval_loss']:.4f}, "

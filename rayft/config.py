@@ -59,7 +59,10 @@ SCHEDULERS = (
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 STRATEGIES = ("no", "steps", "epoch")
 DTYPES = ("float32", "bfloat16", "float16")
-DATA_FORMATS = ("auto", "text", "prompt_completion", "messages")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
+OBJECTIVES = ("sft", "dpo")
+DPO_LOSSES = ("sigmoid", "robust", "ipo")
+DPO_REFERENCES = ("adapter_off",)
 PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 # What evaluation reports, so what checkpoints can be ranked by.
 BEST_METRICS = ("eval_loss",)
@@ -192,6 +195,24 @@ class TrainConfig:
     seed: int = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
     ddp_find_unused_parameters: bool = False
+    # sft: next-token loss on the records; dpo: preference tuning on chosen/rejected pairs (the `dpo` section).
+    objective: str = "sft"
+
+
+@dataclass
+class DpoConfig:
+    """Preference tuning (`train.objective: dpo`), names and meanings as TRL's DPOConfig."""
+
+    # Strength of the pull towards the reference: the implicit reward is beta · (log π − log π_ref).
+    beta: float = 0.1
+    # sigmoid: DPO (with label_smoothing > 0: conservative DPO); robust: robust DPO; ipo: IPO (length-averaged).
+    loss_type: str = "sigmoid"
+    # Assumed share of flipped preference labels (sigmoid, robust); 0 = plain DPO.
+    label_smoothing: float = 0.0
+    # adapter_off: the reference is the same sharded base with the LoRA adapter switched off (no second model).
+    reference: str = "adapter_off"
+    # Prompts longer than this keep their last max_prompt_length tokens; null = only data.max_length limits them.
+    max_prompt_length: int | None = None
 
 
 @dataclass
@@ -272,6 +293,7 @@ SECTIONS: dict[str, type] = {
     "fsdp": FsdpConfig,
     "ray": RayConfig,
     "parallel": ParallelConfig,
+    "dpo": DpoConfig,
 }
 
 
@@ -284,6 +306,7 @@ class Config:
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
@@ -373,6 +396,8 @@ class Config:
             raise ConfigError("train.load_best_model_at_end: true needs train.save_strategy steps or epoch")
         if t.resume_from_checkpoint is not None and not t.resume_from_checkpoint.strip():
             raise ConfigError("train.resume_from_checkpoint must be a checkpoint directory, 'latest' or null")
+        _one_of("train.objective", t.objective, OBJECTIVES)
+        self.check_dpo()
 
         _at_least("data.max_length", d.max_length, 2)
         _at_least("data.tokenize_workers", d.tokenize_workers, 1)
@@ -466,6 +491,27 @@ class Config:
             raise ConfigError(
                 "parallel.expert_parallel > 1 needs model.load_mode: sharded (each worker reads only its own experts)"
             )
+
+    def check_dpo(self) -> None:
+        """The `dpo` section's ranges, and the data settings preference pairs cannot use."""
+        p, d = self.dpo, self.data
+        _positive("dpo.beta", p.beta)
+        _one_of("dpo.loss_type", p.loss_type, DPO_LOSSES)
+        _one_of("dpo.reference", p.reference, DPO_REFERENCES)
+        if not 0 <= p.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
+        if p.label_smoothing and p.loss_type == "ipo":
+            raise ConfigError("dpo.label_smoothing applies to loss_type sigmoid or robust, not ipo; set it to 0")
+        if p.max_prompt_length is not None:
+            _at_least("dpo.max_prompt_length", p.max_prompt_length, 1)
+        if self.train.objective != "dpo":
+            return
+        if d.packing:
+            raise ConfigError("data.packing: true cannot hold preference pairs (train.objective: dpo); set it false")
+        if d.format not in ("auto", "preference"):
+            raise ConfigError(f"train.objective: dpo trains on preference records; data.format is {d.format}")
+        if d.prompt_template is not None:
+            raise ConfigError("data.prompt_template is for SFT records; preference records carry their own prompt")
 
     def check_cpu_precision(self) -> None:
         """gloo cannot all-gather bf16/fp16 (the process aborts), so CPU training computes in fp32."""

@@ -102,11 +102,24 @@ def _check_data(cfg: Config, train: SplitSource, validation: SplitSource | None)
         if source is not None:
             source.check_content(wanted, budget)
     records = record_format(d, train.columns(wanted), train.what)
+    check_objective(cfg, records, train.what)
     if validation is not None:
         record_format(d, validation.columns(wanted), validation.what)
     elif cfg.train.eval_strategy != "no":
         _check_hold_out(d, train)
     return records
+
+
+def check_objective(cfg: Config, records: RecordFormat, what: str) -> None:
+    """DPO trains on preference pairs and only on them; SFT cannot use pairs."""
+    preference = records.kind == "preference"
+    if cfg.train.objective == "dpo" and not preference:
+        raise ConfigError(
+            f"train.objective: dpo needs preference records (fields chosen and rejected, prompt optional); {what} "
+            f"holds {records.kind} records"
+        )
+    if cfg.train.objective != "dpo" and preference:
+        raise ConfigError(f"{what} holds preference records (chosen/rejected): set train.objective: dpo for them")
 
 
 def _check_hold_out(d: DataConfig, train: SplitSource) -> None:

@@ -25,6 +25,7 @@ import ray.data
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
+from rayft.data.preference import PAIR_COLUMNS, PairLimits, PreferenceCollate, PreferenceTokenize
 from rayft.data.records import (
     SKIPS,
     RecordFormat,
@@ -110,7 +111,8 @@ def build_datasets(
         # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
         train, validation = train.train_test_split(test_size=d.hold_out, shuffle=True, seed=cfg.train.seed)
 
-    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer)
+    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer,
+                       max_prompt_length=cfg.dpo.max_prompt_length)  # fmt: skip
     train_tokens = tokenize(train, train_src.format, actors_at_start=actors_at_start(cfg))
     cache = _cache(d, train_src)
 
@@ -153,7 +155,7 @@ def build_eval_dataset(
     source = eval_source(d, split)
     fmt = record_format(d, source.columns(record_fields(d)), source.what)
     tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model),
-                       actors_at_start(cfg))  # fmt: skip
+                       actors_at_start(cfg), cfg.dpo.max_prompt_length)  # fmt: skip
     dataset = finished(tokens, d).materialize()
     rows = dataset.count()
     if rows < cfg.ray.num_workers:
@@ -244,22 +246,25 @@ def _json_array_records(content: bytes) -> list[bytes]:
 
 def tokenized(
     raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
-    tokenizer: TokenizerFacts, actors_at_start: int = 1,
+    tokenizer: TokenizerFacts, actors_at_start: int = 1, max_prompt_length: int | None = None,
 ) -> ray.data.Dataset:  # fmt: skip
     """Records → token rows in actors that each load the tokenizer once (skipped records stay, flagged). The pool
     starts with `actors_at_start` (their start is most of a small split's time) and grows to
-    data.tokenize_workers as CPUs allow; min 1, so that a split of one block does not warn."""
+    data.tokenize_workers as CPUs allow; min 1, so that a split of one block does not warn. Preference records
+    become one row per pair (`rayft.data.preference`); `max_prompt_length` applies to those."""
+    common = {"model": dataclasses.asdict(model), "tokenizer": dataclasses.asdict(tokenizer),
+              "source_format": source_format}  # fmt: skip
+    if fmt.kind == "preference":
+        actor: type = PreferenceTokenize
+        limits = PairLimits(data.max_length, max_prompt_length, data.overlong)
+        kwargs = {**common, "limits": dataclasses.asdict(limits)}
+    else:
+        actor = Tokenize
+        kwargs = {**common, "fmt": dataclasses.asdict(fmt), "max_length": data.max_length, "packing": data.packing,
+                  "overlong": data.overlong}  # fmt: skip
     return raw.map_batches(
-        Tokenize,
-        fn_constructor_kwargs={
-            "model": dataclasses.asdict(model),
-            "tokenizer": dataclasses.asdict(tokenizer),
-            "fmt": dataclasses.asdict(fmt),
-            "source_format": source_format,
-            "max_length": data.max_length,
-            "packing": data.packing,
-            "overlong": data.overlong,
-        },
+        actor,
+        fn_constructor_kwargs=kwargs,
         batch_format="pyarrow",
         batch_size=TOKENIZE_BATCH,
         compute=ray.data.ActorPoolStrategy(
@@ -403,7 +408,7 @@ class Tokenize:
 def finish(batch: pa.Table, max_length: int, packing: bool, counting: bool) -> pa.Table:
     """Drop skipped records, pack if asked; in counting mode return one row of statistics instead."""
     kept = batch.filter(pc.equal(batch.column("skip"), ""))
-    data_columns = [c for c in ("input_ids", "loss_mask") if c in kept.column_names]
+    data_columns = [c for c in ("input_ids", "loss_mask", *PAIR_COLUMNS) if c in kept.column_names]
     out = pack(kept.select(data_columns), max_length) if packing else kept.select(data_columns)
     if not counting:
         return out
@@ -412,12 +417,20 @@ def finish(batch: pa.Table, max_length: int, packing: bool, counting: bool) -> p
         "records": [pc.sum(batch.column("records")).as_py() or 0],
         "examples": [kept.num_rows],
         "rows": [out.num_rows],
-        "tokens": [len(kept.column("input_ids").combine_chunks().flatten()) if kept.num_rows else 0],
+        "tokens": [_tokens(kept)],
         "truncated": [sum(batch.column("truncated").to_pylist())],
     }
     for reason in SKIPS:
         row[f"skip_{reason}"] = [reasons.count(reason)]
     return pa.table(row)
+
+
+def _tokens(kept: pa.Table) -> int:
+    """Tokens of the kept examples (both sequences of a preference pair)."""
+    if not kept.num_rows:
+        return 0
+    columns = ["chosen_ids", "rejected_ids"] if "chosen_ids" in kept.column_names else ["input_ids"]
+    return sum(len(kept.column(c).combine_chunks().flatten()) for c in columns)
 
 
 def pack(table: pa.Table, max_length: int) -> pa.Table:
@@ -492,5 +505,8 @@ class PackedCollate(NumpyBatchCollateFn):
         }
 
 
-def collate_fn(data: DataConfig, pad_id: int) -> NumpyBatchCollateFn:
+def collate_fn(data: DataConfig, pad_id: int, pairs: bool = False) -> NumpyBatchCollateFn:
+    """The worker's batches: padding-free packed blocks, padded examples, or (`pairs`) padded preference pairs."""
+    if pairs:
+        return PreferenceCollate(pad_id, data.pad_to_multiple_of, data.max_length)
     return PackedCollate() if data.packing else PadCollate(pad_id, data.pad_to_multiple_of, data.max_length)

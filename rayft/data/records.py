@@ -19,6 +19,8 @@ from rayft.config import ConfigError, DataConfig, template_fields
 # Why a record was skipped, in the order the driver reports them.
 SKIPS = ("empty", "missing_field", "not_text", "not_utf8", "bad_json", "chat_template", "too_long", "no_completion")
 Segments = list[tuple[str, bool]]
+# Fields every preference record has (the prompt may be implicit: the common start of both).
+PREFERENCE_FIELDS = ("chosen", "rejected")
 # A top-level wikitext heading (" = Title = "), which starts an article; " = = Section = = " does not.
 WIKITEXT_TITLE = re.compile(r"^ ?= [^=].*[^=] = ?$")
 
@@ -27,7 +29,7 @@ WIKITEXT_TITLE = re.compile(r"^ ?= [^=].*[^=] = ?$")
 class RecordFormat:
     """How records of one dataset become examples (decided once on the driver from its fields)."""
 
-    kind: str  # text | prompt_completion | messages
+    kind: str  # text | prompt_completion | messages | preference
     text_field: str = "text"
     prompt_template: str | None = None
     completion_field: str = "completion"
@@ -38,7 +40,7 @@ class RecordFormat:
 
 def record_fields(data: DataConfig) -> list[str]:
     """Every field the record format may read: what the scan of a JSON split looks for beyond its first records."""
-    fields = [data.text_field, data.messages_field, "prompt", data.completion_field]
+    fields = [data.text_field, data.messages_field, "prompt", data.completion_field, *PREFERENCE_FIELDS]
     if data.prompt_template is not None:
         fields += template_fields(data.prompt_template)
     return list(dict.fromkeys(fields))
@@ -48,7 +50,9 @@ def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFor
     """Pick the record kind (`data.format: auto` looks at the fields) and check the fields it needs exist."""
     kind = data.format
     if kind == "auto":
-        if data.prompt_template is not None:
+        if all(name in columns for name in PREFERENCE_FIELDS):
+            kind = "preference"
+        elif data.prompt_template is not None:
             kind = "prompt_completion"
         elif data.messages_field in columns:
             kind = "messages"
@@ -58,6 +62,8 @@ def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFor
             kind = "text"
     if kind == "text":
         needed = {data.text_field: "data.text_field"}
+    elif kind == "preference":
+        needed = {name: "data.format" for name in PREFERENCE_FIELDS}
     elif kind == "messages":
         needed = {data.messages_field: "data.messages_field"}
     else:

@@ -93,6 +93,63 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.hidden_dtype) * (grad_loss / divisor), None, None, None, None, None
 
 
+class _LinearTokenLogProbs(torch.autograd.Function):
+    """log p(target) of each row of `hidden @ w.T`, its input gradient computed in the forward (`w` is frozen):
+    d log p / d hidden = (one-hot(target) − softmax) @ w, kept per row and scaled by the caller's gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, w, targets, workspace: Workspace):
+        h = hidden.to(w.dtype)
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        rows = chunk_rows(w.shape[0], h.device.type != "cpu")
+        low, logits, log_probs = workspace.take(rows, w.shape[0], w.dtype, h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for start in range(0, h.shape[0], rows):
+                part = slice(start, start + rows)
+                n = len(targets[part])
+                torch.mm(h[part], w.T, out=low[:n])
+                logits[:n].copy_(low[:n])
+                lp = torch.log_softmax(logits[:n], dim=-1, out=log_probs[:n])
+                out[part] = lp.gather(1, targets[part, None])[:, 0]
+                if grad is None:
+                    continue
+                probs = lp.exp_().neg_()
+                probs.scatter_add_(1, targets[part, None], torch.ones_like(out[part])[:, None])
+                low[:n].copy_(probs)
+                torch.mm(low[:n], w, out=grad[part])
+        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(grad)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_out[:, None].to(grad.dtype)).to(ctx.hidden_dtype), None, None, None
+
+
+def sequence_logprobs(
+    hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None, head=None,
+    workspace: Workspace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(sum of log p over each row's scored tokens, their count) for a causal LM: labels shifted by one, -100 not
+    scored. Only the scored positions reach the head. With a frozen `weight` the log-probs come chunk by chunk
+    without the logits being kept (`_LinearTokenLogProbs`); otherwise `head` (a module: LoRA on the LM head)
+    gives the logits of the scored positions, as autograd sees them."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    scored = targets != IGNORE_INDEX
+    where = scored.reshape(-1).nonzero()[:, 0]
+    picked = hidden.reshape(-1, hidden.shape[-1])[where]
+    wanted = targets.reshape(-1)[where]
+    if weight is not None:
+        token_logps = _LinearTokenLogProbs.apply(picked, weight, wanted, workspace or Workspace())
+    else:
+        token_logps = torch.log_softmax(head(picked).float(), dim=-1).gather(1, wanted[:, None])[:, 0]
+    rows = where // targets.shape[-1]
+    sums = torch.zeros(targets.shape[0], dtype=torch.float32, device=hidden.device).index_add(0, rows, token_logps)
+    return sums, scored.sum(-1)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -22,6 +22,7 @@ from rayft.data.tokenizer import load_tokenizer
 from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
+from rayft.train import dpo
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
@@ -45,21 +46,25 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     progress_log = _progress_log(cfg, plan, state, run, resumed, loop_config.get("params", {})) if rank == 0 else None
 
     val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
-    collate = collate_fn(cfg.data, tokenizer.pad_token_id)
-    evaluate_now = partial(evaluate, state.model, val_shard, t.per_device_eval_batch_size, collate, device, autocast)
+    objective = Objective(cfg, state.model, device)
+    collate = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=objective.dpo)
+    evaluate_now = partial(objective.evaluate, val_shard, t.per_device_eval_batch_size, collate, device, autocast)
     cadence = Cadence(t, plan)
     waited = DataWait()
     kept_layers = [] if cfg.fsdp.reshards(plan.world_size) else decoder_layers(state.model)
     groups = step_groups(ray.train.get_dataset_shard("train"), cfg, plan, state.progress, collate, waited, device)
     for group, micro in groups:
-        grad_norm = train_step(state.model, state.optimizer, state.scheduler, group, window, world_size=plan.world_size,
-                               kept_layers=kept_layers, autocast=autocast, max_grad_norm=t.max_grad_norm)  # fmt: skip
+        grad_norm = objective.step(state.model, state.optimizer, state.scheduler, group, window,
+                                   world_size=plan.world_size, kept_layers=kept_layers, autocast=autocast,
+                                   max_grad_norm=t.max_grad_norm)  # fmt: skip
         progress = state.progress
         progress.step, progress.batches_in_epoch = progress.step + 1, micro + 1
         done = progress.step >= plan.total_steps
         metrics = _window_metrics(window, waited, grad_norm, state.scheduler) if cadence.log(progress) else {}
+        if metrics:
+            metrics.update(objective.window_metrics())
         if val_shard is not None and cadence.evaluate(progress, micro):
-            metrics.update(_eval_metrics(evaluate_now()))
+            metrics.update(evaluate_now())
             cadence.last_evaluated = progress.step
         saving = cadence.save(progress, micro)
         if metrics or saving:
@@ -74,7 +79,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if t.save_strategy != "no" and checkpoints.last_saved != state.progress.step:
         final_metrics: dict[str, Any] = {"step": state.progress.step}
         if val_shard is not None and cadence.last_evaluated != state.progress.step:
-            final_metrics["eval_loss"] = evaluate_now()
+            final_metrics["eval_loss"] = evaluate_now()["eval_loss"]
         _save(checkpoints, state, final_metrics, loop_config.get("best_metric"), evaluate_now)
     final_dir = Path(t.output_dir) / "final"
     publish_adapter(state.model, final_dir, tokenizer)
@@ -92,13 +97,15 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _setup_logging(rank)
     model = build_model(cfg, device.type == "cuda", device)
     fused_loss(model, cfg)
+    objective = Objective(cfg, model, device)
     if loop_config.get("adapter"):
         load_adapter_weights(model, Path(loop_config["adapter"]))
-    collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id)
+    collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id, pairs=objective.dpo)
     shard = ray.train.get_dataset_shard("validation")
     started = time.perf_counter()
-    loss = evaluate(model, shard, cfg.train.per_device_eval_batch_size, collate, device, cpu_autocast(cfg, device))
-    result = {**_eval_metrics(loss), "eval_s": round(time.perf_counter() - started, 3)}
+    autocast = cpu_autocast(cfg, device)
+    metrics = objective.evaluate(shard, cfg.train.per_device_eval_batch_size, collate, device, autocast)
+    result = {**metrics, "eval_s": round(time.perf_counter() - started, 3)}
     if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
         RunDir(loop_config["run_uri"]).write_file(EVAL_RESULT, json.dumps(result).encode())
     ray.train.report(result)
@@ -126,8 +133,37 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
 def _progress_log(cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params) -> ProgressLog:
     """Rank 0's logger, gauges and trackers."""
     trackers = measured.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
-    gauges = measured.Gauges(cfg.ray.name)
+    dpo_run = cfg.train.objective == "dpo"
+    gauges = measured.Gauges(cfg.ray.name, measured.PREFERENCE_GAUGES if dpo_run else None)
     return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers)
+
+
+class Objective:
+    """What the run optimises, `train.objective`: the next-token loss (sft) or a preference loss on pairs (dpo,
+    `rayft.train.dpo`). Gives the step, the evaluation (a dict of eval metrics) and the window's extra metrics."""
+
+    def __init__(self, cfg: Config, model, device: torch.device):
+        self.cfg, self.model, self.dpo = cfg, model, cfg.train.objective == "dpo"
+        self.sums = None
+        if self.dpo:
+            dpo.enable_sequence_logprobs(model)
+            self.sums = dpo.PreferenceSums(device)
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        if self.dpo:
+            return dpo.train_step(*args, sums=self.sums, dpo=self.cfg.dpo, **kwargs)
+        return train_step(*args, **kwargs)
+
+    def evaluate(self, shard, batch_size: int, collate, device, autocast) -> dict[str, Any]:
+        if self.dpo:
+            return dpo.evaluate(self.model, shard, batch_size, collate, device, autocast, dpo=self.cfg.dpo)
+        return _eval_metrics(evaluate(self.model, shard, batch_size, collate, device, autocast))
+
+    def window_metrics(self) -> dict[str, Any]:
+        """TRL's reward metrics over the logging window (DPO); the loss itself comes from the LossWindow."""
+        if self.sums is None:
+            return {}
+        return {k: v for k, v in self.sums.take().items() if k != "loss"}
 
 
 @dataclass
@@ -177,7 +213,7 @@ def _eval_metrics(loss: float) -> dict[str, Any]:
 def _save(checkpoints: CheckpointManager, state: TrainState, metrics: dict[str, Any], best_metric, evaluate_now):
     """Every checkpoint carries the score Ray ranks it by: evaluated now where this step had none."""
     if best_metric and best_metric not in metrics:
-        metrics[best_metric] = evaluate_now()
+        metrics[best_metric] = evaluate_now()[best_metric]
     checkpoints.save(state, metrics)
 
 

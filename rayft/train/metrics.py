@@ -144,15 +144,31 @@ GAUGES = {
 }
 
 
+# DPO runs add TRL's preference metrics (`rewards/chosen` → `ray_rayft_rewards_chosen`).
+PREFERENCE_GAUGES = {
+    "rewards/chosen": "DPO: beta x log-ratio of the chosen completions (mean over pairs)",
+    "rewards/rejected": "DPO: beta x log-ratio of the rejected completions",
+    "rewards/accuracies": "DPO: share of pairs whose chosen reward exceeds the rejected one",
+    "rewards/margins": "DPO: chosen minus rejected reward",
+    "logps/chosen": "DPO: log-probability of the chosen completions under the policy",
+    "logps/rejected": "DPO: log-probability of the rejected completions under the policy",
+    "eval_rewards/accuracies": "DPO: reward accuracy on the validation pairs",
+    "eval_rewards/margins": "DPO: reward margin on the validation pairs",
+}
+
+
 class Gauges:
     """rayft's metrics as Ray metrics: scraped from every node's metrics port by Prometheus, shown in the Ray
-    dashboard's Metrics view and Grafana, tagged with the run name."""
+    dashboard's Metrics view and Grafana, tagged with the run name. `extra`: more metrics (name → description);
+    a `/` in a name becomes `_` in the gauge's."""
 
-    def __init__(self, run: str):
+    def __init__(self, run: str, extra: dict[str, str] | None = None):
         from ray.util.metrics import Gauge
 
         self.tags = {"run": run}
-        self.gauges = {k: Gauge(f"rayft_{k}", description=d, tag_keys=("run",)) for k, d in GAUGES.items()}
+        described = {**GAUGES, **(extra or {})}
+        self.gauges = {k: Gauge(f"rayft_{k.replace('/', '_')}", description=d, tag_keys=("run",))
+                       for k, d in described.items()}  # fmt: skip
 
     def set(self, metrics: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():
@@ -364,6 +380,19 @@ _LINE_FIELDS = (
     ("eval_perplexity", "ppl", "{:.2f}"),
     ("learning_rate", "lr", "{:.2e}"),
     ("grad_norm", "grad_norm", "{:.3f}"),
+    *(
+        (name, name, "{:.4f}")
+        for name in (
+            "rewards/margins",
+            "rewards/accuracies",
+            "rewards/chosen",
+            "rewards/rejected",
+            "logps/chosen",
+            "logps/rejected",
+            "eval_rewards/margins",
+            "eval_rewards/accuracies",
+        )
+    ),
     ("tokens_per_s", "tok/s", "{:,.0f}"),
     ("step_time_s", "step", "{:.2f}s"),
     ("mfu_lora", "MFU(LoRA)", "{:.1%}"),

@@ -1,0 +1,223 @@
+"""Preference records (`train.objective: dpo`): a prompt with a chosen and a rejected completion → one row per pair.
+
+A row holds both full sequences (prompt + chosen, prompt + rejected) and the prompt's length, so a pair can never be
+split: it is shuffled, sharded and batched as one unit, and the collate puts the chosen rows of a micro-batch first
+and the rejected ones after them, for one forward over both. Formats are TRL's: `prompt`/`chosen`/`rejected` as
+strings or message lists (explicit prompt), or `chosen`/`rejected` alone holding the whole text or conversation
+(implicit prompt: their common prefix, as `trl.extract_prompt` finds it). Conversations are rendered with the
+tokenizer's chat template. A record that cannot be a pair gets a skip reason (the SFT reasons), counted by the
+driver like any bad record. Pure Python + pyarrow, run inside Ray Data actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from ray.data.collate_fn import NumpyBatchCollateFn
+
+from rayft.data.records import _is_chat, decode_line
+
+IGNORE_INDEX = -100
+PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_length")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference example as token ids: the prompt's and each completion's."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass(frozen=True)
+class PairLimits:
+    """How long a pair may be: `max_prompt_length` keeps the prompt's end, `max_length` bounds prompt + completion
+    (overlong: truncate the completion's end, or skip the pair)."""
+
+    max_length: int
+    max_prompt_length: int | None = None
+    overlong: str = "truncate"
+
+
+def pair_texts(record: dict[str, Any], chat_tokenizer: Callable[[], Any]) -> tuple[tuple[str, str, str] | None, str]:
+    """(prompt, chosen, rejected) as text, rendered with the chat template where conversational; or None and why."""
+    from trl.data_utils import apply_chat_template, extract_prompt
+
+    chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
+    if chosen is None or rejected is None:
+        return None, "missing_field"
+    example = {"chosen": chosen, "rejected": rejected}
+    if prompt is None:  # implicit prompt: the common prefix of both
+        both_text = isinstance(chosen, str) and isinstance(rejected, str)
+        if not both_text and not (_is_chat(chosen) and _is_chat(rejected)):
+            return None, "not_text"
+        example = extract_prompt(example)
+    else:
+        example["prompt"] = prompt
+    parts = (example["prompt"], example["chosen"], example["rejected"])
+    if all(isinstance(p, str) for p in parts):
+        if not parts[1].strip() or not parts[2].strip():
+            return None, "empty"
+        return parts, ""
+    if not all(isinstance(p, list) for p in parts) or not all(_is_chat(p) for p in parts if p):
+        return None, "not_text"
+    if not all(_has_content(p) for p in parts[1:]):
+        return None, "empty"
+    try:
+        rendered = apply_chat_template(example, chat_tokenizer())
+    except Exception:  # no template, or one that rejects these roles
+        return None, "chat_template"
+    return (rendered["prompt"], rendered["chosen"], rendered["rejected"]), ""
+
+
+def _has_content(messages: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), str) and m["content"].strip() for m in messages)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_pair(ids: tuple[list[int], list[int], list[int]], bos: list[int], eos: list[int]) -> Pair | None:
+    """From the ids of prompt, prompt + chosen and prompt + rejected (each encoded whole, as TRL does, so tokens
+    that merge across the boundary stay merged): the completion starts where both diverge from the prompt. `bos`
+    and `eos` are added for plain text (empty lists for chat-rendered text, which carries its own). None when a
+    completion has no tokens."""
+    prompt, with_chosen, with_rejected = ids
+    n = min(common_prefix(prompt, with_chosen), common_prefix(prompt, with_rejected))
+    chosen, rejected = with_chosen[n:], with_rejected[n:]
+    if not chosen or not rejected:
+        return None
+    return Pair(bos + prompt[:n], _ended(chosen, eos), _ended(rejected, eos))
+
+
+def _ended(ids: list[int], eos: list[int]) -> list[int]:
+    return ids if not eos or ids[-1:] == eos else ids + eos
+
+
+def fit(pair: Pair, limits: PairLimits) -> tuple[Pair | None, str, bool]:
+    """Apply the length limits: (pair, skip reason, truncated). A prompt that leaves no room for a completion token
+    is `no_completion`: it could only be trained on nothing."""
+    prompt = pair.prompt
+    truncated = False
+    if limits.max_prompt_length is not None and len(prompt) > limits.max_prompt_length:
+        prompt, truncated = prompt[-limits.max_prompt_length :], True
+    room = limits.max_length - len(prompt)
+    if room <= 0:
+        return None, "no_completion", truncated
+    longest = max(len(pair.chosen), len(pair.rejected))
+    if longest > room:
+        if limits.overlong == "skip":
+            return None, "too_long", truncated
+        truncated = True
+    return Pair(prompt, pair.chosen[:room], pair.rejected[:room]), "", truncated
+
+
+class PreferenceTokenize:
+    """Ray Data actor: preference records → one row per pair (`PAIR_COLUMNS`), skipped records flagged as the SFT
+    actor flags them (`skip`, `truncated`, `records` columns), so counting and `finish` treat both alike."""
+
+    def __init__(self, model: dict[str, Any], tokenizer: dict[str, Any], source_format: str, limits: dict[str, Any]):
+        from rayft.config import ModelConfig
+        from rayft.data.tokenizer import TokenizerFacts, rust_encoder
+
+        facts = TokenizerFacts(**tokenizer)
+        self.model = ModelConfig(**model)
+        self._chat_tokenizer = None
+        self.encode = rust_encoder(facts.rust_file) if facts.rust_file else self._encode_with_transformers
+        self.source_format = source_format
+        self.limits = PairLimits(**limits)
+        self.bos = [facts.bos_id] if facts.bos_id is not None else []
+        self.eos = [facts.eos_id] if facts.eos_id is not None else []
+
+    def chat_tokenizer(self) -> Any:
+        if self._chat_tokenizer is None:
+            from rayft.data.tokenizer import load_tokenizer
+
+            self._chat_tokenizer = load_tokenizer(self.model)
+        return self._chat_tokenizer
+
+    def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
+        return self.chat_tokenizer()(texts, add_special_tokens=False)["input_ids"]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        texts: list[tuple[str, str, str] | None] = []
+        reasons: list[str] = []
+        chat: list[bool] = []
+        for record, why in self._records(batch):
+            found, reason = pair_texts(record, self.chat_tokenizer) if record else (None, why)
+            texts.append(found)
+            reasons.append(reason)
+            chat.append(bool(record) and not isinstance(record.get("chosen"), str))
+        flat = [t for found in texts if found for t in (found[0], found[0] + found[1], found[0] + found[2])]
+        encoded = iter(self.encode(flat)) if flat else iter(())
+        rows = []
+        for found, reason, is_chat in zip(texts, reasons, chat, strict=True):
+            if found is None:
+                rows.append((None, reason, False))
+                continue
+            ids = (next(encoded), next(encoded), next(encoded))
+            specials = ([], []) if is_chat else (self.bos, self.eos)
+            pair = tokenize_pair(ids, *specials)
+            rows.append(fit(pair, self.limits) if pair is not None else (None, "empty", False))
+        return pair_table(rows)
+
+    def _records(self, batch: pa.Table):
+        if "_raw" in batch.column_names:
+            for raw in batch.column("_raw").to_pylist():
+                yield decode_line(raw, self.source_format)
+        else:
+            for record in batch.to_pylist():
+                yield record, ""
+
+
+def pair_table(rows: list[tuple[Pair | None, str, bool]]) -> pa.Table:
+    """(pair or None, skip reason, truncated) per record → the actor's output table."""
+    ids = pa.list_(pa.int32())
+    return pa.table(
+        {
+            "chosen_ids": pa.array([p.prompt + p.chosen if p else [] for p, _, _ in rows], type=ids),
+            "rejected_ids": pa.array([p.prompt + p.rejected if p else [] for p, _, _ in rows], type=ids),
+            "prompt_length": pa.array([len(p.prompt) if p else 0 for p, _, _ in rows], type=pa.int32()),
+            "skip": pa.array([reason if p is None else "" for p, reason, _ in rows], type=pa.string()),
+            "truncated": pa.array([t for _, _, t in rows], type=pa.bool_()),
+            "records": pa.array([1] * len(rows), type=pa.int32()),
+        }
+    )
+
+
+class PreferenceCollate(NumpyBatchCollateFn):
+    """A micro-batch of B pairs → 2B rows, the chosen sequences first, then the rejected ones in the same order,
+    right-padded to the longest rounded up to `multiple` (capped at `max_length`); labels are the completion tokens
+    only (prompt and padding are -100)."""
+
+    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None):
+        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        import torch
+
+        seqs = [np.asarray(s) for s in (*batch["chosen_ids"], *batch["rejected_ids"])]
+        prompts = [int(n) for n in batch["prompt_length"]] * 2
+        longest = max(len(s) for s in seqs)
+        rounded = -(-longest // self.multiple) * self.multiple
+        longest = max(longest, min(rounded, self.max_length or rounded))
+        input_ids = torch.full((len(seqs), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(seqs), longest), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for i, (s, prompt) in enumerate(zip(seqs, prompts, strict=True)):
+            row = torch.from_numpy(s.astype(np.int64))
+            input_ids[i, : len(s)] = row
+            labels[i, prompt : len(s)] = row[prompt:]
+            attention_mask[i, : len(s)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,210 @@
+"""Preference tuning (DPO and its relatives) with LoRA: the loss, its metrics, one optimizer step, evaluation.
+
+The reference model is the policy with its adapter switched off (`adapter_off`, as PEFT's `disable_adapter()`),
+run without gradients on the same FSDP2-sharded base: no second model in memory. A micro-batch holds B pairs as 2B rows
+(chosen first, then rejected: `rayft.data.preference.PreferenceCollate`), so one forward scores both sides of every
+pair. Log-probabilities are summed over completion tokens only; the loss and metrics follow TRL's `DPOTrainer`
+(same names), and every pair of a step weighs the same across micro-batches and workers, as every token does in
+SFT (the step's pair count is all-reduced once per step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch.nn import functional as F
+
+from rayft.config import DpoConfig
+from rayft.model.build import set_gradient_sync
+from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
+from rayft.train.metrics import LossWindow
+from rayft.train.step import clip_gradients_
+
+Batch = dict[str, torch.Tensor]
+# TRL's metric names, in the order they are shown.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")  # fmt: skip
+
+
+@dataclass
+class PairScores:
+    """Per pair: the DPO loss, and what the metrics need (detached)."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+
+
+def enable_sequence_logprobs(model) -> None:
+    """Teach the PEFT model's causal LM `forward(..., completion_labels=L)`: it then returns (sum of completion
+    log-probs per row, scored tokens per row) from the last hidden states, through the model's own call path (so
+    FSDP's root hooks run). A plain frozen LM head goes chunk by chunk without keeping logits; a trained one (LoRA
+    on `lm_head`) through its module. Other calls reach the forward as it was."""
+    base = model.get_base_model()
+    original = base.forward
+    backbone = base.base_model
+    fused = why_not_fused(base) is None
+    cast, workspace = FrozenCast(), Workspace()
+
+    def forward(self, *args, completion_labels: torch.Tensor | None = None, **kwargs: Any):
+        if completion_labels is None:
+            return original(*args, **kwargs)
+        for unused in ("labels", "num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states"):
+            kwargs.pop(unused, None)
+        kwargs["use_cache"] = False
+        hidden = backbone(*args, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        if fused:
+            return sequence_logprobs(hidden, completion_labels, weight=cast(head.weight), workspace=workspace)
+        return sequence_logprobs(hidden, completion_labels, head=head)
+
+    base.forward = MethodType(forward, base)
+
+
+def logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion log-prob sums, completion token counts) of every row of a pair batch."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 completion_labels=batch["labels"])  # fmt: skip
+
+
+def reference_logprobs(model, batch: Batch) -> torch.Tensor:
+    """The same rows under the base model: the adapter switched off, no gradients."""
+    with torch.no_grad(), adapter_off(model):
+        return logprobs(model, batch)[0]
+
+
+@contextmanager
+def adapter_off(model) -> Iterator[None]:
+    """PEFT's `disable_adapter()` without its `requires_grad` toggling: re-enabling sets it on whichever LoRA
+    parameters FSDP2 has registered at that moment (the gathered ones of a unit kept unsharded), so the sharded
+    parameters came back frozen — left out of gradient clipping and of checkpoints (a resume then failed on a
+    missing key). The reference pass runs without gradients, so only each LoRA layer's switch is flipped."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, state in zip(layers, before, strict=True):
+            layer._disable_adapters = state
+
+
+def pair_scores(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, dpo: DpoConfig) -> PairScores:
+    """TRL's formulas: Δ = (log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r));
+    sigmoid (DPO; conservative with label smoothing ε): −(1−ε)·logσ(βΔ) − ε·logσ(−βΔ);
+    robust: (−(1−ε)·logσ(βΔ) + ε·logσ(−βΔ)) / (1 − 2ε);
+    ipo: (Δ' − 1/(2β))², Δ' from log-ratios averaged over each completion's tokens.
+    Rewards are β · log-ratio (summed, for every loss type)."""
+    chosen, rejected = policy.chunk(2)
+    ratios = policy - reference
+    chosen_ratio, rejected_ratio = ratios.chunk(2)
+    beta, eps = dpo.beta, dpo.label_smoothing
+    delta = chosen_ratio - rejected_ratio
+    if dpo.loss_type == "ipo":
+        chosen_count, rejected_count = counts.clamp_min(1).to(ratios.dtype).chunk(2)
+        losses = (chosen_ratio / chosen_count - rejected_ratio / rejected_count - 1 / (2 * beta)) ** 2
+    elif dpo.loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+    else:
+        losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+    return PairScores(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), chosen.detach(),
+                      rejected.detach())  # fmt: skip
+
+
+def score(model, batch: Batch, dpo: DpoConfig) -> PairScores:
+    reference = reference_logprobs(model, batch)
+    policy, counts = logprobs(model, batch)
+    return pair_scores(policy, reference, counts, dpo)
+
+
+class PreferenceSums:
+    """Sums of the metrics over pairs, on the device (no host sync per micro-batch), all-reduced on `take`."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(2 + len(METRICS), dtype=torch.float64, device=device)
+
+    def add(self, s: PairScores) -> None:
+        margins = s.chosen_rewards - s.rejected_rewards
+        parts = (s.losses.detach(), s.chosen_rewards, s.rejected_rewards, (margins > 0).to(margins.dtype), margins,
+                 s.chosen_logps, s.rejected_logps)  # fmt: skip
+        self.sums += torch.stack([torch.tensor(float(len(s.losses)), device=self.sums.device, dtype=torch.float64),
+                                  *(p.double().sum() for p in parts)])  # fmt: skip
+
+    def take(self, prefix: str = "") -> dict[str, float]:
+        """Means over every pair of every rank since the last take: `loss` and TRL's metrics (with `prefix`)."""
+        totals = self.sums.clone()
+        dist.all_reduce(totals)
+        self.sums.zero_()
+        pairs = totals[0].item()
+        means = [(v / pairs if pairs else math.nan) for v in totals[1:].tolist()]
+        return {f"{prefix}{name}": value for name, value in zip(("loss", *METRICS), means, strict=True)}
+
+
+def step_pairs(group: list[Batch], world_size: int) -> torch.Tensor:
+    """Pairs in this step over all ranks, divided by the ranks (FSDP averages gradients over them)."""
+    count = torch.tensor(float(sum(len(b["input_ids"]) // 2 for b in group)), dtype=torch.float64,
+                         device=group[0]["input_ids"].device)  # fmt: skip
+    dist.all_reduce(count)
+    return (count / world_size).clamp_min(1.0)
+
+
+def train_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    group: list[Batch],
+    window: LossWindow,
+    *,
+    sums: PreferenceSums,
+    dpo: DpoConfig,
+    world_size: int,
+    kept_layers: list,
+    autocast: Callable[[], Any],
+    max_grad_norm: float,
+) -> torch.Tensor:
+    """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad) and the
+    policy pass over chosen + rejected, the loss summed over pairs and divided by the step's pairs per rank."""
+    per_rank = step_pairs(group, world_size)
+    for i, batch in enumerate(group):
+        last = i == len(group) - 1
+        set_gradient_sync(model, last, kept_layers)
+        with autocast():
+            scores = score(model, batch, dpo)
+        loss = scores.losses.sum() / per_rank
+        loss.backward()
+        window.add(loss.detach(), last, batch["attention_mask"].sum())
+        sums.add(scores)
+    grad_norm = clip_gradients_(model, max_grad_norm)  # SFT's: the global norm under expert parallelism too
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@torch.no_grad()
+def evaluate(
+    model, shard, batch_size: int, collate, device: torch.device, autocast: Callable[[], Any] = nullcontext, *,
+    dpo: DpoConfig,
+) -> dict[str, float]:  # fmt: skip
+    """`eval_loss` and TRL's `eval_rewards/*`, `eval_logps/*`: means over every pair of every rank's shard. For the
+    base model alone (no adapter trained yet) policy and reference are the same: rewards 0, loss ln 2 (sigmoid)."""
+    model.eval()
+    sums = PreferenceSums(device)
+    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast():
+            sums.add(score(model, batch, dpo))
+    model.reshard()  # no backward follows: free the root's gathered weights now
+    model.train()
+    return sums.take(prefix="eval_")
