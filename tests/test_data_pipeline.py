@@ -115,6 +115,22 @@ def test_packing_keeps_every_token_once_and_restarts_positions_per_document(pack
     assert ds.train_stats.skipped == {"empty": ds.train_stats.records - ds.train_stats.examples}
 
 
+def test_the_tokenizer_actors_give_what_the_driver_gives(packed, monkeypatch):
+    """Small sources are tokenized in the driver, big ones by Ray Data's tokenizer actors: the same counts, the same
+    blocks (one packing batch here), the same validation rows, whichever path a source takes."""
+    cfg, in_driver = packed
+    monkeypatch.setenv("RAYFT_DRIVER_TOKENIZE_BYTES", "0")  # every source through the actors
+    by_actors = build_datasets(cfg)
+    assert by_actors.train_stats == in_driver.train_stats
+    assert by_actors.validation_rows == in_driver.validation_rows > 0
+
+    def stream(ds) -> list[list[int]]:
+        return [list(b["input_ids"]) for b in ds.take_all()]
+
+    assert stream(by_actors.train) == stream(in_driver.train)
+    assert stream(by_actors.validation) == stream(in_driver.validation)
+
+
 def _count_batches(config: dict) -> None:
     """Each rank walks two epochs exactly as the training loop does, with a collective per batch (as FSDP has):
     a rank with fewer batches would leave the others waiting forever."""
