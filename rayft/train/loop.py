@@ -41,6 +41,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _setup_logging(rank)
     profile = _worker_profile(loop_config, entered)
     torch.manual_seed(t.seed)
+    import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
+
     with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
         tokenizer_loading = pool.submit(load_tokenizer, cfg.model)  # overlaps the model build and load
         with profile.stage("model_build_load"):
