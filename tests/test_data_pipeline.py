@@ -17,7 +17,15 @@ import ray
 from conftest import Fixtures, RayCluster, tiny_config
 
 from rayft.config import Config, ConfigError, DataConfig
-from rayft.data.pipeline import SplitStats, Tokenize, _check_usable, build_datasets, collate_fn, read_split
+from rayft.data.pipeline import (
+    SplitStats,
+    Tokenize,
+    _check_usable,
+    build_datasets,
+    collate_fn,
+    read_records,
+    read_split,
+)
 from rayft.data.records import decode_line, record_format
 from rayft.data.sources import resolve_splits
 from rayft.data.tokenizer import tokenizer_facts
@@ -40,9 +48,9 @@ def ray_driver(ray_cluster: RayCluster):
     os.environ.update(saved)
 
 
-def _texts(source_ds: ray.data.Dataset, file_format: str, field: str = "text") -> list[str]:
+def _texts(source_ds: ray.data.Dataset | list[dict], file_format: str, field: str = "text") -> list[str]:
     out = []
-    for row in source_ds.take_all():
+    for row in source_ds if isinstance(source_ds, list) else source_ds.take_all():
         record = decode_line(row["_raw"], file_format)[0] if "_raw" in row else row
         if record and isinstance(record.get(field), str) and record[field].strip():
             out.append(record[field])
@@ -74,6 +82,7 @@ def test_every_reader_loads_its_records(ray_driver, fixtures: Fixtures, tmp_path
     for name, (data, want) in cases.items():
         train, _ = resolve_splits(data)
         assert _texts(read_split(train), train.format) == want, name
+        assert _texts(read_records(train).to_pylist(), train.format) == want, name  # the driver's reader
 
 
 @pytest.fixture(scope="module")
