@@ -120,9 +120,9 @@ class _ChatterFilter(logging.Filter):
 
 
 def quiet_worker_rank(rank: int) -> None:
-    """In a training worker: Python's deprecation warnings from rank 0 only (every rank runs the same code, so the
-    others' would repeat it; Ray's dedup misses them when the ranks start seconds apart)."""
+    """In a training worker: Python's warnings from rank 0 only (every rank runs the same code, so the others'
+    would repeat rank 0's; Ray's dedup misses them when the ranks get there seconds apart). rayft's own warnings
+    and errors, and exceptions, come from every rank as before."""
     if verbose() or rank == 0:
         return
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.simplefilter("ignore")
