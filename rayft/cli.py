@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import traceback
@@ -15,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from rayft.config import Config, ConfigError, load_config
+from rayft.logs import LEVEL_ENV, verbose
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEMO_ROOT = Path("rayft-demo")
@@ -23,7 +25,10 @@ DEMO_ROOT = Path("rayft-demo")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rayft %(message)s", datefmt="%H:%M:%S")
+    if args.verbose:  # also for the workers: the launcher hands RAYFT_LOG_LEVEL to their environment
+        os.environ[LEVEL_ENV] = "DEBUG"
+    logging.basicConfig(level=logging.DEBUG if verbose() else logging.INFO, format="%(asctime)s rayft %(message)s",
+                        datefmt="%H:%M:%S")  # fmt: skip
     try:
         if args.command == "export":
             return _export(args)
@@ -57,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     # Accepted before or after the command (`rayft --verbose validate`, `jobs/mistral4.py --verbose`).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="print the traceback of a configuration error too")  # fmt: skip
+                        help="a configuration error's traceback too, and Ray's routine log lines")  # fmt: skip
     parser.add_argument("--verbose", action="store_true", default=False, help=common._actions[0].help)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
@@ -382,9 +387,12 @@ def _train(cfg: Config) -> int:
     from ray.train import TrainingFailedError
 
     from rayft.launch import train
+    from rayft.startup import Profile
 
+    profile = Profile()
+    profile.add("launch", profile.since_origin())  # interpreter start, imports, config (demo files): before any work
     try:
-        outcome = train(cfg)
+        outcome = train(cfg, profile)
     except TrainingFailedError as e:
         print(f"rayft: training failed: {e}", file=sys.stderr)
         return EXIT_FAILED

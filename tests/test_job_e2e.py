@@ -122,6 +122,58 @@ def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(refer
     assert any(run["name"] == "ray_run" for run in runs), [run["name"] for run in runs]
 
 
+RAY_PREFIX = re.compile(r"^(?:\x1b\[[\d;]*m)*\((\w+) pid=(\d+)(?:, ip=[\d.]+)?\)(?:\x1b\[[\d;]*m)*\s?(.*)$")
+RAY_TRAIN_DATA = ("TrainController", "RayTrainWorker", "SplitCoordinator", "DatasetManager", "MapWorker")
+# rayft's own lines from rank 0 (Ray Train formats a worker's log records as the bare message)
+RAYFT_WORKER_LINE = re.compile(
+    r"^(step \d+/\d+ \||checkpoint-\d+: training paused|first batch after|start-up |final adapter written|resumed from"
+    r"|removed |kept |FLOPs/token|loss: |compute: |frozen base: )"
+)
+
+
+def test_job_log_has_one_line_per_event_and_hides_no_trouble(reference_run: Run):
+    """The reference run's job log at default verbosity (a log line, an evaluation and a save every step): Ray Train
+    and Ray Data together print at most one line per such event, Ray's routine per-save and per-execution lines
+    are gone, no rank-0 line appears twice and no line of one rank is repeated by another; the start-up profile
+    is in the log and in metrics.jsonl's first row."""
+    text = reference_run.text()
+    lines = text.splitlines()
+    messages = [m[3] if (m := RAY_PREFIX.match(line)) else line for line in lines]  # without the worker prefix
+    first = next(i for i, message in enumerate(messages) if re.match(r"step 1/\d+ \|", message))
+    last = next(i for i, line in enumerate(lines) if "final adapter written to" in line)
+    ray_lines = []
+    for line in lines[first : last + 1]:
+        m = RAY_PREFIX.match(line)
+        if m and m[1] in RAY_TRAIN_DATA and not RAYFT_WORKER_LINE.match(m[3]):
+            ray_lines.append(line)
+    events = 3 * STEPS  # logging, eval and save at every step
+    assert len(ray_lines) <= events, "\n".join(ray_lines)
+    for chatter in ("Checkpoint successfully created", "Reporting training result", "Execution plan of Dataset",
+                    "Starting execution of Dataset", "execution finished in"):  # fmt: skip
+        assert chatter not in text, chatter
+    saves = [m for m in messages if re.match(r"checkpoint-\d+: training paused [\d.]+ s", m)]
+    assert len(saves) == STEPS, saves  # one line per save, with its pause
+
+    # each line once (continuation lines of a traceback or warning may repeat: `  warnings.warn(`)
+    worker_lines = [m for m in map(RAY_PREFIX.match, lines) if m and m[1] == "RayTrainWorker" and m[3][:1].strip()]
+    full = [m[0] for m in worker_lines]
+    assert len(full) == len(set(full)), [x for x in full if full.count(x) > 1][:5]  # no line printed twice
+    by_text: dict[str, set[str]] = {}
+    for m in worker_lines:
+        by_text.setdefault(m[3], set()).add(m[2])
+    repeated = {text: pids for text, pids in by_text.items() if len(pids) > 1}
+    assert not repeated, repeated  # no rank repeats another's line
+
+    profile = next(filter(None, (re.match(r"start-up ([\d.]+) s to the first step: (.*) \(s\)", m) for m in messages)))
+    stages = dict(part.rsplit(" ", 1) for part in profile[2].split(" | "))
+    for stage in ("launch", "preflight_data", "ray_start", "data_plan", "worker_group_start", "model_build_load",
+                  "first_batch", "first_step"):  # fmt: skip
+        assert stage in stages, stages
+    assert sum(map(float, stages.values())) <= float(profile[1]) + 0.5  # stages are parts of the whole
+    first_row = reference_run.metrics()[0]
+    assert set(first_row["startup"]) >= {*stages, "to_first_step_s"} and "startup" not in reference_run.metrics()[1]
+
+
 def _eval(cluster, config: Path, *args: str) -> float:
     env = {**cluster.env, "RAY_ADDRESS": cluster.address}
     result = subprocess.run([sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args], env=env,

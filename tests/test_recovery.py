@@ -153,6 +153,12 @@ def test_killed_workers_and_a_killed_job_resume_exactly(
         driver.kill()  # the whole job: driver, controller and workers
     first_attempts = resumes(run.text())
     assert len(first_attempts) == 2 and 1 <= first_attempts[0] <= first_attempts[1], run.text()[-6000:]
+    # the default (quiet) job log still says what happened: each killed worker, and Ray's decision to restart
+    decisions = [
+        (d, src.strip()) for d, src in re.findall(r"\[FailurePolicy\] (\w+).*?Source: ([^\n]+)", run.text(), re.S)
+    ]
+    assert decisions[:2] == [("RETRY", "worker group")] * 2, run.text()[-6000:]
+    assert len(re.findall(r"ActorDiedError|actor died|worker died|killed", run.text(), re.I)) >= 2, run.text()[-6000:]
     stopped_at = max(r["step"] for r in run.metrics())
     assert stopped_at < STEPS, "the job finished before it was killed"
 

@@ -204,10 +204,18 @@ REAL = "smollm2-135m"  # real pretrained weights: Llama architecture, tied embed
 
 
 @pytest.fixture(scope="module")
-def family_models(smollm2: Path, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    tiny = {c: make_tiny_family(c.rpartition("-")[0], root / c, tied=c.endswith("-tied")) for c in FAMILY_CASES}
-    return {**tiny, REAL: smollm2}
+def family_models(smollm2: Path) -> dict[str, Path]:
+    """Every family tied and untied, built once per machine (tests/fixtures/cache.py): read-only."""
+    from fixtures import families
+    from fixtures.cache import cache_key, cached_dir
+
+    def build(root: Path) -> None:
+        for c in FAMILY_CASES:
+            make_tiny_family(c.rpartition("-")[0], root / c, tied=c.endswith("-tied"))
+
+    key = cache_key(("torch", "transformers", "safetensors"), (Path(families.__file__),), extra=",".join(FAMILY_CASES))
+    root = cached_dir("tiny-families", key, build)
+    return {**{c: root / c for c in FAMILY_CASES}, REAL: smollm2}
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ import codecs
 import dataclasses
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +39,7 @@ from rayft.data.records import (
 )
 from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TokenizerFacts, tokenizer_facts
+from rayft.logs import quiet_ray_data_here
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +53,11 @@ TOKENIZE_BATCH = 256
 PACK_BATCH = 1024  # examples per packing batch: one short tail block per batch
 CACHE_AUTO_BYTES = 2 << 30
 RAW_BLOCK_ROWS = 2048  # records per block before tokenization
+# Sources up to this size are tokenized and packed in the driver process, in well under a second: a Ray Data
+# execution costs a fixed 7-25 s (its tokenizer actors start, import, load the tokenizer), which is most of a small
+# job's start-up. Bigger ones go through the tokenizer actors (parallel, streaming). RAYFT_DRIVER_TOKENIZE_BYTES
+# overrides it (0: always the actors).
+DRIVER_TOKENIZE_BYTES = 32 << 20
 
 
 @dataclass
@@ -103,6 +111,8 @@ def build_datasets(
     train_src, val_src = splits or resolve_splits(d)
     fmt = fmt or record_format(d, train_src.columns(record_fields(d)), train_src.what)
     tokenizer = tokenizer or tokenizer_facts(cfg.model)
+    if in_driver(train_src, val_src):
+        return driver_datasets(cfg, train_src, val_src, fmt, tokenizer)
     train = read_split(train_src)
     validation = read_split(val_src) if val_src else None
     if validation is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
@@ -146,6 +156,87 @@ def build_datasets(
     )
 
 
+def in_driver(*sources: SplitSource | None) -> bool:
+    """Whether the splits are small enough to tokenize in the driver process (DRIVER_TOKENIZE_BYTES)."""
+    limit = int(os.environ.get("RAYFT_DRIVER_TOKENIZE_BYTES", DRIVER_TOKENIZE_BYTES))
+    return sum(s.nbytes() for s in sources if s is not None) <= limit
+
+
+def driver_datasets(
+    cfg: Config, train_src: SplitSource, val_src: SplitSource | None, fmt: RecordFormat, tokenizer: TokenizerFacts
+) -> Datasets:
+    """The small-source path: the same Tokenize and finish stages as the tokenizer actors run, over the same
+    256-record batches, here in the driver; the finished rows go to the object store (`from_arrow`), so the row
+    count is exact, nothing is counted twice and epochs only reshuffle."""
+    d, mpl = cfg.data, cfg.dpo.max_prompt_length
+    train_records = read_records(train_src)
+    val_records = read_records(val_src) if val_src else None
+    val_format = (val_src or train_src).format
+    if val_records is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
+        log.info("data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.hold_out,
+                 train_src.what)  # fmt: skip
+        train_records, val_records = hold_out(train_records, d.hold_out, cfg.train.seed)
+    train_rows, stats = tokenize_in_process(train_records, train_src.format, fmt, cfg.model, d, tokenizer, mpl)
+    log.info("data: %s: %s → %d %s", train_src.what, stats.describe(), stats.rows,
+             f"blocks of {d.max_length} tokens" if d.packing else "examples")  # fmt: skip
+    _check_usable(stats, train_src.what, d)
+    validation, validation_rows = None, 0
+    if val_records is not None:
+        val_rows, _ = tokenize_in_process(val_records, val_format, fmt, cfg.model, d, tokenizer, mpl)
+        validation_rows = val_rows.num_rows
+        validation = _from_arrow(val_rows) if validation_rows else None
+    if validation_rows == 0 and val_src is not None:
+        raise ConfigError(f"data: {val_src.what} has no usable records; fix it or set data.val_split: null")
+    return Datasets(train=_from_arrow(train_rows), train_stats=stats, validation=validation,
+                    validation_rows=validation_rows)  # fmt: skip
+
+
+def read_records(source: SplitSource) -> pa.Table:
+    """A split's records as read_split's readers give them (columns, or `_raw` lines), in file order."""
+    if source.format == "hf":
+        return source.dataset.with_format("arrow")[0 : len(source.dataset)]
+    if source.format == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pa.concat_tables([pq.read_table(p) for p in source.paths], promote_options="default")
+        except Exception as e:
+            raise ConfigError(f"data: reading {source.what} failed: {type(e).__name__}: {e}") from e
+    contents = pa.table({"bytes": pa.array([Path(p).read_bytes() for p in source.paths], type=pa.binary())})
+    return _split_lines(contents, json_array_ok=source.format == "json")
+
+
+def hold_out(records: pa.Table, fraction: float, seed: int) -> tuple[pa.Table, pa.Table]:
+    """A seeded shuffle, then the last `fraction` is the validation split (as Ray's train_test_split cuts it)."""
+    order = np.random.default_rng(seed).permutation(records.num_rows)
+    cut = int(records.num_rows * (1 - fraction))
+    return records.take(pa.array(order[:cut])), records.take(pa.array(order[cut:]))
+
+
+def tokenize_in_process(
+    records: pa.Table, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
+    tokenizer: TokenizerFacts, max_prompt_length: int | None = None,
+) -> tuple[pa.Table, SplitStats]:  # fmt: skip
+    """Tokenize in TOKENIZE_BATCH-record batches and finish (pack or keep) PACK_BATCH examples at a time, as the
+    actor pipeline batches them; returns the rows the workers iterate and what was counted."""
+    encoder, kwargs = _encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
+    encode = encoder(**kwargs)
+    tokens = [encode(records.slice(i, TOKENIZE_BATCH)) for i in range(0, records.num_rows, TOKENIZE_BATCH)]
+    tokens = pa.concat_tables([t for t in tokens if t.num_rows]) if any(t.num_rows for t in tokens) else None
+    if tokens is None:
+        return pa.table({"input_ids": pa.array([], type=pa.list_(pa.int32()))}), SplitStats(records=0)
+    batches = [tokens.slice(i, PACK_BATCH) for i in range(0, tokens.num_rows, PACK_BATCH)]
+    rows = pa.concat_tables([finish(b, data.max_length, data.packing, counting=False) for b in batches])
+    stats = _sum_stats(pa.concat_tables([finish(b, data.max_length, data.packing, counting=True) for b in batches]))
+    return rows, stats
+
+
+def _from_arrow(table: pa.Table) -> ray.data.Dataset:
+    """Rows into the object store in blocks of RAW_BLOCK_ROWS: the equal split hands rows out block-wise."""
+    blocks = [table.slice(i, RAW_BLOCK_ROWS) for i in range(0, table.num_rows, RAW_BLOCK_ROWS)] or [table]
+    return ray.data.from_arrow(blocks)
+
+
 def build_eval_dataset(
     cfg: Config, split: str, tokenizer: TokenizerFacts | None = None
 ) -> tuple[ray.data.Dataset, int]:
@@ -154,10 +245,16 @@ def build_eval_dataset(
     d = cfg.data
     source = eval_source(d, split)
     fmt = record_format(d, source.columns(record_fields(d)), source.what)
-    tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer or tokenizer_facts(cfg.model),
-                       actors_at_start(cfg), cfg.dpo.max_prompt_length)  # fmt: skip
-    dataset = finished(tokens, d).materialize()
-    rows = dataset.count()
+    tokenizer = tokenizer or tokenizer_facts(cfg.model)
+    if in_driver(source):
+        table, _ = tokenize_in_process(read_records(source), source.format, fmt, cfg.model, d, tokenizer,
+                                       cfg.dpo.max_prompt_length)  # fmt: skip
+        dataset, rows = _from_arrow(table), table.num_rows
+    else:
+        tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer, actors_at_start(cfg),
+                           cfg.dpo.max_prompt_length)  # fmt: skip
+        dataset = finished(tokens, d).materialize()
+        rows = dataset.count()
     if rows < cfg.ray.num_workers:
         raise ConfigError(
             f"data: {source.what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}"
@@ -191,6 +288,7 @@ def _cache(d: DataConfig, source: SplitSource) -> bool:
 def configure_ray_data() -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # tqdm bars turn `ray job logs` into noise; the dashboard shows progress
+    quiet_ray_data_here()  # no execution plan per execution (also in the actors the context travels to)
     # The same records in the same order to the same rank every run (also turns off locality-based dispatch):
     # a resumed run skips exactly the batches it already trained on.
     context.execution_options.preserve_order = True
@@ -244,6 +342,21 @@ def _json_array_records(content: bytes) -> list[bytes]:
     return [json.dumps(r).encode() for r in records] if isinstance(records, list) else [content]
 
 
+def _encoder(
+    source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig, tokenizer: TokenizerFacts,
+    max_prompt_length: int | None,
+) -> tuple[type, dict[str, Any]]:  # fmt: skip
+    """The callable class that turns a batch of records into token rows, with its constructor's arguments: one
+    choice for the actor pool and the in-driver path alike. Preference records become one row per pair."""
+    common = {"model": dataclasses.asdict(model), "tokenizer": dataclasses.asdict(tokenizer),
+              "source_format": source_format}  # fmt: skip
+    if fmt.kind == "preference":
+        limits = PairLimits(data.max_length, max_prompt_length, data.overlong)
+        return PreferenceTokenize, {**common, "limits": dataclasses.asdict(limits)}
+    return Tokenize, {**common, "fmt": dataclasses.asdict(fmt), "max_length": data.max_length,
+                      "packing": data.packing, "overlong": data.overlong}  # fmt: skip
+
+
 def tokenized(
     raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
     tokenizer: TokenizerFacts, actors_at_start: int = 1, max_prompt_length: int | None = None,
@@ -252,16 +365,7 @@ def tokenized(
     starts with `actors_at_start` (their start is most of a small split's time) and grows to
     data.tokenize_workers as CPUs allow; min 1, so that a split of one block does not warn. Preference records
     become one row per pair (`rayft.data.preference`); `max_prompt_length` applies to those."""
-    common = {"model": dataclasses.asdict(model), "tokenizer": dataclasses.asdict(tokenizer),
-              "source_format": source_format}  # fmt: skip
-    if fmt.kind == "preference":
-        actor: type = PreferenceTokenize
-        limits = PairLimits(data.max_length, max_prompt_length, data.overlong)
-        kwargs = {**common, "limits": dataclasses.asdict(limits)}
-    else:
-        actor = Tokenize
-        kwargs = {**common, "fmt": dataclasses.asdict(fmt), "max_length": data.max_length, "packing": data.packing,
-                  "overlong": data.overlong}  # fmt: skip
+    actor, kwargs = _encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
     return raw.map_batches(
         actor,
         fn_constructor_kwargs=kwargs,
@@ -290,6 +394,13 @@ def count(stats_rows: ray.data.Dataset, what: str) -> SplitStats:
     except Exception as e:
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ConfigError(f"data: reading {what} failed: {first}") from e
+    return _sum_stats(rows)
+
+
+def _sum_stats(rows: list[dict[str, Any]] | pa.Table) -> SplitStats:
+    """One SplitStats from finish()'s statistics rows."""
+    if isinstance(rows, pa.Table):
+        rows = rows.to_pylist()
     total = SplitStats()
     for row in rows:
         total.records += row["records"]

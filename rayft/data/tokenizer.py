@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -103,8 +104,21 @@ class TokenizerFacts:
 
 
 def tokenizer_facts(model: ModelConfig) -> TokenizerFacts:
+    """Settled by loading the tokenizer with transformers (seconds, every run), or read back from the local cache
+    when the same files gave them before (rayft/cache.py: keyed by their bytes and the library versions)."""
+    from rayft.cache import content_key, read_cached, write_cached
+
+    directory = Path(tokenizer_path(model)).expanduser()
+    files = [directory / n for n in (*TOKENIZER_FILES, "special_tokens_map.json")]
+    key = content_key("tokenizer-facts", [*files, Path(model.model_name_or_path) / "config.json"],
+                      packages=("transformers", "tokenizers"))  # fmt: skip
+    cached = read_cached("tokenizer-facts", key)
+    if cached is not None and (cached.get("rust_file") is None or Path(cached["rust_file"]).is_file()):
+        return TokenizerFacts(**cached)
     tok = load_tokenizer(model)
-    return TokenizerFacts(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _rust_file(tok, model), len(tok))
+    facts = TokenizerFacts(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, _rust_file(tok, model), len(tok))
+    write_cached("tokenizer-facts", key, dataclasses.asdict(facts))
+    return facts
 
 
 def _rust_file(tok: PreTrainedTokenizerBase, model: ModelConfig) -> str | None:

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -45,6 +42,7 @@ from rayft.parallel.expert import ExpertParallel, is_expert_lora
 from rayft.train import state as tensors_json
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
 from rayft.train.rundir import RunDir, checkpoint_dir_name
+from rayft.train.spool import checkpoint_spool
 from rayft.train.state import CheckpointFormatError
 
 log = logging.getLogger("rayft")
@@ -383,34 +381,6 @@ def checkpoint_run_id(run: RunDir, name: str) -> str | None:
         return json.loads(run.read_file(f"{name}/{TRAINER_STATE}")).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-SPOOL_ROOT = "rayft-checkpoints"
-
-
-def checkpoint_spool(run_name: str, run_id: str | None) -> Path:
-    """This worker process's local staging dir for checkpoint shards: `<tmp>/rayft-checkpoints/<name>-<run id>/
-    pid<N>`, so two jobs (even with the same ray.name) and two attempts of one run never share one. A killed
-    worker leaves its half-written shards behind: they are removed here once their process is gone."""
-    run_folder = Path(tempfile.gettempdir()) / SPOOL_ROOT / f"{run_name}-{run_id or uuid.uuid4().hex}"
-    run_folder.mkdir(parents=True, exist_ok=True)
-    for stale in run_folder.glob("pid*"):
-        if stale.name[3:].isdigit() and not _alive(int(stale.name[3:])):
-            shutil.rmtree(stale, ignore_errors=True)
-    spool = run_folder / f"pid{os.getpid()}"
-    shutil.rmtree(spool, ignore_errors=True)  # a dead process's, whose pid this one got
-    spool.mkdir()
-    return spool
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def missing_state_files(directory: Path) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,9 +20,11 @@ import torch
 from rayft.config import Config, TrainConfig
 from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
+from rayft.logs import quiet_worker_rank, verbose
 from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
+from rayft.startup import Profile, process_start_time
 from rayft.train import dpo
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
@@ -34,15 +37,24 @@ log = logging.getLogger("rayft")
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    entered = time.time()
     cfg, plan = Config.from_dict(loop_config["config"]), Plan(**loop_config["plan"])
     t, rank, device = cfg.train, ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
     _setup_logging(rank)
+    profile = _worker_profile(loop_config, entered)
     torch.manual_seed(t.seed)
-    tokenizer = load_tokenizer(cfg.model)
-    state, autocast, window = _build_state(cfg, plan, device)
+    import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
+
+    with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
+        tokenizer_loading = pool.submit(load_tokenizer, cfg.model)  # overlaps the model build and load
+        with profile.stage("model_build_load"):
+            state, autocast, window = _build_state(cfg, plan, device)
+        with profile.stage("tokenizer"):  # what is left of it once the model is loaded
+            tokenizer = tokenizer_loading.result()
     run = RunDir(cfg.run_uri)
     checkpoints = CheckpointManager(run, loop_config.get("run_id"), cfg.ray.name, cfg.ray.checkpoint_upload, rank)
-    resumed = checkpoints.restore(loop_config.get("resume_from"), state, plan, t.gradient_accumulation_steps)
+    with profile.stage("resume"):
+        resumed = checkpoints.restore(loop_config.get("resume_from"), state, plan, t.gradient_accumulation_steps)
     progress_log = _progress_log(cfg, plan, state, run, resumed, loop_config.get("params", {})) if rank == 0 else None
 
     val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
@@ -54,9 +66,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     kept_layers = [] if cfg.fsdp.reshards(plan.world_size) else decoder_layers(state.model)
     groups = step_groups(ray.train.get_dataset_shard("train"), cfg, plan, state.progress, collate, waited, device)
     for group, micro in groups:
+        stepped = time.time()
         grad_norm = objective.step(state.model, state.optimizer, state.scheduler, group, window,
                                    world_size=plan.world_size, kept_layers=kept_layers, autocast=autocast,
                                    max_grad_norm=t.max_grad_norm)  # fmt: skip
+        if profile is not None:
+            profile = _first_step_done(profile, stepped, waited, progress_log)
         progress = state.progress
         progress.step, progress.batches_in_epoch = progress.step + 1, micro + 1
         done = progress.step >= plan.total_steps
@@ -109,6 +124,27 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
         RunDir(loop_config["run_uri"]).write_file(EVAL_RESULT, json.dumps(result).encode())
     ray.train.report(result)
+
+
+def _worker_profile(loop_config: dict[str, Any], entered: float) -> Profile:
+    """The driver's stages plus this worker's wait to be started: from the driver's fit() (or, for a restarted
+    group, this worker process's own launch, whichever is later) to the loop's first line."""
+    profile = Profile.from_dict(loop_config.get("profile"))
+    started = max(loop_config.get("fit_started") or entered, process_start_time())
+    profile.add("worker_group_start", entered - started)
+    return profile
+
+
+def _first_step_done(profile: Profile, stepped: float, waited, progress_log) -> None:
+    """After the first optimizer step: the first batch's wait, the step itself, and (rank 0) the whole profile in
+    the log and in metrics.jsonl's first row. Returns None: the profile is done with."""
+    profile.add("first_batch", waited.first or 0.0)
+    profile.add("first_step", time.time() - stepped)
+    if progress_log is not None:
+        total = profile.since_origin()
+        log.info("%s", profile.line(total))
+        progress_log.startup = {**profile.stages, "to_first_step_s": total}
+    return None
 
 
 def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainState, Any, LossWindow]:
@@ -235,4 +271,5 @@ def _flat(cfg: Config) -> dict[str, Any]:
 def _setup_logging(rank: int) -> None:
     """Progress lines from rank 0 only, so the job log reads as one run rather than N."""
     logging.basicConfig(format="%(asctime)s rayft %(message)s", datefmt="%H:%M:%S")
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.setLevel(logging.DEBUG if verbose() and rank == 0 else logging.INFO if rank == 0 else logging.WARNING)
+    quiet_worker_rank(rank)

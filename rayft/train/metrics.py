@@ -354,6 +354,7 @@ class ProgressLog:
         self.gauges, self.trackers = gauges, trackers
         self.history = [r for r in run.read_metrics() if r.get("step", 0) <= first_step] if resumed else []
         self.started = time.perf_counter()
+        self.startup: dict[str, float] | None = None  # the start-up profile: goes into the next row written
 
     def record(self, metrics: dict[str, Any], checkpoint_stall_s: float) -> None:
         elapsed = time.perf_counter() - self.started
@@ -363,6 +364,8 @@ class ProgressLog:
         # What saving cost so far in this attempt: the share of wall time training stood still.
         row = {**metrics, **self.params, "checkpoint_stall_s": round(checkpoint_stall_s, 4),
                "elapsed_s": round(elapsed, 3), "time": round(time.time(), 3)}  # fmt: skip
+        if self.startup is not None:
+            row["startup"], self.startup = self.startup, None
         self.history.append(row)
         self.run.write_metrics(self.history)
         self.gauges.set(row)
