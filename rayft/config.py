@@ -277,7 +277,9 @@ class ParallelConfig:
     expert_parallel: int | str = 1
 
     def expert_groups(self) -> int:
-        """k as an integer (`check` has refused anything else)."""
+        """k as an integer (`check` has refused anything else; preflight has resolved `auto`)."""
+        if self.expert_parallel == "auto":
+            raise RuntimeError("parallel.expert_parallel: auto is resolved by preflight before it is used")
         return int(self.expert_parallel)
 
 
@@ -472,10 +474,12 @@ class Config:
         (the experts' count is checked where the model's config is read: `rayft.parallel.expert.check_experts`)."""
         k, workers = self.parallel.expert_parallel, self.ray.num_workers
         if isinstance(k, str):
-            raise ConfigError(
-                f"parallel.expert_parallel: {k!r} is not available yet (the planner's choice comes with `rayft plan`); "
-                f"give an integer k that divides ray.num_workers {workers} and the number of routed experts"
-            )
+            if k != "auto":
+                raise ConfigError(
+                    f"parallel.expert_parallel: {k!r} is neither an integer k nor auto (the planner's choice, "
+                    f"`rayft plan`); give a k that divides ray.num_workers {workers} and the routed experts"
+                )
+            return  # resolved by preflight, where the model's structure is known (`rayft.plan.choose_expert_parallel`)
         _at_least("parallel.expert_parallel", k, 1)
         if k == 1:
             return

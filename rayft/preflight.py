@@ -9,6 +9,7 @@ creating something.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
@@ -27,6 +28,8 @@ from rayft.model.lora import LoraTargets
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +72,11 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
         model, targets = _weightless_model(cfg)
+        if cfg.parallel.expert_parallel == "auto":
+            from rayft.model.build import frozen_fp8
+
+            planned = planned_expert_parallel(cfg, structure(model, model.config), frozen_fp8(cfg.model))
+            cfg.parallel.expert_parallel = planned
         _check_expert_parallel(cfg, model.config)
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
@@ -226,3 +234,21 @@ def _check_writable(key: str, path: Path) -> None:
             "directory"
         ) from None
     shutil.rmtree(probe, ignore_errors=True)
+
+
+def planned_expert_parallel(cfg: Config, s: Structure, fp8: bool) -> int:
+    """`parallel.expert_parallel: auto`: the planner's fastest layout that fits (`rayft plan` prints the table).
+    The cluster is read from the config as the launcher places it: one worker per node under STRICT_SPREAD (the
+    default), else up to 8 workers a node; the GPU is an H200 (the target; `rayft plan --gpu` compares others)."""
+    from rayft.plan.comm import Cluster
+    from rayft.plan.steptime import Hardware, choose_expert_parallel
+
+    workers = cfg.ray.num_workers
+    per_node = 1 if cfg.ray.placement_strategy == "STRICT_SPREAD" else next(
+        g for g in (8, 4, 2, 1) if workers % g == 0
+    )  # fmt: skip
+    cluster = Cluster(nodes=workers // per_node, gpus_per_node=per_node)
+    k = choose_expert_parallel(cfg, s, cluster, Hardware("h200"), fp8)
+    log.info("parallel.expert_parallel: auto → %d (the planner's fastest layout that fits %d x %d H200)", k,
+             cluster.nodes, cluster.gpus_per_node)  # fmt: skip
+    return k

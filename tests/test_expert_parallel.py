@@ -200,13 +200,31 @@ def test_expert_parallel_config_errors(fixtures: Fixtures, tmp_path: Path):
 
     raw = tiny_config(fixtures, tmp_path)
     raw["ray"]["num_workers"] = 4
-    for k, fragment in ((3, "must divide ray.num_workers 4; valid: [1, 2, 4]"), ("auto", "not available yet")):
+    for k, fragment in ((3, "must divide ray.num_workers 4; valid: [1, 2, 4]"), ("two", "neither an integer")):
         raw["parallel"] = {"expert_parallel": k}
         with pytest.raises(ConfigError, match=r"parallel\.expert_parallel") as e:
             Config.from_dict(raw)
         assert fragment in str(e.value)
     with pytest.raises(ConfigError, match=r"does not divide the model's 6 routed experts; valid: \[1, 2\]"):
         check_experts(4, 6, 4)
+
+
+def test_auto_takes_expert_parallelism_where_the_network_would_bind_fsdp(tmp_path: Path):
+    """`auto` on Mistral-Small-4 (the preset's config, FP8 base, 4,096 tokens): on 2 single-GPU nodes FSDP would pull
+    ~118 GB of FP8 decoder through a 50 GB/s NIC per micro-batch (> 2 s against < 1 s of compute), so EP 2; on 3
+    nodes no k > 1 divides both 3 workers and 128 experts, so 1."""
+    from transformers import Mistral4Config
+
+    from rayft.plan import meta_structure
+    from rayft.preflight import planned_expert_parallel
+
+    raw = {"data": {"max_length": 4096}, "fsdp": {"activation_checkpointing": True},
+           "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
+           "parallel": {"expert_parallel": "auto"}}  # fmt: skip
+    for workers, expected in ((2, 2), (3, 1)):
+        raw["ray"] = {"num_workers": workers}
+        cfg = Config.from_dict(raw)
+        assert planned_expert_parallel(cfg, meta_structure(cfg, Mistral4Config()), fp8=True) == expected, workers
 
 
 def test_preflight_refuses_k_that_does_not_split_the_experts(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path):
