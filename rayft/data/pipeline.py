@@ -27,11 +27,11 @@ import ray.data
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
+from rayft.data.encoder import RecordEncoder
 from rayft.data.preference import PAIR_COLUMNS, PairLimits, PreferenceCollate, PreferenceTokenize
 from rayft.data.records import (
     SKIPS,
     RecordFormat,
-    decode_line,
     join_wikitext_articles,
     record_fields,
     record_format,
@@ -414,7 +414,7 @@ def _sum_stats(rows: list[dict[str, Any]] | pa.Table) -> SplitStats:
     return total
 
 
-class Tokenize:
+class Tokenize(RecordEncoder):
     """Ray Data actor: records → token ids (+ a loss mask for instruction data), one output row per example.
 
     Records that cannot be used stay as rows with a skip reason and no tokens, for the counting pass.
@@ -424,29 +424,10 @@ class Tokenize:
         self, model: dict[str, Any], tokenizer: dict[str, Any], fmt: dict[str, Any], source_format: str,
         max_length: int, packing: bool, overlong: str,
     ):  # fmt: skip
-        from rayft.data.tokenizer import TokenizerFacts, rust_encoder
-
-        facts = TokenizerFacts(**tokenizer)
-        self.model = ModelConfig(**model)
-        self._chat_tokenizer = None
-        self.encode = rust_encoder(facts.rust_file) if facts.rust_file else self._encode_with_transformers
+        super().__init__(model, tokenizer, source_format)
         self.fmt = RecordFormat(**fmt)
-        self.source_format = source_format
         self.max_length = None if packing else max_length
         self.overlong = overlong
-        self.bos = [facts.bos_id] if facts.bos_id is not None else []
-        self.eos = [facts.eos_id] if facts.eos_id is not None else []
-
-    def chat_tokenizer(self) -> Any:
-        """The transformers tokenizer, loaded on first need (chat templates, or no tokenizer.json to encode with)."""
-        if self._chat_tokenizer is None:
-            from rayft.data.tokenizer import load_tokenizer
-
-            self._chat_tokenizer = load_tokenizer(self.model)
-        return self._chat_tokenizer
-
-    def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
-        return self.chat_tokenizer()(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         examples: list[tuple[list[tuple[str, bool]], bool, int]] = []  # (segments, add specials, records)
@@ -461,14 +442,6 @@ class Tokenize:
             articles = join_wikitext_articles([seg[0][0] for seg, _, _ in examples])
             examples = [([(text, True)], True, lines) for text, lines in articles]
         return self._encode(examples, skipped)
-
-    def _records(self, batch: pa.Table):
-        if "_raw" in batch.column_names:
-            for raw in batch.column("_raw").to_pylist():
-                yield decode_line(raw, self.source_format)
-        else:
-            for record in batch.to_pylist():
-                yield record, ""
 
     def _encode(self, examples, skipped: list[str]) -> pa.Table:
         texts = [text for found, _, _ in examples for text, _ in found]

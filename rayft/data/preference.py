@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 from ray.data.collate_fn import NumpyBatchCollateFn
 
-from rayft.data.records import _is_chat, decode_line
+from rayft.data.encoder import RecordEncoder
+from rayft.data.records import _is_chat
 
 IGNORE_INDEX = -100
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_length")
@@ -123,32 +124,13 @@ def fit(pair: Pair, limits: PairLimits) -> tuple[Pair | None, str, bool]:
     return Pair(prompt, pair.chosen[:room], pair.rejected[:room]), "", truncated
 
 
-class PreferenceTokenize:
+class PreferenceTokenize(RecordEncoder):
     """Ray Data actor: preference records → one row per pair (`PAIR_COLUMNS`), skipped records flagged as the SFT
     actor flags them (`skip`, `truncated`, `records` columns), so counting and `finish` treat both alike."""
 
     def __init__(self, model: dict[str, Any], tokenizer: dict[str, Any], source_format: str, limits: dict[str, Any]):
-        from rayft.config import ModelConfig
-        from rayft.data.tokenizer import TokenizerFacts, rust_encoder
-
-        facts = TokenizerFacts(**tokenizer)
-        self.model = ModelConfig(**model)
-        self._chat_tokenizer = None
-        self.encode = rust_encoder(facts.rust_file) if facts.rust_file else self._encode_with_transformers
-        self.source_format = source_format
+        super().__init__(model, tokenizer, source_format)
         self.limits = PairLimits(**limits)
-        self.bos = [facts.bos_id] if facts.bos_id is not None else []
-        self.eos = [facts.eos_id] if facts.eos_id is not None else []
-
-    def chat_tokenizer(self) -> Any:
-        if self._chat_tokenizer is None:
-            from rayft.data.tokenizer import load_tokenizer
-
-            self._chat_tokenizer = load_tokenizer(self.model)
-        return self._chat_tokenizer
-
-    def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
-        return self.chat_tokenizer()(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts: list[tuple[str, str, str] | None] = []
@@ -171,14 +153,6 @@ class PreferenceTokenize:
             pair = tokenize_pair(ids, *specials)
             rows.append(fit(pair, self.limits) if pair is not None else (None, "empty", False))
         return pair_table(rows)
-
-    def _records(self, batch: pa.Table):
-        if "_raw" in batch.column_names:
-            for raw in batch.column("_raw").to_pylist():
-                yield decode_line(raw, self.source_format)
-        else:
-            for record in batch.to_pylist():
-                yield record, ""
 
 
 def pair_table(rows: list[tuple[Pair | None, str, bool]]) -> pa.Table:
