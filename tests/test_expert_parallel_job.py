@@ -66,7 +66,8 @@ def test_expert_parallel_job_survives_a_killed_worker_and_resumes_with_another_k
         os.kill(max(workers), signal.SIGKILL)
         text = finish(run, driver)
     finally:
-        driver.kill()
+        if driver.proc.poll() is None:  # a driver that ended has no process group left to kill
+            driver.kill()
     assert len(resumes(text)) == 1 and "expert parallel: 2 MoE layers, 4 of 8 experts" in text, text[-6000:]
     assert [r["step"] for r in run.metrics()][-1] == STEPS
     _assert_close_losses(run, reference, range(1, STEPS + 1))
