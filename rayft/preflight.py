@@ -72,16 +72,16 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
         model, targets = _weightless_model(cfg)
+        counts = structure(model, model.config)  # walked once: the planner's `auto` and the memory plan read it
         if cfg.parallel.expert_parallel == "auto":
             from rayft.model.build import frozen_fp8
 
-            planned = planned_expert_parallel(cfg, structure(model, model.config), frozen_fp8(cfg.model))
-            cfg.parallel.expert_parallel = planned
+            cfg.parallel.expert_parallel = planned_expert_parallel(cfg, counts, frozen_fp8(cfg.model))
         _check_expert_parallel(cfg, model.config)
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
-    return Preflight(train, validation, records, tokenizer, targets, structure(model, model.config))
+    return Preflight(train, validation, records, tokenizer, targets, counts)
 
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
