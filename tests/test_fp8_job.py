@@ -29,7 +29,7 @@ import torch
 from conftest import AGENT_NOT_READY, RAY_BIN, REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_recovery import assert_same_training, resumes
+from test_recovery import assert_same_training, resumes, wait_until
 from test_weights import _dequantised_reference
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -117,16 +117,6 @@ def _job_workers(address: str, submission_id: str) -> list[int]:
     return [a.pid for a in list_actors(address=address, filters=filters) if a.pid]
 
 
-def _wait_until(condition, what: str, run: Run, timeout: float = 600, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out waiting for {what}\n{run.text()[-4000:] if run.log.exists() else ''}")
-
-
 @pytest.fixture(scope="module")
 def fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict[str, Run]:
     """`reference`: the FP8 job uninterrupted; `killed`: the same job, submitted at the same time with the same
@@ -145,9 +135,10 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
         config = write_yaml(out / "config.yaml", _fp8_config(fixtures, mistral4_hub, out))
         jobs[label] = Submitted(_submit(ray_cluster, config, _working_dir(out)), Run(out, out / "job.log"))
     killed = jobs["killed"]
-    _wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run)
-    group = _wait_until(lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
-                        "the two training workers", killed.run)  # fmt: skip
+    wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run,
+               timeout=600, every=0.5)  # fmt: skip
+    group = wait_until(lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
+                       "the two training workers", killed.run, timeout=600, every=0.5)  # fmt: skip
     steps_before_kill = max((r["step"] for r in killed.run.metrics()), default=0)
     os.kill(max(group), signal.SIGKILL)
     _wait(ray_cluster, list(jobs.values()))

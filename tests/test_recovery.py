@@ -68,7 +68,7 @@ def wait_until(condition, what: str, run: Run, timeout: float = 300, every: floa
         if value:
             return value
         time.sleep(every)
-    pytest.fail(f"timed out waiting for {what}\n{run.text()[-4000:]}")
+    pytest.fail(f"timed out waiting for {what}\n{run.text()[-4000:] if run.log.exists() else ''}")
 
 
 def train_workers(address: str, driver: Driver) -> dict[int, str]:
