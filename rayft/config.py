@@ -62,7 +62,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
 OBJECTIVES = ("sft", "dpo")
 DPO_LOSSES = ("sigmoid", "robust", "ipo")
-DPO_REFERENCES = ("adapter_off",)
+DPO_REFERENCES = ("adapter_off", "precomputed")
 PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 # What evaluation reports, so what checkpoints can be ranked by.
 BEST_METRICS = ("eval_loss",)
@@ -209,7 +209,8 @@ class DpoConfig:
     loss_type: str = "sigmoid"
     # Assumed share of flipped preference labels (sigmoid, robust); 0 = plain DPO.
     label_smoothing: float = 0.0
-    # adapter_off: the reference is the same sharded base with the LoRA adapter switched off (no second model).
+    # adapter_off: the reference is the same sharded base with the LoRA adapter switched off (no second model);
+    # precomputed: that base scores every training pair once before the first step, then one forward per pair.
     reference: str = "adapter_off"
     # Prompts longer than this keep their last max_prompt_length tokens; null = only data.max_length limits them.
     max_prompt_length: int | None = None

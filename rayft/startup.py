@@ -19,7 +19,15 @@ from typing import Any
 
 # Stage names in the order a run passes them (what the log line and the JSON list).
 DRIVER_STAGES = ("launch", "preflight_tokenizer", "preflight_data", "preflight_model", "ray_start", "data_plan")
-WORKER_STAGES = ("worker_group_start", "model_build_load", "tokenizer", "resume", "first_batch", "first_step")
+WORKER_STAGES = (
+    "worker_group_start",
+    "model_build_load",
+    "tokenizer",
+    "resume",
+    "reference",
+    "first_batch",
+    "first_step",
+)
 
 
 def process_start_time() -> float:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -17,11 +18,12 @@ from torch.nn import functional as F
 
 from rayft.config import Config, ConfigError, DataConfig, DpoConfig, ModelConfig
 from rayft.data.pipeline import _check_usable, count, finish
-from rayft.data.preference import PairLimits, PreferenceCollate, PreferenceTokenize
+from rayft.data.preference import PairLimits, PreferenceCollate, PreferenceTokenize, pair_key
 from rayft.data.records import record_format
 from rayft.data.tokenizer import tokenizer_facts
 from rayft.model.loss import sequence_logprobs
 from rayft.train.dpo import pair_scores
+from rayft.train.reference import ReferenceTable
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
@@ -56,8 +58,8 @@ def test_preference_records_are_detected_and_need_dpo(fixtures: Fixtures):
         Config.from_dict({"dpo": {"beta": 0}})
     with pytest.raises(ConfigError, match=r"dpo.label_smoothing must be in"):
         Config.from_dict({"dpo": {"label_smoothing": 0.5}})
-    with pytest.raises(ConfigError, match=r"dpo.reference: unknown value 'precomputed'"):
-        Config.from_dict({"dpo": {"reference": "precomputed"}})
+    with pytest.raises(ConfigError, match=r"dpo.reference: unknown value 'teacher'"):
+        Config.from_dict({"dpo": {"reference": "teacher"}})
     with pytest.raises(ConfigError, match=r"data.packing: true cannot hold preference pairs"):
         Config.from_dict({"train": {"objective": "dpo"}, "data": {"packing": True}})
     with pytest.raises(ConfigError, match=r"unknown key 'dpo.bta'.*beta"):
@@ -269,3 +271,44 @@ def test_reference_pass_leaves_every_lora_weight_trainable_and_checkpointed(fixt
     found = in_process("trainable_after_reference_passes", str(fixtures.model), tmp_path)
     assert found["frozen"] == []
     assert found["after"] == found["before"] and len(found["before"]) == 6  # A and B: q_proj × 2 layers, lm_head
+
+
+def test_reference_table_finds_each_pair_by_its_tokens_whatever_the_batch():
+    """Keys come from the tokens alone (list or int32/int64 arrays alike; another prompt length is another pair);
+    the collate hands each row its pair's reference values in row order (chosen rows, then rejected), NaN and a
+    count for a pair the table lacks; the table survives its bytes and keeps one entry per repeated pair."""
+    pairs = [([1, 5, 6], [1, 5, 7], 1), ([1, 2, 3, 4], [1, 2, 9], 2), ([1, 8], [1, 9], 1)]
+    keys = [pair_key(*p) for p in pairs]
+    assert len(set(keys)) == 3
+    assert pair_key(np.array([1, 5, 6], np.int32), np.array([1, 5, 7], np.int64), 1) == keys[0]
+    assert pair_key([1, 5, 6], [1, 5, 7], 2) != keys[0]
+    values = np.array([[-1.0, -2.0], [-3.0, -4.0]])
+    table = ReferenceTable.merge([(np.array(keys[:2]), values), (np.array(keys[:1]), values[:1])], {"model": "m"})
+    assert len(table) == 2
+    table = ReferenceTable.from_bytes(table.to_bytes())
+    assert table.identity == {"model": "m"}
+    batch = {"chosen_ids": [p[0] for p in pairs[::-1]], "rejected_ids": [p[1] for p in pairs[::-1]],
+             "prompt_length": [p[2] for p in pairs[::-1]]}  # fmt: skip
+    out = PreferenceCollate(pad_id=0, reference=table)(batch)
+    assert out["pair_key"].tolist() == keys[::-1]
+    got = out["reference_logps"].tolist()
+    assert got[1:3] == [-3.0, -1.0] and got[4:] == [-4.0, -2.0] and math.isnan(got[0]) and math.isnan(got[3])
+    assert int(out["reference_missing"]) == 1
+    assert "reference_logps" not in PreferenceCollate(pad_id=0)(batch)
+
+
+def test_precomputed_reference_trains_as_the_live_one_with_half_the_forwards(fixtures: Fixtures, tmp_path):
+    """`dpo.reference: precomputed` (a first pass over the pairs, then one forward per micro-batch) against the
+    reference scored live under the adapter switched off (two forwards): the same losses and rewards, step by step;
+    and so with a table lacking the first step's first pair (that step alone scores its reference live)."""
+    records = make_pairs(24, seed=5)
+    settings = [Settings(model=str(fixtures.model), steps=6, batch=2, reference=r, reference_dropped=n)
+                for r, n in (("adapter_off", 0), ("precomputed", 0), ("precomputed", 1))]  # fmt: skip
+    live, precomputed, patched = in_process("run_each", "run_rayft", settings, records, tmp_path)
+    assert live["forwards_per_micro_batch"] == 2 and precomputed["forwards_per_micro_batch"] == 1
+    assert patched["forwards_per_micro_batch"] == (2 * 2 + 1 * 10) / 12  # step 1's two micro-batches live
+    for a, b, c in zip(live["steps"], precomputed["steps"], patched["steps"], strict=True):
+        for key in ("loss", "rewards/margins"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6) and a[key] == pytest.approx(c[key], abs=1e-6)
+    assert live["steps"][0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert live["steps"][-1]["loss"] < live["steps"][0]["loss"]  # it learns: the check compares moving numbers

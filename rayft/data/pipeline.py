@@ -589,8 +589,9 @@ class PackedCollate(NumpyBatchCollateFn):
         }
 
 
-def collate_fn(data: DataConfig, pad_id: int, pairs: bool = False) -> NumpyBatchCollateFn:
-    """The worker's batches: padding-free packed blocks, padded examples, or (`pairs`) padded preference pairs."""
+def collate_fn(data: DataConfig, pad_id: int, pairs: bool = False, reference=None) -> NumpyBatchCollateFn:
+    """The worker's batches: padding-free packed blocks, padded examples, or (`pairs`) padded preference pairs,
+    with their precomputed reference log-probs where a `reference` table is given."""
     if pairs:
-        return PreferenceCollate(pad_id, data.pad_to_multiple_of, data.max_length)
+        return PreferenceCollate(pad_id, data.pad_to_multiple_of, data.max_length, reference)
     return PackedCollate() if data.packing else PadCollate(pad_id, data.pad_to_multiple_of, data.max_length)

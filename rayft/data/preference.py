@@ -11,6 +11,7 @@ driver like any bad record. Pure Python + pyarrow, run inside Ray Data actors.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,17 @@ def fit(pair: Pair, limits: PairLimits) -> tuple[Pair | None, str, bool]:
     return Pair(prompt, pair.chosen[:room], pair.rejected[:room]), "", truncated
 
 
+def pair_key(chosen: np.ndarray, rejected: np.ndarray, prompt_length: int) -> int:
+    """A pair's identity from its tokens (signed 64-bit, as torch and numpy hold it): the key of its precomputed
+    reference log-probs (`rayft.train.reference`), the same whichever worker and epoch the pair lands in."""
+    digest = hashlib.blake2b(digest_size=8)
+    for part in (np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)):
+        digest.update(part.tobytes())
+        digest.update(b"|")
+    digest.update(int(prompt_length).to_bytes(8, "little"))
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
 class PreferenceTokenize(RecordEncoder):
     """Ray Data actor: preference records → one row per pair (`PAIR_COLUMNS`), skipped records flagged as the SFT
     actor flags them (`skip`, `truncated`, `records` columns), so counting and `finish` treat both alike."""
@@ -173,10 +185,13 @@ def pair_table(rows: list[tuple[Pair | None, str, bool]]) -> pa.Table:
 class PreferenceCollate(NumpyBatchCollateFn):
     """A micro-batch of B pairs → 2B rows, the chosen sequences first, then the rejected ones in the same order,
     right-padded to the longest rounded up to `multiple` (capped at `max_length`); labels are the completion tokens
-    only (prompt and padding are -100)."""
+    only (prompt and padding are -100). Each pair's key (`pair_key`, B) comes along; with a `reference` table, its
+    reference log-probs too (`reference_logps`, 2B in row order, NaN where the table lacks the pair) and how many
+    pairs it lacks (`reference_missing`)."""
 
-    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None):
+    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None, reference=None):
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
+        self.reference = reference  # rayft.train.reference.ReferenceTable
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         import torch
@@ -194,4 +209,12 @@ class PreferenceCollate(NumpyBatchCollateFn):
             input_ids[i, : len(s)] = row
             labels[i, prompt : len(s)] = row[prompt:]
             attention_mask[i, : len(s)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        keys = np.array([pair_key(c, r, n) for c, r, n in zip(batch["chosen_ids"], batch["rejected_ids"],
+                                                                 batch["prompt_length"], strict=True)])  # fmt: skip
+        out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+               "pair_key": torch.from_numpy(keys)}  # fmt: skip
+        if self.reference is not None:
+            values, missing = self.reference.lookup(keys)
+            out["reference_logps"] = torch.from_numpy(np.concatenate([values[:, 0], values[:, 1]]))
+            out["reference_missing"] = torch.tensor(missing)
+        return out

@@ -1,15 +1,17 @@
 """Preference tuning (DPO and its relatives) with LoRA: the loss, its metrics, one optimizer step, evaluation.
 
 The reference model is the policy with its adapter switched off (`adapter_off`, as PEFT's `disable_adapter()`),
-run without gradients on the same FSDP2-sharded base: no second model in memory. A micro-batch holds B pairs as 2B rows
-(chosen first, then rejected: `rayft.data.preference.PreferenceCollate`), so one forward scores both sides of every
-pair. Log-probabilities are summed over completion tokens only; the loss and metrics follow TRL's `DPOTrainer`
-(same names), and every pair of a step weighs the same across micro-batches and workers, as every token does in
-SFT (the step's pair count is all-reduced once per step).
+run without gradients on the same FSDP2-sharded base: no second model in memory. With `precomputed` that pass runs
+once over the training pairs before the first step (`rayft.train.reference`) and the batches carry its results.
+A micro-batch holds B pairs as 2B rows (chosen first, then rejected: `rayft.data.preference.PreferenceCollate`), so
+one forward scores both sides of every pair. Log-probabilities are summed over completion tokens only; the loss and
+metrics follow TRL's `DPOTrainer` (same names), and every pair of a step weighs the same across micro-batches and
+workers, as every token does in SFT (the step's pair count is all-reduced once per step).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -27,6 +29,8 @@ from rayft.model.build import set_gradient_sync
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
 from rayft.train.metrics import LossWindow
 from rayft.train.step import clip_gradients_
+
+log = logging.getLogger("rayft")
 
 Batch = dict[str, torch.Tensor]
 # TRL's metric names, in the order they are shown.
@@ -122,9 +126,12 @@ def pair_scores(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Ten
                       rejected.detach())  # fmt: skip
 
 
-def score(model, batch: Batch, dpo: DpoConfig) -> PairScores:
-    reference = reference_logprobs(model, batch)
+def score(model, batch: Batch, dpo: DpoConfig, live: bool = True) -> PairScores:
+    """The pairs' scores; the reference scored now (`live`) or carried by the batch (`dpo.reference: precomputed`)."""
+    reference = reference_logprobs(model, batch) if live else None
     policy, counts = logprobs(model, batch)
+    if reference is None:
+        reference = batch["reference_logps"].to(policy.dtype)
     return pair_scores(policy, reference, counts, dpo)
 
 
@@ -151,12 +158,22 @@ class PreferenceSums:
         return {f"{prefix}{name}": value for name, value in zip(("loss", *METRICS), means, strict=True)}
 
 
-def step_pairs(group: list[Batch], world_size: int) -> torch.Tensor:
-    """Pairs in this step over all ranks, divided by the ranks (FSDP averages gradients over them)."""
-    count = torch.tensor(float(sum(len(b["input_ids"]) // 2 for b in group)), dtype=torch.float64,
-                         device=group[0]["input_ids"].device)  # fmt: skip
-    dist.all_reduce(count)
-    return (count / world_size).clamp_min(1.0)
+def step_pairs(group: list[Batch], world_size: int) -> tuple[torch.Tensor, bool]:
+    """Pairs in this step over all ranks, divided by the ranks (FSDP averages gradients over them); and whether the
+    step can take its reference log-probs from the batches: only when every rank's batches carry all of them (one
+    all-reduce for both; reading the second is the step's one host sync, and only with a precomputed reference)."""
+    precomputed = "reference_logps" in group[0]
+    device = group[0]["input_ids"].device
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    counts[0] = sum(len(b["input_ids"]) // 2 for b in group)
+    if precomputed:
+        counts[1] = sum(b["reference_missing"] for b in group)
+    dist.all_reduce(counts)
+    carried = precomputed and counts[1].item() == 0
+    if precomputed and not carried:
+        log.warning("%d pairs of this step lack a precomputed reference: the step scores the reference live",
+                    int(counts[1].item()))  # fmt: skip
+    return (counts[0] / world_size).clamp_min(1.0), carried
 
 
 def train_step(
@@ -173,14 +190,15 @@ def train_step(
     autocast: Callable[[], Any],
     max_grad_norm: float,
 ) -> torch.Tensor:
-    """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad) and the
-    policy pass over chosen + rejected, the loss summed over pairs and divided by the step's pairs per rank."""
-    per_rank = step_pairs(group, world_size)
+    """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad; skipped
+    where the batches carry precomputed reference log-probs) and the policy pass over chosen + rejected, the loss
+    summed over pairs and divided by the step's pairs per rank."""
+    per_rank, carried = step_pairs(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         set_gradient_sync(model, last, kept_layers)
         with autocast():
-            scores = score(model, batch, dpo)
+            scores = score(model, batch, dpo, live=not carried)
         loss = scores.losses.sum() / per_rank
         loss.backward()
         window.add(loss.detach(), last, batch["attention_mask"].sum())

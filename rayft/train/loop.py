@@ -25,7 +25,7 @@ from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layer
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.startup import Profile, process_start_time
-from rayft.train import dpo
+from rayft.train import dpo, reference
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
@@ -64,7 +64,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cadence = Cadence(t, plan)
     waited = DataWait()
     kept_layers = [] if cfg.fsdp.reshards(plan.world_size) else decoder_layers(state.model)
-    groups = step_groups(ray.train.get_dataset_shard("train"), cfg, plan, state.progress, collate, waited, device)
+    train_shard = ray.train.get_dataset_shard("train")
+    train_collate = collate
+    if objective.precomputed:
+        with profile.stage("reference"):
+            table = reference.precompute(state.model, train_shard, cfg, collate, device, autocast,
+                                         dpo.reference_logprobs, run, rank)  # fmt: skip
+        train_collate = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=True, reference=table)
+    groups = step_groups(train_shard, cfg, plan, state.progress, train_collate, waited, device)
     for group, micro in groups:
         stepped = time.time()
         grad_norm = objective.step(state.model, state.optimizer, state.scheduler, group, window,
@@ -180,6 +187,7 @@ class Objective:
 
     def __init__(self, cfg: Config, model, device: torch.device):
         self.cfg, self.model, self.dpo = cfg, model, cfg.train.objective == "dpo"
+        self.precomputed = self.dpo and cfg.dpo.reference == "precomputed"
         self.sums = None
         if self.dpo:
             dpo.enable_sequence_logprobs(model)

@@ -1,0 +1,135 @@
+"""`dpo.reference: precomputed`: the reference log-probs of every training pair, computed once before the first step.
+
+A first pass runs the base (adapter switched off, no gradients) over each worker's training shard; the workers
+exchange what they scored, so every rank holds the whole table: pair key → log π_ref(chosen), log π_ref(rejected).
+The training collate then carries each pair's two values with its rows (`reference_logps`), and a step needs one
+forward per micro-batch instead of two. Keys are a hash of the pair's tokens, so they survive the per-epoch
+reshuffle and the equal split handing a pair to another worker. The table is written to the run directory: a
+restarted worker group (failure, resume) reads it instead of scoring again. A pair the table lacks (the equal split
+may drop other rows in a later epoch) makes its whole step score the reference live, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayft.train.rundir import RunDir
+
+log = logging.getLogger("rayft")
+
+TABLE_FILE = "reference_logps.npz"
+
+
+@dataclass(frozen=True)
+class ReferenceTable:
+    """Reference log-probs by pair key: `keys` sorted and unique; `logps[i]` = (chosen, rejected) of `keys[i]`."""
+
+    keys: np.ndarray  # int64, sorted
+    logps: np.ndarray  # float64, (n, 2)
+    identity: dict[str, Any]  # what the values depend on: model, dtype, length limits
+
+    @classmethod
+    def merge(cls, parts: list[tuple[np.ndarray, np.ndarray]], identity: dict[str, Any]) -> ReferenceTable:
+        keys = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, np.int64)
+        logps = np.concatenate([v for _, v in parts]) if parts else np.zeros((0, 2))
+        keys, first = np.unique(keys, return_index=True)  # a repeated pair scores the same: keep one
+        return cls(keys.astype(np.int64), logps[first].astype(np.float64), identity)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        """The (chosen, rejected) rows of `keys` (NaN where absent) and how many are absent."""
+        at = np.searchsorted(self.keys, keys).clip(max=max(len(self.keys) - 1, 0))
+        found = (self.keys[at] == keys) if len(self.keys) else np.zeros(len(keys), bool)
+        values = np.full((len(keys), 2), math.nan)
+        values[found] = self.logps[at[found]]
+        return values, int((~found).sum())
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        np.savez(buffer, keys=self.keys, logps=self.logps, identity=np.array(json.dumps(self.identity)))
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ReferenceTable:
+        with np.load(io.BytesIO(data)) as stored:
+            return cls(stored["keys"], stored["logps"], json.loads(str(stored["identity"])))
+
+
+def table_identity(cfg) -> dict[str, Any]:
+    """What a stored table's values depend on; a table made under other settings is scored anew."""
+    m = cfg.model
+    return {
+        "model": m.model_name_or_path,
+        "dtype": m.torch_dtype,
+        "frozen_dtype": m.frozen_dtype,
+        "bf16": cfg.train.bf16,
+        "max_length": cfg.data.max_length,
+        "max_prompt_length": cfg.dpo.max_prompt_length,
+    }
+
+
+def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None:
+    """The table an earlier attempt of this run wrote, if it was made under the same settings."""
+    if not run.exists(TABLE_FILE):
+        return None
+    table = ReferenceTable.from_bytes(run.read_file(TABLE_FILE))
+    if table.identity != identity:
+        log.warning("%s was scored under other settings (%s); scoring the reference again", TABLE_FILE,
+                    table.identity)  # fmt: skip
+        return None
+    return table
+
+
+@torch.no_grad()
+def score_batches(
+    model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, autocast: Callable[[], Any],
+    reference_logprobs: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The pairs of these (collated) batches: their keys and reference (chosen, rejected) log-probs."""
+    model.eval()
+    keys, logps = [], []
+    for batch in batches:
+        keys.append(batch.pop("pair_key").numpy())
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast():
+            scored = reference_logprobs(model, batch).double().cpu()
+        logps.append(torch.stack(scored.chunk(2), dim=1).numpy())
+    model.train()
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros((0, 2))
+    return np.concatenate(keys), np.concatenate(logps)
+
+
+def precompute(model, shard, cfg, collate, device, autocast, reference_logprobs, run: RunDir, rank: int):
+    """The run's table: read from the run directory, or scored now on every rank and exchanged (then written)."""
+    identity = table_identity(cfg)
+    table = stored_table(run, identity)
+    if table is not None:
+        if rank == 0:
+            log.info("reference log-probs of %d pairs read from %s", len(table), TABLE_FILE)
+        return table
+    started = time.perf_counter()
+    batches = shard.iter_torch_batches(batch_size=cfg.train.per_device_eval_batch_size, collate_fn=collate)
+    mine = score_batches(model, batches, device, autocast, reference_logprobs)
+    model.reshard()  # no backward follows: free the root's gathered weights now
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    table = ReferenceTable.merge(gathered, identity)
+    if rank == 0:
+        run.write_file(TABLE_FILE, table.to_bytes())
+        log.info("reference log-probs of %d pairs scored in %.1f s (one pass, adapter off); kept in %s",
+                 len(table), time.perf_counter() - started, TABLE_FILE)  # fmt: skip
+    return table
