@@ -79,3 +79,39 @@ def test_both_branches_agree_in_bf16(device):
     assert results[False][0] == pytest.approx(ref_loss.item(), rel=2e-2)
     error = (results[False][1] - ref_grad).norm() / ref_grad.norm()
     assert error < 2e-2, f"relative gradient error {error:.3g}"
+
+
+@pytest.mark.parametrize("drop_unscored", [True, False], ids=["cpu-branch", "gpu-branch"])
+def test_lora_on_the_head_inside_the_chunks_equals_the_peft_module(drop_unscored):
+    """LoRA on the LM head through the fused loss (its low-rank term added chunk by chunk): the loss and the
+    gradients of the input, A and B equal those of PEFT's own module over full logits, in both branches."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from rayft.model.loss import lora_head
+
+    h, w, labels = _problem("cpu", torch.float32)
+    base = torch.nn.Linear(w.shape[1], VOCAB, bias=False)
+    base.weight.data.copy_(w)
+    base.weight.requires_grad_(False)
+    torch.manual_seed(1)
+    layer = LoraLinear(base, "default", LoraConfig(r=4, lora_alpha=8), r=4, lora_alpha=8)
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.02)  # B = 0 at init would leave A's gradient zero
+    trained = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+
+    def grads(loss: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+        return [g.clone() for g in torch.autograd.grad(loss, [x, *trained])]
+
+    x = h.detach().clone().requires_grad_()
+    logits = layer(x)[:, :-1].reshape(-1, VOCAB)
+    want = F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+    want_grads = grads(want, x)
+    x = h.detach().clone().requires_grad_()
+    got = linear_cross_entropy(x, w, labels, drop_unscored=drop_unscored, lora=lora_head(layer))
+    got_grads = grads(got, x)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    for name, g, ref in zip(("input", "A", "B"), got_grads, want_grads, strict=True):
+        assert ref.abs().sum() > 0, name
+        assert torch.allclose(g, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), name
+    layer.enable_adapters(False)  # the DPO reference pass: the head without its adapter
+    assert lora_head(layer) is None

@@ -51,15 +51,19 @@ def test_sharded_lora_model_trains_only_the_adapter(fixtures: Fixtures, tmp_path
     assert all(torch.equal(p.full_tensor(), frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize("batching", ["packed", "padded"])
-def test_fused_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixtures, tmp_path, process_group, batching):
+@pytest.mark.parametrize("batching, head", [("packed", "frozen"), ("padded", "lora")])
+def test_fused_loss_matches_the_full_logits_loss_and_gradients(
+    fixtures: Fixtures, tmp_path, process_group, batching, head
+):
     """rayft.model.loss on FSDP2 + LoRA: the loss and LoRA gradients of transformers' loss over full logits, in
-    fp32 and under CPU bf16 autocast, for padding-free and padded batches; eval (no grad) too."""
+    fp32 and under CPU bf16 autocast, for padding-free and padded batches, with the LM head frozen or under LoRA
+    (its low-rank term inside the chunks, A and B trained); eval (no grad) too."""
     from rayft.data.pipeline import PackedCollate, PadCollate
     from rayft.model.build import fused_loss
 
     raw = tiny_config(fixtures, tmp_path)
-    raw["lora"].update(target_modules=list(DENSE), lora_dropout=0.0)
+    targets = [*DENSE, "lm_head"] if head == "lora" else list(DENSE)
+    raw["lora"].update(target_modules=targets, lora_dropout=0.0)
     torch.manual_seed(0)
     model = build_model(Config.from_dict(raw), on_gpu=False)
     with torch.no_grad():  # B = 0 at init would leave A's gradients zero: give both something to show
@@ -101,11 +105,16 @@ def test_fused_loss_matches_the_full_logits_loss_and_gradients(fixtures: Fixture
 
 
 def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_path, process_group):
-    from rayft.model.build import fused_loss
+    import peft
+    from transformers import AutoModelForCausalLM
 
+    from rayft.model.build import fused_loss
+    from rayft.model.loss import fuse_loss
+
+    dora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(fixtures.model)),
+                               peft.LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))  # fmt: skip
+    assert "DoRA" in fuse_loss(dora.get_base_model())
     raw = tiny_config(fixtures, tmp_path)
-    raw["lora"]["target_modules"] = [*DENSE, "lm_head"]
-    assert "LM head" in fused_loss(build_model(Config.from_dict(raw), on_gpu=False), Config.from_dict(raw))
     raw["lora"]["target_modules"] = list(DENSE)
     raw["train"]["fused_loss"] = False
     model = build_model(Config.from_dict(raw), on_gpu=False)

@@ -8,6 +8,7 @@ still at hand: no logits kept for backward, no second matmul pass, two fewer swe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -49,48 +50,109 @@ def chunk_rows(vocab: int, on_gpu: bool) -> int:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Mean token cross-entropy of `hidden @ w.T`, its input gradient computed in the forward (`w` is frozen)."""
+    """Mean token cross-entropy of `hidden @ w.T` (plus `u @ b.T`: LoRA on the head, see `LoraHead`), the gradients
+    of `hidden`, `u` and `b` computed in the forward (`w` is frozen)."""
 
     @staticmethod
-    def forward(ctx, hidden, w, targets, num_items: torch.Tensor | None, scored_first: bool, workspace: Workspace):
+    def forward(ctx, hidden, w, targets, num_items: torch.Tensor | None, scored_first: bool, workspace: Workspace,
+                u: torch.Tensor | None = None, b: torch.Tensor | None = None):  # fmt: skip
         """`scored_first`: the scored rows come first and only padding follows them (their gradients are garbage
         for the caller to drop); otherwise unscored rows anywhere are masked out."""
         h = hidden.to(w.dtype)  # the weight's dtype is the compute dtype: the caller casts it
+        lora = u is not None
         scored = targets != IGNORE_INDEX
         count = scored.sum()
         n_scored = int(count) if scored_first else 0
         safe = targets.clamp_min(0)[:, None]
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        if lora:
+            u_low, b_low = u.to(w.dtype), b.to(w.dtype)
+            grad_u = torch.empty_like(u_low) if ctx.needs_input_grad[6] else None
+            grad_b_t = (
+                torch.zeros(b.shape[::-1], dtype=torch.float32, device=b.device) if ctx.needs_input_grad[7] else None
+            )
+        else:
+            grad_u = grad_b_t = None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         rows = chunk_rows(w.shape[0], h.device.type != "cpu")
         low, logits, log_probs = workspace.take(rows, w.shape[0], w.dtype, h.device)
+        fp32 = w.dtype == torch.float32  # the logits are fp32 already: no copies in and out of the compute dtype
         with torch.autocast(h.device.type, enabled=False):
             for start in range(0, h.shape[0], rows):
                 part = slice(start, start + rows)
                 n = len(safe[part])
                 torch.mm(h[part], w.T, out=low[:n])
-                logits[:n].copy_(low[:n])
-                lp = torch.log_softmax(logits[:n], dim=-1, out=log_probs[:n])
+                if lora:
+                    low[:n].addmm_(u_low[part], b_low.T)
+                z = low[:n] if fp32 else logits[:n].copy_(low[:n])
+                lp = torch.log_softmax(z, dim=-1, out=log_probs[:n])
                 nll = -lp.gather(1, safe[part])[:, 0]
                 total += nll[: max(0, n_scored - start)].sum() if scored_first else (nll * scored[part]).sum()
-                if grad is None:
+                if grad is None and grad_u is None and grad_b_t is None:
                     continue
                 probs = lp.exp_()  # d nll / d logits = softmax − one-hot(target)
                 probs.scatter_add_(1, safe[part], torch.full_like(nll, -1.0)[:, None])
                 if not scored_first:
                     probs.mul_(scored[part, None])
-                low[:n].copy_(probs)
-                torch.mm(low[:n], w, out=grad[part])
+                if grad_b_t is not None:  # d / d b = probs.T @ u over the scored rows, summed in fp32 (as u.T @ probs)
+                    valid = max(0, min(n, n_scored - start)) if scored_first else n
+                    grad_b_t.addmm_(u[part][:valid].float().T, probs[:valid])
+                g = probs if fp32 else low[:n].copy_(probs)
+                if grad is not None:
+                    torch.mm(g, w, out=grad[part])
+                if grad_u is not None:
+                    torch.mm(g, b_low, out=grad_u[part])
         # As transformers: the sum over scored tokens divided by `num_items_in_batch` when given, else their mean.
         divisor = count if num_items is None else num_items.to(total.device, torch.float32)
-        ctx.hidden_dtype = hidden.dtype
-        ctx.save_for_backward(grad, divisor)
+        ctx.dtypes = (hidden.dtype, u.dtype if lora else None, b.dtype if lora else None)
+        ctx.save_for_backward(grad, grad_u, grad_b_t.T if grad_b_t is not None else None, divisor)
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad, divisor = ctx.saved_tensors
-        return grad.to(ctx.hidden_dtype) * (grad_loss / divisor), None, None, None, None, None
+        *grads, divisor = ctx.saved_tensors
+        scale = grad_loss / divisor
+        grad, grad_u, grad_b = (g.to(dtype) * scale if g is not None else None
+                                for g, dtype in zip(grads, ctx.dtypes, strict=True))  # fmt: skip
+        return grad, None, None, None, None, None, grad_u, grad_b
+
+
+@dataclass(frozen=True)
+class LoraHead:
+    """PEFT LoRA on the LM head, as the fused loss takes it: logits = h W.T + u B.T with u = scale · A(dropout(h)),
+    so the vocabulary-wide product stays inside the chunks and only A's small output is left to autograd."""
+
+    layer: nn.Module  # peft.tuners.lora.Linear
+    adapter: str
+
+    def low_rank(self, hidden: torch.Tensor) -> torch.Tensor:
+        a, dropout = self.layer.lora_A[self.adapter], self.layer.lora_dropout[self.adapter]
+        return a(dropout(hidden.to(a.weight.dtype))) * self.layer.scaling[self.adapter]
+
+    @property
+    def b(self) -> torch.Tensor:
+        return self.layer.lora_B[self.adapter].weight
+
+
+def lora_head(head: nn.Module) -> LoraHead | None:
+    """The head's one active plain LoRA adapter (no DoRA or other variant, no bias, not merged), or None: for a
+    plain Linear, and while the adapter is switched off (the DPO reference pass)."""
+    if type(head) is nn.Linear or head.disable_adapters or head.merged:
+        return None
+    (adapter,) = (a for a in head.active_adapters if a in head.lora_A)
+    return LoraHead(head, adapter)
+
+
+def _why_not_lora(head: nn.Module) -> str | None:
+    """Why a wrapped LM head cannot go through the fused loss; None for plain LoRA on it."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if not isinstance(head, LoraLinear) or type(head.base_layer) is not nn.Linear:
+        return f"the LM head is a {type(head).__name__}, not a plain frozen Linear or LoRA on one"
+    adapters = [a for a in head.active_adapters if a in head.lora_A]
+    if len(adapters) != 1 or adapters[0] in head.lora_variant or head.lora_bias.get(adapters[0]):
+        return "the LM head's LoRA is not one plain adapter (several adapters, DoRA or a LoRA bias)"
+    return None
 
 
 class _LinearTokenLogProbs(torch.autograd.Function):
@@ -157,10 +219,11 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | None = None,
     workspace: Workspace | None = None,
     drop_unscored: bool | None = None,
+    lora: LoraHead | None = None,
 ) -> torch.Tensor:
     """transformers' causal-LM loss for `hidden @ weight.T` (labels shifted by one, the mean over labels != -100,
     or their sum / `num_items_in_batch`), computed in `weight`'s dtype. The weight must be frozen: its gradient is
-    never computed.
+    never computed; with `lora` (LoRA on the head) the logits gain its low-rank term, and A and B their gradients.
 
     `drop_unscored` picks one of two ways to leave out unscored rows (padding, prompts): True drops them before the
     head (the CPU way: less work, but their count must reach the host), False masks them inside the chunks (the GPU
@@ -174,8 +237,9 @@ def linear_cross_entropy(
         pad = -len(keep) % ROW_MULTIPLE
         hidden = F.pad(hidden[keep], (0, 0, 0, pad))
         targets = F.pad(targets[keep], (0, pad), value=IGNORE_INDEX)
+    low_rank = (lora.low_rank(hidden), lora.b) if lora is not None else (None, None)
     return _LinearCrossEntropy.apply(
-        hidden, weight, targets, num_items_in_batch, scored_first, workspace or Workspace()
+        hidden, weight, targets, num_items_in_batch, scored_first, workspace or Workspace(), *low_rank
     )
 
 
@@ -200,8 +264,11 @@ class FrozenCast:
 def why_not_fused(model: PreTrainedModel) -> str | None:
     """Why this causal LM's loss cannot come from `linear_cross_entropy`; None when it can."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear:  # LoRA or modules_to_save on the head wraps it
-        return f"the LM head is a {type(head).__name__}, not a plain frozen Linear"
+    if type(head) is not nn.Linear:  # LoRA (fused too, `LoraHead`) or modules_to_save on the head wraps it
+        reason = _why_not_lora(head)
+        if reason is not None:
+            return reason
+        head = head.base_layer
     if head.weight.requires_grad or head.bias is not None:
         return "the LM head is trained or has a bias"
     config = model.config.get_text_config()
@@ -236,8 +303,9 @@ def fuse_loss(model: PreTrainedModel, drop_unscored: bool | None = None) -> str 
             kwargs.pop(unused, None)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           inputs_embeds=inputs_embeds, use_cache=False, **kwargs).last_hidden_state  # fmt: skip
-        weight = head(self.get_output_embeddings().weight)
-        loss = linear_cross_entropy(hidden, weight, labels, num_items, workspace, drop_unscored)
+        output = self.get_output_embeddings()
+        weight = head(getattr(output, "base_layer", output).weight)
+        loss = linear_cross_entropy(hidden, weight, labels, num_items, workspace, drop_unscored, lora_head(output))
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = MethodType(forward, model)

@@ -57,7 +57,7 @@ def enable_sequence_logprobs(model) -> None:
     base = model.get_base_model()
     original = base.forward
     backbone = base.base_model
-    fused = why_not_fused(base) is None
+    fused = why_not_fused(base) is None and type(base.get_output_embeddings()) is torch.nn.Linear  # LoRA: its module
     cast, workspace = FrozenCast(), Workspace()
 
     def forward(self, *args, completion_labels: torch.Tensor | None = None, **kwargs: Any):
