@@ -19,10 +19,30 @@ import yaml
 
 from rayft import demo
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two xdist workers share the cores: one thread each (before torch loads)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
 RAY_BIN = Path(sys.executable).parent / "ray"
 STEPS = 6  # of the checkpointing reference run
+
+
+# Modules whose tests start a private local Ray (`jobs/mistral4.py` without an address) besides the test cluster.
+LOCAL_RAY_MODULES = {"test_bench_smoke", "test_cli_errors"}
+CLUSTER_FIXTURES = {"ray_cluster", "reference_run", "prometheus"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): every test that touches Ray goes to one of
+    them, in order, so one test cluster and one reference run serve them all as in a serial session, and no two
+    Ray instances start at once; the other tests (in-process FSDP2 on gloo, data, config, plans) run beside them,
+    filling the cores Ray's start-ups and polls leave idle."""
+    for item in items:
+        touches_ray = (item.get_closest_marker("ray") is not None or CLUSTER_FIXTURES & set(item.fixturenames)
+                       or item.module.__name__ in LOCAL_RAY_MODULES)  # fmt: skip
+        if touches_ray:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @dataclass
