@@ -30,7 +30,7 @@ prometheus:
 	sh tests/tools/ensure-prometheus.sh
 
 test: lint prometheus
-	$(PY) -m pytest -v -p no:cacheprovider --durations=25 -n 2 --dist loadgroup
+	$(PY) -m pytest -v -p no:cacheprovider --durations=25 -n 2
 
 # On one CUDA GPU, never in CI: STAGE=tests|job|bench|plan|all (README: GPU check). On the device there is no .venv:
 #   source .gpu-kit/activate.sh && make gpu-check STAGE=tests PY=python3

@@ -9,13 +9,15 @@ refuses LoRA on lm_head for DPO), beta 0.1, sigmoid loss, fp32, AdamW, constant 
 20-40-word completions (≤ 128 tokens), 2 pairs × 2 accumulation per step, 8 steps. The reference is the base with
 the adapter switched off on both sides. Reported per system (median over repeats): steady-state tokens/s (real
 tokens of chosen + rejected sequences, padding not counted; steps after the first), step time, peak RSS; the ratio
-rayft/TRL; then rayft's DPO peak RSS against rayft's SFT step on the same rows (no second model: within 10%).
+rayft/TRL; then rayft's DPO peak RSS against rayft's SFT step on the same rows (no second model: within 10%); and
+rayft with `dpo.reference: precomputed` (one forward per micro-batch; its first pass over the pairs timed apart).
 
     python bench/dpo_vs_trl.py [--size smoke|default] [--out bench/results/dpo_vs_trl_cpu.json]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
@@ -58,15 +60,20 @@ def run(size: str) -> dict:
     model = make_tiny_mistral(root / "model", **MODEL)
     records = make_pairs(p["pairs"], seed=0, words=(20, 40), prompt_words=20)
     s = Settings(model=str(model), steps=p["steps"], batch=2, accumulation=2, max_length=128, lora_r=16)
-    runs: dict[str, list[dict]] = {"rayft": [], "trl": []}
+    precomputed = dataclasses.replace(s, reference="precomputed")
+    runs: dict[str, list[dict]] = {"rayft": [], "trl": [], "rayft_precomputed": []}
     for r in range(p["repeats"]):  # alternating, so both see the same machine load on average
         ours = in_process("run_rayft", s, records, root / f"rayft-{r}")
         runs["rayft"].append(steady(ours))
         theirs = in_process("run_trl", s, records, root / f"trl-{r}", str(root / f"rayft-{r}" / "initial-adapter"))
         runs["trl"].append(steady(theirs))
+        once = in_process("run_rayft", precomputed, records, root / f"precomputed-{r}")
+        runs["rayft_precomputed"].append(steady(once) | {"reference_pass_s": once["reference_pass_s"]})
     sft = steady(in_process("run_rayft_sft", s, records, root / "sft"))
     ours, theirs = median(runs["rayft"]), median(runs["trl"])
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    once = median(runs["rayft_precomputed"])
+    once["reference_pass_s"] = round(statistics.median(r["reference_pass_s"] for r in runs["rayft_precomputed"]), 3)
     memory = runs["rayft"][0]["peak_rss_gib"] / sft["peak_rss_gib"]
     return {
         "benchmark": "dpo_vs_trl",
@@ -78,6 +85,9 @@ def run(size: str) -> dict:
         "trl": theirs,
         "ratio_tokens_per_s": round(ratio, 3),
         "target_ratio": 1.3,
+        # dpo.reference: precomputed — one forward per micro-batch after a first pass over the pairs (timed apart)
+        "rayft_precomputed": once,
+        "ratio_precomputed_over_adapter_off": round(once["tokens_per_s"] / ours["tokens_per_s"], 3),
         "memory": {
             "dpo_peak_rss_gib": runs["rayft"][0]["peak_rss_gib"],
             "sft_peak_rss_gib": sft["peak_rss_gib"],

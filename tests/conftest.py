@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures import ray_group
 
 from rayft import demo
 
@@ -28,21 +29,24 @@ RAY_BIN = Path(sys.executable).parent / "ray"
 STEPS = 6  # of the checkpointing reference run
 
 
-# Modules whose tests start a private local Ray (`jobs/mistral4.py` without an address) besides the test cluster.
-LOCAL_RAY_MODULES = {"test_bench_smoke", "test_cli_errors"}
-CLUSTER_FIXTURES = {"ray_cluster", "reference_run", "prometheus"}
+def pytest_configure(config: pytest.Config) -> None:
+    ray_group.configure(config)
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): every test that touches Ray goes to one of
-    them, in order, so one test cluster and one reference run serve them all as in a serial session, and no two
-    Ray instances start at once; the other tests (in-process FSDP2 on gloo, data, config, plans) run beside them,
-    filling the cores Ray's start-ups and polls leave idle."""
-    for item in items:
-        touches_ray = (item.get_closest_marker("ray") is not None or CLUSTER_FIXTURES & set(item.fixturenames)
-                       or item.module.__name__ in LOCAL_RAY_MODULES)  # fmt: skip
-        if touches_ray:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+def pytest_unconfigure(config: pytest.Config) -> None:
+    ray_group.unconfigure(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ray_group.record(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent where xdist is not installed (the GPU kit)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Every Ray-touching test on one worker (tests/fixtures/ray_group.py)."""
+    if os.environ.get(ray_group.DIR_ENV):
+        return ray_group.make_scheduler(config, log)
+    return None
 
 
 @dataclass
