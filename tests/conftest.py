@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -362,6 +363,64 @@ def submit_job(
         if job.returncode == 0 or AGENT_NOT_READY not in job.stderr + job.stdout or time.monotonic() > deadline:
             return job
         time.sleep(3)
+
+
+@dataclass
+class Submitted:
+    """One `ray job submit --no-wait` job: its submission id, its run and the log Ray kept of it."""
+
+    submission_id: str
+    run: Run
+
+
+def working_dir(out: Path) -> Path:
+    """The job's code (jobs/, rayft/) in a working dir of its own. Two submissions of one identical working dir at
+    the same instant share Ray's unpacked copy, and Ray was seen to remove it under the second job's driver
+    (`os.getcwd()`: FileNotFoundError at import) — a Ray race, not what this module tests."""
+    code = out / "code"
+    for part in ("jobs", "rayft"):
+        shutil.copytree(REPO / part, code / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (code / "SUBMITTED_FROM").write_text(str(out))  # a package hash of its own
+    return code
+
+
+def submit_no_wait(cluster: RayCluster, config: Path, working_dir: Path) -> str:
+    """`ray job submit --no-wait` of `jobs/mistral4.py --config CONFIG`; resent while no job agent has registered yet
+    (as `submit_job`). Returns the submission id."""
+    submission_id = f"job-{uuid.uuid4().hex[:8]}"
+    deadline = time.monotonic() + 300
+    while True:
+        job = subprocess.run(
+            [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(working_dir),
+             "--submission-id", submission_id, "--no-wait", "--", "python", "jobs/mistral4.py", "--config",
+             str(config)],
+            env=cluster.env, capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        if job.returncode == 0:
+            return submission_id
+        if AGENT_NOT_READY not in job.stderr + job.stdout or time.monotonic() > deadline:
+            pytest.fail(f"ray job submit failed:\n{job.stdout[-3000:]}\n{job.stderr[-3000:]}")
+        time.sleep(3)
+
+
+def wait_for_jobs(cluster: RayCluster, jobs: list[Submitted], timeout: float = 1200) -> None:
+    """Until every job ended; each job's log is written beside its run. Fails on any job that did not succeed."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(cluster.dashboard)
+    deadline = time.monotonic() + timeout
+    pending = {j.submission_id: j for j in jobs}
+    while pending and time.monotonic() < deadline:
+        for sid, job in list(pending.items()):
+            if client.get_job_status(sid).is_terminal():
+                job.run.log.write_text(client.get_job_logs(sid))
+                del pending[sid]
+        time.sleep(2)
+    for job in jobs:
+        if job.submission_id in pending:
+            job.run.log.write_text(client.get_job_logs(job.submission_id))
+        status = client.get_job_status(job.submission_id)
+        assert status == JobStatus.SUCCEEDED, f"{job.submission_id}: {status}\n{job.run.text()[-6000:]}"
 
 
 @pytest.fixture(scope="session")

@@ -15,18 +15,26 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import AGENT_NOT_READY, RAY_BIN, REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
+from conftest import (
+    REPO,
+    STEPS,
+    Fixtures,
+    RayCluster,
+    Run,
+    Submitted,
+    checkpointing_config,
+    submit_no_wait,
+    wait_for_jobs,
+    working_dir,
+    write_yaml,
+)
 from peft import PeftModel
 from safetensors.torch import load_file
 from test_recovery import assert_same_training, resumes, wait_until
@@ -40,14 +48,6 @@ pytestmark = pytest.mark.ray
 PROBE = torch.tensor([[1, 1784, 3937, 1278, 8312, 1321, 1261, 2], [1, 1278, 8321, 7932, 1044, 2, 11, 11]])
 
 
-@dataclass
-class Submitted:
-    """One `ray job submit --no-wait` job: its submission id, its run and the log Ray kept of it."""
-
-    submission_id: str
-    run: Run
-
-
 def _fp8_config(fx: Fixtures, hub: Path, out: Path) -> dict:
     cfg = checkpointing_config(fx, out, lora__lora_dropout=0.0, lora__target_experts=True, train__bf16=False)
     cfg["model"].update(model_name_or_path=str(hub), torch_dtype="float32")  # frozen_dtype auto: stays FP8
@@ -55,55 +55,6 @@ def _fp8_config(fx: Fixtures, hub: Path, out: Path) -> dict:
     cfg["fsdp"] = {"activation_checkpointing": True}  # target_experts needs it
     assert cfg["ray"].get("name") in (None, "ray_run")  # both jobs keep the default name
     return cfg
-
-
-def _working_dir(out: Path) -> Path:
-    """The job's code (jobs/, rayft/) in a working dir of its own. Two submissions of one identical working dir at
-    the same instant share Ray's unpacked copy, and Ray was seen to remove it under the second job's driver
-    (`os.getcwd()`: FileNotFoundError at import) — a Ray race, not what this module tests."""
-    code = out / "code"
-    for part in ("jobs", "rayft"):
-        shutil.copytree(REPO / part, code / part, ignore=shutil.ignore_patterns("__pycache__"))
-    (code / "SUBMITTED_FROM").write_text(str(out))  # a package hash of its own
-    return code
-
-
-def _submit(cluster: RayCluster, config: Path, working_dir: Path) -> str:
-    """`ray job submit --no-wait`; resent while no job agent has registered yet (as conftest.submit_job)."""
-    submission_id = f"fp8-{uuid.uuid4().hex[:8]}"
-    deadline = time.monotonic() + 300
-    while True:
-        job = subprocess.run(
-            [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(working_dir),
-             "--submission-id", submission_id, "--no-wait", "--", "python", "jobs/mistral4.py", "--config",
-             str(config)],
-            env=cluster.env, capture_output=True, text=True, timeout=300, cwd=REPO,
-        )  # fmt: skip
-        if job.returncode == 0:
-            return submission_id
-        if AGENT_NOT_READY not in job.stderr + job.stdout or time.monotonic() > deadline:
-            pytest.fail(f"ray job submit failed:\n{job.stdout[-3000:]}\n{job.stderr[-3000:]}")
-        time.sleep(3)
-
-
-def _wait(cluster: RayCluster, jobs: list[Submitted], timeout: float = 1200) -> None:
-    """Until every job ended; each job's log is written beside its run. Fails on any job that did not succeed."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    client = JobSubmissionClient(cluster.dashboard)
-    deadline = time.monotonic() + timeout
-    pending = {j.submission_id: j for j in jobs}
-    while pending and time.monotonic() < deadline:
-        for sid, job in list(pending.items()):
-            if client.get_job_status(sid).is_terminal():
-                job.run.log.write_text(client.get_job_logs(sid))
-                del pending[sid]
-        time.sleep(2)
-    for job in jobs:
-        if job.submission_id in pending:
-            job.run.log.write_text(client.get_job_logs(job.submission_id))
-        status = client.get_job_status(job.submission_id)
-        assert status == JobStatus.SUCCEEDED, f"{job.submission_id}: {status}\n{job.run.text()[-6000:]}"
 
 
 def _job_workers(address: str, submission_id: str) -> list[int]:
@@ -133,7 +84,7 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
         out = root / label
         out.mkdir()
         config = write_yaml(out / "config.yaml", _fp8_config(fixtures, mistral4_hub, out))
-        jobs[label] = Submitted(_submit(ray_cluster, config, _working_dir(out)), Run(out, out / "job.log"))
+        jobs[label] = Submitted(submit_no_wait(ray_cluster, config, working_dir(out)), Run(out, out / "job.log"))
     killed = jobs["killed"]
     wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run,
                timeout=600, every=0.5)  # fmt: skip
@@ -141,7 +92,7 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
                        "the two training workers", killed.run, timeout=600, every=0.5)  # fmt: skip
     steps_before_kill = max((r["step"] for r in killed.run.metrics()), default=0)
     os.kill(max(group), signal.SIGKILL)
-    _wait(ray_cluster, list(jobs.values()))
+    wait_for_jobs(ray_cluster, list(jobs.values()))
     assert steps_before_kill < STEPS, "the job finished before its worker was killed"
     return {label: job.run for label, job in jobs.items()}
 

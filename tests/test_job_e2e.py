@@ -22,8 +22,12 @@ from conftest import (
     Fixtures,
     RayCluster,
     Run,
+    Submitted,
     submit_job,
+    submit_no_wait,
     tiny_config,
+    wait_for_jobs,
+    working_dir,
     write_yaml,
 )
 from fixtures.families import make_tiny_family
@@ -275,15 +279,22 @@ def test_tied_embedding_models_of_three_families_fine_tune_with_sharded_loading(
         "qwen2": make_tiny_family("qwen2", tmp_path / "qwen2", tied=True, tokenizer_from=fixtures.model),
         "gemma3_text": make_tiny_family("gemma3_text", tmp_path / "gemma3", tied=True, tokenizer_from=fixtures.model),
     }
-    for family, model_dir in models.items():
+    jobs = {}
+    for family, model_dir in models.items():  # submitted at once: their start-ups overlap on the test cluster
         out = tmp_path / f"{family}-out"
         cfg = tiny_config(fixtures, out, max_steps=3, logging_steps=1, eval_strategy="no", save_strategy="no",
                           per_device_train_batch_size=2, gradient_accumulation_steps=1)  # fmt: skip
         cfg["model"]["model_name_or_path"] = str(model_dir)
         cfg["lora"]["target_modules"] = ["auto"]
         out.mkdir()
-        job = submit_job(ray_cluster, "--config", str(write_yaml(out / "config.yaml", cfg)))
-        logs = _assert_succeeded(job)
+        config = write_yaml(out / "config.yaml", cfg)
+        jobs[family] = Submitted(submit_no_wait(ray_cluster, config, working_dir(out)), Run(out, out / "driver.log"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")  # the job client talks to the test cluster
+        wait_for_jobs(ray_cluster, list(jobs.values()))
+    for family, model_dir in models.items():
+        out = jobs[family].run.out
+        logs = jobs[family].run.text()
         losses = [loss for _, loss, _ in _progress(logs)]
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (family, logs[-4000:])
         if family == "llama":  # pretrained weights, head included: far below a random model's ln(49152) = 10.8
