@@ -258,7 +258,8 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     head = subprocess.Popen(
         [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
-         "--metrics-export-port", str(metrics_ports[0]), *common],
+         "--metrics-export-port", str(metrics_ports[0]), "--ray-client-server-port", str(free_port()),
+         *agent_ports(), *common],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     procs = [head]
@@ -275,8 +276,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
                     address,
                     "--node-ip-address",
                     "127.0.0.1",
-                    "--dashboard-agent-listen-port",
-                    str(free_port()),
+                    *agent_ports(),
                     "--metrics-export-port",
                     str(metrics_ports[1]),
                     # its own session dir, as a real node has: sharing the head's, both nodes' log monitors would
@@ -298,6 +298,13 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
             _stop_group(p)
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(f"{temp_dir}-w", ignore_errors=True)
+
+
+def agent_ports() -> list[str]:
+    """A node's agent ports, free ones: Ray's fixed defaults (52365 for the dashboard agent) would collide between
+    the clusters of two xdist workers, and the second head's agent then never serves job submissions."""
+    return ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+            "--runtime-env-agent-port", str(free_port())]  # fmt: skip
 
 
 def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, write_yaml
+from conftest import REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, free_port, write_yaml
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.ray
@@ -205,7 +205,9 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})  # driver, controller, Ray Data
+    # driver, controller, Ray Data; free agent ports, as conftest.agent_ports gives the session clusters
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "dashboard_agent_listen_port": free_port(),
+                                                            "ray_client_server_port": free_port()})  # fmt: skip
     try:
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
         trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(3)]
