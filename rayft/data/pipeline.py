@@ -589,9 +589,11 @@ class PackedCollate(NumpyBatchCollateFn):
         }
 
 
-def collate_fn(data: DataConfig, pad_id: int, pairs: bool = False, reference=None) -> NumpyBatchCollateFn:
+def collate_fn(
+    data: DataConfig, pad_id: int, pairs: bool = False, reference=None, keys: bool = False
+) -> NumpyBatchCollateFn:
     """The worker's batches: padding-free packed blocks, padded examples, or (`pairs`) padded preference pairs,
-    with their precomputed reference log-probs where a `reference` table is given."""
+    with their keys (`keys`) or their precomputed reference log-probs (a `reference` table)."""
     if pairs:
-        return PreferenceCollate(pad_id, data.pad_to_multiple_of, data.max_length, reference)
+        return PreferenceCollate(pad_id, data.pad_to_multiple_of, data.max_length, reference, keys)
     return PackedCollate() if data.packing else PadCollate(pad_id, data.pad_to_multiple_of, data.max_length)

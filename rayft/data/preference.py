@@ -185,13 +185,15 @@ def pair_table(rows: list[tuple[Pair | None, str, bool]]) -> pa.Table:
 class PreferenceCollate(NumpyBatchCollateFn):
     """A micro-batch of B pairs → 2B rows, the chosen sequences first, then the rejected ones in the same order,
     right-padded to the longest rounded up to `multiple` (capped at `max_length`); labels are the completion tokens
-    only (prompt and padding are -100). Each pair's key (`pair_key`, B) comes along; with a `reference` table, its
-    reference log-probs too (`reference_logps`, 2B in row order, NaN where the table lacks the pair) and how many
-    pairs it lacks (`reference_missing`)."""
+    only (prompt and padding are -100). With `keys`, each pair's key (`pair_key`, B) comes along; with a `reference`
+    table, the key and the pair's reference log-probs too (`reference_logps`, 2B in row order, NaN where the table
+    lacks the pair) and how many pairs it lacks (`reference_missing`)."""
 
-    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None, reference=None):
+    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None, reference=None,
+                 keys: bool = False):  # fmt: skip
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
         self.reference = reference  # rayft.train.reference.ReferenceTable
+        self.keys = keys or reference is not None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         import torch
@@ -209,10 +211,12 @@ class PreferenceCollate(NumpyBatchCollateFn):
             input_ids[i, : len(s)] = row
             labels[i, prompt : len(s)] = row[prompt:]
             attention_mask[i, : len(s)] = 1
+        out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if not self.keys:  # hashing every pair only where a precomputed reference needs it
+            return out
         keys = np.array([pair_key(c, r, n) for c, r, n in zip(batch["chosen_ids"], batch["rejected_ids"],
                                                                  batch["prompt_length"], strict=True)])  # fmt: skip
-        out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-               "pair_key": torch.from_numpy(keys)}  # fmt: skip
+        out["pair_key"] = torch.from_numpy(keys)
         if self.reference is not None:
             values, missing = self.reference.lookup(keys)
             out["reference_logps"] = torch.from_numpy(np.concatenate([values[:, 0], values[:, 1]]))

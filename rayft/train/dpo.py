@@ -169,11 +169,10 @@ def step_pairs(group: list[Batch], world_size: int) -> tuple[torch.Tensor, bool]
     if precomputed:
         counts[1] = sum(b["reference_missing"] for b in group)
     dist.all_reduce(counts)
-    carried = precomputed and counts[1].item() == 0
-    if precomputed and not carried:
-        log.warning("%d pairs of this step lack a precomputed reference: the step scores the reference live",
-                    int(counts[1].item()))  # fmt: skip
-    return (counts[0] / world_size).clamp_min(1.0), carried
+    missing = int(counts[1].item()) if precomputed else 0
+    if missing:
+        log.warning("%d pairs of this step lack a precomputed reference: the step scores the reference live", missing)
+    return (counts[0] / world_size).clamp_min(1.0), precomputed and not missing
 
 
 def train_step(

@@ -68,8 +68,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     train_collate = collate
     if objective.precomputed:
         with profile.stage("reference"):
-            table = reference.precompute(state.model, train_shard, cfg, collate, device, autocast,
-                                         dpo.reference_logprobs, run, rank)  # fmt: skip
+            keyed = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=True, keys=True)
+            table = reference.precompute(state.model, train_shard, cfg, keyed, device, autocast, run, rank)
         train_collate = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=True, reference=table)
     groups = step_groups(train_shard, cfg, plan, state.progress, train_collate, waited, device)
     for group, micro in groups:

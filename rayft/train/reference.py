@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rayft.train.dpo import reference_logprobs
 from rayft.train.rundir import RunDir
 
 log = logging.getLogger("rayft")
@@ -95,8 +96,7 @@ def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None
 
 @torch.no_grad()
 def score_batches(
-    model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, autocast: Callable[[], Any],
-    reference_logprobs: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
+    model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, autocast: Callable[[], Any]
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The pairs of these (collated) batches: their keys and reference (chosen, rejected) log-probs."""
     model.eval()
@@ -113,7 +113,7 @@ def score_batches(
     return np.concatenate(keys), np.concatenate(logps)
 
 
-def precompute(model, shard, cfg, collate, device, autocast, reference_logprobs, run: RunDir, rank: int):
+def precompute(model, shard, cfg, collate, device, autocast, run: RunDir, rank: int):
     """The run's table: read from the run directory, or scored now on every rank and exchanged (then written)."""
     identity = table_identity(cfg)
     table = stored_table(run, identity)
@@ -123,7 +123,7 @@ def precompute(model, shard, cfg, collate, device, autocast, reference_logprobs,
         return table
     started = time.perf_counter()
     batches = shard.iter_torch_batches(batch_size=cfg.train.per_device_eval_batch_size, collate_fn=collate)
-    mine = score_batches(model, batches, device, autocast, reference_logprobs)
+    mine = score_batches(model, batches, device, autocast)
     model.reshard()  # no backward follows: free the root's gathered weights now
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
