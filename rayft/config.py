@@ -137,6 +137,9 @@ class DataConfig:
     # the dataset has no named splits (a single file, a glob); where it has named splits, a `val_split` it lacks
     # is an error unless this is set (a typo must not silently hold out training data).
     val_ratio: float | None = None
+    # Evaluate on the first N validation rows only (after tokenization and packing), as transformers' example
+    # scripts' max_eval_samples: quicker evaluations while iterating on a config. null = the whole split.
+    max_eval_samples: int | None = None
     # Ray Data actors that tokenize in parallel with training (each holds one tokenizer).
     tokenize_workers: int = 2
     # Rows each worker shuffles locally while streaming; 0 keeps the read order.
@@ -405,6 +408,8 @@ class Config:
         _at_least("data.max_length", d.max_length, 2)
         _at_least("data.tokenize_workers", d.tokenize_workers, 1)
         _at_least("data.shuffle_buffer_size", d.shuffle_buffer_size, 0)
+        if d.max_eval_samples is not None:
+            _at_least("data.max_eval_samples", d.max_eval_samples, 1)
         if d.val_ratio is not None and not 0 <= d.val_ratio < 1:
             raise ConfigError(f"data.val_ratio must be in [0, 1), got {d.val_ratio}")
         _one_of("data.format", d.format, DATA_FORMATS)

@@ -166,6 +166,7 @@ def checkpointing_config(fx: Fixtures, out: Path, **overrides) -> dict:
         load_best_model_at_end=True, per_device_train_batch_size=2, learning_rate=3e-2,
     )  # fmt: skip
     cfg["data"]["max_length"] = 32
+    cfg["data"]["max_eval_samples"] = 16  # of 58: one batch per rank, as each step evaluates (CI time)
     cfg["lora"]["lora_dropout"] = 0.1  # draws from each rank's RNG: exact resume must restore them
     cfg["ray"]["max_failures"] = 2
     for key, value in overrides.items():

@@ -65,6 +65,7 @@ def test_round_trips_through_a_plain_dict():
         ({"ray": {"placement_strategy": "SPREAD_STRICT"}}, ["ray.placement_strategy"]),
         ({"ray": {"use_gpu": False}, "fsdp": {"param_dtype": "bfloat16"}}, ["fsdp.param_dtype", "gloo"]),
         ({"data": {"val_ratio": 1.5}}, ["data.val_ratio"]),
+        ({"data": {"max_eval_samples": 0}}, ["data.max_eval_samples must be >= 1"]),
         ({"lora": {"target_experts": True}, "fsdp": {"activation_checkpointing": True}}, ["lora.lora_dropout: 0"]),
         ({"lora": {"target_experts": True, "lora_dropout": 0}}, ["fsdp.activation_checkpointing: true"]),
         ({"model": {"load_mode": "rank0"}}, ["model.load_mode", "sharded"]),

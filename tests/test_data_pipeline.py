@@ -140,6 +140,22 @@ def test_the_tokenizer_actors_give_what_the_driver_gives(packed, monkeypatch):
     assert stream(by_actors.validation) == stream(in_driver.validation)
 
 
+@pytest.mark.parametrize("path", ["driver", "actors"])
+def test_max_eval_samples_keeps_the_first_validation_rows(packed, path, monkeypatch):
+    """`data.max_eval_samples: 3` evaluates on the whole split's first 3 rows, in order, on either path; a limit
+    above the split's size keeps it whole."""
+    cfg, whole = packed
+    if path == "actors":
+        monkeypatch.setenv("RAYFT_DRIVER_TOKENIZE_BYTES", "0")
+    rows = [list(b["input_ids"]) for b in whole.validation.take_all()]
+    assert len(rows) > 3
+    for limit, want in ((3, rows[:3]), (len(rows) + 5, rows)):
+        limited = build_datasets(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_eval_samples=limit)))
+        assert limited.validation_rows == len(want)
+        assert [list(b["input_ids"]) for b in limited.validation.take_all()] == want
+        assert limited.train_stats == whole.train_stats
+
+
 def _count_batches(config: dict) -> None:
     """Each rank walks two epochs exactly as the training loop does, with a collective per batch (as FSDP has):
     a rank with fewer batches would leave the others waiting forever."""

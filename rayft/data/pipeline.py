@@ -135,7 +135,7 @@ def build_datasets(
         # Evaluation reruns many times over a small split: tokenize it once and keep it in the object store.
         if validation is None:
             return None
-        return finished(tokenize(validation, (val_src or train_src).format), d).materialize()
+        return first_rows(finished(tokenize(validation, (val_src or train_src).format), d), d).materialize()
 
     # Both executions mostly wait on their tokenizer actors starting: overlap them.
     with ThreadPoolExecutor(2, thread_name_prefix="rayft-data") as pool:
@@ -154,6 +154,11 @@ def build_datasets(
         validation=tokenized_validation if validation_rows else None,
         validation_rows=validation_rows,
     )
+
+
+def first_rows(dataset: ray.data.Dataset, d: DataConfig) -> ray.data.Dataset:
+    """The validation rows evaluation scores: the first `data.max_eval_samples` in order, or all of them."""
+    return dataset if d.max_eval_samples is None else dataset.limit(d.max_eval_samples)
 
 
 def in_driver(*sources: SplitSource | None) -> bool:
@@ -183,6 +188,7 @@ def driver_datasets(
     validation, validation_rows = None, 0
     if val_records is not None:
         val_rows, _ = tokenize_in_process(val_records, val_format, fmt, cfg.model, d, tokenizer, mpl)
+        val_rows = val_rows.slice(0, d.max_eval_samples)
         validation_rows = val_rows.num_rows
         validation = _from_arrow(val_rows) if validation_rows else None
     if validation_rows == 0 and val_src is not None:
@@ -240,7 +246,8 @@ def _from_arrow(table: pa.Table) -> ray.data.Dataset:
 def build_eval_dataset(
     cfg: Config, split: str, tokenizer: TokenizerFacts | None = None
 ) -> tuple[ray.data.Dataset, int]:
-    """One split, tokenized and finished as training's validation split is, kept in the object store."""
+    """One split, tokenized and finished (and cut to `data.max_eval_samples`) as training's validation split is,
+    kept in the object store."""
     configure_ray_data()
     d = cfg.data
     source = eval_source(d, split)
@@ -249,11 +256,12 @@ def build_eval_dataset(
     if in_driver(source):
         table, _ = tokenize_in_process(read_records(source), source.format, fmt, cfg.model, d, tokenizer,
                                        cfg.dpo.max_prompt_length)  # fmt: skip
+        table = table.slice(0, d.max_eval_samples)
         dataset, rows = _from_arrow(table), table.num_rows
     else:
         tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer, actors_at_start(cfg),
                            cfg.dpo.max_prompt_length)  # fmt: skip
-        dataset = finished(tokens, d).materialize()
+        dataset = first_rows(finished(tokens, d), d).materialize()
         rows = dataset.count()
     if rows < cfg.ray.num_workers:
         raise ConfigError(
