@@ -106,14 +106,14 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def trained_expert_adapter(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> Path:
     """LoRA on the MLA set + routed experts of the FP8 hub model, trained 2 steps under FSDP2 on 2 gloo ranks."""
-    import torch.multiprocessing as mp
+    from fixtures.ranks import spawn_ranks
 
     out = tmp_path_factory.mktemp("expert-adapter")
     raw = tiny_config(fixtures, out)
     raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="bfloat16")
     raw["lora"].update(target_modules=["auto"], target_experts=True, lora_dropout=0.0)
     raw["fsdp"] = {"activation_checkpointing": True}
-    mp.spawn(_train_expert_lora_rank, args=(2, free_port(), raw, str(out / "adapter")), nprocs=2)
+    spawn_ranks(_train_expert_lora_rank, args=(2, free_port(), raw, str(out / "adapter")), nprocs=2)
     return out / "adapter"
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
+from fixtures.ranks import spawn_ranks
 
 PLAN = {
     "world_size": 2,
@@ -118,8 +118,8 @@ def test_state_written_by_two_ranks_loads_exactly_on_one(fixtures: Fixtures, tmp
     raw["lora"]["lora_dropout"] = 0.1
     ckpt = tmp_path / "checkpoint"
     ckpt.mkdir()
-    mp.spawn(_train_and_save, args=(2, free_port(), raw, str(ckpt)), nprocs=2)
-    mp.spawn(_load, args=(1, free_port(), raw, str(ckpt)), nprocs=1)
+    spawn_ranks(_train_and_save, args=(2, free_port(), raw, str(ckpt)), nprocs=2)
+    spawn_ranks(_load, args=(1, free_port(), raw, str(ckpt)), nprocs=1)
 
     expected, loaded = torch.load(ckpt / "expected.pt"), torch.load(ckpt / "loaded.pt")
     assert loaded["progress"], "step, epoch, data position and writer world size come back"
@@ -399,7 +399,7 @@ def test_an_adapter_with_embedding_lora_loads_into_the_sharded_model(fixtures: F
 
     raw = tiny_config(fixtures, tmp_path / "out")
     raw["lora"].update(target_modules=targets, r=4, lora_alpha=8, lora_dropout=0.0)
-    mp.spawn(_load_adapter_rank, args=(2, free_port(), raw, str(adapter_dir)), nprocs=2)
+    spawn_ranks(_load_adapter_rank, args=(2, free_port(), raw, str(adapter_dir)), nprocs=2)
 
 
 def load_file_keys(path: Path) -> list[str]:

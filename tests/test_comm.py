@@ -13,8 +13,8 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
+from fixtures.ranks import spawn_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rayft.config import Config
@@ -120,7 +120,7 @@ def test_measured_bytes_per_step_match_the_planner_for_fsdp_and_ep(fixtures: Fix
         "hub_ep2": config(mistral4_hub, "auto", hub=True, ep=2, tokens=128),
     }
     out = tmp_path / "results.json"
-    mp.spawn(_train_rank, args=(WORLD, free_port(), runs, str(out)), nprocs=WORLD)
+    spawn_ranks(_train_rank, args=(WORLD, free_port(), runs, str(out)), nprocs=WORLD)
     results = json.loads(out.read_text())
     for label, raw in runs.items():
         cfg, got = Config.from_dict(raw), results[label]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.hub_layout import TINY_MISTRAL4, make_tiny_mistral_small4
+from fixtures.ranks import spawn_ranks
 from safetensors.torch import load_file, save_file
 
 from rayft.config import Config, ConfigError
@@ -119,7 +119,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | N
 def _run(raw: dict, out: Path, resume: Path | None = None, save: Path | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     args = (2, free_port(), raw, str(out), resume and str(resume), save and str(save))
-    mp.spawn(_rank, args=args, nprocs=2)
+    spawn_ranks(_rank, args=args, nprocs=2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -281,7 +281,7 @@ def test_expert_parallel_over_a_sharded_dp_dimension_matches_fsdp(fixtures: Fixt
     for k in (1, 2):
         raw = _raw(fixtures, skewed_hub, tmp_path, k, "auto")
         raw["ray"]["num_workers"] = 4
-        mp.spawn(_gradients_rank, args=(4, free_port(), raw, str(tmp_path / f"k{k}.pt")), nprocs=4)
+        spawn_ranks(_gradients_rank, args=(4, free_port(), raw, str(tmp_path / f"k{k}.pt")), nprocs=4)
         grads[k] = torch.load(tmp_path / f"k{k}.pt")
     assert grads[1].keys() == grads[2].keys()
     assert any(".experts." in n and g.abs().sum() > 0 for n, g in grads[2].items())

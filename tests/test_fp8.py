@@ -16,9 +16,9 @@ import peft
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.ranks import spawn_ranks
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
@@ -362,7 +362,7 @@ def test_fsdp2_gathers_fp8_bytes_and_trains_like_the_dequantised_fp32_path(fixtu
         "dense_fp32": config(dense_reference, "float32", hub=False),
     }
     out = tmp_path / "results.json"
-    mp.spawn(_fsdp_rank, args=(2, free_port(), runs, str(out)), nprocs=2)
+    spawn_ranks(_fsdp_rank, args=(2, free_port(), runs, str(out)), nprocs=2)
     results = json.loads(out.read_text())
     print(json.dumps(results, indent=1))
     for model in ("hub", "dense"):

@@ -126,12 +126,12 @@ def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_p
 def test_replicated_model_trains_like_the_sharded_one(fixtures: Fixtures, tmp_path):
     """fsdp.shard_size 1 on two gloo ranks: weights replicated (a 2-D mesh), the frozen root gathered once and kept,
     layers kept gathered across the micro-batches of a step; the same losses and adapter as full sharding."""
-    import torch.multiprocessing as mp
     from conftest import free_port
+    from fixtures.ranks import spawn_ranks
 
     raw = tiny_config(fixtures, tmp_path)
     raw["lora"]["lora_dropout"] = 0.0
-    mp.spawn(_train_two_ways, args=(2, free_port(), raw, str(tmp_path)), nprocs=2)
+    spawn_ranks(_train_two_ways, args=(2, free_port(), raw, str(tmp_path)), nprocs=2)
     sharded, replicated = (torch.load(tmp_path / f"{name}.pt") for name in ("sharded", "replicated"))
     assert replicated["losses"] == pytest.approx(sharded["losses"], rel=1e-5)
     assert replicated["losses"][-1] < replicated["losses"][0]

@@ -14,9 +14,9 @@ import peft
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.families import FAMILIES, make_tiny_family
+from fixtures.ranks import spawn_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
@@ -63,7 +63,7 @@ def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -
 def test_two_ranks_load_only_their_shards_and_match_the_checkpoint(fixtures: Fixtures, tmp_path):
     raw = tiny_config(fixtures, tmp_path)
     assert raw["model"].get("load_mode", "sharded") == "sharded"
-    mp.spawn(_sharded_rank, args=(2, free_port(), raw, str(fixtures.model)), nprocs=2)
+    spawn_ranks(_sharded_rank, args=(2, free_port(), raw, str(fixtures.model)), nprocs=2)
 
 
 def _fp8_checkpoint(tmp_path) -> tuple[SafetensorsCheckpoint, dict[str, torch.Tensor]]:
@@ -185,7 +185,7 @@ def test_fp8_hub_layout_loads_dequantised_on_two_ranks(fixtures: Fixtures, mistr
     raw = tiny_config(fixtures, tmp_path)
     raw["model"].update(model_name_or_path=str(model_dir), torch_dtype="bfloat16", frozen_dtype="bfloat16")
     raw["lora"]["target_modules"] = MLA_TARGETS
-    mp.spawn(_hub_rank, args=(2, free_port(), raw, str(model_dir)), nprocs=2)
+    spawn_ranks(_hub_rank, args=(2, free_port(), raw, str(model_dir)), nprocs=2)
 
 
 def test_routed_expert_lora_trains_on_every_rank_and_saves(trained_expert_adapter):
@@ -226,7 +226,7 @@ def family_loads(family_models: dict[str, Path], fixtures: Fixtures, tmp_path_fa
     raw = tiny_config(fixtures, out)
     raw["lora"].update(target_modules=["auto"], lora_dropout=0.0)
     models = {case: str(path) for case, path in family_models.items()}
-    mp.spawn(_families_rank, args=(2, free_port(), raw, models, str(out / "problems.json")), nprocs=2)
+    spawn_ranks(_families_rank, args=(2, free_port(), raw, models, str(out / "problems.json")), nprocs=2)
     return json.loads((out / "problems.json").read_text())
 
 
