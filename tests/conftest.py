@@ -268,37 +268,36 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     dashboard = f"http://127.0.0.1:{dashboard_port}"
     try:
         _wait_for_dashboard(dashboard, head)
-        procs.append(
-            subprocess.Popen(
-                [
-                    str(RAY_BIN),
-                    "start",
-                    "--address",
-                    address,
-                    "--node-ip-address",
-                    "127.0.0.1",
-                    *agent_ports(),
-                    "--metrics-export-port",
-                    str(metrics_ports[1]),
-                    # its own session dir, as a real node has: sharing the head's, both nodes' log monitors would
-                    # stream every worker's output and the job log would show each line twice
-                    "--temp-dir",
-                    f"{temp_dir}-w",
-                    *common,
-                ],
-                env=env,
-                start_new_session=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        _wait_for_nodes(address, env, 2)
+        for attempt in (1, 2):  # a free port can be taken before the node binds it: then once more, on new ones
+            log = temp_dir.parent / f"{temp_dir.name}-worker-{attempt}.log"
+            worker = _start_worker_node(address, f"{temp_dir}-w", env, common, metrics_ports[1], log)
+            procs.append(worker)
+            if _wait_for_nodes(address, env, 2, worker):
+                break
+            if attempt == 2:
+                pytest.fail(f"the test cluster's worker node exited twice; its output:\n{log.read_text()[-3000:]}")
+            metrics_ports = (metrics_ports[0], free_port())
         yield RayCluster(address=address, dashboard=dashboard, env=env, metrics_ports=metrics_ports, temp_dir=temp_dir)
     finally:
         for p in reversed(procs):
             _stop_group(p)
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(f"{temp_dir}-w", ignore_errors=True)
+        for log in temp_dir.parent.glob(f"{temp_dir.name}-worker-*.log"):
+            log.unlink()
+
+
+def _start_worker_node(
+    address: str, temp_dir: str, env: dict[str, str], common: list[str], metrics_port: int, log: Path
+) -> subprocess.Popen:
+    """The second node, on free ports, its `ray start` output in `log`. Its own session dir, as a real node has:
+    sharing the head's, both nodes' log monitors would stream every worker's output and each job line shows twice."""
+    with open(log, "w") as sink:
+        return subprocess.Popen(
+            [str(RAY_BIN), "start", "--address", address, "--node-ip-address", "127.0.0.1", *agent_ports(),
+             "--metrics-export-port", str(metrics_port), "--temp-dir", temp_dir, *common],
+            env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 def agent_ports() -> list[str]:
@@ -323,16 +322,22 @@ def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) 
     pytest.fail(f"Ray dashboard at {url} did not come up in {timeout}s")
 
 
-def _wait_for_nodes(address: str, env: dict[str, str], count: int, timeout: float = 120) -> None:
+def _wait_for_nodes(
+    address: str, env: dict[str, str], count: int, node: subprocess.Popen | None = None, timeout: float = 300
+) -> bool:
+    """True once `count` nodes are alive; False at once if `node` (the `ray start` of the one awaited) exited.
+    The deadline is long: on the 2-core CI machine the other xdist worker's jobs hold both cores."""
     probe = (
         f"import ray; ray.init(address='{address}', logging_level='ERROR'); "
         "print(len([n for n in ray.nodes() if n['Alive']]))"
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if node is not None and node.poll() is not None:
+            return False
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= count:
-            return
+            return True
         time.sleep(2)
     pytest.fail(f"Ray cluster at {address} did not reach {count} nodes in {timeout}s")
 
