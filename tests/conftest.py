@@ -272,7 +272,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
             log = temp_dir.parent / f"{temp_dir.name}-worker-{attempt}.log"
             worker = _start_worker_node(address, f"{temp_dir}-w", env, common, metrics_ports[1], log)
             procs.append(worker)
-            if _wait_for_nodes(address, env, 2, worker):
+            if _wait_for_nodes(address, env, 2, worker, log):
                 break
             if attempt == 2:
                 pytest.fail(f"the test cluster's worker node exited twice; its output:\n{log.read_text()[-3000:]}")
@@ -323,10 +323,16 @@ def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) 
 
 
 def _wait_for_nodes(
-    address: str, env: dict[str, str], count: int, node: subprocess.Popen | None = None, timeout: float = 300
+    address: str,
+    env: dict[str, str],
+    count: int,
+    node: subprocess.Popen | None = None,
+    node_log: Path | None = None,
+    timeout: float = 300,
 ) -> bool:
-    """True once `count` nodes are alive; False at once if `node` (the `ray start` of the one awaited) exited.
-    The deadline is long: on the 2-core CI machine the other xdist worker's jobs hold both cores."""
+    """True once `count` nodes are alive; False at once if `node` (the `ray start` of the one awaited) exited; a
+    failure past the deadline shows `node_log`. The deadline is long: on the 2-core CI machine the other xdist
+    worker's jobs hold both cores."""
     probe = (
         f"import ray; ray.init(address='{address}', logging_level='ERROR'); "
         "print(len([n for n in ray.nodes() if n['Alive']]))"
@@ -339,7 +345,8 @@ def _wait_for_nodes(
         if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= count:
             return True
         time.sleep(2)
-    pytest.fail(f"Ray cluster at {address} did not reach {count} nodes in {timeout}s")
+    output = f"; the node's output:\n{node_log.read_text()[-3000:]}" if node_log else ""
+    pytest.fail(f"Ray cluster at {address} did not reach {count} nodes in {timeout}s{output}")
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
