@@ -214,6 +214,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every test cluster's and test driver's environment. No preemption watcher: one more actor per run, polling nodes
+# that are never preempted here (~3 CPU-s a run, measured; the suite is CPU-bound on this 2-core machine).
+TEST_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
 @dataclass
 class RayCluster:
     address: str
@@ -251,7 +256,7 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
         pytest.fail(f"ray CLI not found next to {sys.executable}")
     temp_dir = Path("/tmp") / f"rayft-test-{os.getpid()}"  # short: Ray's socket paths have a length limit
     gcs_port, dashboard_port, metrics_ports = free_port(), free_port(), (free_port(), free_port())
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **TEST_RAY_ENV, "RAY_AUTH_MODE": "disabled"}
     # As on a real cluster, whose image's `python` has everything: job entrypoints (`python jobs/...`) resolve
     # `python` through PATH, so this interpreter's bin/ comes first (CI does not activate the venv).
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

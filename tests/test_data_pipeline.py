@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
-from conftest import Fixtures, RayCluster, tiny_config
+from conftest import TEST_RAY_ENV, Fixtures, RayCluster, tiny_config
 
 from rayft.config import Config, ConfigError, DataConfig
 from rayft.data.pipeline import (
@@ -39,7 +39,7 @@ BLOCK = 30  # tokens per packed block: 467 blocks from the fixture, a count that
 def ray_driver(ray_cluster: RayCluster):
     """This process as a driver of the session's two-node cluster (train functions defined here travel by value)."""
     saved = dict(os.environ)
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    os.environ.update(TEST_RAY_ENV, RAY_AUTH_MODE="disabled")
     ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield

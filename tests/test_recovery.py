@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, STEPS, Fixtures, RayCluster, Run, checkpointing_config, free_port, write_yaml
+from conftest import (
+    REPO,
+    STEPS,
+    TEST_RAY_ENV,
+    Fixtures,
+    RayCluster,
+    Run,
+    checkpointing_config,
+    free_port,
+    write_yaml,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.ray
@@ -212,7 +222,7 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
         trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(3)]
         cluster.wait_for_nodes()
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**os.environ, **TEST_RAY_ENV}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         test_cluster = RayCluster(address=cluster.address, dashboard="", env=env)
 
