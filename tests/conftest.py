@@ -255,41 +255,63 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     if RAY_BIN.exists() is False:
         pytest.fail(f"ray CLI not found next to {sys.executable}")
     temp_dir = Path("/tmp") / f"rayft-test-{os.getpid()}"  # short: Ray's socket paths have a length limit
-    gcs_port, dashboard_port, metrics_ports = free_port(), free_port(), (free_port(), free_port())
     env = {**os.environ, **TEST_RAY_ENV, "RAY_AUTH_MODE": "disabled"}
     # As on a real cluster, whose image's `python` has everything: job entrypoints (`python jobs/...`) resolve
     # `python` through PATH, so this interpreter's bin/ comes first (CI does not activate the venv).
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     common = ["--block", "--num-cpus", "4", "--disable-usage-stats"]
-    head = subprocess.Popen(
-        [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
-         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
-         "--metrics-export-port", str(metrics_ports[0]), "--ray-client-server-port", str(free_port()),
-         *agent_ports(), *common],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    procs = [head]
-    address = f"127.0.0.1:{gcs_port}"
-    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    procs: list[subprocess.Popen] = []
+    logs = temp_dir.parent / f"{temp_dir.name}-logs"
+    logs.mkdir(exist_ok=True)
     try:
-        _wait_for_dashboard(dashboard, head)
-        for attempt in (1, 2):  # a free port can be taken before the node binds it: then once more, on new ones
-            log = temp_dir.parent / f"{temp_dir.name}-worker-{attempt}.log"
-            worker = _start_worker_node(address, f"{temp_dir}-w", env, common, metrics_ports[1], log)
+        # Each node once more on new ports if its `ray start` exits: a free port can be taken before the node binds
+        # it (the other xdist worker starts private Rays meanwhile). Twice: the failure shows the node's output.
+        for attempt in (1, 2):
+            head = _start_head(temp_dir, env, common, logs / f"head-{attempt}.log")
+            procs.append(head.proc)
+            if _wait_for_dashboard(head.dashboard, head.proc, head.log):
+                break
+            if attempt == 2:
+                pytest.fail(f"the test cluster's head exited twice; its output:\n{head.log.read_text()[-3000:]}")
+        metrics_ports = (head.metrics_port, free_port())
+        for attempt in (1, 2):
+            log = logs / f"worker-{attempt}.log"
+            worker = _start_worker_node(head.address, f"{temp_dir}-w", env, common, metrics_ports[1], log)
             procs.append(worker)
-            if _wait_for_nodes(address, env, 2, worker, log):
+            if _wait_for_nodes(head.address, env, 2, worker, log):
                 break
             if attempt == 2:
                 pytest.fail(f"the test cluster's worker node exited twice; its output:\n{log.read_text()[-3000:]}")
             metrics_ports = (metrics_ports[0], free_port())
-        yield RayCluster(address=address, dashboard=dashboard, env=env, metrics_ports=metrics_ports, temp_dir=temp_dir)
+        yield RayCluster(head.address, head.dashboard, env, metrics_ports=metrics_ports, temp_dir=temp_dir)
     finally:
         for p in reversed(procs):
             _stop_group(p)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        shutil.rmtree(f"{temp_dir}-w", ignore_errors=True)
-        for log in temp_dir.parent.glob(f"{temp_dir.name}-worker-*.log"):
-            log.unlink()
+        for directory in (temp_dir, f"{temp_dir}-w", logs):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass
+class Head:
+    proc: subprocess.Popen
+    address: str
+    dashboard: str
+    metrics_port: int
+    log: Path
+
+
+def _start_head(temp_dir: Path, env: dict[str, str], common: list[str], log: Path) -> Head:
+    """The head node on free ports, its `ray start` output in `log`."""
+    gcs_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
+             "--metrics-export-port", str(metrics_port), "--ray-client-server-port", str(free_port()),
+             *agent_ports(), *common],
+            env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return Head(proc, f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}", metrics_port, log)
 
 
 def _start_worker_node(
@@ -312,19 +334,21 @@ def agent_ports() -> list[str]:
             "--runtime-env-agent-port", str(free_port())]  # fmt: skip
 
 
-def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> bool:
+    """True once the head's dashboard answers; False at once if its `ray start` exited; a failure past the deadline
+    (long: the other xdist worker's jobs hold both cores) shows the head's output."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"ray start --head exited with {proc.returncode}")
+            return False
         try:
             urllib.request.urlopen(f"{url}/api/version", timeout=2)
-            return
+            return True
         except OSError:
             time.sleep(1)
-    pytest.fail(f"Ray dashboard at {url} did not come up in {timeout}s")
+    pytest.fail(f"Ray dashboard at {url} did not come up in {timeout}s; the head's output:\n{log.read_text()[-3000:]}")
 
 
 def _wait_for_nodes(

@@ -58,21 +58,25 @@ def gpu_cluster() -> RayCluster:
     (shim / "python").unlink(missing_ok=True)
     (shim / "python").symlink_to(sys.executable)
     env["PATH"] = f"{shim}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    head = subprocess.Popen(
-        [ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
-         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
-         "--num-gpus", "1", "--num-cpus", str(min(8, os.cpu_count() or 1)), "--disable-usage-stats"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    log = temp_dir.with_name(temp_dir.name + "-head.log")
+    with open(log, "w") as sink:
+        head = subprocess.Popen(
+            [ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
+             "--num-gpus", "1", "--num-cpus", str(min(8, os.cpu_count() or 1)), "--disable-usage-stats"],
+            env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
-        _wait_for_dashboard(dashboard, head)
+        if not _wait_for_dashboard(dashboard, head, log):
+            pytest.fail(f"ray start --head exited with {head.returncode}; its output:\n{log.read_text()[-3000:]}")
         _wait_for_nodes(f"127.0.0.1:{gcs_port}", env, 1)
         yield RayCluster(address=f"127.0.0.1:{gcs_port}", dashboard=dashboard, env=env)
     finally:
         _stop_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(shim, ignore_errors=True)
+        log.unlink(missing_ok=True)
 
 
 def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, **overrides) -> dict:
