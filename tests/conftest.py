@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -334,48 +335,51 @@ def agent_ports() -> list[str]:
             "--runtime-env-agent-port", str(free_port())]  # fmt: skip
 
 
-def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> bool:
-    """True once the head's dashboard answers; False at once if its `ray start` exited; a failure past the deadline
-    (long: the other xdist worker's jobs hold both cores) shows the head's output."""
+def _wait_up(
+    ready: Callable[[], bool], what: str, proc: subprocess.Popen | None, log: Path | None, every: float
+) -> bool:
+    """True once `ready()`; False at once if `proc` (the awaited node's `ray start`) exited. Past the deadline, a
+    failure that shows `log`; the deadline is long: on the 2-core CI machine the other xdist worker's jobs hold both
+    cores."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        if ready():
+            return True
+        time.sleep(every)
+    output = f"; its output:\n{log.read_text()[-3000:]}" if log else ""
+    pytest.fail(f"{what} did not come up in 300 s{output}")
+
+
+def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path) -> bool:
+    """The head's dashboard answering (`_wait_up`)."""
     import urllib.request
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
+    def answers() -> bool:
         try:
             urllib.request.urlopen(f"{url}/api/version", timeout=2)
             return True
         except OSError:
-            time.sleep(1)
-    pytest.fail(f"Ray dashboard at {url} did not come up in {timeout}s; the head's output:\n{log.read_text()[-3000:]}")
+            return False
+
+    return _wait_up(answers, f"the Ray dashboard at {url}", proc, log, every=1)
 
 
 def _wait_for_nodes(
-    address: str,
-    env: dict[str, str],
-    count: int,
-    node: subprocess.Popen | None = None,
-    node_log: Path | None = None,
-    timeout: float = 300,
+    address: str, env: dict[str, str], count: int, node: subprocess.Popen | None = None, node_log: Path | None = None
 ) -> bool:
-    """True once `count` nodes are alive; False at once if `node` (the `ray start` of the one awaited) exited; a
-    failure past the deadline shows `node_log`. The deadline is long: on the 2-core CI machine the other xdist
-    worker's jobs hold both cores."""
+    """`count` nodes alive (`_wait_up`), `node` being the `ray start` of the one awaited."""
     probe = (
         f"import ray; ray.init(address='{address}', logging_level='ERROR'); "
         "print(len([n for n in ray.nodes() if n['Alive']]))"
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if node is not None and node.poll() is not None:
-            return False
+
+    def alive() -> bool:
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
-        if out.stdout.strip().isdigit() and int(out.stdout.strip()) >= count:
-            return True
-        time.sleep(2)
-    output = f"; the node's output:\n{node_log.read_text()[-3000:]}" if node_log else ""
-    pytest.fail(f"Ray cluster at {address} did not reach {count} nodes in {timeout}s{output}")
+        return out.stdout.strip().isdigit() and int(out.stdout.strip()) >= count
+
+    return _wait_up(alive, f"{count} nodes of the Ray cluster at {address}", node, node_log, every=2)
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
