@@ -216,8 +216,13 @@ def free_port() -> int:
 
 
 # Every test cluster's and test driver's environment. No preemption watcher: one more actor per run, polling nodes
-# that are never preempted here (~3 CPU-s a run, measured; the suite is CPU-bound on this 2-core machine).
-TEST_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# that are never preempted here (~3 CPU-s a run, measured; the suite is CPU-bound on this 2-core machine). No idle
+# workers prestarted for a first driver, as rayft's own local Ray (launch.local_ray_options).
+TEST_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_prestart_worker_first_driver": "0",
+}
 
 
 @dataclass
