@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
             p.add_argument("--split", help="split to score (default: data.val_split)")
+            p.add_argument("--with-base", action="store_true",
+                           help="with --adapter: score the base model too, in the same job (one load)")  # fmt: skip
     about = (
         "per-GPU memory plan of the run for one or more cluster sizes, and each layout's bytes moved and step "
         "time (no GPU, no weights needed)"
@@ -319,11 +321,17 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
     from rayft.launch import evaluate
 
     split = args.split or cfg.data.val_split or "validation"
+    if args.with_base and not args.adapter:
+        raise ConfigError("--with-base compares the base model with an adapter: add --adapter DIR (output_dir/final)")
+    if args.with_base and cfg.train.objective == "dpo":
+        raise ConfigError("--with-base: train.objective dpo already scores the adapter against the base; leave it out")
     try:
-        result = evaluate(cfg, args.adapter, split)
+        result = evaluate(cfg, args.adapter, split, with_base=args.with_base)
     except TrainingFailedError as e:
         print(f"rayft: eval failed: {e}", file=sys.stderr)
         return EXIT_FAILED
+    if args.with_base:
+        print(eval_summary({**result["base"], "rows": result["rows"], "split": split}, adapter=False))
     print(eval_summary(result, adapter=bool(args.adapter)))
     return EXIT_OK
 

@@ -221,9 +221,10 @@ def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) ->
     log.info("load_best_model_at_end: %s = step %s (%s %.6g)", final, metrics.get("step"), metric, metrics[metric])
 
 
-def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
+def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = False) -> dict[str, Any]:
     """Perplexity of the base model (adapter None) or base + adapter on one split, on the Ray cluster with the
-    same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets)."""
+    same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets). `with_base`: the
+    base is scored first by the same workers (its metrics under "base"), before the adapter's weights are loaded."""
     if adapter:
         check_adapter(adapter, cfg)
     cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
@@ -234,7 +235,8 @@ def evaluate(cfg: Config, adapter: Path | None, split: str) -> dict[str, Any]:
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path,
              f" + adapter {adapter}" if adapter else "", split, rows, cfg.ray.num_workers)  # fmt: skip
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
-    loop_config = {"config": cfg.to_dict(), "adapter": str(adapter.resolve()) if adapter else None, "run_uri": run.uri}
+    loop_config = {"config": cfg.to_dict(), "adapter": str(adapter.resolve()) if adapter else None, "run_uri": run.uri,
+                   "with_base": with_base}  # fmt: skip
     trainer = TorchTrainer(
         eval_loop_per_worker,
         train_loop_config=loop_config,

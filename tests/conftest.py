@@ -204,6 +204,26 @@ class Run:
         return {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
 
 
+@dataclass
+class CliResult:
+    rc: int
+    err: str
+    out: str
+    elapsed: float
+
+
+def run_cli(capsys, *argv: str) -> CliResult:
+    """`rayft ARGV` in this process (its imports already paid for): exit code, stderr, stdout, seconds."""
+    from rayft.cli import main
+
+    capsys.readouterr()
+    start = time.monotonic()
+    rc = main(list(argv))
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    return CliResult(rc, captured.err, captured.out, elapsed)
+
+
 def write_yaml(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data))
     return path

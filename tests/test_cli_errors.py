@@ -1,5 +1,7 @@
 """User errors end with exit code 2 and one short message naming the key or path, from both `rayft validate`
-and the job entrypoint, before any cluster work starts; a good config validates with exit 0."""
+and the job entrypoint, before any cluster work starts; a good config validates with exit 0. The cases run `rayft`
+in this process (the interpreter's imports are the cost of a subprocess, ~10 s here); each entrypoint also runs once
+as the process a user starts, for its exit code and its output."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, Fixtures, tiny_config, write_yaml
+from conftest import REPO, CliResult, Fixtures, run_cli, tiny_config, write_yaml
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -17,14 +19,17 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
 
 
-def _validate(config, *overrides: str) -> subprocess.CompletedProcess:
-    extra = [a for o in overrides for a in ("--override", o)]
-    return _run("-m", "rayft.cli", "validate", "--config", str(config), *extra)
+def _overrides(overrides: tuple[str, ...]) -> list[str]:
+    return [a for o in overrides for a in ("--override", o)]
 
 
-def _job(config, *overrides: str) -> subprocess.CompletedProcess:
-    extra = [a for o in overrides for a in ("--override", o)]
-    return _run("jobs/mistral4.py", "--config", str(config), *extra)
+def _validate(capsys, config, *overrides: str) -> CliResult:
+    return run_cli(capsys, "validate", "--config", str(config), *_overrides(overrides))
+
+
+def _job(capsys, config, *overrides: str) -> CliResult:
+    """What `jobs/mistral4.py ARGS` runs: `rayft train ARGS`."""
+    return run_cli(capsys, "train", "--config", str(config), *_overrides(overrides))
 
 
 CASES = {
@@ -56,40 +61,55 @@ def good_config(fixtures: Fixtures, tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("command", [_validate, _job], ids=["rayft validate", "job"])
-def test_user_errors_exit_2_with_a_short_message(command, case, good_config):
+def test_user_errors_exit_2_with_a_short_message(command, case, good_config, capsys):
+    import ray
+
     overrides, needle = CASES[case]
-    result = command(good_config, *overrides)
+    result = command(capsys, good_config, *overrides)
+    assert result.rc == 2, result.err[-3000:]
+    assert needle in result.err
+    assert "Traceback" not in result.err + result.out
+    assert not ray.is_initialized(), "a Ray cluster was started before the error"
+
+
+@pytest.mark.parametrize("entrypoint", [["-m", "rayft.cli", "validate"], ["jobs/mistral4.py"]],
+                         ids=["rayft validate", "jobs/mistral4.py"])  # fmt: skip
+def test_the_entrypoints_as_processes_exit_2_with_the_message_only(entrypoint, good_config):
+    result = _run(*entrypoint, "--config", str(good_config), "--override", "train.learnin_rate=1e-4")
     assert result.returncode == 2, result.stderr[-3000:]
-    assert needle in result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
+    (line,) = result.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith("rayft: config error: ") and "did you mean 'learning_rate'" in line, result.stderr
 
 
-def test_a_good_config_validates(good_config):
-    result = _validate(good_config)
-    assert result.returncode == 0, result.stderr
-    assert "config ok" in result.stdout and "LoRA modules: 15" in result.stdout
-    assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.stdout), result.stdout
+def test_a_good_config_validates(good_config, capsys):
+    result = _validate(capsys, good_config)
+    assert result.rc == 0, result.err
+    assert "config ok" in result.out and "LoRA modules: 15" in result.out
+    assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.out), result.out
 
 
-def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tmp_path):
+def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tmp_path, capsys):
     from conftest import SEED_CONFIG
 
-    result = _validate(SEED_CONFIG)
-    assert result.returncode == 2 and "model.model_name_or_path" in result.stderr
+    result = _validate(capsys, SEED_CONFIG)
+    assert result.rc == 2 and "model.model_name_or_path" in result.err
     result = _validate(
+        capsys,
         SEED_CONFIG,
         f"model.model_name_or_path={fixtures.model}",
         f"data.dataset_name_or_path={fixtures.dataset}",
         f"train.output_dir={tmp_path}",
     )
-    assert result.returncode == 0, result.stderr
+    assert result.rc == 0, result.err
     for line in ("config ok", "train data: split 'train'", "records: text", "LoRA modules:", "memory plan:"):
-        assert line in result.stdout, result.stdout
+        assert line in result.out, result.out
 
 
 def test_strict_spread_on_a_one_node_local_cluster_is_refused_not_hung(good_config):
-    """No cluster to join → a local one-node Ray starts; it can never place 2 workers on 2 nodes."""
-    result = _job(good_config, "ray.placement_strategy=STRICT_SPREAD")
+    """No cluster to join → a local one-node Ray starts (in a process of its own, as a job would); it can never
+    place 2 workers on 2 nodes."""
+    strict = ("--override", "ray.placement_strategy=STRICT_SPREAD")
+    result = _run("jobs/mistral4.py", "--config", str(good_config), *strict)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "ray.placement_strategy: STRICT_SPREAD" in result.stderr and "PACK" in result.stderr
 
@@ -105,3 +125,19 @@ def test_eval_result_line_with_and_without_a_perplexity():
     assert line.startswith("rayft: eval base model on 'validation' (0 rows): loss nan, perplexity n/a")
     scored = {"split": "test", "rows": 1234, "eval_loss": 2.5, "eval_perplexity": math.exp(2.5)}
     assert eval_summary(scored, adapter=True).endswith("(1,234 rows): loss 2.5000, perplexity 12.182")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "extra", "needle"),
+    [
+        ([], [], "--with-base compares the base model with an adapter: add --adapter DIR"),
+        (["train.objective=dpo", "data.packing=false"], ["--adapter", "out/final"], "train.objective dpo already"),
+    ],
+    ids=["without an adapter", "with dpo"],
+)
+def test_eval_with_base_refuses_what_it_cannot_compare(overrides, extra, needle, good_config, capsys):
+    """`rayft eval --with-base` needs an adapter to compare the base with, and has nothing to add to DPO's eval
+    (which scores against the base already): exit 2 before any cluster work."""
+    result = run_cli(capsys, "eval", "--config", str(good_config), "--with-base", *extra, *_overrides(overrides))
+    assert result.rc == 2, result.err[-3000:]
+    assert needle in result.err and "Traceback" not in result.err

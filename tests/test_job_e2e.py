@@ -178,26 +178,32 @@ def test_job_log_has_one_line_per_event_and_hides_no_trouble(reference_run: Run)
     assert set(first_row["startup"]) >= {*stages, "to_first_step_s"} and "startup" not in reference_run.metrics()[1]
 
 
-def _eval(cluster, config: Path, *args: str) -> float:
+EVAL_LINE = re.compile(
+    r"eval (base model|base \+ adapter) on '\w+' \([\d,]+ rows\): loss ([\d.]+), perplexity ([\d.]+)"
+)
+
+
+def _eval(cluster, config: Path, *args: str) -> dict[str, float]:
+    """`rayft eval` on the test cluster: the loss of each model its result lines name."""
     env = {**cluster.env, "RAY_ADDRESS": cluster.address}
     result = subprocess.run([sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args], env=env,
                             capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    found = re.search(r"eval .* on 'validation' \([\d,]+ rows\): loss ([\d.]+), perplexity ([\d.]+)", result.stdout)
+    found = EVAL_LINE.findall(result.stdout)
     assert found, result.stdout + result.stderr[-3000:]
-    assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-3)
-    return float(found[1])
+    for _, loss, perplexity in found:
+        assert float(perplexity) == pytest.approx(math.exp(float(loss)), rel=1e-3)
+    return {model: float(loss) for model, loss, _ in found}
 
 
 def test_eval_scores_the_base_model_and_the_trained_adapter(reference_run: Run, ray_cluster):
-    """`rayft eval --adapter output_dir/final` reproduces the eval loss training reported for that adapter (the
-    best checkpoint's: load_best_model_at_end), and the untrained base scores worse."""
+    """`rayft eval --adapter output_dir/final --with-base` reproduces the eval loss training reported for that
+    adapter (the best checkpoint's: load_best_model_at_end), and scores the untrained base, in the same job, worse."""
     config = reference_run.out / "config.yaml"
-    tuned = _eval(ray_cluster, config, "--adapter", str(reference_run.out / "final"))
+    losses = _eval(ray_cluster, config, "--adapter", str(reference_run.out / "final"), "--with-base")
     best = min(r["eval_loss"] for r in reference_run.metrics() if "eval_loss" in r)
-    assert tuned == pytest.approx(best, abs=2e-4)
-    base = _eval(ray_cluster, config)
-    assert base > tuned + 0.5
+    assert losses["base + adapter"] == pytest.approx(best, abs=2e-4)
+    assert losses["base model"] > losses["base + adapter"] + 0.5
 
 
 def _assert_adapter_matches_training_state(model_dir: Path, final: Path, dcp_dir: Path, cfg: dict, tmp: Path):

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,32 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
-from conftest import REPO, Fixtures, tiny_config, write_yaml
-
-from rayft.cli import main
+from conftest import REPO, CliResult, Fixtures, run_cli, tiny_config, write_yaml
 
 SECONDS = 60  # generous for a 2-core machine shared by several runs; typically 3-6 s
 
 
-@dataclass
-class Result:
-    rc: int
-    err: str
-    out: str
-    elapsed: float
-
-
-def run_cli(capsys, *argv: str) -> Result:
-    """`rayft ARGV` in this process."""
-    capsys.readouterr()
-    start = time.monotonic()
-    rc = main(list(argv))
-    elapsed = time.monotonic() - start
-    captured = capsys.readouterr()
-    return Result(rc, captured.err, captured.out, elapsed)
-
-
-def assert_refused(result: Result, pattern: str) -> None:
+def assert_refused(result: CliResult, pattern: str) -> None:
     import re
 
     rc, err, elapsed = result.rc, result.err, result.elapsed

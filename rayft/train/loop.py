@@ -112,7 +112,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """`rayft eval`: the base model, or base + a trained adapter, scored on one split (token-weighted loss)."""
+    """`rayft eval`: the base model, or base + a trained adapter, scored on one split (token-weighted loss). The
+    model is built with the adapter's LoRA shape at its zero-delta init, which is the base exactly: `with_base`
+    scores it before the adapter's weights are loaded."""
     cfg = Config.from_dict(loop_config["config"])
     rank = ray.train.get_context().get_world_rank()
     device = ray.train.torch.get_device()
@@ -120,16 +122,21 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model = build_model(cfg, device.type == "cuda", device)
     fused_loss(model, cfg)
     objective = Objective(cfg, model, device)
-    if loop_config.get("adapter"):
-        load_adapter_weights(model, Path(loop_config["adapter"]))
     collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id, pairs=objective.dpo)
     shard = ray.train.get_dataset_shard("validation")
-    started = time.perf_counter()
     autocast = cpu_autocast(cfg, device)
-    metrics = objective.evaluate(shard, cfg.train.per_device_eval_batch_size, collate, device, autocast)
-    result = {**metrics, "eval_s": round(time.perf_counter() - started, 3)}
+
+    def score() -> dict[str, Any]:
+        started = time.perf_counter()
+        metrics = objective.evaluate(shard, cfg.train.per_device_eval_batch_size, collate, device, autocast)
+        return {**metrics, "eval_s": round(time.perf_counter() - started, 3)}
+
+    base = score() if loop_config.get("with_base") else None
+    if loop_config.get("adapter"):
+        load_adapter_weights(model, Path(loop_config["adapter"]))
+    result = score()
     if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
-        RunDir(loop_config["run_uri"]).write_file(EVAL_RESULT, json.dumps(result).encode())
+        RunDir(loop_config["run_uri"]).write_file(EVAL_RESULT, json.dumps({**result, "base": base}).encode())
     ray.train.report(result)
 
 
