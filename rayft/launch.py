@@ -232,7 +232,9 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     eval_source(cfg.data, split)  # a missing --split is answered before the cluster
     use_gpu = join_cluster(cfg)
     dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer)
-    scored = f" + adapter {adapter}{' (and the base alone, first)' if with_base else ''}" if adapter else ""
+    scored = f" + adapter {adapter}" if adapter else ""
+    if with_base:
+        scored += " (and the base alone, first)"
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path, scored, split, rows,
              cfg.ray.num_workers)  # fmt: skip
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
