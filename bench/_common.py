@@ -44,6 +44,13 @@ def machine() -> dict:
     }
 
 
+def versions(*packages: str) -> dict[str, str]:
+    """Installed versions of more packages than `machine()` names (the baselines' libraries)."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in packages}
+
+
 def cli(doc: str, sizes: dict, run, result_name: str) -> None:
     """`--size` / `--out` for a benchmark: run it, write its JSON to bench/results/<result_name>, print it."""
     import argparse

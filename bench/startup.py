@@ -9,9 +9,10 @@ optimizer step (rayft: its first metrics row; TRL: its first step callback); med
 start-up profile stages (metrics.jsonl's first row) for every run. Then `make demo`'s job (the built-in demo in a
 fresh directory, after the install): wall time, steps and evaluations.
 
-    python bench/startup.py [--size smoke|default] [--out bench/results/startup_cpu.json]
+    python bench/startup.py [--out bench/results/startup_cpu.json]
 
-Never in CI (minutes); tests/test_bench_smoke.py runs `--size smoke` (one of each, no demo).
+Never in CI (minutes). Its runs are bench/train_vs_trl.py's at one step, so tests/test_bench_smoke.py checks
+`summarise` on the pair of runs of train_vs_trl's smoke (one of each) rather than start the same two runs again.
 """
 
 from __future__ import annotations
@@ -24,25 +25,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import cli, machine
+from _common import cli, machine, versions
 from train_vs_trl import MODEL, SEED_YAML, run_baseline, run_rayft, seed_settings
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES = {"default": {"repeats": 3, "demo": True}, "smoke": {"repeats": 1, "demo": False}}
+SIZES = {"default": {"repeats": 3, "demo": True}}
 TARGET_RATIO = 1.5  # issue 19: rayft's time to the first step at most 1.5x TRL's
 
 
-def rayft_first_step(raw: dict, work: Path) -> dict:
-    """One rayft run: time to the first step, and its own start-up profile (metrics.jsonl's first row)."""
-    result = run_rayft(raw, work)
-    first = json.loads((work / "out" / "ray_run" / "metrics.jsonl").read_text().splitlines()[0])
-    return {"time_to_first_step_s": round(result["time_to_first_step_s"], 2), "wall_s": round(result["wall_s"], 2),
-            "profile": first.get("startup")}  # fmt: skip
-
-
-def trl_first_step(raw: dict, work: Path) -> dict:
-    result = run_baseline(raw, work)
-    return {"time_to_first_step_s": round(result["time_to_first_step_s"], 2), "wall_s": round(result["wall_s"], 2)}
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """The start-up view of alternating runs (`run_rayft` / `run_baseline` results, in `runs["rayft"]` and
+    `runs["baseline"]`): each run's time to the first step and wall time, rayft's profile, the medians and the
+    ratio against the target."""
+    kept = {system: [{"time_to_first_step_s": round(r["time_to_first_step_s"], 2), "wall_s": round(r["wall_s"], 2),
+                      **({"profile": r["profile"]} if system == "rayft" else {})} for r in rs]
+            for system, rs in runs.items()}  # fmt: skip
+    medians = {k: statistics.median(r["time_to_first_step_s"] for r in v) for k, v in kept.items()}
+    ratio = medians["rayft"] / medians["baseline"]
+    return {
+        "runs": kept,
+        "median_time_to_first_step_s": medians,
+        "ratio_rayft_over_trl": round(ratio, 3),
+        "target_ratio": TARGET_RATIO,
+        "ratio_ok": ratio <= TARGET_RATIO,
+    }
 
 
 def demo_wall(root: Path) -> dict:
@@ -76,30 +82,18 @@ def run(size: str) -> dict:
     raw = seed_settings(root, model, dataset, steps=1, packing=False)
     runs: dict[str, list[dict]] = {"rayft": [], "baseline": []}
     for i in range(s["repeats"]):  # alternating, so machine drift hits both alike
-        runs["rayft"].append(rayft_first_step(raw, root / f"rayft-{i}"))
-        runs["baseline"].append(trl_first_step(raw, root / f"trl-{i}"))
-    medians = {k: statistics.median(r["time_to_first_step_s"] for r in v) for k, v in runs.items()}
-    ratio = medians["rayft"] / medians["baseline"]
+        runs["rayft"].append(run_rayft(raw, root / f"rayft-{i}"))
+        runs["baseline"].append(run_baseline(raw, root / f"trl-{i}"))
     report = {
         **machine(),
         "settings": {"repeats": s["repeats"], "model": MODEL, "seed_yaml": SEED_YAML.name, "workers": 2, "steps": 1,
                      "train_articles": 40, "measured": "process launch to the end of the first optimizer step"},
-        "runs": runs,
-        "median_time_to_first_step_s": medians,
-        "ratio_rayft_over_trl": round(ratio, 3),
-        "target_ratio": TARGET_RATIO,
-        "ratio_ok": ratio <= TARGET_RATIO,
+        **summarise(runs),
     }  # fmt: skip
-    report["versions"].update(_versions("ray", "trl", "accelerate"))
+    report["versions"].update(versions("ray", "trl", "accelerate"))
     if s["demo"]:
         report["demo"] = demo_wall(root)
     return report
-
-
-def _versions(*packages: str) -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in packages}
 
 
 if __name__ == "__main__":

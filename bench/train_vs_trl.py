@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import yaml
-from _common import cli, free_port, machine
+from _common import cli, free_port, machine, versions
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_YAML = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
@@ -87,7 +87,8 @@ def run_rayft(raw: dict, work: Path, skip: int = 1) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"rayft failed:\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (work / "out" / "ray_run" / "metrics.jsonl").read_text().splitlines()]
-    return {**summarise_rayft(rows, started, skip), "wall_s": time.time() - started}
+    # the first row written carries rayft's start-up profile (bench/startup.py reports it)
+    return {**summarise_rayft(rows, started, skip), "wall_s": time.time() - started, "profile": rows[0].get("startup")}
 
 
 def summarise_rayft(rows: list[dict], started: float, skip: int = 1) -> dict:
@@ -473,7 +474,7 @@ def run(size: str) -> dict:
             runs["baseline"].append(run_baseline(raw, root / f"{name}-trl-{i}"))
         results.append(compare(name, runs))
     parity = loss_parity(root, model, dataset, s["parity_steps"]) if s["parity_steps"] else None
-    return {
+    report = {
         **machine(),
         "settings": {
             **s,
@@ -488,6 +489,8 @@ def run(size: str) -> dict:
         "results": results,
         "loss_parity": parity,
     }
+    report["versions"].update(versions("ray", "trl", "accelerate"))
+    return report
 
 
 if __name__ == "__main__":
