@@ -116,3 +116,13 @@ def test_prometheus_answers_every_panel_for_the_run(prometheus, reference_run, r
 
 def _finite(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def test_regenerating_writes_where_asked_and_help_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        grafana.main(["--help"])
+    assert exited.value.code == 0 and "usage" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # once, `--help` was taken for the output path
+    grafana.main([str(tmp_path / "d" / "x.json")])
+    assert (tmp_path / "d" / "x.json").read_text() == DASHBOARD.read_text()

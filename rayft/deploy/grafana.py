@@ -11,8 +11,8 @@ Regenerate the checked-in file with `python -m rayft.deploy.grafana` (a test com
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,8 +162,18 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
-if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else DASHBOARD_FILE
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Write rayft's Grafana dashboard JSON (regenerates the checked-in file)."
+    )
+    parser.add_argument(
+        "out", nargs="?", type=Path, default=DASHBOARD_FILE, help=f"where to write (default {DASHBOARD_FILE})"
+    )
+    out = parser.parse_args(argv).out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render())
     print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
