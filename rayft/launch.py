@@ -326,18 +326,35 @@ def connect(ray_cfg: RayConfig) -> bool:
     log.info("no Ray cluster given (ray.address / RAY_ADDRESS): starting a local one")
     ray.init(address="local", num_cpus=ray_cfg.local_num_cpus, **local_ray_options())
     quiet_worker_output()
+    start_data_singletons()
     return True
+
+
+def start_data_singletons() -> None:
+    """Ask a Ray just started for Ray Data's two cluster-wide actors now (no waiting): Ray Train's controller waits
+    on the autoscaling coordinator, and the first batch on the stats actor, each a new process (~1 s here) that then
+    starts while the driver plans the data. Private Ray Data functions (ray is pinned in constraints.txt): where they
+    have moved, both actors start on first use as before."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+    except ImportError:
+        return
+    get_or_create_autoscaling_coordinator()
+    get_or_create_stats_actor()
 
 
 def local_ray_options() -> dict[str, Any]:
     """A private local Ray with only what the job needs: no preemption watcher (an extra actor per run; a single
     local node is never preempted), no idle workers started ahead of the first driver (one per CPU, most never used:
-    3 % faster to the first step on 2 cores, 5 alternating pairs in bench/startup.py). The dashboard stays
+    3 % faster to the first step on 2 cores, 5 alternating pairs in bench/startup.py), and no Train state API unless
+    RAY_TRAIN_ENABLE_STATE_TRACKING=1 asks for it: its TrainState actor sits on the worker group's start path (3-5 s
+    of 30 to the first step here) and serves a cluster that ends with the job. The dashboard stays
     (RAYFT_LOCAL_DASHBOARD=0 drops it, 2 s of start-up here): without it Ray Train's placement-group cleaner polls
     the state API it serves every second and logs a warning each time it is not there."""
     dashboard = os.environ.get("RAYFT_LOCAL_DASHBOARD", "1") != "0"
-    if dashboard:
-        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST)
     env = {**worker_env(), "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
     return {
         "include_dashboard": dashboard,

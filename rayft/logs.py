@@ -34,6 +34,7 @@ CHATTER = tuple(
         r"Estimated parquet (encoding ratio|reader batch size)",
         r"has constructor arguments in the object store and max_restarts > 0",  # an advisory about Ray's own actors
         r"RayDeprecationWarning: `ExecutionOptions\.exclude_resources` is deprecated",  # Ray Train's own call
+        r"FutureWarning: `is_gradient_checkpointing` is deprecated",  # PEFT's own call, on every model it wraps
     )
 )
 # Python warnings print the source line after the message: it goes with a hidden warning. Lines may carry the

@@ -28,6 +28,9 @@ DEPRECATION = [
     "(DatasetManager pid=1927) /v/ray/data/_internal/execution/interfaces/execution_options.py:436: "
     "RayDeprecationWarning: `ExecutionOptions.exclude_resources` is deprecated and will be removed in a future.",
     "(DatasetManager pid=1927)   self.exclude_resources = exclude_resources",
+    "\x1b[36m(RayTrainWorker pid=4149)\x1b[0m /v/transformers/modeling_utils.py:3303: FutureWarning: "
+    "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` instead.",
+    "\x1b[36m(RayTrainWorker pid=4149)\x1b[0m   warnings.warn(",
 ]
 # What Ray says when something goes wrong: never dropped, whatever the verbosity.
 TROUBLE = [

@@ -43,6 +43,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _setup_logging(rank)
     profile = _worker_profile(loop_config, entered)
     torch.manual_seed(t.seed)
+    # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
+    train_shard = ray.train.get_dataset_shard("train")
+    val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
     import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
 
     with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
@@ -57,14 +60,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         resumed = checkpoints.restore(loop_config.get("resume_from"), state, plan, t.gradient_accumulation_steps)
     progress_log = _progress_log(cfg, plan, state, run, resumed, loop_config.get("params", {})) if rank == 0 else None
 
-    val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
     objective = Objective(cfg, state.model, device)
     collate = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=objective.dpo)
     evaluate_now = partial(objective.evaluate, val_shard, t.per_device_eval_batch_size, collate, device, autocast)
     cadence = Cadence(t, plan)
     waited = DataWait()
     kept_layers = [] if cfg.fsdp.reshards(plan.world_size) else decoder_layers(state.model)
-    train_shard = ray.train.get_dataset_shard("train")
     train_collate = collate
     if objective.precomputed:
         with profile.stage("reference"):
