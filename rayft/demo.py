@@ -54,13 +54,20 @@ def make_tiny_mistral(directory: Path, seed: int = 0, **overrides: int) -> Path:
     """Random-init dense Mistral (~17M params, almost all in the 131k-row embeddings) + tokenizer."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
+    from transformers.utils import logging as hf_logging
 
     if (directory / "config.json").exists():
         return directory
     make_tokenizer(directory)
     torch.manual_seed(seed)
     model = MistralForCausalLM(MistralConfig(vocab_size=131072, **{**TINY_MISTRAL, **overrides}))
-    model.save_pretrained(str(directory))
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard progress bar is the demo log's first line otherwise
+    try:
+        model.save_pretrained(str(directory))
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return directory
 
 
