@@ -1,4 +1,5 @@
-"""The start-up profile's bookkeeping (the stages of a real job are checked on the reference run, test_job_e2e)."""
+"""The start-up profile's bookkeeping (the stages of a real job are checked on the reference run, test_job_e2e), and
+what a private local Ray starts with."""
 
 from __future__ import annotations
 
@@ -36,3 +37,36 @@ def test_stages_add_up_and_print_in_run_order():
     again = Profile.from_dict(profile.to_dict())  # as the workers receive it
     assert again.stages == profile.stages and again.origin == profile.origin
     assert set(DRIVER_STAGES).isdisjoint(WORKER_STAGES)
+
+
+LOCAL_RAY_PROBE = """
+import json, os, time
+import ray
+from ray.util.state import list_actors
+from rayft.config import RayConfig
+from rayft.launch import connect
+
+assert connect(RayConfig(local_num_cpus=2)) is True  # no address: a private local Ray
+deadline, names = time.monotonic() + 60, set()
+while time.monotonic() < deadline and not {"_AutoscalingCoordinatorActor", "_StatsActor"} <= names:
+    names = {a.class_name for a in list_actors()}
+    time.sleep(0.5)
+print(json.dumps({"actors": sorted(names), "state_tracking": os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING")}))
+ray.shutdown()
+"""
+
+
+def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_train_state_api():
+    """`connect()` without an address, in a process of its own as a job's: Ray Data's two cluster-wide actors are
+    asked for before any dataset runs (Ray Train's controller and the first batch would each wait on one starting),
+    and the Train state API is left off (its actor sits on the worker group's start path). The class names are
+    Ray's; were the functions that create them moved, the actors would not be there."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
+    out = subprocess.run([sys.executable, "-c", LOCAL_RAY_PROBE], capture_output=True, text=True, timeout=300,
+                         env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"_AutoscalingCoordinatorActor", "_StatsActor"} <= set(seen["actors"]), seen
+    assert "TrainStateActor" not in seen["actors"] and seen["state_tracking"] is None, seen
