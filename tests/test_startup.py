@@ -42,25 +42,31 @@ def test_stages_add_up_and_print_in_run_order():
 LOCAL_RAY_PROBE = """
 import json, os, time
 import ray
-from ray.util.state import list_actors
 from rayft.config import RayConfig
 from rayft.launch import connect
 
 assert connect(RayConfig(local_num_cpus=2)) is True  # no address: a private local Ray
-deadline, names = time.monotonic() + 60, set()
-while time.monotonic() < deadline and not {"_AutoscalingCoordinatorActor", "_StatsActor"} <= names:
-    names = {a.class_name for a in list_actors()}
+deadline, named = time.monotonic() + 60, []
+while time.monotonic() < deadline and len(named) < 2:  # from this Ray's GCS: other Rays on the machine do not count
+    named = ray.util.list_named_actors(all_namespaces=True)
     time.sleep(0.5)
-print(json.dumps({"actors": sorted(names), "state_tracking": os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING")}))
+print(json.dumps({"named": named, "state_tracking": os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING")}))
 ray.shutdown()
 """
+# Ray's names for its cluster-wide actors (ray.data._internal: the autoscaling coordinator and STATS_ACTOR_NAME;
+# ray.train.v2._internal.state: TRAIN_STATE_ACTOR_NAME).
+RAY_DATA_ACTORS = {
+    ("AutoscalingCoordinator", "AutoscalingCoordinator"),
+    ("datasets_stats_actor", "_dataset_stats_actor"),
+}
+TRAIN_STATE_ACTOR = ("train_v2_state_actor", "_train_state_actor")
 
 
 def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_train_state_api():
     """`connect()` without an address, in a process of its own as a job's: Ray Data's two cluster-wide actors are
     asked for before any dataset runs (Ray Train's controller and the first batch would each wait on one starting),
-    and the Train state API is left off (its actor sits on the worker group's start path). The class names are
-    Ray's; were the functions that create them moved, the actors would not be there."""
+    and the Train state API is left off (its actor sits on the worker group's start path). The names are Ray's;
+    were the functions that create them moved, the actors would not be there."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
@@ -68,5 +74,6 @@ def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_trai
                          env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"_AutoscalingCoordinatorActor", "_StatsActor"} <= set(seen["actors"]), seen
-    assert "TrainStateActor" not in seen["actors"] and seen["state_tracking"] is None, seen
+    named = {(a["name"], a["namespace"]) for a in seen["named"]}
+    assert named >= RAY_DATA_ACTORS, seen
+    assert TRAIN_STATE_ACTOR not in named and seen["state_tracking"] is None, seen
