@@ -190,10 +190,10 @@ def driver_datasets(
         val_rows, _ = tokenize_in_process(val_records, val_format, fmt, cfg.model, d, tokenizer, mpl)
         val_rows = val_rows.slice(0, d.max_eval_samples)
         validation_rows = val_rows.num_rows
-        validation = _from_arrow(val_rows) if validation_rows else None
+        validation = _to_object_store(val_rows) if validation_rows else None
     if validation_rows == 0 and val_src is not None:
         raise ConfigError(f"data: {val_src.what} has no usable records; fix it or set data.val_split: null")
-    return Datasets(train=_from_arrow(train_rows), train_stats=stats, validation=validation,
+    return Datasets(train=_to_object_store(train_rows), train_stats=stats, validation=validation,
                     validation_rows=validation_rows)  # fmt: skip
 
 
@@ -237,7 +237,7 @@ def tokenize_in_process(
     return rows, stats
 
 
-def _from_arrow(table: pa.Table) -> ray.data.Dataset:
+def _to_object_store(table: pa.Table) -> ray.data.Dataset:
     """Rows into the object store in blocks of RAW_BLOCK_ROWS: the equal split hands rows out block-wise.
     `from_blocks`, not `from_arrow`: it reads each block's metadata here rather than in a remote task, whose worker
     process was a second of the driver's start-up."""
@@ -259,7 +259,7 @@ def build_eval_dataset(
         table, _ = tokenize_in_process(read_records(source), source.format, fmt, cfg.model, d, tokenizer,
                                        cfg.dpo.max_prompt_length)  # fmt: skip
         table = table.slice(0, d.max_eval_samples)
-        dataset, rows = _from_arrow(table), table.num_rows
+        dataset, rows = _to_object_store(table), table.num_rows
     else:
         tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer, actors_at_start(cfg),
                            cfg.dpo.max_prompt_length)  # fmt: skip
