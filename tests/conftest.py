@@ -237,11 +237,13 @@ def free_port() -> int:
 
 # Every test cluster's and test driver's environment. No preemption watcher: one more actor per run, polling nodes
 # that are never preempted here (~3 CPU-s a run, measured; the suite is CPU-bound on this 2-core machine). No idle
-# workers prestarted for a first driver, as rayft's own local Ray (launch.local_ray_options).
+# workers prestarted for a first driver, and Ray Train's controller polling its workers every 0.5 s (a finished or
+# killed worker group is noticed on that poll), as rayft's own local Ray (launch.local_ray_options).
 TEST_RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_prestart_worker_first_driver": "0",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
 
 

@@ -50,7 +50,8 @@ deadline, named = time.monotonic() + 60, []
 while time.monotonic() < deadline and len(named) < 2:  # from this Ray's GCS: other Rays on the machine do not count
     named = ray.util.list_named_actors(all_namespaces=True)
     time.sleep(0.5)
-print(json.dumps({"named": named, "state_tracking": os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING")}))
+poll = ray.get(ray.remote(lambda: os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")).remote())  # as actors see it
+print(json.dumps({"named": named, "state_tracking": os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING"), "poll": poll}))
 ray.shutdown()
 """
 # Ray's names for its cluster-wide actors (ray.data._internal: the autoscaling coordinator and STATS_ACTOR_NAME;
@@ -65,11 +66,13 @@ TRAIN_STATE_ACTOR = ("train_v2_state_actor", "_train_state_actor")
 def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_train_state_api():
     """`connect()` without an address, in a process of its own as a job's: Ray Data's two cluster-wide actors are
     asked for before any dataset runs (Ray Train's controller and the first batch would each wait on one starting),
-    and the Train state API is left off (its actor sits on the worker group's start path). The names are Ray's;
-    were the functions that create them moved, the actors would not be there."""
+    the Train state API is left off (its actor sits on the worker group's start path), and the job's processes
+    (Ray Train's controller among them) poll workers every 0.5 s. The names are Ray's; were the functions that
+    create them moved, the actors would not be there."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
+    unset = ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     out = subprocess.run([sys.executable, "-c", LOCAL_RAY_PROBE], capture_output=True, text=True, timeout=300,
                          env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -77,3 +80,4 @@ def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_trai
     named = {(a["name"], a["namespace"]) for a in seen["named"]}
     assert named >= RAY_DATA_ACTORS, seen
     assert TRAIN_STATE_ACTOR not in named and seen["state_tracking"] is None, seen
+    assert seen["poll"] == "0.5", seen
