@@ -1,11 +1,14 @@
-"""Helpers shared by the benchmarks: host memory high-water marks, free ports, machine facts."""
+"""Helpers shared by the benchmarks: host memory high-water marks, free ports, machine facts, CPU per process."""
 
 from __future__ import annotations
 
 import os
 import platform
 import socket
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 MIB = 2**20
@@ -64,3 +67,65 @@ def cli(doc: str, sizes: dict, run, result_name: str) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
+
+
+class TreeCPU:
+    """CPU seconds (user + system) of a launched process and of every process under it (a local Ray's daemons,
+    actors and workers; torchrun's ranks), sampled from /proc while it runs. Start-up on a small machine is
+    CPU-bound: how many CPU-seconds a system burns before its first step, and in which processes, bounds its wall
+    time from below (CPU-seconds / cores) whatever the scheduling. Read afterwards at any moment of the run (`at`)."""
+
+    def __init__(self, every_s: float = 0.25):
+        self.every_s = every_s
+        self.root = -1
+        self.samples: list[tuple[float, dict[int, float]]] = []  # (wall time, {pid: CPU-s so far})
+        self.labels: dict[int, str] = {}  # pid → every command line it showed, " | "-joined (Ray renames workers)
+
+    def run(self, cmd: list[str], timeout: float, **popen) -> subprocess.CompletedProcess:
+        """`subprocess.run(cmd, capture_output=True, text=True, timeout=...)`, sampling the tree meanwhile."""
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+        self.root = proc.pid
+        deadline = time.monotonic() + timeout
+        while True:
+            self._sample()
+            try:  # communicate() may be retried after a timeout without losing output
+                out, err = proc.communicate(timeout=self.every_s)
+                return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise
+
+    def _sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.root)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        cpu: dict[int, float] = {}
+        for p in procs:
+            try:
+                times, label = p.cpu_times(), " ".join(p.cmdline())[:120] or p.name()
+            except psutil.Error:
+                continue
+            cpu[p.pid] = times.user + times.system
+            seen = self.labels.get(p.pid)
+            if seen is None or label not in seen.split(" | "):
+                self.labels[p.pid] = label if seen is None else f"{seen} | {label}"
+        self.samples.append((time.time(), cpu))
+
+    def at(self, when: float, role: Callable[[int, str], str]) -> dict[str, float]:
+        """CPU-seconds spent until wall time `when`, summed per `role(pid, command line)`, plus their total. A
+        process that ended before `when` counts with its last sample (up to `every_s` of its CPU is missed)."""
+        seen: dict[int, float] = {}
+        for sampled, cpu in self.samples:
+            if sampled > when:
+                break
+            seen.update(cpu)
+        totals: dict[str, float] = {}
+        for pid, seconds in seen.items():
+            name = role(pid, self.labels.get(pid, ""))
+            totals[name] = totals.get(name, 0.0) + seconds
+        return {**{k: round(v, 2) for k, v in sorted(totals.items())}, "total": round(sum(seen.values()), 2)}

@@ -32,14 +32,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import yaml
-from _common import cli, free_port, machine, versions
+from _common import TreeCPU, cli, free_port, machine, versions
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_YAML = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
@@ -81,14 +81,30 @@ def run_rayft(raw: dict, work: Path, skip: int = 1) -> dict:
     raw["train"]["output_dir"] = str(work / "out")
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
+    cpu = TreeCPU()
     started = time.time()
-    done = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO,
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    done = cpu.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"rayft failed:\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (work / "out" / "ray_run" / "metrics.jsonl").read_text().splitlines()]
+    result = summarise_rayft(rows, started, skip)
+    first_step = started + result["time_to_first_step_s"]
     # the first row written carries rayft's start-up profile (bench/startup.py reports it)
-    return {**summarise_rayft(rows, started, skip), "wall_s": time.time() - started, "profile": rows[0].get("startup")}
+    return {**result, "wall_s": time.time() - started, "profile": rows[0].get("startup"),
+            "cpu_s_to_first_step": cpu.at(first_step, partial(rayft_role, cpu.root))}  # fmt: skip
+
+
+def rayft_role(driver: int, pid: int, command: str) -> str:
+    """Whose CPU a process of a rayft run is: the job's driver, Ray Train's workers (the training itself), or Ray's
+    own processes (GCS, raylet, dashboard and agents, Train controller, Ray Data's actors and task workers)."""
+    if pid == driver:
+        return "driver"
+    return "train_workers" if "RayTrainWorker" in command else "ray"
+
+
+def baseline_role(launcher: int, pid: int, command: str) -> str:
+    """torchrun itself, or one of the ranks it starts."""
+    return "launcher" if pid == launcher else "ranks"
 
 
 def summarise_rayft(rows: list[dict], started: float, skip: int = 1) -> dict:
@@ -123,12 +139,13 @@ def run_baseline(raw: dict, work: Path, sequential: bool = False, skip: int = 1)
     settings.write_text(json.dumps(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     nproc = raw["ray"]["num_workers"]
+    cpu = TreeCPU()
     started = time.time()
-    done = subprocess.run(
+    done = cpu.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
          str(free_port()), str(REPO / "bench" / "trl_baseline.py"), "--settings", str(settings), "--out", str(work),
          *(["--sequential"] if sequential else [])],
-        cwd=work, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=work, env=env, timeout=1800,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"baseline failed:\n{done.stderr[-4000:]}")
@@ -149,6 +166,7 @@ def run_baseline(raw: dict, work: Path, sequential: bool = False, skip: int = 1)
         "time_to_first_step_s": steps[0]["time"] - started,
         "losses": [round(s["loss"], 4) for s in steps if "loss" in s],
         "wall_s": time.time() - started,
+        "cpu_s_to_first_step": cpu.at(steps[0]["time"], partial(baseline_role, cpu.root)),
         **_gpu_peaks(ranks),
     }
 

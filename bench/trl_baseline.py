@@ -135,6 +135,8 @@ def main() -> None:
             options={k: v for k, v in gpu_options(data).items() if k != "ddp_backend"},
         )
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort a rank (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 def liger_wanted() -> bool:

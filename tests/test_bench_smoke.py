@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -90,8 +91,9 @@ def test_data_throughput_baseline_tokenizes_exactly_what_rayft_does(fixtures):
 def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     """`bench/train_vs_trl.py --size smoke`: rayft (`python jobs/mistral4.py`) and the seeds' SFTTrainer recipe
     (torchrun), one optimizer step each. bench/startup.py repeats exactly these runs (seed YAML, one step, the same
-    model and data), so its summary is checked on this pair: launch to the first optimizer step, with rayft's
-    start-up profile (every stage, each a part of the whole)."""
+    model and data), so its summary is checked on this pair plus one run of its Ray Train yardstick: launch to the
+    first optimizer step, with rayft's start-up profile (every stage, each a part of the whole), and the CPU-seconds
+    of every run's processes (each kind of process present; no more than the cores could give in that time)."""
     out = tmp_path / "train_vs_trl.json"
     result = subprocess.run(
         [sys.executable, "bench/train_vs_trl.py", "--size", "smoke", "--out", str(out)],
@@ -108,10 +110,21 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     assert report["versions"]["ray"] and report["versions"]["trl"] and "cpus" in report["machine"]
 
     sys.path.insert(0, str(REPO / "bench"))
-    from startup import summarise
+    from startup import run_ray_train_empty, summarise
 
-    startup = summarise(seed["runs"])
-    (rayft,), (trl,) = startup["runs"]["rayft"], startup["runs"]["baseline"]
+    startup = summarise({**seed["runs"], "ray_train_empty": [run_ray_train_empty(tmp_path / "empty")]})
+    (rayft,), (trl,), (empty,) = (startup["runs"][k] for k in ("rayft", "baseline", "ray_train_empty"))
+    cores = os.cpu_count()
+    for run, parts in ((rayft, {"driver", "ray", "train_workers"}), (trl, {"launcher", "ranks"}),
+                       (empty, {"driver", "ray", "train_workers"})):  # fmt: skip
+        cpu = run["cpu_s_to_first_step"]
+        assert set(cpu) == parts | {"total"} and all(cpu[p] > 0 for p in parts), cpu
+        assert cpu["total"] == pytest.approx(sum(cpu[p] for p in parts), abs=0.05)
+        assert cpu["total"] <= cores * run["time_to_first_step_s"] + 0.5, (cpu, run["time_to_first_step_s"])
+    assert 0 < empty["time_to_first_step_s"] <= empty["wall_s"]
+    assert startup["rayft_floor_s"] == pytest.approx(rayft["cpu_s_to_first_step"]["total"] / cores, abs=0.01)
+    assert startup["ratio_ray_train_empty_over_trl"] == pytest.approx(
+        empty["time_to_first_step_s"] / trl["time_to_first_step_s"], rel=1e-2)  # fmt: skip
     assert 0 < rayft["time_to_first_step_s"] <= rayft["wall_s"] and 0 < trl["time_to_first_step_s"] <= trl["wall_s"]
     stages = rayft["profile"]
     for stage in ("launch", "preflight_tokenizer", "ray_start", "data_plan", "worker_group_start", "model_build_load",
