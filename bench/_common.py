@@ -94,6 +94,7 @@ class TreeCPU:
             except subprocess.TimeoutExpired:
                 if time.monotonic() > deadline:
                     proc.kill()
+                    proc.communicate()  # reaped, as subprocess.run does
                     raise
 
     def _sample(self) -> None:

@@ -79,7 +79,8 @@ def cpu_floor(kept: dict[str, list[dict]], baseline_s: float) -> dict:
 
 
 def _first_step(result: dict) -> dict:
-    """What start-up needs of one run's result: its two times, and rayft's profile where the run has one."""
+    """What start-up needs of one run's result: its two times, rayft's profile where the run has one, and its
+    CPU-seconds per kind of process where they were counted."""
     kept = {"time_to_first_step_s": round(result["time_to_first_step_s"], 2), "wall_s": round(result["wall_s"], 2)}
     for key in ("profile", "cpu_s_to_first_step"):
         if key in result:
@@ -130,8 +131,7 @@ def run(size: str) -> dict:
     model = demo.make_tiny_mistral(root / "model", **MODEL)
     dataset = demo.make_wikitext(root / "wikitext", train_articles=40, val_articles=4, seed=3)
     raw = seed_settings(root, model, dataset, steps=1, packing=False)
-    runs: dict[str, list[dict]] = {"rayft": [], "baseline": []}
-    runs["ray_train_empty"] = []
+    runs: dict[str, list[dict]] = {"rayft": [], "baseline": [], "ray_train_empty": []}
     for i in range(s["repeats"]):  # alternating, so machine drift hits all alike
         runs["rayft"].append(run_rayft(raw, root / f"rayft-{i}"))
         runs["baseline"].append(run_baseline(raw, root / f"trl-{i}"))

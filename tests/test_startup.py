@@ -66,9 +66,9 @@ TRAIN_STATE_ACTOR = ("train_v2_state_actor", "_train_state_actor")
 def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_train_state_api():
     """`connect()` without an address, in a process of its own as a job's: Ray Data's two cluster-wide actors are
     asked for before any dataset runs (Ray Train's controller and the first batch would each wait on one starting),
-    the Train state API is left off (its actor sits on the worker group's start path), and the job's processes
-    (Ray Train's controller among them) poll workers every 0.5 s. The names are Ray's; were the functions that
-    create them moved, the actors would not be there."""
+    the Train state API is left off (its actor sits on the worker group's start path), and the job's processes see
+    a 0.5 s worker poll (Ray Train's controller reads it from its environment). The names are Ray's; were the
+    functions that create them moved, the actors would not be there."""
     import json
 
     unset = ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
