@@ -59,9 +59,10 @@ def _fp8_and_reference(arch: str) -> tuple[nn.Module, nn.Module]:
     return fp8, reference
 
 
-def _dequantised(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    assert data.dtype == torch.uint8 and scale.dtype == torch.float32
-    return data.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+def _dequantised(data: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes × their row scales, read from the int32 parameter that holds the scales' fp32 bit patterns."""
+    assert data.dtype == torch.uint8 and scale_bits.dtype == torch.int32
+    return data.view(torch.float8_e4m3fn).float() * scale_bits.view(torch.float32).unsqueeze(-1)
 
 
 def _quantised_by_hand(weight: torch.Tensor) -> torch.Tensor:
@@ -289,7 +290,7 @@ def _assert_hub_bytes_loaded_as_they_are(model: nn.Module, model_dir: str, rank:
     for name, param in storage:
         full = param.full_tensor()  # collective: every rank
         scale_name = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else f"{name}_scale"
-        scale = dict(model.named_parameters())[scale_name].full_tensor()
+        scale = dict(model.named_parameters())[scale_name].full_tensor().view(torch.float32)
         if rank:
             continue
         key = "language_model." + model_param_name(name)
@@ -376,6 +377,55 @@ def test_fsdp2_gathers_fp8_bytes_and_trains_like_the_dequantised_fp32_path(fixtu
         assert sum(local_fp8.values()) <= 0.6 * local_fp32["float32"] / 2, (model, local_fp8, local_fp32)
         for step_fp8, step_fp32 in zip(fp8["frozen_gathered_per_step"], fp32["frozen_gathered_per_step"], strict=True):
             assert 0 < step_fp8 <= 0.6 * step_fp32 / 2, (model, step_fp8, step_fp32)
+
+
+def _bf16_gather_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Shard an FP8 linear and FP8 experts over the gloo ranks under a bf16 mixed-precision policy (the GPU's); in
+    forward, where FSDP has gathered them, record their scales and bf16 weights against the unsharded originals."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # the same modules on every rank
+        linear = Fp8Linear.from_linear(nn.Linear(64, 48, bias=False), torch.bfloat16)
+        experts, _ = _experts_and_reference()
+        modules = {"linear": (linear, ("weight",)), "experts": (experts, ("gate_up_proj", "down_proj"))}
+        originals, seen = {}, {}
+        for label, (module, names) in modules.items():
+            for name in names:
+                scale = getattr(module, f"{name}_scale")
+                originals[f"{label}.{name}"] = (scale.detach().clone(), _dequantised(getattr(module, name), scale))
+            fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+            def record(mod, args, label=label, names=names):
+                for name in names:
+                    seen[f"{label}.{name}"] = (
+                        getattr(mod, f"{name}_scale").detach().clone(),
+                        _dequantised(getattr(mod, name), getattr(mod, f"{name}_scale")),
+                    )
+
+            module.register_forward_pre_hook(record)
+        linear(torch.randn(3, 64))
+        experts(torch.randn(4, 64), torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5))
+        same = {
+            key: [torch.equal(seen[key][0], scale), torch.equal(seen[key][1].bfloat16(), weight.bfloat16())]
+            for key, (scale, weight) in originals.items()
+        }
+        if rank == 0:
+            Path(out).write_text(json.dumps(same))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_scales_cross_a_bf16_fsdp_all_gather_bit_for_bit(tmp_path):
+    """FSDP2's bf16 parameter policy casts every floating-point parameter it gathers; the row scales must come out of
+    the all-gather as the checkpoint's fp32 values, bit for bit, and so must the bf16 weight they dequantise to."""
+    out = tmp_path / "same.json"
+    spawn_ranks(_bf16_gather_rank, args=(2, free_port(), str(out)), nprocs=2)
+    same = json.loads(out.read_text())
+    assert set(same) == {"linear.weight", "experts.gate_up_proj", "experts.down_proj"}
+    assert all(scale and weight for scale, weight in same.values()), same
 
 
 # --- Only the experts a micro-batch routes to are dequantised, a bounded chunk at a time ----------------------------

@@ -195,3 +195,40 @@ def test_cpu_offload_materialises_the_shards_on_the_host(fixtures: Fixtures, tmp
     assert materialization_device(cfg.fsdp, torch.device("cuda", 0)) == torch.device("cpu")
     without = Config.from_dict(tiny_config(fixtures, tmp_path)).fsdp
     assert materialization_device(without, torch.device("cuda", 0)) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("frozen", ["float8_e4m3fn", "bfloat16"], ids=["fp8-base", "bf16-base"])
+def test_lora_master_weights_and_adamw_state_stay_fp32_over_a_low_precision_base(
+    fixtures: Fixtures, tmp_path, process_group, frozen
+):
+    """Over a bf16 or FP8 frozen base the adapter (FSDP's sharded master copy) and its AdamW moments are fp32, so a
+    learning-rate-sized first AdamW step lands as an fp32 AdamW step computed here by hand: lr · g / (|g| + eps).
+    In bf16 most of these 1e-4 updates fall below the weight's ulp and vanish."""
+    from rayft.train.schedule import build_optimizer
+
+    lr, eps = 1e-4, 1e-8
+    raw = tiny_config(fixtures, tmp_path)
+    raw["model"].update(torch_dtype="bfloat16", frozen_dtype=frozen)
+    raw["train"].update(learning_rate=lr, weight_decay=0.0)
+    raw["lora"].update(lora_dropout=0.0)
+    cfg = Config.from_dict(raw)
+    model = build_model(cfg, on_gpu=False)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and {p.to_local().dtype for p in trainable.values()} == {torch.float32}
+    with torch.no_grad():  # B = 0 at init leaves every A's gradient zero
+        for name, p in trainable.items():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    before = {n: p.full_tensor().clone() for n, p in trainable.items()}
+    optimizer = build_optimizer(model, cfg.train, on_gpu=False)
+    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2, 977, 41]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.full_tensor().clone() for n, p in trainable.items()}
+    optimizer.step()
+    moments = [t for state in optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
+    for name, p in trainable.items():
+        g = grads[name]
+        assert g.abs().sum() > 0, name
+        expected = before[name] - lr * g / (g.abs() + eps)  # Adam's first step: bias-corrected m / sqrt(v) = g / |g|
+        torch.testing.assert_close(p.full_tensor(), expected, rtol=1e-6, atol=1e-9, msg=name)

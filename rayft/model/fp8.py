@@ -9,8 +9,10 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
   by the mixed-precision policy (a `float8` one would be gathered as bf16/fp32), gloo moves `uint8`, and PEFT does
   not cast its LoRA weights to an integer base dtype.
 - Scales are per output row (`[out]` for a linear, `[E, out]` for fused experts), so they shard on dim 0 exactly
-  with their rows. The hub's static per-tensor / per-expert scales expand to rows losslessly; a bf16/fp32 weight is
-  quantised per row (amax / 448).
+  with their rows. They are stored as the int32 bit patterns of their fp32 values (`scales()` views them back)
+  for the same reason: a floating-point parameter would be rounded to `param_dtype` by every bf16 all-gather.
+  The hub's static per-tensor / per-expert scales expand to rows losslessly; a bf16/fp32 weight is quantised per
+  row (amax / 448).
 - The matmul is an autograd Function: forward dequantises into the compute dtype, backward dequantises again for
   the input gradient; no weight gradient, and only the 1-byte weight and its scales are saved for backward.
 """
@@ -30,6 +32,7 @@ from torch import nn
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 STORAGE = torch.uint8  # E4M3 bit patterns; see the module docstring for why not torch.float8_e4m3fn
+SCALE_STORAGE = torch.int32  # fp32 bit patterns of the row scales, never cast by FSDP's mixed precision
 FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
@@ -55,6 +58,13 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     for lo in range(0, data.shape[0], step):
         out[lo : lo + step] = dequantize_rows(data[lo : lo + step], scale[lo : lo + step], torch.float32)
     return out
+
+
+def scales(storage: torch.Tensor) -> torch.Tensor:
+    """The fp32 row scales held in an int32 scale parameter (a view: writing to it fills the parameter)."""
+    if storage.dtype != SCALE_STORAGE:
+        raise TypeError(f"FP8 row scales are stored as {SCALE_STORAGE}, got {storage.dtype}")
+    return storage.view(torch.float32)
 
 
 def rows_scale(scale: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
@@ -178,8 +188,9 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
 
 class Fp8Linear(nn.Linear):
     """A frozen linear layer stored as E4M3 bytes (`weight`, uint8 `[out, in]`) + fp32 row scales (`weight_scale`,
-    `[out]`). It is an `nn.Linear` (`in_features`, `out_features`, `weight`, `bias`) so PEFT wraps it with LoRA as
-    usual; `compute_dtype` is what PEFT gives the LoRA weights (it reads that attribute for quantised bases)."""
+    `[out]`, held as int32 bits: `scales()`). It is an `nn.Linear` (`in_features`, `out_features`, `weight`,
+    `bias`) so PEFT wraps it with LoRA as usual; `compute_dtype` is the dtype its weight is dequantised to when no
+    autocast says otherwise (PEFT reads that attribute for quantised bases; `adopt_lora_` then keeps LoRA fp32)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None
@@ -187,7 +198,7 @@ class Fp8Linear(nn.Linear):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a float weight
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         self.weight = _frozen((out_features, in_features), STORAGE, device)
-        self.weight_scale = _frozen((out_features,), torch.float32, device)
+        self.weight_scale = _frozen((out_features,), SCALE_STORAGE, device)
         self.bias = _frozen((out_features,), compute_dtype, device) if bias else None
 
     @classmethod
@@ -199,7 +210,7 @@ class Fp8Linear(nn.Linear):
             with torch.no_grad():
                 data, scale = quantize_rows(linear.weight)
                 layer.weight.copy_(data)
-                layer.weight_scale.copy_(scale)
+                scales(layer.weight_scale).copy_(scale)
                 if linear.bias is not None:
                     layer.bias.copy_(linear.bias)
         return layer
@@ -208,10 +219,10 @@ class Fp8Linear(nn.Linear):
         """Frozen storage is filled from a checkpoint, never initialised."""
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(self.weight, self.weight_scale, dtype or self.compute_dtype)
+        return dequantize_rows(self.weight, scales(self.weight_scale), dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _FrozenLinear.apply(x, self.weight, self.weight_scale)
+        out = _FrozenLinear.apply(x, self.weight, scales(self.weight_scale))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
@@ -249,16 +260,20 @@ class Fp8Experts(nn.Module):
         for name in EXPERT_WEIGHTS:
             shape = tuple(getattr(experts, name).shape)
             self.register_parameter(name, _frozen(shape, STORAGE, device))
-            self.register_parameter(f"{name}_scale", _frozen(shape[:2], torch.float32, device))
+            self.register_parameter(f"{name}_scale", _frozen(shape[:2], SCALE_STORAGE, device))
             if device.type != "meta":
                 with torch.no_grad():
                     data, scale = quantize_rows(getattr(experts, name))
                     getattr(self, name).copy_(data)
-                    getattr(self, f"{name}_scale").copy_(scale)
+                    self.scale(name).copy_(scale)
         self.lora_factors: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
 
+    def scale(self, name: str) -> torch.Tensor:
+        """The fp32 row scales of expert weight `name` (`[E, out]`)."""
+        return scales(getattr(self, f"{name}_scale"))
+
     def dequantized_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(getattr(self, name), getattr(self, f"{name}_scale"), dtype or self.compute_dtype)
+        return dequantize_rows(getattr(self, name), self.scale(name), dtype or self.compute_dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, top_k = top_k_index.shape
@@ -277,7 +292,7 @@ class Fp8Experts(nn.Module):
     def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor, rows: list[int]) -> torch.Tensor:
         data = getattr(self, name)
         chunks = expert_chunks(rows, data[0].numel(), x.device)
-        out = _FrozenGroupedLinear.apply(x, data, getattr(self, f"{name}_scale"), chunks)
+        out = _FrozenGroupedLinear.apply(x, data, self.scale(name), chunks)
         for lhs, rhs, scaling in self.lora_factors.get(name, ()):
             # (x · (s·lhs·rhs)ᵀ) per group = s · (x · rhsᵀ) · lhsᵀ; lhs [E, out, r], rhs [E, r, in]
             x_in = x.to(out.dtype).contiguous()
@@ -352,8 +367,9 @@ def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype) -> int:
 
 def adopt_lora_(model: nn.Module) -> None:
     """After PEFT wrapped the model: expert LoRA over FP8 experts goes through `Fp8ParamWrapper`, and every adapter
-    over an FP8 base takes the compute dtype, as it would next to a base in that dtype (next to the integer storage
-    PEFT leaves them as created)."""
+    over an FP8 base is fp32, as PEFT keeps it next to a bf16 base: the trainable weights and their AdamW state are
+    the master copy (FSDP's mixed precision casts them for compute), and at LoRA learning rates most updates to a
+    bf16 weight would fall below its ulp and be lost."""
     for module in model.modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
         if not isinstance(base, (Fp8Linear, Fp8Experts)):
@@ -362,7 +378,7 @@ def adopt_lora_(model: nn.Module) -> None:
             module.__class__ = Fp8ParamWrapper
         for adapters in (module.lora_A, module.lora_B):
             for name in list(adapters):
-                adapters[name] = adapters[name].to(base.compute_dtype)
+                adapters[name] = adapters[name].to(torch.float32)
 
 
 def frozen_storage_bytes(model: nn.Module) -> dict[str, int]:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rayft.model.fp8 import fp8_scale_params, quantize_rows, rows_scale
+from rayft.model.fp8 import fp8_scale_params, quantize_rows, rows_scale, scales
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
@@ -291,7 +291,7 @@ def _load_fp8_(
 ) -> None:
     """Fill FP8 storage (E4M3 bytes + row scales, `rayft.model.fp8`) with rows [start, start + len): an E4M3
     checkpoint's bytes as they are (its static scale spread over the rows), anything else quantised per row."""
-    scale_local, scale_start = scale
+    scale_local, scale_start = scales(scale[0]), scale[1]  # fp32 view of the int32 scale storage
     if scale_start != start or scale_local.shape[0] != data.shape[0]:
         raise RuntimeError(f"'{key}': its FP8 row scales are sharded unlike its rows ({scale_start} vs {start})")
     if not data.shape[0]:

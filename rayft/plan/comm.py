@@ -13,7 +13,7 @@ Layouts:
   FSDP        S = W. Each decoder layer is gathered in forward and again in backward (reshard_after_forward, the
               default when sharded; the recompute of activation checkpointing reuses the backward gather): per
               micro-batch 2·G_layers·(S−1)/S, G_layers = frozen layer weights as gathered (c bytes each; FP8 storage:
-              1 byte + one c-byte row scale per row) + layer LoRA·c. Without reshard_after_forward: once per step.
+              1 byte + a 4-byte row scale per row) + layer LoRA·c. Without reshard_after_forward: once per step.
               The root (embeddings, norm, head) is gathered once and kept when it holds no LoRA, else once per
               micro-batch. Per step: LoRA gradients reduce-scattered, LoRA·r·(S−1)/S (on the last micro-batch).
   HSDP        S = GPUs per node (gathers stay on NVLink), R = nodes: as FSDP within the node, then the
@@ -124,7 +124,7 @@ def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gp
     plan = CommPlan(layout, cfg.train.gradient_accumulation_steps)
     c, r = compute_bytes(cfg, on_gpu), _reduce_bytes(cfg)
     k, w = layout.expert_parallel, cluster.world
-    experts_as_gathered = (s.experts + s.expert_rows * c if fp8 else s.experts * c) if k > 1 else 0
+    experts_as_gathered = (s.experts + s.expert_rows * 4 if fp8 else s.experts * c) if k > 1 else 0
     expert_lora = s.expert_lora if k > 1 else 0
     layers = _gathered_layers(s, c, fp8) - experts_as_gathered - expert_lora * c
     plan.transfers += _sharded(cfg, s, layout, cluster, layers, s.lora - expert_lora, c, r)
@@ -144,7 +144,7 @@ def _reduce_bytes(cfg: Config) -> int:
 
 def _gathered_layers(s: Structure, c: int, fp8: bool) -> float:
     """G_layers: every decoder layer's parameters as FSDP gathers them (frozen + LoRA), all layers."""
-    frozen = (s.layers_frozen - s.fp8) * c + s.fp8 + s.fp8_rows * c if fp8 else s.layers_frozen * c
+    frozen = (s.layers_frozen - s.fp8) * c + s.fp8 + s.fp8_rows * 4 if fp8 else s.layers_frozen * c
     return frozen + s.layers_lora * c
 
 
