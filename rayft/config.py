@@ -287,6 +287,29 @@ class ParallelConfig:
         return int(self.expert_parallel)
 
 
+@dataclass
+class NcclConfig:
+    """NCCL's fabric settings, given to every training worker on a GPU cluster through Ray's runtime environment
+    (so they reach workers on any Ray cluster, not only pods rendered by `rayft k8s render`). None leaves a variable
+    to the pod's environment or NCCL's own detection."""
+
+    # NCCL_IB_HCA: '=mlx5_0,mlx5_1' names exact adapters (':1' a port); a bare 'mlx5' is a prefix match that
+    # also takes Ethernet/RoCE ports of the same driver.
+    ib_hca: str | None = None
+    # NCCL_IB_GID_INDEX: RoCE fabrics need the GID of the RoCE v2 address (commonly 3); InfiniBand needs none.
+    ib_gid_index: int | None = None
+    # NCCL_SOCKET_IFNAME: the interface for NCCL's bootstrap and socket fallback (e.g. net1, ^lo,docker).
+    socket_ifname: str | None = None
+    # NCCL_DEBUG: WARN reports problems only; INFO prints per-rank set-up lines (which transport, NET/IB or
+    # NET/Socket) and is worth it only while a fabric is being brought up.
+    debug: str = "WARN"
+    # NCCL_DEBUG_SUBSYS with debug INFO, e.g. INIT,NET.
+    debug_subsys: str | None = None
+    # Any other NCCL_* variable, e.g. NCCL_IB_QPS_PER_CONNECTION: "1".
+    env: dict[str, str] = field(default_factory=dict)
+
+
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 REPORT_TO = ("none", "tensorboard", "mlflow")
 DEFAULT_VAL_RATIO = 0.05
 
@@ -300,6 +323,7 @@ SECTIONS: dict[str, type] = {
     "ray": RayConfig,
     "parallel": ParallelConfig,
     "dpo": DpoConfig,
+    "nccl": NcclConfig,
 }
 
 
@@ -313,6 +337,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    nccl: NcclConfig = field(default_factory=NcclConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
@@ -462,6 +487,7 @@ class Config:
         if r.use_gpu is False:
             self.check_cpu_precision()
         self.check_expert_parallel()
+        self.check_nccl()
 
         _at_least("ray.num_workers", r.num_workers, 1)
         _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
@@ -501,6 +527,22 @@ class Config:
             raise ConfigError(
                 "parallel.expert_parallel > 1 needs model.load_mode: sharded (each worker reads only its own experts)"
             )
+        if self.fsdp.cpu_offload:
+            raise ConfigError(
+                "fsdp.cpu_offload: true cannot be combined with parallel.expert_parallel > 1: the routed experts are "
+                "not FSDP's, so they would stay in host memory while their tokens are on the GPU; set "
+                "fsdp.cpu_offload: false or parallel.expert_parallel: 1"
+            )
+
+    def check_nccl(self) -> None:
+        """The `nccl` section: a known debug level, a non-negative GID index, only NCCL_* names in `env`."""
+        n = self.nccl
+        _one_of("nccl.debug", n.debug, NCCL_DEBUG_LEVELS)
+        if n.ib_gid_index is not None:
+            _at_least("nccl.ib_gid_index", n.ib_gid_index, 0)
+        for name in n.env:
+            if not name.startswith("NCCL_"):
+                raise ConfigError(f"nccl.env: '{name}' is not an NCCL variable (names start with NCCL_)")
 
     def check_dpo(self) -> None:
         """The `dpo` section's ranges, and the data settings preference pairs cannot use."""

@@ -20,6 +20,7 @@ from rayft.config import Config, ConfigError, RayConfig, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, with_adapter_shape
+from rayft.parallel.backend import nccl_env, process_group_backend
 from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
@@ -83,7 +84,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
             "profile": profile.to_dict(),
             "fit_started": time.time(),
         },
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(
             name=cfg.ray.name,
@@ -94,7 +95,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
                 checkpoint_score_order=best[1] if best else "max",
             ),
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
-            worker_runtime_env={"env_vars": worker_env()},
+            worker_runtime_env=worker_runtime_env(cfg, use_gpu),
         ),
         datasets=splits,
     )
@@ -247,10 +248,12 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     trainer = TorchTrainer(
         eval_loop_per_worker,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(
-            name=f"{cfg.ray.name}-eval", storage_path=cfg.storage_path, worker_runtime_env={"env_vars": worker_env()}
+            name=f"{cfg.ray.name}-eval",
+            storage_path=cfg.storage_path,
+            worker_runtime_env=worker_runtime_env(cfg, use_gpu),
         ),
         datasets={"validation": dataset},
     )
@@ -368,6 +371,16 @@ def local_ray_options() -> dict[str, Any]:
         "runtime_env": {"env_vars": env},
         "_system_config": {"prestart_worker_first_driver": False},
     }
+
+
+def torch_config(cfg: Config, use_gpu: bool) -> TorchConfig:
+    return TorchConfig(backend=process_group_backend(cfg, use_gpu))
+
+
+def worker_runtime_env(cfg: Config, use_gpu: bool) -> dict[str, Any]:
+    """The training workers' runtime environment: `worker_env`, and on GPUs the `nccl` section's variables, so
+    NCCL is set up the same on any Ray cluster (Ray merges them over the job's own env_vars)."""
+    return {"env_vars": {**worker_env(), **(nccl_env(cfg.nccl) if use_gpu else {})}}
 
 
 def worker_env() -> dict[str, str]:

@@ -25,6 +25,7 @@ from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
+from rayft.parallel.backend import prefix_matched_hca
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
@@ -57,6 +58,9 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         return profile.stage(name) if profile is not None else nullcontext()
 
     model_dir = Path(cfg.model.model_name_or_path).expanduser()
+    hca = prefix_matched_hca(cfg.nccl)
+    if hca:
+        log.warning("%s", hca)
     with timed("preflight_model"):  # the files first: a missing model is the most common mistake
         _check_model_dir(model_dir)
         check_safetensors_dir(model_dir)

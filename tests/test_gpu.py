@@ -3,7 +3,9 @@
 Each test builds the model exactly as a worker does (`build_model(cfg, on_gpu=True, device)`: meta init → LoRA →
 FSDP2 → sharded loading onto the GPU) and checks it against a path that shares none of that: transformers'
 own model classes on CPU in fp32 (experts through their eager loop, not `grouped_mm`), `from_pretrained`, the
-FP8 files dequantised whole, or an uninterrupted run. Elsewhere every test here is skipped with "needs CUDA".
+FP8 files as stored or dequantised whole, or an uninterrupted run. Every test runs twice: on CUDA (marked `gpu`,
+skipped with "needs CUDA" elsewhere) and on the CPU over a one-rank gloo group, where the same body checks the
+device-independent part in CI.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
+from fixtures.devices import DEVICES, synchronize
 
 from rayft.config import Config
+from rayft.model.fp8 import STORAGE, fp8_scale_params
 from rayft.model.lora import AUTO_TARGETS, DENSE_TARGETS
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 # bf16 keeps 8 significant bits: each LoRA gradient within 5% of fp32 in norm (10% for the MoE model, where a bf16
 # router may send the odd near-tied token to another expert than fp32 does). The random models' losses sit near
@@ -30,24 +32,29 @@ LOSS_ATOL = 1e-2
 GRAD_RTOL = {"dense": 5e-2, "mistral4-hub": 1e-1}
 
 
-@pytest.fixture
-def cuda_group():
-    """A one-rank NCCL process group on GPU 0, as a Ray Train worker with one GPU has."""
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+@pytest.fixture(params=DEVICES)
+def device_group(request):
+    """A one-rank process group as a Ray Train worker has: NCCL on GPU 0, or gloo on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    if request.param == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
     yield device
     dist.destroy_process_group()
 
 
-def _raw_config(kind: str, fixtures: Fixtures, hub: Path, out: Path) -> dict:
-    """The demo settings in bf16 on GPU, LoRA (dropout 0) on an explicit list so the reference can copy it."""
+def _raw_config(kind: str, fixtures: Fixtures, hub: Path, out: Path, frozen: str = "auto") -> dict:
+    """The demo settings in bf16 on GPU, LoRA (dropout 0) on an explicit list so the reference can copy it; the hub
+    model's base kept as `frozen` (auto: FP8, as its checkpoint)."""
     raw = tiny_config(fixtures, out)
     raw["train"]["bf16"] = True
     raw["lora"].update(lora_dropout=0.0, target_modules=list(DENSE_TARGETS))
     if kind == "mistral4-hub":
-        raw["model"].update(model_name_or_path=str(hub), torch_dtype="bfloat16")
+        raw["model"].update(model_name_or_path=str(hub), torch_dtype="bfloat16", frozen_dtype=frozen)
         raw["lora"]["target_modules"] = list(AUTO_TARGETS["mistral4"])
     return raw
 
@@ -102,15 +109,31 @@ def _cpu_reference(gpu_model, raw: dict, model_dir: Path):
         peft.LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
                         target_modules=lora["target_modules"], task_type=peft.TaskType.CAUSAL_LM),
     )  # fmt: skip
-    weights = {n: p.full_tensor().detach().float().cpu() for n, p in gpu_model.named_parameters()}
-    missing, unexpected = reference.load_state_dict(weights, strict=False)
+    missing, unexpected = reference.load_state_dict(_dense_weights(gpu_model), strict=False)
     assert not unexpected and not [k for k in missing if k in dict(reference.named_parameters())], missing
     return reference
 
 
+def _dense_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to the CPU in fp32, FP8 storage dequantised here by hand (E4M3 value × the row
+    scale whose fp32 bits the int32 scale parameter holds), its scale parameters left out."""
+    scale_of = fp8_scale_params(model)
+    scale_ids = {id(p) for p in scale_of.values()}
+    out = {}
+    for name, p in model.named_parameters():
+        if id(p) in scale_ids:
+            continue
+        full = p.full_tensor().detach().cpu()
+        if p.dtype == STORAGE:
+            scale = scale_of[name].full_tensor().detach().cpu().view(torch.float32)
+            full = full.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+        out[name] = full.float()
+    return out
+
+
 @pytest.mark.parametrize("kind", ["dense", "mistral4-hub"])
 def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
-    kind, fixtures: Fixtures, mistral4_hub: Path, tmp_path, cuda_group
+    kind, fixtures: Fixtures, mistral4_hub: Path, tmp_path, device_group
 ):
     """One optimizer step of the worker's model (bf16 FSDP2 + LoRA, fused loss, MoE experts through grouped_mm):
     loss, every LoRA gradient and the loss after the AdamW step equal the fp32 CPU reference within bf16 error."""
@@ -119,13 +142,13 @@ def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
     raw = _raw_config(kind, fixtures, mistral4_hub, tmp_path)
     cfg = Config.from_dict(raw)
     torch.manual_seed(0)
-    model = build_model(cfg, on_gpu=cuda_group.type == "cuda", device=cuda_group)
+    model = build_model(cfg, on_gpu=device_group.type == "cuda", device=device_group)
     if kind == "mistral4-hub":
         assert model.get_base_model().config._experts_implementation == "grouped_mm"
     _randomise_lora_b(model)
     reference = _cpu_reference(model, raw, _model_dir(kind, fixtures, mistral4_hub))
     assert fused_loss(model, cfg) is None
-    batch = _batch(cuda_group)
+    batch = _batch(device_group)
     cpu_batch = {k: v.cpu() for k, v in batch.items()}
 
     def step(m, b):
@@ -151,17 +174,18 @@ def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_fused_loss_equals_full_logits_on_cuda_in_both_branches(packed, fixtures: Fixtures, tmp_path, cuda_group):
-    """On the GPU model in bf16: transformers' loss over full logits, then rayft's fused loss through its GPU
-    branch (masking) and its CPU branch (dropping rows): same loss and LoRA gradients within bf16 error."""
+def test_fused_loss_equals_full_logits_in_both_branches(packed, fixtures: Fixtures, tmp_path, device_group):
+    """On the worker's model (bf16 on the GPU): transformers' loss over full logits, then rayft's fused loss
+    through its GPU branch (masking) and its CPU branch (dropping rows): same loss and LoRA gradients within bf16
+    error."""
     from rayft.model.build import build_model
     from rayft.model.loss import fuse_loss
 
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
     torch.manual_seed(0)
-    model = build_model(Config.from_dict(raw), on_gpu=cuda_group.type == "cuda", device=cuda_group)
+    model = build_model(Config.from_dict(raw), on_gpu=device_group.type == "cuda", device=device_group)
     _randomise_lora_b(model)
-    batch = _batch(cuda_group, packed=packed)
+    batch = _batch(device_group, packed=packed)
 
     def loss_and_grads():
         loss = model(**batch).loss
@@ -182,54 +206,63 @@ def test_fused_loss_equals_full_logits_on_cuda_in_both_branches(packed, fixtures
             assert _relative_error(grads[name], grad) < GRAD_RTOL["dense"], (name, drop_unscored)
 
 
-def test_sharded_loading_onto_the_gpu_equals_from_pretrained(fixtures: Fixtures, mistral4_hub, tmp_path, cuda_group):
-    """Every base weight the rank reads from the files onto the GPU is the one `from_pretrained` gives (dense), or
-    the FP8 tensor × its scale (the hub layout), bit for bit."""
+@pytest.mark.parametrize("kind, frozen", [("dense", "auto"), ("mistral4-hub", "bfloat16"), ("mistral4-hub", "auto")],
+                         ids=["dense", "hub-bf16", "hub-fp8"])  # fmt: skip
+def test_sharded_loading_onto_the_device_equals_the_files(
+    kind, frozen, fixtures: Fixtures, mistral4_hub, tmp_path, device_group
+):
+    """Every base weight the rank reads from the files onto its device is the one `from_pretrained` gives (dense),
+    the FP8 tensor × its scale (the hub layout in bf16), or the hub's E4M3 bytes and static scales as stored (the
+    hub layout kept in FP8), bit for bit."""
+    from test_fp8 import _assert_hub_bytes_loaded_as_they_are
     from test_weights import _dequantised_reference
     from transformers import AutoModelForCausalLM
 
     from rayft.model.build import build_model
     from rayft.model.weights import model_param_name
 
-    for kind in ("dense", "mistral4-hub"):
-        model_dir = _model_dir(kind, fixtures, mistral4_hub)
-        cfg = Config.from_dict(_raw_config(kind, fixtures, mistral4_hub, tmp_path))
-        model = build_model(cfg, on_gpu=cuda_group.type == "cuda", device=cuda_group)
-        if kind == "dense":
-            expected = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
-        else:
-            expected = {k.removeprefix("language_model."): v for k, v in _dequantised_reference(model_dir).items()}
-        seen = set()
-        for name, param in model.named_parameters():
-            assert param.device.type == cuda_group.type, name  # on the GPU, not left on the host
-            if ".lora_" in name:
-                continue
-            key = model_param_name(name)
-            full = param.full_tensor()
-            assert torch.equal(full.cpu(), expected[key].to(full.dtype)), (kind, name)
-            seen.add(key)
-        assert seen == {k for k in expected if not k.endswith("rotary_emb.inv_freq")}, kind
+    model_dir = _model_dir(kind, fixtures, mistral4_hub)
+    cfg = Config.from_dict(_raw_config(kind, fixtures, mistral4_hub, tmp_path, frozen))
+    model = build_model(cfg, on_gpu=device_group.type == "cuda", device=device_group)
+    for name, param in model.named_parameters():
+        assert param.device.type == device_group.type, name  # on the device, not left on the host
+    if kind == "mistral4-hub" and frozen == "auto":
+        _assert_hub_bytes_loaded_as_they_are(model, str(model_dir), rank=0)
+        return
+    if kind == "dense":
+        expected = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
+    else:
+        expected = {k.removeprefix("language_model."): v for k, v in _dequantised_reference(model_dir).items()}
+    seen = set()
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        key = model_param_name(name)
+        full = param.full_tensor()
+        assert torch.equal(full.cpu(), expected[key].to(full.dtype)), (kind, name)
+        seen.add(key)
+    assert seen == {k for k in expected if not k.endswith("rotary_emb.inv_freq")}, kind
 
 
-def test_checkpoint_save_and_exact_resume_on_cuda(fixtures: Fixtures, tmp_path, cuda_group):
+def test_checkpoint_save_and_exact_resume_on_the_device(fixtures: Fixtures, tmp_path, device_group):
     """Save after 2 steps, train 2 more; a fresh model (other seed) that loads the checkpoint trains those 2 steps
-    to the same losses and adapter: LoRA params, AdamW state, scheduler and the CUDA RNG (dropout) all restored."""
+    to the same losses and adapter: LoRA params, AdamW state, scheduler and the device's RNG (dropout) restored."""
     from rayft.model.build import build_model
     from rayft.train.checkpoint import Progress, load_checkpoint, save_checkpoint
     from rayft.train.schedule import build_optimizer, build_scheduler, make_plan
 
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
-    raw["lora"]["lora_dropout"] = 0.1  # draws from the CUDA generator every step
+    raw["lora"]["lora_dropout"] = 0.1  # draws from the device's generator every step
     raw["model"]["attn_implementation"] = "eager"  # deterministic kernels: the comparison can be exact
     raw["train"].update(max_steps=4, learning_rate=1e-2)
     cfg = Config.from_dict(raw)
     plan = make_plan(cfg, train_rows=64, validation_rows=0, world_size=1)
-    batches = [_batch(cuda_group, seed=s) for s in range(4)]
+    batches = [_batch(device_group, seed=s) for s in range(4)]
 
     def trainer(seed: int):
         torch.manual_seed(seed)
-        model = build_model(cfg, on_gpu=cuda_group.type == "cuda", device=cuda_group)
-        optimizer = build_optimizer(model, cfg.train, on_gpu=cuda_group.type == "cuda")
+        model = build_model(cfg, on_gpu=device_group.type == "cuda", device=device_group)
+        optimizer = build_optimizer(model, cfg.train, on_gpu=device_group.type == "cuda")
         return model, optimizer, build_scheduler(optimizer, cfg.train, plan)
 
     def train(model, optimizer, scheduler, steps: range) -> list[float]:
@@ -258,32 +291,73 @@ def test_checkpoint_save_and_exact_resume_on_cuda(fixtures: Fixtures, tmp_path, 
             assert torch.allclose(p.full_tensor().cpu(), adapter[name], rtol=1e-6, atol=1e-7), name
 
 
-def test_mfu_and_gpu_memory_metrics_are_reported_and_sane(fixtures: Fixtures, tmp_path, cuda_group):
-    """The loop's hardware metrics on a real GPU step: a known peak, both MFUs in (0, 1) with 6N above LoRA-aware,
-    peak allocated ≤ reserved ≤ the GPU's memory, all non-null."""
+def test_mfu_and_memory_metrics_are_reported_and_sane(fixtures: Fixtures, tmp_path, device_group):
+    """The loop's hardware metrics on a real step: a peak (the GPU's from the table; on CPU a stated one), both MFUs
+    in (0, 1) with 6N above LoRA-aware; on the GPU peak allocated ≤ reserved ≤ the GPU's memory, on the CPU no
+    device memory (null) but the host's RSS."""
     from rayft.model.build import build_model
-    from rayft.train.loop import _hardware_metrics
-    from rayft.train.metrics import flop_model, peak_flops
+    from rayft.train.metrics import flop_model, hardware_metrics, peak_flops
 
+    cuda = device_group.type == "cuda"
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
-    model = build_model(Config.from_dict(raw), on_gpu=cuda_group.type == "cuda", device=cuda_group)
+    model = build_model(Config.from_dict(raw), on_gpu=cuda, device=device_group)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    batch = _batch(cuda_group)
-    torch.cuda.reset_peak_memory_stats(cuda_group)
+    batch = _batch(device_group)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device_group)
     for i in range(4):
         if i == 1:  # the first step compiles and allocates: time the others
-            torch.cuda.synchronize()
+            synchronize(device_group)
             started = time.perf_counter()
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    torch.cuda.synchronize()
+    synchronize(device_group)
     tokens_per_s = 3 * batch["input_ids"].numel() / (time.perf_counter() - started)
-    flops, peak = flop_model(model, model.config, batch["input_ids"].shape[-1]), peak_flops(cuda_group)
-    assert peak is not None, f"no bf16 peak known for {torch.cuda.get_device_name(cuda_group)}"
-    metrics = _hardware_metrics(tokens_per_s, 1, flops, peak, cuda_group)
-    assert all(metrics[k] is not None for k in metrics), metrics
+    flops = flop_model(model, model.config, batch["input_ids"].shape[-1])
+    peak = peak_flops(device_group, stated_tflops=None if cuda else 1000.0)
+    assert peak is not None, f"no bf16 peak known for {torch.cuda.get_device_name(device_group)}"
+    metrics = hardware_metrics(tokens_per_s, 1, flops, peak, device_group)
     assert 0 < metrics["mfu_lora"] < metrics["mfu_6n"] < 1, metrics
-    total_gib = torch.cuda.get_device_properties(cuda_group).total_memory / 2**30
-    assert 0 < metrics["memory_allocated_gib"] <= metrics["memory_reserved_gib"] <= total_gib, metrics
     assert metrics["host_rss_gib"] > 0.1 and metrics["peak_tflops"] == peak / 1e12
+    if not cuda:
+        assert metrics["memory_allocated_gib"] is None and metrics["memory_reserved_gib"] is None, metrics
+        return
+    assert all(metrics[k] is not None for k in metrics), metrics
+    total_gib = torch.cuda.get_device_properties(device_group).total_memory / 2**30
+    assert 0 < metrics["memory_allocated_gib"] <= metrics["memory_reserved_gib"] <= total_gib, metrics
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+def test_cpu_offload_takes_a_clipped_step_on_the_workers_process_group(device_type, fixtures: Fixtures, tmp_path):
+    """`fsdp.cpu_offload`: shards and their gradients live on the host, so clipping all-reduces CPU tensors. On
+    the group a worker joins (`cpu:gloo,cuda:nccl` on a GPU, where NCCL alone has no CPU backend) the clipped AdamW
+    step runs and changes the adapter; the frozen base stays on the host too."""
+    from rayft.model.build import build_model
+    from rayft.parallel.backend import process_group_backend
+    from rayft.train.schedule import build_optimizer
+    from rayft.train.step import clip_gradients_
+
+    cuda = device_type == "cuda"
+    raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
+    raw["fsdp"] = {"cpu_offload": True}
+    cfg = Config.from_dict(raw)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group(process_group_backend(cfg, cuda), rank=0, world_size=1, device_id=device if cuda else None)
+    try:
+        model = build_model(cfg, on_gpu=cuda, device=device)
+        assert {p.to_local().device.type for p in model.parameters()} == {"cpu"}
+        optimizer = build_optimizer(model, cfg.train, on_gpu=cuda)
+        _randomise_lora_b(model)
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model(**_batch(device)).loss.backward()
+        norm = clip_gradients_(model, 1e-3)  # far below the norm: clipping really scales
+        optimizer.step()
+        assert torch.isfinite(norm) and norm.item() > 1e-3
+        changed = [
+            n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p.full_tensor(), before[n])
+        ]
+        assert changed == list(before), set(before) - set(changed)
+    finally:
+        dist.destroy_process_group()

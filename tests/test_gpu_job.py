@@ -1,7 +1,8 @@
 """The tiny job through a real `ray job submit` on one GPU (`make gpu-check STAGE=job`): a local Ray head with
 `--num-gpus 1`, `ray.use_gpu: true`, one worker on NCCL, FSDP2 in bf16, a checkpoint every step. Then the same
 job stopped after 3 steps and run again (same `ray.name`): it continues from its checkpoint, kill-free, and ends
-with the uninterrupted run's losses and adapter. Skipped with "needs CUDA" where there is no GPU.
+with the uninterrupted run's losses and adapter. The CUDA case is marked `gpu` (skipped with "needs CUDA" where
+there is no GPU); the same test runs on a CPU-only head in CI, so its fixtures and job settings cannot rot.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -30,9 +32,10 @@ from conftest import (
     submit_job,
     write_yaml,
 )
+from fixtures.devices import DEVICES
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.ray]
 
 RUN_NAME = "gpu_run"  # the same for the stopped job and its rerun: that is what makes the rerun continue
 TOLERANCE = 1e-5  # eager attention, fixed shapes: the GPU run repeats itself to float rounding
@@ -46,24 +49,35 @@ def ray_cli() -> str:
     return str(found)
 
 
-@pytest.fixture(scope="module")
-def gpu_cluster() -> RayCluster:
-    """One head node that owns the one GPU (`--num-gpus 1`); only its own process group is stopped after."""
+class Head(NamedTuple):
+    cluster: RayCluster
+    cuda: bool  # the head owns the GPU (else: CPU only)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def gpu_cluster(request) -> Head:
+    """One head node that owns the one GPU (`--num-gpus 1`), or a CPU-only one; only its own process group is
+    stopped after."""
+    cuda = request.param == "cuda"
     temp_dir = Path(tempfile.gettempdir()) / f"rayft-gpu-{os.getpid()}"
     gcs_port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     # `ray job submit -- python ...` resolves `python` through PATH; a device may have only `python3`
     shim = temp_dir.with_name(temp_dir.name + "-bin")
     shim.mkdir(parents=True, exist_ok=True)
+    # A script, not a symlink: a venv's interpreter reached through a symlink elsewhere does not find its pyvenv.cfg
+    # and starts without the venv's packages.
     (shim / "python").unlink(missing_ok=True)
-    (shim / "python").symlink_to(sys.executable)
+    (shim / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (shim / "python").chmod(0o755)
     env["PATH"] = f"{shim}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = temp_dir.with_name(temp_dir.name + "-head.log")
     with open(log, "w") as sink:
         head = subprocess.Popen(
             [ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
-             "--num-gpus", "1", "--num-cpus", str(min(8, os.cpu_count() or 1)), "--disable-usage-stats"],
+             "--num-gpus", "1" if cuda else "0", "--num-cpus", str(max(4, min(8, os.cpu_count() or 1))),
+             "--disable-usage-stats"],
             env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -71,7 +85,7 @@ def gpu_cluster() -> RayCluster:
         if not _wait_for_dashboard(dashboard, head, log):
             pytest.fail(f"ray start --head exited with {head.returncode}; its output:\n{log.read_text()[-3000:]}")
         _wait_for_nodes(f"127.0.0.1:{gcs_port}", env, 1)
-        yield RayCluster(address=f"127.0.0.1:{gcs_port}", dashboard=dashboard, env=env)
+        yield Head(RayCluster(address=f"127.0.0.1:{gcs_port}", dashboard=dashboard, env=env), cuda)
     finally:
         _stop_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -79,11 +93,12 @@ def gpu_cluster() -> RayCluster:
         log.unlink(missing_ok=True)
 
 
-def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, **overrides) -> dict:
-    """The test suite's checkpointing job (6 steps, save + eval every step, dropout on) on one GPU worker, bf16;
-    a constant LR, so a run stopped early by max_steps trains its steps exactly as the full run does."""
+def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, cuda: bool, **overrides) -> dict:
+    """The test suite's checkpointing job (6 steps, save + eval every step, dropout on) on one GPU worker (or one
+    CPU worker), bf16; a constant LR, so a run stopped early by max_steps trains its steps exactly as the full run
+    does."""
     cfg = checkpointing_config(
-        fixtures, out, ray__use_gpu=True, ray__num_workers=1, ray__placement_strategy="PACK", ray__max_failures=0,
+        fixtures, out, ray__use_gpu=cuda, ray__num_workers=1, ray__placement_strategy="PACK", ray__max_failures=0,
         ray__name=RUN_NAME, ray__storage_path=str(storage), train__bf16=True, train__lr_scheduler_type="constant",
         train__warmup_ratio=0.0, model__attn_implementation="eager", **overrides,
     )  # fmt: skip
@@ -107,24 +122,31 @@ def metrics(storage: Path) -> list[dict]:
 
 
 def test_gpu_job_checkpoints_every_step_and_a_rerun_continues_exactly(gpu_cluster, fixtures: Fixtures, tmp_path):
+    cluster, cuda = gpu_cluster
     ref_out, ref_storage = tmp_path / "reference", tmp_path / "reference-storage"
-    _, text = submit(gpu_cluster, gpu_job_config(fixtures, ref_out, ref_storage), ref_out, "reference")
-    assert "1 workers (GPU)" in text, text[-6000:]
+    _, text = submit(cluster, gpu_job_config(fixtures, ref_out, ref_storage, cuda), ref_out, "reference")
+    assert f"1 workers ({'GPU' if cuda else 'CPU'})" in text, text[-6000:]
     reference = metrics(ref_storage)
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
-    for row in reference:  # what the GPU adds to every metrics row
+    for row in reference:  # what the GPU adds to every metrics row (on CPU: no peak, no device memory)
+        assert row["eval_loss"] is not None, row
+        if not cuda:
+            assert row["mfu_lora"] is None and row["memory_allocated_gib"] is None, row
+            continue
         assert row["mfu_lora"] is not None and 0 < row["mfu_lora"] < row["mfu_6n"] < 1, row
         assert 0 < row["memory_allocated_gib"] <= row["memory_reserved_gib"], row
-        assert row["peak_tflops"] and row["eval_loss"] is not None, row
+        assert row["peak_tflops"], row
     snapshot = json.loads((ref_storage / RUN_NAME / "checkpoint_manager_snapshot.json").read_text())
     kept = {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
     assert f"checkpoint-{STEPS:06d}" in kept and len(kept) <= 3, kept  # 2 best + the latest
     assert (ref_out / "final" / "adapter_model.safetensors").is_file()
+    if not cuda:  # a stopped and rerun job continuing exactly on CPU: test_recovery's killed-job test, every CI run
+        return
 
     out, storage = tmp_path / "split", tmp_path / "split-storage"
-    submit(gpu_cluster, gpu_job_config(fixtures, out, storage, train__max_steps=3), out, "first")
+    submit(cluster, gpu_job_config(fixtures, out, storage, cuda, train__max_steps=3), out, "first")
     assert [r["step"] for r in metrics(storage)] == [1, 2, 3]
-    _, text = submit(gpu_cluster, gpu_job_config(fixtures, out, storage), out, "rerun")  # same job, same ray.name
+    _, text = submit(cluster, gpu_job_config(fixtures, out, storage, cuda), out, "rerun")  # same ray.name
     assert "has checkpoints: continuing that run from its latest one" in text, text[-6000:]
     assert "resumed from" in text and "step 3" in text, text[-6000:]
     resumed = metrics(storage)

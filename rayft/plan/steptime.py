@@ -139,7 +139,8 @@ def choose_expert_parallel(cfg: Config, s: Structure, cluster: Cluster, hw: Hard
     """`parallel.expert_parallel: auto`: the expert-parallel degree of the fastest layout that fits the GPU
     (1: no expert parallelism). Only `fsdp.shard_size` as configured is considered for k = 1."""
     candidates = [Layout(shard=cfg.fsdp.shard_group(cluster.world))]
-    candidates += [layout for layout in layouts(cluster, s) if layout.expert_parallel > 1]
+    if not cfg.fsdp.cpu_offload:  # offloading reaches only FSDP's parameters, never expert-parallel experts
+        candidates += [layout for layout in layouts(cluster, s) if layout.expert_parallel > 1]
     best = fastest_fitting(plan_layouts(cfg, s, cluster, hw, fp8, candidates))
     if best is None:
         raise ConfigError(
