@@ -138,12 +138,14 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
 
 
 def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
-    """`bench/gpu_check.py --dry-run` (what runs without a GPU): each stage with its command and budget within the
-    device's limits, both bench configs accepted by rayft's config and planned on the meta device; without
-    --dry-run on a machine with no GPU it refuses with exit 2 instead of reporting empty results."""
+    """`make gpu-check GPU_CHECK_ARGS=--dry-run` (what runs without a GPU, through the Makefile target the device
+    runs): each stage with its command and budget within the device's limits, both bench configs accepted by
+    rayft's config and planned on the meta device; without --dry-run on a machine with no GPU it refuses with
+    exit 2 instead of reporting empty results."""
     result = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run"], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
+        ["make", "--no-print-directory", "gpu-check", "GPU_CHECK_ARGS=--dry-run", f"PY={sys.executable}"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     for stage in ("tests", "job", "bench", "plan"):
