@@ -237,7 +237,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
-    from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, validate, validate_file
+    from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
     from rayft.deploy.k8s import to_yaml
 
     if args.action == "validate":
@@ -252,10 +252,8 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     manifests = render_manifests(args)
     try:
         problems = [f"{kind}: {p}" for kind, doc in manifests.items() for p in validate(doc, crd_dir())]
-    except ManifestError as e:
-        problems = []
-        print(f"rayft: note: rendered without checking against the KubeRay CRDs ({e}; {CRD_DIR_ENV})",
-              file=sys.stderr)  # fmt: skip
+    except ManifestError as e:  # a manifest not checked is not written: no silent skip
+        raise ConfigError(str(e)) from e
     if problems:  # a renderer bug, not the user's: say so loudly
         raise ConfigError("rendered manifests fail validation:\n  " + "\n  ".join(problems))
     header = _render_header(argv)
