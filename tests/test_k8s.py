@@ -135,7 +135,9 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
         assert env["RDMAV_FORK_SAFE"] == "1" and env["TOKENIZERS_PARALLELISM"] == "false"
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
         assert {"NCCL_IB_QPS_PER_CONNECTION", "NCCL_IB_SPLIT_DATA_ON_QPS", "NCCL_IB_DISABLE"} <= set(env)
-        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        rdma = flag.get("--ib-resource", "rdma/rdma_shared_device_a") != "none"
+        added = container.get("securityContext", {}).get("capabilities", {}).get("add", [])
+        assert ("IPC_LOCK" in added) == rdma  # asked for only where RDMA pins memory
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}

@@ -145,6 +145,13 @@ def _rayjob_rules(spec: dict[str, Any]) -> list[str]:
         problems.append("spec.ttlSecondsAfterFinished: needs spec.shutdownAfterJobFinishes: true (else it is ignored)")
     if spec.get("suspend") and not shutdown:
         problems.append("spec.suspend: needs spec.shutdownAfterJobFinishes: true")
+    deletion = spec.get("deletionStrategy") or {}
+    if deletion.get("deletionRules") and shutdown:
+        problems.append("spec.deletionStrategy.deletionRules: cannot be used with spec.shutdownAfterJobFinishes")
+    if deletion.get("deletionRules") and ("onSuccess" in deletion or "onFailure" in deletion):
+        problems.append("spec.deletionStrategy: deletionRules and onSuccess/onFailure cannot be used together")
+    if deletion and not deletion.get("deletionRules") and not ("onSuccess" in deletion and "onFailure" in deletion):
+        problems.append("spec.deletionStrategy: needs both onSuccess and onFailure, or deletionRules")
     if "rayClusterSpec" not in spec and not spec.get("clusterSelector"):
         problems.append("spec: needs rayClusterSpec (a cluster for the job) or clusterSelector (an existing one)")
     if spec.get("activeDeadlineSeconds", 1) <= 0:
