@@ -271,6 +271,22 @@ def test_containerfile_builds_on_the_pinned_ray_gpu_image():
     assert "-c /app/constraints.txt" in text and in_image("/app/jobs/mistral4.py") == REPO / "jobs" / "mistral4.py"
 
 
+def test_containerfile_installs_dependencies_before_it_copies_the_package_and_names_its_cuda():
+    """A code change rebuilds the layers after `COPY rayft/` only: the dependency install comes before, reading
+    nothing but pyproject.toml and constraints.txt; the package goes in with --no-deps. The CUDA the image declares
+    is the base image's tag."""
+    lines = [line.strip() for line in (REPO / "cluster" / "Containerfile").read_text().splitlines()]
+    copies = [i for i, line in enumerate(lines) if line.startswith("COPY")]
+    package = next(i for i in copies if "rayft/" in lines[i].split())
+    deps = next(i for i, line in enumerate(lines) if "pip install" in line and "-c /app/constraints.txt" in line)
+    assert deps < package
+    assert all(set(lines[i].split()[2:-1]) <= {"pyproject.toml", "constraints.txt"} for i in copies if i < deps)
+    assert any("pip install --no-cache-dir --no-deps /app" in line for line in lines[package:])
+    text = "\n".join(lines)
+    tag = re.search(r"^FROM \S+-cu(\d+)(\d)$", text, re.M)
+    assert re.search(rf'io\.rayft\.cuda="{tag[1]}\.{tag[2]}"', text) and "io.rayft.nccl=" in text
+
+
 def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboard(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     hosts = {
