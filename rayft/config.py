@@ -72,7 +72,10 @@ BEST_METRICS = ("eval_loss",)
 
 @dataclass
 class ModelConfig:
+    # A local directory, or a hub id (`org/name`) resolved through the Hugging Face cache (HF_HOME; rayft/hub.py).
     model_name_or_path: str = "/data/input/Models/Mistral-Small-4-119B-2603"
+    # Branch, tag or commit of a hub model; null = main.
+    revision: str | None = None
     torch_dtype: str = "bfloat16"
     # Accepted for seed compatibility only: FSDP decides placement, so "auto" device maps are ignored.
     device_map: str | None = "auto"
@@ -103,7 +106,10 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
+    # A local file, directory or glob, or a hub dataset id (`org/name`) resolved through the Hugging Face cache.
     dataset_name_or_path: str = "/data/input/Datasets/wikitext"
+    # Branch, tag or commit of a hub dataset; null = main.
+    revision: str | None = None
     dataset_config_name: str | None = "wikitext-2-raw-v1"
     text_field: str = "text"
     train_split: str = "train"
@@ -325,6 +331,10 @@ class K8sConfig:
     env: dict[str, str] = field(default_factory=dict)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = field(default_factory=list)
+    # The Hugging Face cache of head and workers (HF_HOME, where hub model and dataset names resolve); null =
+    # <mount path>/hf-cache on the PVC. hf_offline sets HF_HUB_OFFLINE=1: names resolve from a pre-seeded cache only.
+    hf_home: str | None = None
+    hf_offline: bool = False
     # The KubeRay operator's version: from 1.5 the RayJob's deletionStrategy rules (workers deleted at once on
     # failure, the cluster after the TTL; the operator's RayJobDeletionPolicy feature gate on); else, or unknown
     # (null), the legacy shutdownAfterJobFinishes + ttlSecondsAfterFinished.
@@ -348,6 +358,8 @@ class K8sConfig:
             raise ConfigError(f"k8s.kuberay_version: '{self.kuberay_version}' is not a version such as 1.7.0")
         if (self.config_delivery == "working_dir") != bool(self.working_dir):
             raise ConfigError("k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then")
+        if self.hf_home is not None and not self.hf_home.startswith("/"):
+            raise ConfigError(f"k8s.hf_home: '{self.hf_home}' must be an absolute path in the pods (on the PVC)")
         names = {v.get("name") for v in self.volumes}
         for i, m in enumerate(self.volume_mounts):
             if m.get("name") not in names:
