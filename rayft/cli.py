@@ -198,6 +198,9 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="every pod and object")
     g.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE", help="every pod and object")
     g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="every Ray container")
+    g.add_argument("--hf-home", help="k8s.hf_home: the pods' shared Hugging Face cache (default <mount>/hf-cache)")
+    g.add_argument("--hf-offline", action="store_const", const=True,
+                   help="k8s.hf_offline: HF_HUB_OFFLINE=1 (hub names from the pre-seeded cache only)")  # fmt: skip
     g.add_argument("--kuberay-version", help="the operator's version (>= 1.5: deletionStrategy rules)")
     g.add_argument("--config-delivery", choices=["path", "inline", "working_dir"],
                    help="k8s.config_delivery: inline carries the config in the RayJob (no image rebuild)")  # fmt: skip
@@ -321,6 +324,8 @@ def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
                 "run_as_group",
                 "fs_group",
                 "kuberay_version",
+                "hf_home",
+                "hf_offline",
                 "config_delivery",
                 "working_dir",
                 "patches",

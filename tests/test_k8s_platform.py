@@ -244,3 +244,24 @@ def test_config_from_a_working_dir(capsys, tmp_path):
 def test_bad_platform_settings_are_refused(capsys, tmp_path, k8s, says):
     config = config_with(tmp_path, k8s)
     assert says in render_error(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml")
+
+
+def test_hub_names_with_the_hf_cache_on_the_pvc_and_offline_mode(capsys, tmp_path):
+    """Model and dataset by hub name pass the on-the-PVC check (HF_HOME is); k8s.hf_home / --hf-offline reach the
+    Ray pods that read the cache, and an HF_HOME off the PVC is refused."""
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["model"].update(model_name_or_path="mistralai/Mistral-Small-4-119B-2603", revision="main")
+    raw["data"]["dataset_name_or_path"] = "Salesforce/wikitext"
+    raw["k8s"] = {"hf_home": "/data/shared/hf"}
+    config = tmp_path / "hub.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    args = ("--config", str(config), "--config-in-cluster", "/data/job.yaml")
+    plain = pods(render(capsys, *args)["RayJob"])
+    offline = pods(render(capsys, *args, "--hf-offline")["RayJob"])
+    for role in ("head", "worker"):
+        env = {e["name"]: e.get("value") for e in plain[role]["spec"]["containers"][0]["env"]}
+        assert env["HF_HOME"] == "/data/shared/hf" and "HF_HUB_OFFLINE" not in env, role
+        env = {e["name"]: e.get("value") for e in offline[role]["spec"]["containers"][0]["env"]}
+        assert env["HF_HOME"] == "/data/shared/hf" and env["HF_HUB_OFFLINE"] == "1", role
+    err = render_error(capsys, *args, "--hf-home", "/scratch/hf")
+    assert "k8s.hf_home: /scratch/hf is not on the PVC mounted at /data" in err

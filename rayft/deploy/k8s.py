@@ -19,6 +19,7 @@ import yaml
 from rayft.config import Config, ConfigError, K8sConfig, is_uri
 from rayft.deploy import platform
 from rayft.deploy.crd import MAX_NAME, name_problems
+from rayft.hub import is_hub_name
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
@@ -126,7 +127,7 @@ def render(cfg: Config, job: JobSource, dep: Deployment, plat: K8sConfig | None 
     `plat`: the platform's settings (default: the config's `k8s:` section)."""
     dep.check()
     plat = plat or cfg.k8s
-    workers = check_fits(cfg, dep)
+    workers = check_fits(cfg, dep, plat)
     spec = cluster_spec(dep, workers, plat)
     config = f"env:{CONFIG_ENV}" if job.inline is not None else job.config_in_cluster
     entrypoint = " ".join(
@@ -207,7 +208,7 @@ def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
     }
 
 
-def check_fits(cfg: Config, dep: Deployment) -> int:
+def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> int:
     """The number of GPU pods; refuses configs these pods could not run."""
     r = cfg.ray
     if r.num_workers < 1:
@@ -237,6 +238,8 @@ def check_fits(cfg: Config, dep: Deployment) -> int:
                       ("train.output_dir", cfg.train.output_dir),
                       ("model.model_name_or_path", cfg.model.model_name_or_path),
                       ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path)):  # fmt: skip
+        if is_hub_name(path) and key.startswith("model."):
+            continue  # a hub name: resolved in the job through HF_HOME, which is on the PVC
         if key == "ray.storage_path" and cfg.ray.storage_path is None:
             key = "ray.storage_path (= train.output_dir)"
         if path is None or (is_uri(path) and key.startswith("ray.storage_path")):
@@ -249,6 +252,10 @@ def check_fits(cfg: Config, dep: Deployment) -> int:
     data = cfg.data.dataset_name_or_path
     if data.startswith(("/", "./", "../", "~")) and not _under(PurePosixPath(data), mount):
         raise ConfigError(f"data.dataset_name_or_path: {data} is not on the PVC mounted at {dep.mount_path}")
+    hf_home = PurePosixPath(platform.hf_env(plat or cfg.k8s, dep.mount_path)["HF_HOME"])
+    if not _under(hf_home, mount):
+        raise ConfigError(f"k8s.hf_home: {hf_home} is not on the PVC mounted at {dep.mount_path}; every pod must "
+                          "share one Hugging Face cache")  # fmt: skip
     return r.num_workers // dep.gpus_per_pod
 
 
@@ -283,7 +290,7 @@ def cluster_spec(dep: Deployment, worker_pods: int, plat: K8sConfig | None = Non
                             {"containerPort": 10001, "name": "client"},
                             {"containerPort": 8080, "name": "metrics"},
                         ],
-                        "env": _env(head_env(dep)),
+                        "env": _env(head_env(dep, plat)),
                         "resources": _requests_are_limits({"cpu": str(dep.head_cpus), "memory": dep.head_memory}),
                         "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
                     }
@@ -314,7 +321,7 @@ def cluster_spec(dep: Deployment, worker_pods: int, plat: K8sConfig | None = Non
                     {
                         "name": "ray-worker",
                         "image": dep.image,
-                        "env": _env(gpu_env(dep)),
+                        "env": _env(gpu_env(dep, plat)),
                         **({"ports": [{"containerPort": 8080, "name": "metrics"}]} if dep.monitoring else {}),
                         "resources": _requests_are_limits(gpu_limits),
                         # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
@@ -348,20 +355,20 @@ def cluster_spec(dep: Deployment, worker_pods: int, plat: K8sConfig | None = Non
     return {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]}
 
 
-def head_env(dep: Deployment) -> dict[str, str]:
+def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
     """The driver runs on the head: Ray Train's run state for the dashboard, Hugging Face caches on the PVC; the
     dashboard (also on the head) finds Prometheus and Grafana through RAY_*_HOST."""
     env = {
         "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "HF_HOME": f"{dep.mount_path}/hf-cache",
+        **platform.hf_env(plat, dep.mount_path),
     }
     hosts = {"RAY_PROMETHEUS_HOST": dep.prometheus_host, "RAY_GRAFANA_HOST": dep.grafana_host,
              "RAY_GRAFANA_IFRAME_HOST": dep.grafana_iframe_host}  # fmt: skip
     return {**env, **{k: v for k, v in hosts.items() if v}}
 
 
-def gpu_env(dep: Deployment) -> dict[str, str]:
+def gpu_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
     """NCCL over InfiniBand (the seeds' settings, HCA and interface selectable) and the allocator settings."""
     return {
         "NCCL_IB_DISABLE": "0",
@@ -377,7 +384,7 @@ def gpu_env(dep: Deployment) -> dict[str, str]:
         "RDMAV_FORK_SAFE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        "HF_HOME": f"{dep.mount_path}/hf-cache",
+        **platform.hf_env(plat, dep.mount_path),
     }
 
 

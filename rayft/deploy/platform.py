@@ -68,6 +68,13 @@ def toleration(item: str) -> dict[str, str]:
     return out
 
 
+def hf_env(p: K8sConfig, mount_path: str) -> dict[str, str]:
+    """The Hugging Face cache every Ray pod shares (on the PVC unless `k8s.hf_home` says where), and offline mode
+    where the cluster cannot, or must not, reach the hub: hub names then resolve from that cache only."""
+    env = {"HF_HOME": p.hf_home or f"{mount_path}/hf-cache"}
+    return {**env, "HF_HUB_OFFLINE": "1"} if p.hf_offline else env
+
+
 def scheduler_name(p: K8sConfig) -> str | None:
     """The pods' schedulerName rayft sets (Volcano's is set by the operator from the label)."""
     return p.scheduler_name or (RUNAI_SCHEDULER if p.queueing == "runai" else None)
