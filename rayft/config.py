@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import string
 import types
 import typing
@@ -70,7 +72,10 @@ BEST_METRICS = ("eval_loss",)
 
 @dataclass
 class ModelConfig:
+    # A local directory, or a hub id (`org/name`) resolved through the Hugging Face cache (HF_HOME; rayft/hub.py).
     model_name_or_path: str = "/data/input/Models/Mistral-Small-4-119B-2603"
+    # Branch, tag or commit of a hub model; null = main.
+    revision: str | None = None
     torch_dtype: str = "bfloat16"
     # Accepted for seed compatibility only: FSDP decides placement, so "auto" device maps are ignored.
     device_map: str | None = "auto"
@@ -101,7 +106,10 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
+    # A local file, directory or glob, or a hub dataset id (`org/name`) resolved through the Hugging Face cache.
     dataset_name_or_path: str = "/data/input/Datasets/wikitext"
+    # Branch, tag or commit of a hub dataset; null = main.
+    revision: str | None = None
     dataset_config_name: str | None = "wikitext-2-raw-v1"
     text_field: str = "text"
     train_split: str = "train"
@@ -310,6 +318,79 @@ class NcclConfig:
 
 
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+
+
+QUEUEING = ("none", "kueue", "volcano", "runai")
+CONFIG_DELIVERY = ("path", "inline", "working_dir")
+
+
+@dataclass
+class K8sConfig:
+    """What a platform requires of every pod, for `rayft k8s render` (training ignores this section). Flags of
+    `rayft k8s render` add to or override these keys; `patches` covers anything no key does."""
+
+    # Queueing: kueue (the RayJob labelled with `queue` and created suspended), volcano or runai (their
+    # scheduler and `queue`); none = the default scheduler, or `scheduler_name`.
+    queueing: str = "none"
+    queue: str | None = None
+    scheduler_name: str | None = None
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    image_pull_secrets: list[str] = field(default_factory=list)
+    # GPU worker placement (the head and the submitter go where the cluster puts CPU pods; `head_node_selector`
+    # pins the head). `affinity` is added to rayft's own (one GPU pod per node).
+    node_selector: dict[str, str] = field(default_factory=dict)
+    head_node_selector: dict[str, str] = field(default_factory=dict)
+    affinity: dict[str, Any] = field(default_factory=dict)
+    # On every pod (head, workers, submitter), besides the GPU taint rayft tolerates on the workers.
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    # Pod securityContext of every pod; IPC_LOCK is added to the GPU containers only where RDMA is on.
+    run_as_user: int | None = None
+    run_as_group: int | None = None
+    fs_group: int | None = None
+    run_as_non_root: bool | None = None
+    # Extra environment of every Ray container and the submitter; extra volumes (Kubernetes Volume objects) on
+    # head and workers, mounted by `volume_mounts` (VolumeMount objects) in their Ray containers.
+    env: dict[str, str] = field(default_factory=dict)
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
+    # The Hugging Face cache of head and workers (HF_HOME, where hub model and dataset names resolve); null =
+    # <mount path>/hf-cache on the PVC. hf_offline sets HF_HUB_OFFLINE=1: names resolve from a pre-seeded cache only.
+    hf_home: str | None = None
+    hf_offline: bool = False
+    # The KubeRay operator's version: from 1.5 the RayJob's deletionStrategy rules (workers deleted at once on
+    # failure, the cluster after the TTL; the operator's RayJobDeletionPolicy feature gate on); else, or unknown
+    # (null), the legacy shutdownAfterJobFinishes + ttlSecondsAfterFinished.
+    kuberay_version: str | None = None
+    # How the job finds this config: path (in the image under jobs/, or on the PVC), inline (the config's YAML
+    # carried in the RayJob's runtimeEnvYAML), working_dir (a runtime_env working_dir URI holding it).
+    config_delivery: str = "path"
+    working_dir: str | None = None
+    # Strategic-merge (YAML mapping, kind + name select the manifest) or RFC 6902 JSON patch files (a list of
+    # operations; `target: rayjob|raycluster` beside it), applied after rendering and validated after.
+    patches: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        _one_of("k8s.queueing", self.queueing, QUEUEING)
+        _one_of("k8s.config_delivery", self.config_delivery, CONFIG_DELIVERY)
+        if self.queueing != "none" and not self.queue:
+            raise ConfigError(f"k8s.queue: k8s.queueing: {self.queueing} needs the queue's name")
+        if self.queueing == "none" and self.queue:
+            raise ConfigError("k8s.queue: given without k8s.queueing; set k8s.queueing: kueue, volcano or runai")
+        if self.kuberay_version is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", self.kuberay_version):
+            raise ConfigError(f"k8s.kuberay_version: '{self.kuberay_version}' is not a version such as 1.7.0")
+        if (self.config_delivery == "working_dir") != bool(self.working_dir):
+            raise ConfigError("k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then")
+        if self.hf_home is not None and not self.hf_home.startswith("/"):
+            raise ConfigError(f"k8s.hf_home: '{self.hf_home}' must be an absolute path in the pods (on the PVC)")
+        names = {v.get("name") for v in self.volumes}
+        for i, m in enumerate(self.volume_mounts):
+            if m.get("name") not in names:
+                raise ConfigError(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes")
+
+
 REPORT_TO = ("none", "tensorboard", "mlflow")
 DEFAULT_VAL_RATIO = 0.05
 
@@ -324,6 +405,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "dpo": DpoConfig,
     "nccl": NcclConfig,
+    "k8s": K8sConfig,
 }
 
 
@@ -338,6 +420,8 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     nccl: NcclConfig = field(default_factory=NcclConfig)
+
+    k8s: K8sConfig = field(default_factory=K8sConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
@@ -386,6 +470,7 @@ class Config:
     def check(self) -> None:
         """Refuse out-of-range values and combinations that cannot work."""
         t, d, lo, r, f, m = self.train, self.data, self.lora, self.ray, self.fsdp, self.model
+        self.k8s.check()
         _positive("train.learning_rate", t.learning_rate)
         _at_least("train.num_train_epochs", t.num_train_epochs, 1)
         _at_least("train.per_device_train_batch_size", t.per_device_train_batch_size, 1)
@@ -575,13 +660,19 @@ class Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file (None = all defaults) and apply `section.key=value` overrides on top."""
+    """Read a YAML file (None = all defaults) and apply `section.key=value` overrides on top. `env:NAME` reads
+    the YAML from an environment variable: how a RayJob carries the config inline (`k8s.config_delivery`)."""
     raw: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            if source.startswith("env:"):
+                if source[4:] not in os.environ:
+                    raise ConfigError(f"--config {source}: environment variable {source[4:]} is not set")
+                text = os.environ[source[4:]]
+            else:
+                text = Path(path).read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except OSError as e:
@@ -675,6 +766,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce(value, args[0], key)
     if value is None:
         raise ConfigError(f"{key} must not be null (expected {_type_name(hint)})")
+    if hint is Any:  # Kubernetes objects (tolerations, affinity, volumes): the CRD schema checks them once rendered
+        return value
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -23,6 +23,7 @@ from rayft.data.files import DecodeBudget
 from rayft.data.records import RecordFormat, record_fields, record_format
 from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
+from rayft.hub import resolve_names
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
 from rayft.parallel.backend import prefix_matched_hca
@@ -57,6 +58,8 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     def timed(name: str) -> AbstractContextManager:
         return profile.stage(name) if profile is not None else nullcontext()
 
+    with timed("preflight_model"):  # hub names become cache snapshots here, once: the workers are handed paths
+        resolve_names(cfg)
     model_dir = Path(cfg.model.model_name_or_path).expanduser()
     hca = prefix_matched_hca(cfg.nccl)
     if hca:

@@ -429,16 +429,18 @@ AGENT_NOT_READY = "No available agent to submit job"  # Ray's own word for a tra
 
 
 def submit_job(
-    cluster: RayCluster, *args: str, timeout: float = 900, ray_bin: str | Path = RAY_BIN
+    cluster: RayCluster, *args: str, timeout: float = 900, ray_bin: str | Path = RAY_BIN, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`ray job submit --working-dir <repo> -- python jobs/mistral4.py ARGS`, blocking until the job ends.
+    """`ray job submit --working-dir <repo> -- python jobs/mistral4.py ARGS`, blocking until the job ends; `env`:
+    the job's environment variables (its runtime_env), as a RayJob's pods set them.
 
     A fresh cluster's head can answer before any node's job agent has registered (seen on a loaded 2-core machine):
     Ray refuses the submission without creating a job, so it is sent again for up to five minutes."""
     deadline = time.monotonic() + 300
     while True:
         job = subprocess.run(
-            [str(ray_bin), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO), "--",
+            [str(ray_bin), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO),
+             *(["--runtime-env-json", json.dumps({"env_vars": env})] if env else []), "--",
              "python", "jobs/mistral4.py", *args],
             env=cluster.env, capture_output=True, text=True, timeout=timeout, cwd=REPO,
         )  # fmt: skip

@@ -135,7 +135,9 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
         assert env["RDMAV_FORK_SAFE"] == "1" and env["TOKENIZERS_PARALLELISM"] == "false"
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
         assert {"NCCL_IB_QPS_PER_CONNECTION", "NCCL_IB_SPLIT_DATA_ON_QPS", "NCCL_IB_DISABLE"} <= set(env)
-        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        rdma = flag.get("--ib-resource", "rdma/rdma_shared_device_a") != "none"
+        added = container.get("securityContext", {}).get("capabilities", {}).get("add", [])
+        assert ("IPC_LOCK" in added) == rdma  # asked for only where RDMA pins memory
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -267,6 +269,22 @@ def test_containerfile_builds_on_the_pinned_ray_gpu_image():
     pinned = re.search(r"^ray==(\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
     assert pinned == RAY_VERSION  # image, rayVersion in the manifests and the tested Ray are one version
     assert "-c /app/constraints.txt" in text and in_image("/app/jobs/mistral4.py") == REPO / "jobs" / "mistral4.py"
+
+
+def test_containerfile_installs_dependencies_before_it_copies_the_package_and_names_its_cuda():
+    """A code change rebuilds the layers after `COPY rayft/` only: the dependency install comes before, reading
+    nothing but pyproject.toml and constraints.txt; the package goes in with --no-deps. The CUDA the image declares
+    is the base image's tag."""
+    lines = [line.strip() for line in (REPO / "cluster" / "Containerfile").read_text().splitlines()]
+    copies = [i for i, line in enumerate(lines) if line.startswith("COPY")]
+    package = next(i for i in copies if "rayft/" in lines[i].split())
+    deps = next(i for i, line in enumerate(lines) if "pip install" in line and "-c /app/constraints.txt" in line)
+    assert deps < package
+    assert all(set(lines[i].split()[2:-1]) <= {"pyproject.toml", "constraints.txt"} for i in copies if i < deps)
+    assert any("pip install --no-cache-dir --no-deps /app" in line for line in lines[package:])
+    text = "\n".join(lines)
+    tag = re.search(r"^FROM \S+-cu(\d+)(\d)$", text, re.M)
+    assert re.search(rf'io\.rayft\.cuda="{tag[1]}\.{tag[2]}"', text) and "io.rayft.nccl=" in text
 
 
 def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboard(capsys, monkeypatch, tmp_path):

@@ -17,8 +17,10 @@ from typing import Any
 import yaml
 
 CRD_DIR_ENV = "RAYFT_KUBERAY_CRDS"
-# Next to a checkout of this repository (the layout CI uses); RAYFT_KUBERAY_CRDS points anywhere else.
-DEFAULT_CRD_DIR = Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds"
+# The KubeRay v1.7.0 CRDs (RayJob, RayCluster) ship as package data, so an installed wheel validates with nothing
+# beside it; RAYFT_KUBERAY_CRDS points at another operator version's CRDs.
+PACKAGED_CRD_DIR = Path(__file__).resolve().parent / "crds"
+KUBERAY_CRD_VERSION = "1.7.0"
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = {"RayCluster": 53, "RayJob": 47}  # KubeRay derives service names from these
 RESOURCE_PARAMS = ("num-cpus", "num-gpus", "memory", "resources")
@@ -41,9 +43,13 @@ class ManifestError(ValueError):
 
 
 def crd_dir() -> Path:
-    directory = Path(os.environ.get(CRD_DIR_ENV) or DEFAULT_CRD_DIR)
+    """The CRDs to validate against; never absent without an error (an unchecked manifest is not a valid one)."""
+    given = os.environ.get(CRD_DIR_ENV)
+    directory = Path(given) if given else PACKAGED_CRD_DIR
     if not directory.is_dir():
-        raise ManifestError(f"no KubeRay CRDs at {directory}; set {CRD_DIR_ENV} to the directory with ray.io_*.yaml")
+        fix = (f"set {CRD_DIR_ENV} to the directory with ray.io_*.yaml" if given else
+               "this rayft install lacks its package data (rayft/deploy/crds); reinstall it")  # fmt: skip
+        raise ManifestError(f"no KubeRay CRDs at {directory}: {fix}")
     return directory
 
 
@@ -139,6 +145,13 @@ def _rayjob_rules(spec: dict[str, Any]) -> list[str]:
         problems.append("spec.ttlSecondsAfterFinished: needs spec.shutdownAfterJobFinishes: true (else it is ignored)")
     if spec.get("suspend") and not shutdown:
         problems.append("spec.suspend: needs spec.shutdownAfterJobFinishes: true")
+    deletion = spec.get("deletionStrategy") or {}
+    if deletion.get("deletionRules") and shutdown:
+        problems.append("spec.deletionStrategy.deletionRules: cannot be used with spec.shutdownAfterJobFinishes")
+    if deletion.get("deletionRules") and ("onSuccess" in deletion or "onFailure" in deletion):
+        problems.append("spec.deletionStrategy: deletionRules and onSuccess/onFailure cannot be used together")
+    if deletion and not deletion.get("deletionRules") and not ("onSuccess" in deletion and "onFailure" in deletion):
+        problems.append("spec.deletionStrategy: needs both onSuccess and onFailure, or deletionRules")
     if "rayClusterSpec" not in spec and not spec.get("clusterSelector"):
         problems.append("spec: needs rayClusterSpec (a cluster for the job) or clusterSelector (an existing one)")
     if spec.get("activeDeadlineSeconds", 1) <= 0:

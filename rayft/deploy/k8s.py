@@ -16,13 +16,17 @@ from typing import Any
 
 import yaml
 
-from rayft.config import Config, ConfigError, is_uri
+from rayft.config import Config, ConfigError, K8sConfig, is_uri
+from rayft.deploy import platform
 from rayft.deploy.crd import MAX_NAME, name_problems
+from rayft.hub import is_hub_name
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
 IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
 DASHBOARD_PORT = 8265
+DELETION_RULES_SINCE = (1, 5)  # KubeRay release that brought spec.deletionStrategy.deletionRules
+CONFIG_ENV = "RAYFT_CONFIG_YAML"  # the inlined config, read by `--config env:RAYFT_CONFIG_YAML`
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Deployment:
     shm_size: str = "64Gi"  # memory-backed: counted in the pod's memory limit
     head_cpus: int = 8
     head_memory: str = "32Gi"
+    head_shm_size: str = "8Gi"  # the head's memory-backed /dev/shm (Ray's object store spills there)
     # InfiniBand: the Multus network attachment, the RDMA device plugin's resource, the HCAs and interface NCCL uses.
     network: str | None = "ib-network"
     ib_resource: str | None = "rdma/rdma_shared_device_a"
@@ -90,10 +95,12 @@ class Deployment:
 
 @dataclass(frozen=True)
 class JobSource:
-    """The config as the job will read it: its path inside the cluster and the overrides given with it."""
+    """The config as the job will read it: its path inside the cluster and the overrides given with it; or its
+    text (`inline`), carried in the RayJob so that a config change needs no image rebuild and no PVC copy."""
 
     config_in_cluster: str
     overrides: tuple[str, ...] = ()
+    inline: str | None = None
 
 
 def config_in_cluster(config: Path, repo: Path, mount_path: str, given: str | None = None) -> str:
@@ -115,37 +122,78 @@ def config_in_cluster(config: Path, repo: Path, mount_path: str, given: str | No
     )
 
 
-def render(cfg: Config, job: JobSource, dep: Deployment) -> dict[str, dict[str, Any]]:
-    """{"rayjob": RayJob, "raycluster": RayCluster} for this config; ConfigError when they could not work."""
+def render(cfg: Config, job: JobSource, dep: Deployment, plat: K8sConfig | None = None) -> dict[str, dict[str, Any]]:
+    """{"rayjob": RayJob, "raycluster": RayCluster} for this config; ConfigError when they could not work.
+    `plat`: the platform's settings (default: the config's `k8s:` section)."""
     dep.check()
-    workers = check_fits(cfg, dep)
-    spec = cluster_spec(dep, workers)
+    plat = plat or cfg.k8s
+    workers = check_fits(cfg, dep, plat)
+    spec = cluster_spec(dep, workers, plat)
+    config = f"env:{CONFIG_ENV}" if job.inline is not None else job.config_in_cluster
     entrypoint = " ".join(
-        ["python", str(IMAGE_ROOT / "jobs" / "mistral4.py"), "--config", shlex.quote(job.config_in_cluster)]
+        ["python", str(IMAGE_ROOT / "jobs" / "mistral4.py"), "--config", shlex.quote(config)]
         + [f"--override {shlex.quote(o)}" for o in job.overrides]
     )
+    queued = plat.queueing == "kueue"
+    job_spec: dict[str, Any] = {
+        "entrypoint": entrypoint,
+        "submissionMode": "K8sJobMode",
+        **({"suspend": True} if queued else {}),  # Kueue admits (unsuspends) it when the queue has room
+        **lifetime(dep, plat),
+        "activeDeadlineSeconds": dep.active_deadline_s,
+        "preRunningDeadlineSeconds": dep.pre_running_deadline_s,
+        "backoffLimit": backoff_limit(cfg, dep),
+        **runtime_env(job, plat),
+        "submitterPodTemplate": platform.submitter_template(dep.image, _labels(dep), plat),
+        "rayClusterSpec": spec,
+    }
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": _metadata(dep, dep.name),
-        "spec": {
-            "entrypoint": entrypoint,
-            "submissionMode": "K8sJobMode",
-            "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": dep.ttl_after_finished_s,
-            "activeDeadlineSeconds": dep.active_deadline_s,
-            "preRunningDeadlineSeconds": dep.pre_running_deadline_s,
-            "backoffLimit": backoff_limit(cfg, dep),
-            "rayClusterSpec": spec,
-        },
+        "metadata": _metadata(dep, dep.name, plat),
+        "spec": job_spec,
     }
     raycluster = {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": _metadata(dep, f"{dep.name}-cluster"),
+        "metadata": _metadata(dep, f"{dep.name}-cluster", plat),
         "spec": spec,
     }
     return {"rayjob": rayjob, "raycluster": raycluster, **monitoring_manifests(dep)}
+
+
+def lifetime(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
+    """What happens to the cluster once the job ends. From KubeRay 1.5, deletion rules: on failure the GPU
+    workers go at once (the head stays for its logs) and the whole cluster after the TTL; on success the cluster
+    after the TTL. Older operators, an unknown version, and suspended (Kueue) jobs, which KubeRay requires to have
+    shutdownAfterJobFinishes, get the legacy pair: the whole cluster after the TTL either way."""
+    if operator_version(plat) >= DELETION_RULES_SINCE and plat.queueing != "kueue":
+        ttl = dep.ttl_after_finished_s
+        rules = [
+            {"condition": {"jobStatus": "FAILED", "ttlSeconds": 0}, "policy": "DeleteWorkers"},
+            {"condition": {"jobStatus": "FAILED", "ttlSeconds": ttl}, "policy": "DeleteCluster"},
+            {"condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": ttl}, "policy": "DeleteCluster"},
+        ]
+        return {"deletionStrategy": {"deletionRules": rules}}
+    return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": dep.ttl_after_finished_s}
+
+
+def operator_version(plat: K8sConfig) -> tuple[int, ...]:
+    """k8s.kuberay_version as a tuple; (0,) when unknown, which selects what every operator understands."""
+    if plat.kuberay_version is None:
+        return (0,)
+    return tuple(int(x) for x in plat.kuberay_version.lstrip("v").split("."))
+
+
+def runtime_env(job: JobSource, plat: K8sConfig) -> dict[str, str]:
+    """spec.runtimeEnvYAML: the inlined config as an environment variable of the job's driver, or the
+    working_dir URI the config is read from; nothing when the config is a path in the image or on the PVC."""
+    env: dict[str, Any] = {}
+    if job.inline is not None:
+        env["env_vars"] = {CONFIG_ENV: job.inline}
+    if plat.config_delivery == "working_dir":
+        env["working_dir"] = plat.working_dir
+    return {"runtimeEnvYAML": to_yaml(env)} if env else {}
 
 
 def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
@@ -160,7 +208,7 @@ def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
     }
 
 
-def check_fits(cfg: Config, dep: Deployment) -> int:
+def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> int:
     """The number of GPU pods; refuses configs these pods could not run."""
     r = cfg.ray
     if r.num_workers < 1:
@@ -190,6 +238,8 @@ def check_fits(cfg: Config, dep: Deployment) -> int:
                       ("train.output_dir", cfg.train.output_dir),
                       ("model.model_name_or_path", cfg.model.model_name_or_path),
                       ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path)):  # fmt: skip
+        if is_hub_name(path) and key.startswith("model."):
+            continue  # a hub name: resolved in the job through HF_HOME, which is on the PVC
         if key == "ray.storage_path" and cfg.ray.storage_path is None:
             key = "ray.storage_path (= train.output_dir)"
         if path is None or (is_uri(path) and key.startswith("ray.storage_path")):
@@ -202,6 +252,10 @@ def check_fits(cfg: Config, dep: Deployment) -> int:
     data = cfg.data.dataset_name_or_path
     if data.startswith(("/", "./", "../", "~")) and not _under(PurePosixPath(data), mount):
         raise ConfigError(f"data.dataset_name_or_path: {data} is not on the PVC mounted at {dep.mount_path}")
+    hf_home = PurePosixPath(platform.hf_env(plat or cfg.k8s, dep.mount_path)["HF_HOME"])
+    if not _under(hf_home, mount):
+        raise ConfigError(f"k8s.hf_home: {hf_home} is not on the PVC mounted at {dep.mount_path}; every pod must "
+                          "share one Hugging Face cache")  # fmt: skip
     return r.num_workers // dep.gpus_per_pod
 
 
@@ -214,13 +268,15 @@ def backoff_limit(cfg: Config, dep: Deployment) -> int:
     return 0 if cfg.ray.max_failures == -1 else 1
 
 
-def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
+def cluster_spec(dep: Deployment, worker_pods: int, plat: K8sConfig | None = None) -> dict[str, Any]:
+    plat = plat or K8sConfig()
     volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}}]
     mounts = [{"name": "data", "mountPath": dep.mount_path}]
     head = {
         "serviceType": "ClusterIP",
-        # Ray's own dashboard and job API on all interfaces, for `kubectl port-forward` and the submitter pod.
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+        # Ray's own dashboard and job API on all interfaces, for `kubectl port-forward` and the submitter pod;
+        # no CPUs or GPUs for Ray to schedule there, so no training or data task lands beside the driver.
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
         "template": {
             "metadata": {"labels": _labels(dep)},
             "spec": {
@@ -234,12 +290,15 @@ def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
                             {"containerPort": 10001, "name": "client"},
                             {"containerPort": 8080, "name": "metrics"},
                         ],
-                        "env": _env(head_env(dep)),
+                        "env": _env(head_env(dep, plat)),
                         "resources": _requests_are_limits({"cpu": str(dep.head_cpus), "memory": dep.head_memory}),
-                        "volumeMounts": mounts,
+                        "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
                     }
                 ],
-                "volumes": volumes,
+                "volumes": [
+                    *volumes,
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dep.head_shm_size}},
+                ],
             },
         },
     }
@@ -262,11 +321,12 @@ def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
                     {
                         "name": "ray-worker",
                         "image": dep.image,
-                        "env": _env(gpu_env(dep)),
+                        "env": _env(gpu_env(dep, plat)),
                         **({"ports": [{"containerPort": 8080, "name": "metrics"}]} if dep.monitoring else {}),
                         "resources": _requests_are_limits(gpu_limits),
                         # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
-                        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                        # Without RDMA the capability is not asked for (restricted pod security refuses it).
+                        **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if dep.ib_resource else {}),
                         "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
                     }
                 ],
@@ -290,23 +350,25 @@ def cluster_spec(dep: Deployment, worker_pods: int) -> dict[str, Any]:
     }
     if not worker["template"]["spec"]["affinity"]:
         del worker["template"]["spec"]["affinity"]
+    platform.apply_to_pod(head["template"], plat, "head")
+    platform.apply_to_pod(worker["template"], plat, "worker")
     return {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]}
 
 
-def head_env(dep: Deployment) -> dict[str, str]:
+def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
     """The driver runs on the head: Ray Train's run state for the dashboard, Hugging Face caches on the PVC; the
     dashboard (also on the head) finds Prometheus and Grafana through RAY_*_HOST."""
     env = {
         "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "HF_HOME": f"{dep.mount_path}/hf-cache",
+        **platform.hf_env(plat, dep.mount_path),
     }
     hosts = {"RAY_PROMETHEUS_HOST": dep.prometheus_host, "RAY_GRAFANA_HOST": dep.grafana_host,
              "RAY_GRAFANA_IFRAME_HOST": dep.grafana_iframe_host}  # fmt: skip
     return {**env, **{k: v for k, v in hosts.items() if v}}
 
 
-def gpu_env(dep: Deployment) -> dict[str, str]:
+def gpu_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
     """NCCL over InfiniBand (the seeds' settings, HCA and interface selectable) and the allocator settings."""
     return {
         "NCCL_IB_DISABLE": "0",
@@ -322,12 +384,17 @@ def gpu_env(dep: Deployment) -> dict[str, str]:
         "RDMAV_FORK_SAFE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        "HF_HOME": f"{dep.mount_path}/hf-cache",
+        **platform.hf_env(plat, dep.mount_path),
     }
 
 
-def _metadata(dep: Deployment, name: str) -> dict[str, Any]:
-    return {"name": name, "namespace": dep.namespace, "labels": _labels(dep)}
+def _metadata(dep: Deployment, name: str, plat: K8sConfig | None = None) -> dict[str, Any]:
+    plat = plat or K8sConfig()
+    labels = {**_labels(dep), **plat.labels, **platform.object_labels(plat)}
+    meta: dict[str, Any] = {"name": name, "namespace": dep.namespace, "labels": labels}
+    if plat.annotations:
+        meta["annotations"] = dict(plat.annotations)
+    return meta
 
 
 def _labels(dep: Deployment) -> dict[str, str]:

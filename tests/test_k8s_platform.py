@@ -1,0 +1,267 @@
+"""Platform settings (the config's k8s: section and render flags), patches and config delivery, each checked at
+the field path KubeRay reads and against the strict v1.7.0 CRD validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayft import cli
+from rayft.config import load_config
+from rayft.deploy.crd import validate
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"
+TOLERATION = {"key": "pool", "operator": "Equal", "value": "h200", "effect": "NoSchedule"}
+NODE_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}]
+        }
+    }
+}
+PLATFORM = {
+    "queueing": "kueue",
+    "queue": "team-a",
+    "priority_class_name": "train-high",
+    "service_account_name": "rayft",
+    "image_pull_secrets": ["regcred"],
+    "node_selector": {"pool": "h200"},
+    "head_node_selector": {"pool": "cpu"},
+    "affinity": NODE_AFFINITY,
+    "tolerations": [TOLERATION],
+    "labels": {"team": "nlp"},
+    "annotations": {"cost-center": "42"},
+    "run_as_user": 1000,
+    "run_as_group": 1000,
+    "fs_group": 1000,
+    "run_as_non_root": True,
+    "env": {"HF_HUB_OFFLINE": "1"},
+    "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+    "volume_mounts": [{"name": "certs", "mountPath": "/etc/certs", "readOnly": True}],
+}
+
+
+def config_with(tmp_path: Path, k8s: dict) -> Path:
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["k8s"] = k8s
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def render(capsys, *args: str) -> dict[str, dict]:
+    capsys.readouterr()
+    assert cli.main(["k8s", "render", *args]) == cli.EXIT_OK, capsys.readouterr().err
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(capsys.readouterr().out)}
+    for doc in docs.values():
+        assert validate(doc) == [], doc["kind"]
+    return docs
+
+
+def render_error(capsys, *args: str) -> str:
+    capsys.readouterr()
+    assert cli.main(["k8s", "render", *args]) == cli.EXIT_CONFIG
+    return capsys.readouterr().err
+
+
+def pods(job: dict) -> dict[str, dict]:
+    """role → pod template, where KubeRay reads each."""
+    spec = job["spec"]
+    cluster = spec["rayClusterSpec"]
+    return {
+        "head": cluster["headGroupSpec"]["template"],
+        "worker": cluster["workerGroupSpecs"][0]["template"],
+        "submitter": spec["submitterPodTemplate"],
+    }
+
+
+def test_every_platform_key_lands_where_kuberay_reads_it(capsys, tmp_path):
+    config = config_with(tmp_path, PLATFORM)
+    docs = render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml")
+    job, cluster = docs["RayJob"], docs["RayCluster"]
+    # Kueue: the queue label on the object it admits, created suspended (with the legacy lifetime KubeRay
+    # requires of a suspended job).
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["spec"]["suspend"] is True and job["spec"]["shutdownAfterJobFinishes"] is True
+    assert "deletionStrategy" not in job["spec"]
+    assert cluster["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["metadata"]["annotations"] == {"cost-center": "42"}
+    for role, pod in pods(job).items():
+        spec = pod["spec"]
+        assert pod["metadata"]["labels"]["team"] == "nlp" and pod["metadata"]["labels"]["rayft.io/job"] == "rayft"
+        assert pod["metadata"]["annotations"]["cost-center"] == "42"
+        assert TOLERATION in spec["tolerations"], role
+        assert spec["priorityClassName"] == "train-high" and spec["serviceAccountName"] == "rayft"
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        assert spec["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                           "runAsNonRoot": True}  # fmt: skip
+        container = spec["containers"][0]
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"], role
+        if role != "submitter":
+            assert {"name": "certs", "secret": {"secretName": "ca"}} in spec["volumes"]
+            assert {"name": "certs", "mountPath": "/etc/certs", "readOnly": True} in container["volumeMounts"]
+    head, worker, submitter = pods(job).values()
+    assert head["spec"]["nodeSelector"] == {"pool": "cpu"} and worker["spec"]["nodeSelector"] == {"pool": "h200"}
+    assert "nodeSelector" not in submitter["spec"]
+    # The user's node affinity beside rayft's one-GPU-pod-per-node rule, not instead of it.
+    affinity = worker["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == NODE_AFFINITY["nodeAffinity"]
+    assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+    # The GPU taint rayft tolerates stays; IPC_LOCK on the RDMA worker only.
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in worker["spec"]["tolerations"]
+    assert worker["spec"]["containers"][0]["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert "securityContext" not in head["spec"]["containers"][0]
+    # Head: no Ray CPUs (no training or data work there), a memory-backed /dev/shm.
+    group = job["spec"]["rayClusterSpec"]["headGroupSpec"]
+    assert group["rayStartParams"]["num-cpus"] == "0"
+    shm = {v["name"]: v for v in head["spec"]["volumes"]}["dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in head["spec"]["containers"][0]["volumeMounts"]
+    # The RayCluster carries the same pods.
+    assert cluster["spec"] == job["spec"]["rayClusterSpec"]
+
+
+def test_flags_add_to_the_config_section(capsys, tmp_path):
+    config = config_with(tmp_path, {"labels": {"team": "nlp"}, "tolerations": [TOLERATION]})
+    docs = render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml", "--label", "run=7",
+                  "--toleration", "spot:NoExecute", "--queueing", "runai", "--queue", "proj-a")  # fmt: skip
+    for role, pod in pods(docs["RayJob"]).items():
+        assert {"team": "nlp", "run": "7", "runai/queue": "proj-a"}.items() <= pod["metadata"]["labels"].items(), role
+        assert pod["spec"]["schedulerName"] == "runai-scheduler"
+        assert TOLERATION in pod["spec"]["tolerations"]
+        assert {"key": "spot", "operator": "Exists", "effect": "NoExecute"} in pod["spec"]["tolerations"]
+    assert "suspend" not in docs["RayJob"]["spec"]
+
+
+def test_volcano_is_named_where_kuberay_reads_it(capsys):
+    docs = render(capsys, "--config", str(EXAMPLE), "--queueing", "volcano", "--queue", "q1")
+    for doc in docs.values():
+        assert doc["metadata"]["labels"]["ray.io/scheduler-name"] == "volcano"
+        assert doc["metadata"]["labels"]["volcano.sh/queue-name"] == "q1"
+
+
+@pytest.mark.parametrize(("version", "rules"), [("1.7.0", True), ("1.5", True), ("1.4.2", False), (None, False)])
+def test_deletion_rules_where_the_operator_has_them(capsys, version, rules):
+    args = ["--kuberay-version", version] if version else []
+    spec = render(capsys, "--config", str(EXAMPLE), *args)["RayJob"]["spec"]
+    if rules:
+        assert "shutdownAfterJobFinishes" not in spec and "ttlSecondsAfterFinished" not in spec
+        got = {(r["condition"]["jobStatus"], r["policy"]): r["condition"]["ttlSeconds"]
+               for r in spec["deletionStrategy"]["deletionRules"]}  # fmt: skip
+        assert got == {("FAILED", "DeleteWorkers"): 0, ("FAILED", "DeleteCluster"): 3600,
+                       ("SUCCEEDED", "DeleteCluster"): 3600}  # fmt: skip
+    else:
+        assert "deletionStrategy" not in spec
+        assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 3600
+
+
+def flatten(node, at: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in flatten(value, f"{at}/{key}").items()}
+    if isinstance(node, list):
+        return {k: v for i, value in enumerate(node) for k, v in flatten(value, f"{at}/{i}").items()}
+    return {at: node}
+
+
+def changed(before: dict, after: dict) -> dict[str, tuple]:
+    a, b = flatten(before), flatten(after)
+    return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_a_patch_changes_what_it_says_and_nothing_else(capsys, tmp_path):
+    plain = render(capsys, "--config", str(EXAMPLE))
+    strategic = tmp_path / "sm.yaml"
+    strategic.write_text(yaml.safe_dump({
+        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "spec": {"rayClusterSpec": {"workerGroupSpecs": [{"groupName": "gpu", "template": {"spec": {
+            "containers": [{"name": "ray-worker", "env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}]}}}]}},
+    }))  # fmt: skip
+    json6902 = tmp_path / "jp.yaml"
+    json6902.write_text(yaml.safe_dump({"target": "raycluster", "patch": [
+        {"op": "add", "path": "/spec/headGroupSpec/template/spec/hostNetwork", "value": True},
+        {"op": "remove", "path": "/spec/headGroupSpec/template/spec/containers/0/ports/3"},
+    ]}))  # fmt: skip
+    patched = render(capsys, "--config", str(EXAMPLE), "--patch", str(strategic), "--patch", str(json6902))
+    env_at = "/spec/rayClusterSpec/workerGroupSpecs/0/template/spec/containers/0/env"
+    index = [e["name"] for e in plain["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+             ["spec"]["containers"][0]["env"]].index("NCCL_DEBUG")  # fmt: skip
+    assert changed(plain["RayJob"], patched["RayJob"]) == {f"{env_at}/{index}/value": ("INFO", "WARN")}
+    head = "/spec/headGroupSpec/template/spec"
+    assert changed(plain["RayCluster"], patched["RayCluster"]) == {
+        f"{head}/hostNetwork": (None, True),
+        f"{head}/containers/0/ports/3/containerPort": (8080, None),
+        f"{head}/containers/0/ports/3/name": ("metrics", None),
+    }
+
+
+@pytest.mark.parametrize(
+    ("patch", "says"),
+    [
+        ({"kind": "RayJob", "spec": {"shutdownAfterJobFinished": True}}, "'shutdownAfterJobFinished'"),
+        ({"target": "rayjob", "patch": [{"op": "remove", "path": "/spec/nope"}]}, "operation 0: no 'nope'"),
+        ({"target": "nothing", "patch": []}, "target 'nothing'"),
+        ({"kind": "Deployment"}, "no rendered Deployment"),
+    ],
+)
+def test_a_bad_patch_is_refused_naming_it(capsys, tmp_path, patch, says):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(patch))
+    assert says in render_error(capsys, "--config", str(EXAMPLE), "--patch", str(path))
+
+
+def test_config_inlined_in_the_rayjob_reaches_the_job_unchanged(capsys, tmp_path, monkeypatch):
+    config = config_with(tmp_path, {"config_delivery": "inline"})  # not under jobs/, not on the PVC: no image
+    job = render(capsys, "--config", str(config), "--override", "train.learning_rate=1e-4")["RayJob"]["spec"]
+    assert "--config env:RAYFT_CONFIG_YAML --override train.learning_rate=1e-4" in job["entrypoint"]
+    runtime_env = yaml.safe_load(job["runtimeEnvYAML"])
+    monkeypatch.setenv("RAYFT_CONFIG_YAML", runtime_env["env_vars"]["RAYFT_CONFIG_YAML"])
+    expected = load_config(config, ["train.learning_rate=1e-4"])
+    assert load_config("env:RAYFT_CONFIG_YAML", ["train.learning_rate=1e-4"]) == expected
+
+
+def test_config_from_a_working_dir(capsys, tmp_path):
+    config = config_with(tmp_path, {"config_delivery": "working_dir", "working_dir": "s3://bucket/run7.zip"})
+    job = render(capsys, "--config", str(config))["RayJob"]["spec"]
+    assert yaml.safe_load(job["runtimeEnvYAML"]) == {"working_dir": "s3://bucket/run7.zip"}
+    assert job["entrypoint"].endswith("--config job.yaml")
+
+
+@pytest.mark.parametrize(
+    ("k8s", "says"),
+    [
+        ({"queueing": "kueue"}, "k8s.queue"),
+        ({"queueing": "slurm"}, "k8s.queueing: unknown value 'slurm'"),
+        ({"kuberay_version": "latest"}, "k8s.kuberay_version"),
+        ({"volume_mounts": [{"name": "x", "mountPath": "/x"}]}, "k8s.volume_mounts[0]"),
+        ({"tolerations": [{"key": "a", "operatr": "Exists"}]}, "'operatr'"),
+    ],
+)
+def test_bad_platform_settings_are_refused(capsys, tmp_path, k8s, says):
+    config = config_with(tmp_path, k8s)
+    assert says in render_error(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml")
+
+
+def test_hub_names_with_the_hf_cache_on_the_pvc_and_offline_mode(capsys, tmp_path):
+    """Model and dataset by hub name pass the on-the-PVC check (HF_HOME is); k8s.hf_home / --hf-offline reach the
+    Ray pods that read the cache, and an HF_HOME off the PVC is refused."""
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["model"].update(model_name_or_path="mistralai/Mistral-Small-4-119B-2603", revision="main")
+    raw["data"]["dataset_name_or_path"] = "Salesforce/wikitext"
+    raw["k8s"] = {"hf_home": "/data/shared/hf"}
+    config = tmp_path / "hub.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    args = ("--config", str(config), "--config-in-cluster", "/data/job.yaml")
+    plain = pods(render(capsys, *args)["RayJob"])
+    offline = pods(render(capsys, *args, "--hf-offline")["RayJob"])
+    for role in ("head", "worker"):
+        env = {e["name"]: e.get("value") for e in plain[role]["spec"]["containers"][0]["env"]}
+        assert env["HF_HOME"] == "/data/shared/hf" and "HF_HUB_OFFLINE" not in env, role
+        env = {e["name"]: e.get("value") for e in offline[role]["spec"]["containers"][0]["env"]}
+        assert env["HF_HOME"] == "/data/shared/hf" and env["HF_HUB_OFFLINE"] == "1", role
+    err = render_error(capsys, *args, "--hf-home", "/scratch/hf")
+    assert "k8s.hf_home: /scratch/hf is not on the PVC mounted at /data" in err
