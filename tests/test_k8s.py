@@ -131,7 +131,8 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
         assert resources["requests"] == resources["limits"] and resources["limits"]["nvidia.com/gpu"] == str(gpus)
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["NCCL_SOCKET_IFNAME"] == flag.get("--socket-ifname", "net1")
-        assert env["NCCL_IB_HCA"] == flag.get("--ib-hca", "mlx5")
+        assert env.get("NCCL_IB_HCA") == flag.get("--ib-hca", cfg.nccl.ib_hca)  # unset: NCCL's own choice
+        assert env["NCCL_DEBUG"] == cfg.nccl.debug == "WARN"  # INFO only when the config asks for it
         assert env["RDMAV_FORK_SAFE"] == "1" and env["TOKENIZERS_PARALLELISM"] == "false"
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
         assert {"NCCL_IB_QPS_PER_CONNECTION", "NCCL_IB_SPLIT_DATA_ON_QPS", "NCCL_IB_DISABLE"} <= set(env)

@@ -179,7 +179,7 @@ def test_a_patch_changes_what_it_says_and_nothing_else(capsys, tmp_path):
     strategic.write_text(yaml.safe_dump({
         "apiVersion": "ray.io/v1", "kind": "RayJob",
         "spec": {"rayClusterSpec": {"workerGroupSpecs": [{"groupName": "gpu", "template": {"spec": {
-            "containers": [{"name": "ray-worker", "env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}]}}}]}},
+            "containers": [{"name": "ray-worker", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}]}}}]}},
     }))  # fmt: skip
     json6902 = tmp_path / "jp.yaml"
     json6902.write_text(yaml.safe_dump({"target": "raycluster", "patch": [
@@ -190,7 +190,7 @@ def test_a_patch_changes_what_it_says_and_nothing_else(capsys, tmp_path):
     env_at = "/spec/rayClusterSpec/workerGroupSpecs/0/template/spec/containers/0/env"
     index = [e["name"] for e in plain["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
              ["spec"]["containers"][0]["env"]].index("NCCL_DEBUG")  # fmt: skip
-    assert changed(plain["RayJob"], patched["RayJob"]) == {f"{env_at}/{index}/value": ("INFO", "WARN")}
+    assert changed(plain["RayJob"], patched["RayJob"]) == {f"{env_at}/{index}/value": ("WARN", "INFO")}
     head = "/spec/headGroupSpec/template/spec"
     assert changed(plain["RayCluster"], patched["RayCluster"]) == {
         f"{head}/hostNetwork": (None, True),

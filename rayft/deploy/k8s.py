@@ -16,10 +16,11 @@ from typing import Any
 
 import yaml
 
-from rayft.config import Config, ConfigError, K8sConfig, is_uri
+from rayft.config import Config, ConfigError, K8sConfig, NcclConfig, is_uri
 from rayft.deploy import platform
 from rayft.deploy.crd import MAX_NAME, name_problems
 from rayft.hub import is_hub_name
+from rayft.parallel.backend import nccl_env
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
@@ -49,7 +50,7 @@ class Deployment:
     # InfiniBand: the Multus network attachment, the RDMA device plugin's resource, the HCAs and interface NCCL uses.
     network: str | None = "ib-network"
     ib_resource: str | None = "rdma/rdma_shared_device_a"
-    ib_hca: str = "mlx5"
+    ib_hca: str | None = None  # None: NCCL's own choice, unless the config's nccl.ib_hca names them
     socket_ifname: str = "net1"
     # RayJob lifetime: seconds allowed to reach Running (image pull, scheduling), to run, and to keep the finished
     # cluster around for its logs.
@@ -128,7 +129,7 @@ def render(cfg: Config, job: JobSource, dep: Deployment, plat: K8sConfig | None 
     dep.check()
     plat = plat or cfg.k8s
     workers = check_fits(cfg, dep, plat)
-    spec = cluster_spec(dep, workers, plat)
+    spec = cluster_spec(dep, workers, plat, cfg.nccl)
     config = f"env:{CONFIG_ENV}" if job.inline is not None else job.config_in_cluster
     entrypoint = " ".join(
         ["python", str(IMAGE_ROOT / "jobs" / "mistral4.py"), "--config", shlex.quote(config)]
@@ -268,7 +269,9 @@ def backoff_limit(cfg: Config, dep: Deployment) -> int:
     return 0 if cfg.ray.max_failures == -1 else 1
 
 
-def cluster_spec(dep: Deployment, worker_pods: int, plat: K8sConfig | None = None) -> dict[str, Any]:
+def cluster_spec(
+    dep: Deployment, worker_pods: int, plat: K8sConfig | None = None, nccl: NcclConfig | None = None
+) -> dict[str, Any]:
     plat = plat or K8sConfig()
     volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}}]
     mounts = [{"name": "data", "mountPath": dep.mount_path}]
@@ -321,7 +324,7 @@ def cluster_spec(dep: Deployment, worker_pods: int, plat: K8sConfig | None = Non
                     {
                         "name": "ray-worker",
                         "image": dep.image,
-                        "env": _env(gpu_env(dep, plat)),
+                        "env": _env(gpu_env(dep, plat, nccl or NcclConfig())),
                         **({"ports": [{"containerPort": 8080, "name": "metrics"}]} if dep.monitoring else {}),
                         "resources": _requests_are_limits(gpu_limits),
                         # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
@@ -368,19 +371,20 @@ def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
     return {**env, **{k: v for k, v in hosts.items() if v}}
 
 
-def gpu_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
-    """NCCL over InfiniBand (the seeds' settings, HCA and interface selectable) and the allocator settings."""
+def gpu_env(dep: Deployment, plat: K8sConfig, nccl: NcclConfig) -> dict[str, str]:
+    """NCCL over InfiniBand (the seeds' transport settings, then the config's `nccl` section, which the training
+    workers also get through Ray; `--ib-hca` / `--socket-ifname` fill its adapters and interface where it leaves
+    them open) and the allocator settings."""
+    nccl = dataclasses.replace(
+        nccl, ib_hca=nccl.ib_hca or dep.ib_hca, socket_ifname=nccl.socket_ifname or dep.socket_ifname
+    )
     return {
         "NCCL_IB_DISABLE": "0",
-        "NCCL_IB_HCA": dep.ib_hca,
-        "NCCL_SOCKET_IFNAME": dep.socket_ifname,
         "NCCL_IB_QPS_PER_CONNECTION": "1",
         "NCCL_IB_SPLIT_DATA_ON_QPS": "1",
         "NCCL_SOCKET_NTHREADS": "2",
         "NCCL_NSOCKS_PERTHREAD": "2",
-        # One line per rank at start-up that says whether IB was found ("NET/IB") or NCCL fell back to sockets.
-        "NCCL_DEBUG": "INFO",
-        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+        **nccl_env(nccl),
         "RDMAV_FORK_SAFE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
