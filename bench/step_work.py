@@ -1,0 +1,232 @@
+"""The work one optimizer step of the tiny hub-layout Mistral-Small-4 does, counted as a GPU would pay for it.
+
+Two gloo ranks train the same model (FP8 or dense frozen base, FSDP only or expert parallel 2, activation
+checkpointing on or off); per step each rank counts
+- host syncs (tests/fixtures/work.py's `WorkCounter`: `.item()`, `tolist`, the ops whose output size depends on
+  the data), by the code location that asked;
+- bytes of frozen FP8 weights read by dequantisation: the elements of every float8 → wider conversion (1 byte
+  each), and the same per pass (forward, the checkpoint recompute, the input-gradient pass) and layer, against
+  one layer's FP8 weights + scales;
+- collective calls and bytes by kind, from `rayft.parallel.tally` (calls counted at its `add`);
+- tokens/s of steps run without the counters, and the loss, so rows can be compared for equality.
+
+The "before" rows run the code of another commit (default: the branch point with `main`), unpacked with
+`git archive` into a temporary directory and imported from there in the same invocation; the "after" rows run
+this checkout. On CPU the times say little; the counts are what a GPU pays.
+
+    python bench/step_work.py [--size small|default] [--out bench/results/step_work_cpu.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {
+    "default": {"model": {"hidden_size": 128, "n_routed_experts": 8, "num_hidden_layers": 2}, "tokens": 256},
+    "small": {"model": {"hidden_size": 64, "n_routed_experts": 4, "num_hidden_layers": 2}, "tokens": 32},
+}
+TIMED_STEPS = 2
+CASES = [
+    (base, k, ac) for base in ("fp8", "dense") for k in (1, 2) for ac in (False, True)
+]  # fmt: skip
+
+
+def _count_calls(calls: Counter) -> None:
+    from rayft.parallel.tally import TALLY
+
+    add = TALLY.add
+
+    def counted(kind: str, nbytes: int) -> None:
+        calls[kind] += 1
+        add(kind, nbytes)
+
+    TALLY.add = counted
+
+
+def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from fixtures.work import WorkCounter
+
+    from rayft.model.build import build_model
+    from rayft.model.fp8 import frozen_storage_bytes
+    from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.tally import TALLY
+    from rayft.train.step import clip_gradients_
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    try:
+        model = build_model(_config(raw), on_gpu=False)
+        count_fsdp_collectives(model)
+        calls: Counter = Counter()
+        _count_calls(calls)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(rank))
+
+        def step() -> float:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            clip_gradients_(model, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+
+        losses = [step()]  # warm-up
+        TALLY.take(), calls.clear()
+        counter = WorkCounter()
+        with counter:
+            losses.append(step())
+        moved, counted_calls = TALLY.take(), dict(calls)
+        times = []
+        for _ in range(TIMED_STEPS):
+            dist.barrier()
+            started = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - started)
+        adapter = sum(p.detach().double().pow(2).sum().item() for p in model.parameters() if p.requires_grad)
+        result = {
+            "syncs": dict(counter.syncs),
+            "dequant_calls": counter.dequantised,
+            "collective_bytes": moved,
+            "collective_calls": counted_calls,
+            "step_s": statistics.median(times),
+            "losses": losses,
+            "adapter_sq_norm_local": adapter,
+            "frozen_storage_bytes": frozen_storage_bytes(model),
+        }
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _config(raw: dict):
+    from rayft.config import Config
+
+    return Config.from_dict(raw)
+
+
+def _case_raw(model_dir: Path, base: str, k: int, ac: bool) -> dict:
+    return {
+        "model": {
+            "model_name_or_path": str(model_dir),
+            "torch_dtype": "float32",
+            "frozen_dtype": "float8_e4m3fn" if base == "fp8" else "float32",
+        },
+        "lora": {"target_modules": ["auto"], "target_experts": True, "lora_dropout": 0.0},
+        "ray": {"num_workers": 2, "use_gpu": False},
+        "parallel": {"expert_parallel": k},
+        "fsdp": {"activation_checkpointing": ac},
+    }
+
+
+def _worker_main(args: list[str]) -> None:
+    """Child process entry: `--case JSON`; its rayft is whatever PYTHONPATH names."""
+    import torch.multiprocessing as mp
+    from _common import free_port
+
+    spec = json.loads(args[args.index("--case") + 1])
+    mp.spawn(_rank, args=(2, free_port(), spec["raw"], spec["tokens"], spec["out"]), nprocs=2)
+
+
+def _summarise(per_rank: list[dict], raw: dict, shape: dict, tokens: int) -> dict:
+    """One row: per-rank means of the counts, per-pass dequantised bytes against one layer's FP8 storage."""
+    layers = shape["num_hidden_layers"]
+    passes = 3 if raw["fsdp"]["activation_checkpointing"] else 2
+    syncs = Counter()
+    for r in per_rank:
+        syncs.update(r["syncs"])
+    dequant = statistics.mean(sum(r["dequant_calls"]) for r in per_rank)
+    storage = per_rank[0]["frozen_storage_bytes"]
+    layer_fp8 = (storage["fp8"] + storage["scales"]) / layers  # per rank (sharded or its experts)
+    expert_syncs = sum(n for site, n in syncs.items() if "fp8.py" in site or "expert.py" in site)
+    moe_passes = layers * passes
+    return {
+        "host_syncs_per_step": sum(syncs.values()) / len(per_rank),
+        "host_syncs_expert_path_per_step": expert_syncs / len(per_rank),
+        "host_syncs_expert_path_per_moe_layer_per_pass": expert_syncs / len(per_rank) / moe_passes,
+        "host_syncs_by_site_both_ranks": dict(sorted(syncs.items())),
+        "dequant_bytes_per_step": dequant,
+        "dequant_bytes_per_layer_per_pass": dequant / moe_passes,
+        "layer_fp8_weights_plus_scales_bytes": layer_fp8,
+        "dequant_per_pass_over_layer_fp8": round(dequant / moe_passes / layer_fp8, 4) if layer_fp8 else None,
+        "collective_calls_per_step": _mean_dicts([r["collective_calls"] for r in per_rank]),
+        "collective_bytes_per_step": _mean_dicts([r["collective_bytes"] for r in per_rank]),
+        "tokens_per_s": round(2 * tokens / statistics.mean(r["step_s"] for r in per_rank), 1),
+        "losses_rank0": per_rank[0]["losses"],
+        "adapter_sq_norm": sum(r["adapter_sq_norm_local"] for r in per_rank),
+    }
+
+
+def _mean_dicts(rows: list[dict]) -> dict:
+    keys = sorted({k for r in rows for k in r})
+    return {k: statistics.mean(r.get(k, 0) for r in rows) for k in keys}
+
+
+def _unpack(rev: str, into: Path) -> str:
+    """The `rayft` package of commit `rev`, unpacked under `into`; returns the commit's full hash."""
+    commit = subprocess.run(["git", "rev-parse", rev], cwd=REPO, capture_output=True, text=True, check=True)
+    full = commit.stdout.strip()
+    archive = subprocess.run(["git", "archive", full, "rayft"], cwd=REPO, capture_output=True, check=True)
+    into.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return full
+
+
+def _run_case(code_root: Path, raw: dict, tokens: int, out: Path, shape: dict) -> dict:
+    out.mkdir(parents=True)
+    spec = json.dumps({"raw": raw, "tokens": tokens, "out": str(out)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code_root), str(REPO / "bench"), str(REPO / "tests")])}
+    result = subprocess.run(
+        [sys.executable, __file__, "--worker", "--case", spec], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if result.returncode:
+        raise RuntimeError(f"case failed ({code_root}):\n{result.stderr[-4000:]}")
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _summarise(per_rank, raw, shape, tokens)
+
+
+def run(size: str, before: str | None = None, cases: list | None = None) -> dict:
+    from _common import machine
+    from fixtures.hub_layout import make_tiny_mistral_small4
+
+    before = before or os.environ.get("STEP_WORK_BEFORE", "main")
+    shape, tokens = SIZES[size]["model"], SIZES[size]["tokens"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    report = {**machine(), "size": size, "model": shape, "tokens_per_rank_per_step": tokens, "ranks": 2, "rows": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_mistral_small4(Path(tmp) / "model", **shape)
+        before_hash = _unpack(before, Path(tmp) / "before")
+        report["before"] = {"commit": before_hash, "how": f"git archive of {before} imported in a child process"}
+        report["after"] = {"commit": head, "how": "this checkout (uncommitted changes included)"}
+        for base, k, ac in cases or CASES:
+            name = f"{base} base, {'EP 2' if k == 2 else 'FSDP only'}, AC {'on' if ac else 'off'}"
+            raw = _case_raw(model_dir, base, k, ac)
+            row = {}
+            for label, root in (("before", Path(tmp) / "before"), ("after", REPO)):
+                row[label] = _run_case(root, raw, tokens, Path(tmp) / "runs" / name / label, shape)
+            row["loss_max_abs_diff"] = max(
+                abs(a - b) for a, b in zip(row["before"]["losses_rank0"], row["after"]["losses_rank0"], strict=True)
+            )
+            report["rows"][name] = row
+    return report
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        _worker_main(sys.argv)
+    else:
+        sys.path.insert(0, str(REPO / "bench"))
+        from _common import cli
+
+        cli(__doc__, SIZES, run, "step_work_cpu.json")
