@@ -19,6 +19,7 @@ import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.hub_layout import TINY_MISTRAL4
 from fixtures.ranks import spawn_ranks
+from fixtures.work import WorkCounter
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
@@ -457,28 +458,52 @@ def _experts_and_reference() -> tuple[Fp8Experts, nn.Module]:
     return fp8, experts
 
 
-def test_an_expert_without_tokens_is_never_dequantised():
-    """Tokens routed to experts {1, 2, 5} of 8: forward and backward dequantise exactly those three experts' weights
-    (each twice: forward, then the input gradient), never the others; output and input gradient are transformers'
-    grouped_mm experts on the dequantised fp32 weights."""
-    fp8, reference = _experts_and_reference()
-    assert fp8.num_experts == 8
+def _three_experts_routed(fp8: Fp8Experts, reference: nn.Module) -> tuple[torch.Tensor, torch.Tensor, WorkCounter]:
+    """Tokens routed to experts {1, 2, 5} of 8 through `fp8`, forward and backward: output, input gradient, counts."""
     top_k = torch.tensor([[1, 2], [5, 1], [2, 5], [1, 5], [2, 1]])
     weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     probe = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
-    seen = _Dequantised()
-    with seen:
+    counter = WorkCounter()
+    with counter:
         out = fp8(hidden, top_k, weights)
         (out * probe).sum().backward()
-    per_expert = fp8.gate_up_proj[0].numel() + fp8.down_proj[0].numel()
-    assert sum(seen.sizes) == 2 * 3 * per_expert, (seen.sizes, per_expert)
-
     hidden_ref = hidden.detach().clone().requires_grad_()
     want = reference(hidden_ref, top_k, weights)
     (want * probe).sum().backward()
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, hidden_ref.grad, rtol=1e-5, atol=1e-6)
+    return out.detach(), hidden.grad, counter
+
+
+def test_an_expert_without_tokens_is_never_dequantised_when_the_layer_is_chunked(monkeypatch):
+    """A layer larger than one dequantisation chunk (budget: 7 of its 8 experts): forward and backward dequantise
+    exactly the three routed experts' weights (each twice: forward, then the input gradient), never the others;
+    output and input gradient are transformers' grouped_mm experts on the dequantised fp32 weights."""
+    from rayft.model import fp8 as fp8_module
+
+    fp8, reference = _experts_and_reference()
+    monkeypatch.setattr(fp8_module, "EXPERT_DEQUANT_BUDGET", 7 * fp8.gate_up_proj[0].numel())
+    _, _, counter = _three_experts_routed(fp8, reference)
+    per_expert = fp8.gate_up_proj[0].numel() + fp8.down_proj[0].numel()
+    assert sum(counter.dequantised) == 2 * 3 * per_expert, (counter.dequantised, per_expert)
+    assert counter.total_syncs("fp8.py") == 1  # counts.tolist(): which experts to dequantise
+
+
+def test_a_layer_within_one_chunk_runs_its_experts_without_a_host_sync(monkeypatch):
+    """The whole layer fits one dequantisation chunk: no host sync in forward or backward (the group ends stay
+    on the device), every expert dequantised once per pass, and output and input gradient equal, bit for bit,
+    the host-chunked path's (and transformers' grouped_mm experts on the dequantised weights)."""
+    from rayft.model import fp8 as fp8_module
+
+    fp8, reference = _experts_and_reference()
+    out, grad, counter = _three_experts_routed(fp8, reference)
+    assert counter.total_syncs() == 0, counter.syncs
+    per_expert = fp8.gate_up_proj[0].numel() + fp8.down_proj[0].numel()
+    assert sum(counter.dequantised) == 2 * 8 * per_expert
+    monkeypatch.setattr(fp8_module, "EXPERT_DEQUANT_BUDGET", 7 * fp8.gate_up_proj[0].numel())
+    chunked_out, chunked_grad, _ = _three_experts_routed(fp8, reference)
+    assert torch.equal(out, chunked_out) and torch.equal(grad, chunked_grad)
 
 
 def test_active_experts_are_dequantised_a_bounded_chunk_at_a_time(monkeypatch):

@@ -107,7 +107,7 @@ class _FrozenLinear(torch.autograd.Function):
 class ExpertChunk(NamedTuple):
     """Experts dequantised together: their ids, their rows of the expert-sorted input, and the group ends."""
 
-    experts: torch.Tensor  # [n] expert ids, each with at least one row
+    experts: torch.Tensor  # [n] expert ids: a whole layer's, or (chunked on the host) those with rows
     span: tuple[int, int] | None  # (first, end) when the ids are a contiguous range: the weights are a view
     start: int  # first row
     end: int  # one past the last row
@@ -142,6 +142,12 @@ def expert_chunks(counts: list[int], per_expert: int, device: torch.device) -> l
     return chunks
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert of `ids` (int64 `[num_experts]`), computed on the device: `torch.bincount` sizes its output
+    from the largest id, a host sync on a GPU."""
+    return torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
 def _grouped_chunks(
     x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, chunks: list[ExpertChunk], transpose: bool
 ) -> torch.Tensor:
@@ -158,8 +164,8 @@ def _grouped_chunks(
 
 
 class _FrozenGroupedLinear(torch.autograd.Function):
-    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert), dequantising only the experts
-    that have rows, a chunk at a time (`expert_chunks`); no weight gradient; saves only the E4M3 bytes and their
+    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert), dequantising the chunks'
+    experts a chunk at a time (`Fp8Experts._chunks`); no weight gradient; saves only the E4M3 bytes and their
     scales (and the chunks' small index tensors)."""
 
     @staticmethod
@@ -279,20 +285,31 @@ class Fp8Experts(nn.Module):
         num_tokens, top_k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
         routed = hidden_states[perm // top_k]
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # every expert's group end (LoRA's grouped_mm)
-        rows = counts.tolist()  # the one host sync: which experts to dequantise
-        gate, up = self._project("gate_up_proj", routed, offs, rows).chunk(2, dim=-1)
-        out = self._project("down_proj", self.act_fn(gate) * up, offs, rows)
+        counts = expert_counts(expert_ids, self.num_experts)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # every expert's group end, on the device
+        chunks = self._chunks(counts, offs, routed.shape[0])
+        gate, up = self._project("gate_up_proj", routed, offs, chunks["gate_up_proj"]).chunk(2, dim=-1)
+        out = self._project("down_proj", self.act_fn(gate) * up, offs, chunks["down_proj"])
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
         unsorted = torch.empty_like(out)
         unsorted[perm] = out
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        data = getattr(self, name)
-        chunks = expert_chunks(rows, data[0].numel(), x.device)
-        out = _FrozenGroupedLinear.apply(x, data, self.scale(name), chunks)
+    def _chunks(self, counts: torch.Tensor, offs: torch.Tensor, rows: int) -> dict[str, list[ExpertChunk]]:
+        """Each weight's dequantisation chunks. When the whole layer fits one chunk, every expert is dequantised
+        (the empty ones too) with the group ends as a device tensor: no host sync. Otherwise the experts with rows
+        are chunked on the host (`counts.tolist()`, the one sync): a 128-expert stack never lives whole in the
+        compute dtype, and experts without rows are skipped."""
+        per_expert = {name: getattr(self, name)[0].numel() for name in EXPERT_WEIGHTS}
+        if all(self.num_experts <= max(1, EXPERT_DEQUANT_BUDGET // n) for n in per_expert.values()):
+            ids = torch.arange(self.num_experts, device=offs.device)
+            whole = [ExpertChunk(ids, (0, self.num_experts), 0, rows, offs)]
+            return dict.fromkeys(EXPERT_WEIGHTS, whole)
+        host_counts = counts.tolist()
+        return {name: expert_chunks(host_counts, n, offs.device) for name, n in per_expert.items()}
+
+    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk]) -> torch.Tensor:
+        out = _FrozenGroupedLinear.apply(x, getattr(self, name), self.scale(name), chunks)
         for lhs, rhs, scaling in self.lora_factors.get(name, ()):
             # (x · (s·lhs·rhs)ᵀ) per group = s · (x · rhsᵀ) · lhsᵀ; lhs [E, out, r], rhs [E, r, in]
             x_in = x.to(out.dtype).contiguous()
