@@ -29,6 +29,7 @@ from rayft.model.build import set_gradient_sync
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
 from rayft.train.metrics import LossWindow
 from rayft.train.step import clip_gradients_
+from rayft.train.transfer import to_device
 
 log = logging.getLogger("rayft")
 
@@ -219,7 +220,7 @@ def evaluate(
     model.eval()
     sums = PreferenceSums(device)
     for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with autocast():
             sums.add(score(model, batch, dpo))
     model.reshard()  # no backward follows: free the root's gathered weights now

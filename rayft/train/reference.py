@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from rayft.train.dpo import reference_logprobs
 from rayft.train.rundir import RunDir
+from rayft.train.transfer import to_device
 
 log = logging.getLogger("rayft")
 
@@ -103,7 +104,7 @@ def score_batches(
     keys, logps = [], []
     for batch in batches:
         keys.append(batch.pop("pair_key").numpy())
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with autocast():
             scored = reference_logprobs(model, batch).double().cpu()
         logps.append(torch.stack(scored.chunk(2), dim=1).numpy())

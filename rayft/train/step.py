@@ -19,6 +19,7 @@ from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint import Progress
 from rayft.train.metrics import LossWindow
 from rayft.train.schedule import Plan
+from rayft.train.transfer import to_device
 
 log = logging.getLogger("rayft")
 
@@ -78,7 +79,7 @@ def evaluate(
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         predicted = targets(batch)
         with autocast():
             loss = model(**batch).loss
@@ -115,7 +116,7 @@ def step_groups(
         skip = progress.batches_in_epoch
         group: list[Batch] = []
         for micro, batch in enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, collate)), skip):
-            group.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+            group.append(to_device(batch, device))
             if len(group) == min(accum, plan.micro_batches_per_epoch - (micro - micro % accum)):
                 yield group, micro
                 group = []

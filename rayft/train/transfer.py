@@ -1,0 +1,22 @@
+"""Host batches onto the training device.
+
+`non_blocking=True` from pageable host memory is a synchronous copy on CUDA (the driver stages it through a pinned
+buffer itself), so a batch bound for a GPU is pinned first: the copy then overlaps the step's kernels. On CPU the
+batch is already where it trains, and pinning would need an accelerator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+def pins(device: torch.device, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is pinned before its copy to `device`: a host tensor bound for a CUDA device."""
+    return device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned()
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Every tensor of `batch` on `device`, copied from pinned memory when that lets the copy run asynchronously."""
+    return {k: (v.pin_memory() if pins(device, v) else v).to(device, non_blocking=True) for k, v in batch.items()}
