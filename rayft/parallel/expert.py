@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rayft.config import ConfigError
+from rayft.model.fp8 import expert_counts
 from rayft.parallel.alltoall import exchange, exchange_counts
 from rayft.parallel.tally import TALLY
 
@@ -62,10 +63,10 @@ class ExpertParallel:
         tokens, top_k = index.shape
         pairs = index.reshape(-1)
         order = torch.argsort(pairs, stable=True)  # by expert, so by owner: each owner's rows are one block
-        counts = torch.bincount(pairs, minlength=self.num_experts)
+        counts = expert_counts(pairs, self.num_experts)
         received = exchange_counts(counts, self.group)  # [k, E/k]: each source's pairs for each local expert
-        sent = counts.view(self.k, self.local).sum(1).tolist()
-        arriving = received.view(self.k, self.local).sum(1).tolist()
+        per_rank = torch.stack([counts.view(self.k, self.local).sum(1), received.view(self.k, self.local).sum(1)])
+        sent, arriving = per_rank.tolist()  # the one host sync: the split sizes of both exchanges
         rows = exchange(hidden[order // top_k], arriving, sent, self.group)
         out = self._local_experts(rows, received, experts)
         back = exchange(out, sent, arriving, self.group)
@@ -77,7 +78,8 @@ class ExpertParallel:
         A worker no token was routed to runs one zero row: grouped_mm's backward refuses zero rows, and its
         all-to-all backward must run like everyone else's."""
         n = rows.shape[0]
-        ids = torch.arange(self.local, device=rows.device).repeat(self.k).repeat_interleave(received)
+        ids = torch.arange(self.local, device=rows.device).repeat(self.k)
+        ids = ids.repeat_interleave(received.reshape(-1), output_size=n)  # n known: no host sync
         if n == 0:
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
             ids = ids.new_full((1,), self.local - 1)
