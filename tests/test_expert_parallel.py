@@ -124,10 +124,10 @@ def _run(raw: dict, out: Path, resume: Path | None = None, save: Path | None = N
 
 
 def _expected_a2a(ranks: list[dict], step: int, k: int, recompute: bool) -> list[int]:
-    """Bytes each rank receives from the other in a step, from the router's choices alone: per MoE call,
-    dispatch brings the other rank's pairs for my experts, combine brings back my pairs that went out; backward
-    does both again (once per layer: a recomputed forward's calls are the second per layer); each forward call
-    also exchanges the per-expert counts (E/k int64 from each other rank)."""
+    """Bytes each rank receives from the other in a step, from the router's choices alone: per MoE layer,
+    dispatch brings the other rank's pairs for my experts, combine brings back my pairs that went out, and the
+    per-expert counts (E/k int64 from each other rank) go first; backward sends the gradients of both exchanges.
+    A recomputed forward (the second call of a layer) reuses the saved exchanges: it moves nothing."""
     local = EXPERTS // k
     owner = [e // local for e in range(EXPERTS)]
     expected = []
@@ -140,9 +140,8 @@ def _expected_a2a(ranks: list[dict], step: int, k: int, recompute: bool) -> list
             into_mine = sum(owner[e] == me for r, (_, idx) in enumerate(per_rank) if r != me for e in idx)
             mine_out = sum(owner[e] != me for e in per_rank[me][1])
             pairs_bytes = (into_mine + mine_out) * HIDDEN * 4
-            total += pairs_bytes + (k - 1) * local * 8  # forward: dispatch + combine, and the counts
-            if name not in seen:
-                total += pairs_bytes  # backward: the gradients of both exchanges
+            if name not in seen:  # forward: dispatch + combine and the counts; backward: their gradients
+                total += 2 * pairs_bytes + (k - 1) * local * 8
             seen.add(name)
         assert recompute == (len(calls) == 2 * len(seen)), "a forward per layer, and one recompute when checkpointed"
         expected.append(total)

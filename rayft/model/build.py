@@ -25,6 +25,7 @@ from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import buffers_kept, load_sharded_, tie_weights_
+from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
 
 log = logging.getLogger("rayft")
@@ -42,8 +43,10 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
         log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
                  swapped, cfg.model.frozen_dtype)  # fmt: skip
     if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
-        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
+        # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
+        kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     model = apply_lora(model, cfg.lora)
     if fp8:
         adopt_lora_(model)
@@ -245,12 +248,13 @@ def apply_fsdp(
         shards = mesh.size(1)
         reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shards > 1
     layers = decoder_layers(model)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         fully_shard(
             layer,
             mesh=mesh,
             mp_policy=mp_policy,
-            reshard_after_forward=reshard,
+            # The last layer's backward comes right after its forward: keep it gathered (as torchtitan does).
+            reshard_after_forward=reshard and i < len(layers) - 1,
             offload_policy=offload,
             ignored_params=ignored,
         )

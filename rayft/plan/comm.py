@@ -11,9 +11,11 @@ which each rank sends D bytes spread evenly delivers D·(g−1)/g.
 
 Layouts:
   FSDP        S = W. Each decoder layer is gathered in forward and again in backward (reshard_after_forward, the
-              default when sharded; the recompute of activation checkpointing reuses the backward gather): per
-              micro-batch 2·G_layers·(S−1)/S, G_layers = frozen layer weights as gathered (c bytes each; FP8 storage:
-              1 byte + a 4-byte row scale per row) + layer LoRA·c. Without reshard_after_forward: once per step.
+              default when sharded; the last layer stays gathered from its forward to its backward, and the
+              recompute of activation checkpointing reuses the backward gather): per micro-batch
+              (2 − 1/L)·G_layers·(S−1)/S, L = decoder layers, G_layers = frozen layer weights as gathered (c bytes
+              each; FP8 storage: 1 byte + a 4-byte row scale per row) + layer LoRA·c. Without
+              reshard_after_forward: once per step.
               The root (embeddings, norm, head) is gathered once and kept when it holds no LoRA, else once per
               micro-batch. Per step: LoRA gradients reduce-scattered, LoRA·r·(S−1)/S (on the last micro-batch).
   HSDP        S = GPUs per node (gathers stay on NVLink), R = nodes: as FSDP within the node, then the
@@ -23,7 +25,7 @@ Layouts:
               workers of a dp-group (consecutive ranks) hold the same experts and all-reduce their LoRA gradients
               (expert_LoRA·r/k). Tokens travel instead: per MoE layer per micro-batch each rank sends s·top_k·h·c
               bytes to dispatch and as much to combine, forward and backward: 4·s·top_k·h·c·(k−1)/k received,
-              6·… with activation checkpointing (its recompute dispatches and combines again); uniform routing.
+              activation checkpointing included (its recompute reuses the saved exchanges); uniform routing.
               The rest (attention, shared expert, norms, router, embeddings, head) is HSDP on the same mesh:
               sharded over dp (S = W/k), replicated over ep (R = k); held whole when W = k.
 Plus one 8-byte all-reduce per step (the step's target-token count). Scalar reductions inside gradient clipping
@@ -156,9 +158,9 @@ def _sharded(
     nodes = cluster.nodes_spanned(shard)
     out = []
     reshards = cfg.fsdp.reshard_after_forward if cfg.fsdp.reshard_after_forward is not None else shard > 1
-    if reshards:
-        out.append(_collective("all_gather", "decoder layers, forward + backward", MICRO_BATCH, 2 * layers, shard,
-                               nodes))  # fmt: skip
+    if reshards:  # the last layer stays gathered from its forward to its backward
+        out.append(_collective("all_gather", "decoder layers, forward + backward but the last's", MICRO_BATCH,
+                               (2 - 1 / s.layers) * layers, shard, nodes))  # fmt: skip
     else:
         out.append(_collective("all_gather", "decoder layers, kept over the step", STEP, layers, shard, nodes))
     if s.root_lora:
@@ -184,8 +186,9 @@ def _all_reduce(what: str, total: float, ranks: int, nodes: int) -> list[Transfe
 
 
 def _all_to_all(cfg: Config, s: Structure, k: int, nodes: int, c: int) -> Transfer:
-    """Token dispatch + combine of every MoE layer, forward + backward (+ the recompute's forward with AC)."""
-    passes = 6 if (cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing) else 4
+    """Token dispatch + combine of every MoE layer, forward + backward (activation checkpointing's recompute
+    reuses the forward's saved exchanges: `rayft.parallel.alltoall.checkpoint_context`)."""
+    passes = 4
     sent = s.moe_layers * passes * tokens_per_micro_batch(cfg) * s.top_k * s.hidden * c
     what = f"tokens to experts and back, {passes} passes x {s.moe_layers} MoE layers"
     return Transfer("all_to_all", what, MICRO_BATCH, sent * (k - 1) / k, sent * (nodes - 1) / nodes)
