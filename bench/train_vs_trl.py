@@ -258,10 +258,12 @@ ACCEPTANCE = {"dense_mfu_lora": 0.40, "dense_ratio_tokens_per_s": 1.3, "moe_mfu_
 def gpu_settings(root: Path, model: Path, dataset: Path, s: dict, moe: bool = False) -> dict:
     """One config for both systems (rayft reads it as YAML, trl_baseline.py as JSON): the seed's LoRA (r 16, alpha
     32, dropout 0.05) on all linear projections (dense) or rayft's auto set (MoE: MLA + shared expert), packed
-    padding-free rows, activation checkpointing, bf16, fused AdamW, one GPU worker."""
+    padding-free rows, activation checkpointing, bf16, fused AdamW, one GPU worker. The MoE run is the seeds'
+    default base: kept in FP8 (quantised per row at load), so the timed step runs the FP8 expert path
+    (`Fp8Experts`), not a bf16 stand-in (LoRA stays on rayft's auto set: expert LoRA needs no dropout)."""
     on_gpu = s["device"] == "cuda"
     targets = ["auto"] if moe else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return {
+    raw = {
         "model": {"model_name_or_path": str(model), "torch_dtype": "bfloat16" if on_gpu else "float32",
                   "attn_implementation": "sdpa"},
         "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": targets, "bias": "none",
@@ -276,6 +278,9 @@ def gpu_settings(root: Path, model: Path, dataset: Path, s: dict, moe: bool = Fa
         "fsdp": {"activation_checkpointing": True},
         "ray": {"num_workers": 1, "use_gpu": on_gpu, "placement_strategy": "PACK", "max_failures": 0},
     }  # fmt: skip
+    if moe:
+        raw["model"]["frozen_dtype"] = "float8_e4m3fn"
+    return raw
 
 
 def demo_config_name() -> str:
