@@ -220,3 +220,41 @@ def test_gpu_bench_arithmetic_from_rayft_rows_to_acceptance():
     assert verdicts["dense_mfu_lora"]["ok"] is (summary["rayft"]["mfu_lora"] >= 0.4)
     assert all(v["ok"] is None for v in acceptance({**report, "gpu": None}).values())
     assert "mfu_lora" not in summarise_rayft([{**r, "mfu_lora": None} for r in rows], 100.0)
+
+
+def test_step_work_benchmark_counts_before_and_after_rows():
+    """bench/step_work.py at toy size, expert parallel FP8 with and without activation checkpointing: the rows of
+    main's code and this checkout's train alike, and this checkout's meet the issue's counts: at most one host
+    sync per MoE layer per pass in the expert path, each layer's FP8 weights read at most once per pass, and as
+    many all-to-alls per step with activation checkpointing as without."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from step_work import run
+
+    report = run("small", cases=[("fp8", 2, False), ("fp8", 2, True)])
+    assert report["versions"]["torch"] and report["before"]["commit"] and report["after"]["commit"]
+    rows = report["rows"]
+    off, on = rows["fp8 base, EP 2, AC off"], rows["fp8 base, EP 2, AC on"]
+    for row in (off, on):
+        assert row["loss_max_abs_diff"] <= 1e-4, row
+        after = row["after"]
+        assert after["host_syncs_expert_path_per_moe_layer_per_pass"] <= 1, after["host_syncs_by_site_both_ranks"]
+        assert 0 < after["dequant_per_pass_over_layer_fp8"] <= 1, after
+        assert abs(after["adapter_sq_norm"] - row["before"]["adapter_sq_norm"]) <= 1e-4 * after["adapter_sq_norm"]
+    calls = [r["after"]["collective_calls_per_step"]["all_to_all"] for r in (off, on)]
+    assert calls[0] == calls[1] > 0, calls
+
+
+def test_gpu_check_times_the_fp8_expert_path_for_the_moe_run(tmp_path):
+    """The bench stage's MoE config keeps the frozen base in FP8 (the seeds' default), so the GPU times
+    `Fp8Experts`, not bf16 experts; the dense comparison with TRL stays bf16."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_vs_trl import SIZES, gpu_settings
+
+    from rayft.config import Config
+    from rayft.model.build import frozen_fp8
+
+    size = SIZES["gpu"]
+    moe = Config.from_dict(gpu_settings(tmp_path, tmp_path / "m", tmp_path / "d", size, moe=True))
+    dense = Config.from_dict(gpu_settings(tmp_path, tmp_path / "m", tmp_path / "d", size))
+    assert frozen_fp8(moe.model, checkpoint_fp8=False)
+    assert not frozen_fp8(dense.model, checkpoint_fp8=False)
