@@ -198,28 +198,32 @@ def _run_case(code_root: Path, raw: dict, tokens: int, out: Path, shape: dict) -
     return _summarise(per_rank, raw, shape, tokens)
 
 
-def run(size: str, before: str | None = None, cases: list | None = None) -> dict:
+def run(size: str, before: str | None = "main", cases: list | None = None) -> dict:
+    """Every case on this checkout ("after"), and on commit `before` beside it ($STEP_WORK_BEFORE overrides; None:
+    this checkout's rows alone)."""
     from _common import machine
     from fixtures.hub_layout import make_tiny_mistral_small4
 
-    before = before or os.environ.get("STEP_WORK_BEFORE", "main")
+    before = os.environ.get("STEP_WORK_BEFORE", before)
     shape, tokens = SIZES[size]["model"], SIZES[size]["tokens"]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     report = {**machine(), "size": size, "model": shape, "tokens_per_rank_per_step": tokens, "ranks": 2, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_mistral_small4(Path(tmp) / "model", **shape)
-        before_hash = _unpack(before, Path(tmp) / "before")
-        report["before"] = {"commit": before_hash, "how": f"git archive of {before} imported in a child process"}
+        roots = {"after": REPO}
         report["after"] = {"commit": head, "how": "this checkout (uncommitted changes included)"}
+        if before:
+            before_hash = _unpack(before, Path(tmp) / "before")
+            report["before"] = {"commit": before_hash, "how": f"git archive of {before} imported in a child process"}
+            roots = {"before": Path(tmp) / "before", **roots}
         for base, k, ac in cases or CASES:
             name = f"{base} base, {'EP 2' if k == 2 else 'FSDP only'}, AC {'on' if ac else 'off'}"
             raw = _case_raw(model_dir, base, k, ac)
-            row = {}
-            for label, root in (("before", Path(tmp) / "before"), ("after", REPO)):
-                row[label] = _run_case(root, raw, tokens, Path(tmp) / "runs" / name / label, shape)
-            row["loss_max_abs_diff"] = max(
-                abs(a - b) for a, b in zip(row["before"]["losses_rank0"], row["after"]["losses_rank0"], strict=True)
-            )
+            row = {label: _run_case(root, raw, tokens, Path(tmp) / "runs" / name / label, shape)
+                   for label, root in roots.items()}  # fmt: skip
+            if before:
+                pairs = zip(row["before"]["losses_rank0"], row["after"]["losses_rank0"], strict=True)
+                row["loss_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
             report["rows"][name] = row
     return report
 
