@@ -4,6 +4,7 @@ batch (against a hand count from the model's config), and the time it measures."
 from __future__ import annotations
 
 import os
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -79,3 +80,64 @@ def test_mfu_counts_causal_attention_per_packed_document(tiny):
     per_worker = metrics["tokens_per_s_per_worker"]
     assert metrics["mfu_lora"] * PEAK / per_worker == pytest.approx(lora_aware / 16, rel=1e-9)
     assert metrics["mfu_6n"] * PEAK / per_worker == pytest.approx(six_n / 16, rel=1e-9)
+
+
+def timed_steps(tiny, window: LossWindow, count: int) -> tuple[float, torch.Tensor]:
+    """`count` training steps on one packed batch: their wall seconds and the last gradient norm."""
+    batch = packed_batch([5, 6, 5])
+    started = time.perf_counter()
+    norms = [step(tiny, window, batch) for _ in range(count)]
+    return time.perf_counter() - started, norms[-1]
+
+
+SLOW = 2.0  # seconds of set-up, evaluation or saving
+SLACK = 0.1  # seconds: a take's own bookkeeping before it reads the clock
+
+
+def test_the_first_window_starts_with_the_first_step_not_at_set_up(tiny):
+    """Model build, resume and the first batch's wait (here: SLOW seconds between the window's creation and the
+    first step) are not training: the first window measures the steps alone."""
+    model, config, _, scheduler = tiny
+    window = LossWindow(torch.device("cpu"), 1, flop_model(model, config, MAX_LENGTH), PEAK)
+    time.sleep(SLOW)
+    started = time.perf_counter()
+    _, norm = timed_steps(tiny, window, 2)
+    metrics = window.take(norm, scheduler, 0.0)
+    assert 2 * metrics["step_time_s"] <= time.perf_counter() - started, metrics
+    assert metrics["tokens_per_s"] >= 2 * 16 / (time.perf_counter() - started)
+
+
+def test_window_time_excludes_evaluation_and_checkpoints(tiny):
+    """The loop evaluates and saves inside `window.paused()`: a slow evaluation between two steps of a window, and
+    a slow save after the window was taken, count in neither window's time."""
+    model, config, _, scheduler = tiny
+    window = LossWindow(torch.device("cpu"), 1, flop_model(model, config, MAX_LENGTH), PEAK)
+    before, _ = timed_steps(tiny, window, 1)
+    with window.paused():
+        time.sleep(SLOW)  # an evaluation
+    after, norm = timed_steps(tiny, window, 1)
+    first = window.take(norm, scheduler, 0.0)
+    stepping = before + after
+    with window.paused():
+        time.sleep(SLOW)  # a checkpoint
+    stepping_second, norm = timed_steps(tiny, window, 2)
+    second = window.take(norm, scheduler, 0.0)
+    assert 2 * first["step_time_s"] <= stepping + SLACK, first
+    assert stepping_second <= 2 * second["step_time_s"] <= stepping_second + SLACK, second
+
+
+def test_each_window_reports_its_own_memory_peak(tiny):
+    """A peak before training (the model load) and one inside a window show only in that window's figure. On CPU
+    the figure is the host RSS peak; on CUDA the same resets restart the allocator's peaks."""
+    model, config, _, scheduler = tiny
+    window = LossWindow(torch.device("cpu"), 1, flop_model(model, config, MAX_LENGTH), PEAK)
+    burst = 512 * 2**20  # bytes, touched: resident
+    loading = torch.ones(burst // 4)
+    del loading
+    quiet = window.take(timed_steps(tiny, window, 1)[1], scheduler, 0.0)["host_rss_gib"]
+    _, norm = timed_steps(tiny, window, 1)
+    inside = torch.ones(burst // 4)
+    del inside
+    busy = window.take(norm, scheduler, 0.0)["host_rss_gib"]
+    after = window.take(timed_steps(tiny, window, 1)[1], scheduler, 0.0)["host_rss_gib"]
+    assert busy - quiet > 0.8 * burst / 2**30 and busy - after > 0.8 * burst / 2**30, (quiet, busy, after)

@@ -192,6 +192,7 @@ def train_step(
     """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad; skipped
     where the batches carry precomputed reference log-probs) and the policy pass over chosen + rejected, the loss
     summed over pairs and divided by the step's pairs per rank."""
+    window.run()  # the window's clock counts from the first step on
     per_rank, carried = step_pairs(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1

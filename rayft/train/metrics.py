@@ -20,6 +20,8 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,12 +132,26 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None)
 
 
 def memory(device: torch.device) -> tuple[float, float, float]:
-    """(peak allocated, peak reserved, peak host RSS) in GiB for this process; NaN for what does not apply."""
+    """(peak allocated, peak reserved, peak host RSS) in GiB of this process since `reset_peaks` (on Linux; since
+    the process started elsewhere); NaN for what does not apply."""
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss = rss_kib / (GIB if sys.platform == "darwin" else GIB / 1024)
     if device.type != "cuda":
         return math.nan, math.nan, rss
     return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB, rss
+
+
+def reset_peaks(device: torch.device) -> None:
+    """Start the peak-memory counts afresh, so a window reports its own peaks rather than the model load's: the
+    CUDA allocator's, and on Linux the process's peak RSS (`clear_refs` 5 restarts VmHWM and ru_maxrss from the
+    current RSS)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the RSS peak stays the whole process's
+        pass
 
 
 def nan_to_none(value: float) -> float | None:
@@ -283,16 +299,66 @@ def plot_losses(rows: list[dict[str, Any]]) -> bytes:
     return out.getvalue()
 
 
+class Stopwatch:
+    """Seconds counted while running: the logging window's clock, stopped until training starts and while the loop
+    does what is not training (evaluation, checkpoints)."""
+
+    def __init__(self) -> None:
+        self.total, self.since = 0.0, None
+
+    @property
+    def running(self) -> bool:
+        return self.since is not None
+
+    def run(self) -> bool:
+        """Count from now on; True when the clock was stopped."""
+        if self.since is not None:
+            return False
+        self.since = time.perf_counter()
+        return True
+
+    def stop(self) -> None:
+        if self.since is not None:
+            self.total, self.since = self.total + time.perf_counter() - self.since, None
+
+    def take(self) -> float:
+        """The seconds counted so far; counting restarts from zero (running if it was)."""
+        now = time.perf_counter()
+        elapsed = self.total + (now - self.since if self.since is not None else 0.0)
+        self.total, self.since = 0.0, (now if self.since is not None else None)
+        return elapsed
+
+
 class LossWindow:
     """The logging window's sums, kept on the device (no host sync per micro-step): loss over micro-batches,
-    optimizer steps, tokens, keys those tokens attended (the attention FLOPs); plus its start time and step count."""
+    optimizer steps, tokens, keys those tokens attended (the attention FLOPs); plus its clock and step count.
+
+    The clock starts with the first training step (`run`), so set-up, resume and the first batch's wait stay out of
+    the first window, and stops while the loop evaluates or saves (`paused`): tokens/s, step time and MFU measure
+    training alone. Each window's memory peaks are its own (`reset_peaks` where it starts)."""
 
     def __init__(self, device: torch.device, world_size: int, flops: FlopModel, peak: float | None):
         self.device, self.world_size, self.flops, self.peak = device, world_size, flops, peak
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.one, self.zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
-        self.started, self.steps = time.perf_counter(), 0
+        self.clock, self.steps = Stopwatch(), 0
         self.moved = dict.fromkeys(KINDS, 0)  # this rank's collective bytes in the window (host ints, no sync)
+
+    def run(self) -> None:
+        """A training step begins: the first one starts the clock, and the first window's memory peaks."""
+        if self.clock.run():
+            reset_peaks(self.device)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """What the loop does in here (evaluation, a checkpoint) is not counted in the window's time."""
+        running = self.clock.running
+        self.clock.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.clock.run()
 
     def add(self, loss: torch.Tensor, last_of_step: bool, tokens: torch.Tensor, keys: torch.Tensor) -> None:
         """One micro-batch: its loss, its tokens and the keys they attended (`attended_keys`)."""
@@ -309,7 +375,7 @@ class LossWindow:
         """Window means over all ranks (the loss per target token of each step, tokens/s of the whole group,
         seconds per step, the share of the window the slowest rank spent waiting for data, the bytes collectives
         moved into a rank per step by kind), the hardware's metrics; then a new window."""
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.clock.take()
         moved = torch.tensor([self.moved[kind] for kind in KINDS], dtype=torch.float64, device=self.device)
         totals = torch.cat([self.sums, moved])
         dist.all_reduce(totals)
@@ -318,7 +384,7 @@ class LossWindow:
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         steps = self.steps
         self.sums.zero_()
-        self.started, self.steps = time.perf_counter(), 0
+        self.steps = 0
         self.moved = dict.fromkeys(KINDS, 0)
         metrics = {
             "loss": totals[0].item() / max(totals[1].item(), 1),
@@ -332,6 +398,7 @@ class LossWindow:
         keys_per_token = totals[3].item() / totals[2].item() if totals[2].item() > 0 else None
         metrics.update(hardware_metrics(metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device,
                                         keys_per_token))  # fmt: skip
+        reset_peaks(self.device)  # the next window's peaks are its own
         return metrics
 
 

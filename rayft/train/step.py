@@ -43,6 +43,7 @@ def train_step(
     Every target token of the step weighs the same, on every rank and in every micro-batch (as in transformers'
     Trainer): each loss is a sum over its tokens divided by the step's count per rank.
     """
+    window.run()  # the window's clock counts from the first step on
     per_rank = step_targets(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
