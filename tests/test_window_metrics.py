@@ -17,8 +17,8 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import fully_shard
 from transformers import MistralConfig, MistralForCausalLM
 
-from rayft.data.pipeline import PackedCollate, pack
-from rayft.train.metrics import LossWindow, flop_model
+from rayft.data.pipeline import PackedCollate, PadCollate, pack
+from rayft.train.metrics import LossWindow, attended_keys, flop_model
 from rayft.train.step import train_step
 
 PEAK = 1e12  # a stated peak (train.peak_tflops 1): MFU exists on CPU
@@ -80,6 +80,15 @@ def test_mfu_counts_causal_attention_per_packed_document(tiny):
     per_worker = metrics["tokens_per_s_per_worker"]
     assert metrics["mfu_lora"] * PEAK / per_worker == pytest.approx(lora_aware / 16, rel=1e-9)
     assert metrics["mfu_6n"] * PEAK / per_worker == pytest.approx(six_n / 16, rel=1e-9)
+
+
+def test_attended_keys_of_padded_and_unmarked_rows():
+    """Padded rows (SFT without packing, DPO pairs) attend within their tokens; a row with neither mask nor
+    positions is one document."""
+    padded = PadCollate(pad_id=0, multiple=4)({"input_ids": np.array([np.arange(1, 4), np.arange(1, 6)], dtype=object)})
+    assert padded["attention_mask"].shape == (2, 8)
+    assert attended_keys(padded).item() == (1 + 2 + 3) + (1 + 2 + 3 + 4 + 5)
+    assert attended_keys({"input_ids": torch.zeros(3, 4, dtype=torch.long)}).item() == 3 * (1 + 2 + 3 + 4)
 
 
 def timed_steps(tiny, window: LossWindow, count: int) -> tuple[float, torch.Tensor]:

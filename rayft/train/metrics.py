@@ -134,17 +134,29 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None)
 def memory(device: torch.device) -> tuple[float, float, float]:
     """(peak allocated, peak reserved, peak host RSS) in GiB of this process since `reset_peaks` (on Linux; since
     the process started elsewhere); NaN for what does not apply."""
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss = rss_kib / (GIB if sys.platform == "darwin" else GIB / 1024)
+    rss = peak_rss_gib()
     if device.type != "cuda":
         return math.nan, math.nan, rss
     return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB, rss
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory: VmHWM on Linux (restarted by `reset_peaks`; ru_maxrss would also keep
+    the RSS of the process that exec'd this one), ru_maxrss elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / (GIB / 1024)  # kB
+    except OSError:
+        pass
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kib / (GIB if sys.platform == "darwin" else GIB / 1024)
+
+
 def reset_peaks(device: torch.device) -> None:
     """Start the peak-memory counts afresh, so a window reports its own peaks rather than the model load's: the
-    CUDA allocator's, and on Linux the process's peak RSS (`clear_refs` 5 restarts VmHWM and ru_maxrss from the
-    current RSS)."""
+    CUDA allocator's, and on Linux the process's peak RSS (`clear_refs` 5 restarts VmHWM from the current RSS)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
