@@ -69,3 +69,19 @@ def test_the_stored_reference_table_is_rank_zeros_on_every_rank(tmp_path, rank1_
     for rank in range(WORLD):
         np.testing.assert_array_equal(np.load(out / f"rank{rank}_keys.npy"), KEYS)
         np.testing.assert_array_equal(np.load(out / f"rank{rank}_logps.npy"), RANK0_LOGPS)
+
+
+def test_a_torn_stored_table_is_scored_again_not_an_error(tmp_path):
+    """Rank 0 reads the table alone while the others wait for its verdict: a file it cannot read (a write cut short
+    on a filesystem without atomic renames) means scoring anew, not a rank 0 crash."""
+    from rayft.config import Config
+    from rayft.train import reference
+    from rayft.train.rundir import RunDir
+
+    identity = reference.table_identity(Config.from_dict(_config(tmp_path)))
+    run = RunDir(str(tmp_path / "run"))
+    whole = reference.ReferenceTable(KEYS, RANK0_LOGPS, identity).to_bytes()
+    run.write_file(reference.TABLE_FILE, whole)
+    assert reference.stored_table(run, identity) is not None
+    run.write_file(reference.TABLE_FILE, whole[: len(whole) // 2])
+    assert reference.stored_table(run, identity) is None

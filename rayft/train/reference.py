@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -86,10 +87,15 @@ def table_identity(cfg) -> dict[str, Any]:
 
 
 def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None:
-    """The table an earlier attempt of this run wrote, if it was made under the same settings."""
+    """The table an earlier attempt of this run wrote, if it was made under the same settings and reads whole (rank 0
+    must not fail here: the other ranks wait for its verdict)."""
     if not run.exists(TABLE_FILE):
         return None
-    table = ReferenceTable.from_bytes(run.read_file(TABLE_FILE))
+    try:
+        table = ReferenceTable.from_bytes(run.read_file(TABLE_FILE))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        log.warning("%s does not read (%s); scoring the reference again", TABLE_FILE, e)
+        return None
     if table.identity != identity:
         log.warning("%s was scored under other settings (%s); scoring the reference again", TABLE_FILE,
                     table.identity)  # fmt: skip
