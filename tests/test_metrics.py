@@ -29,19 +29,20 @@ def test_flop_counts_and_both_mfus_match_the_hand_computation(small_lora_model):
     assert flops.base_params == 2 * 36_864 + 64_000 == 137_728
     # LoRA r=4: q (4·64 + 64·4) + v (4·64 + 32·4) = 896 per layer
     assert flops.lora_params == 2 * 896 == 1_792
-    # attention forward per token: 2 · L · s · H · (d_qk + d_v) = 2 · 2 · 128 · 4 · (16 + 16)
-    assert flops.attention == 65_536
-    assert flops.per_token_6n == 6 * (137_728 + 1_792) + 3 * 65_536 == 1_033_728
-    assert flops.per_token_lora == 4 * 137_728 + 6 * 1_792 + 3 * 65_536 == 758_272
+    # attention forward per query and key: 2 · L · H · (d_qk + d_v) = 2 · 2 · 4 · (16 + 16); a full-length causal
+    # document of 128 tokens attends (128 + 1) / 2 keys per token on average
+    assert flops.attention == 512
+    assert flops.per_token_6n == 6 * (137_728 + 1_792) + 3 * 512 * 64.5 == 936_192
+    assert flops.per_token_lora == 4 * 137_728 + 6 * 1_792 + 3 * 512 * 64.5 == 660_736
     peak = PEAK_BF16_FLOPS["H200"]
     assert peak == PEAK_BF16_FLOPS["H100"] == 989e12
-    assert mfu(1e6, flops.per_token_6n, peak) == pytest.approx(1_033_728e6 / 989e12)
-    assert mfu(1e6, flops.per_token_lora, peak) == pytest.approx(758_272e6 / 989e12)
+    assert mfu(1e6, flops.per_token_6n, peak) == pytest.approx(936_192e6 / 989e12)
+    assert mfu(1e6, flops.per_token_lora, peak) == pytest.approx(660_736e6 / 989e12)
     assert mfu(1e6, flops.per_token_lora, None) is None  # CPU: no peak, no MFU
     assert peak_flops(torch.device("cpu")) is None
     # A stated peak (train.peak_tflops) is taken as given, on any device: MFU then exists on CPU too.
     assert peak_flops(torch.device("cpu"), 0.25) == 0.25e12
-    assert mfu(1e6, flops.per_token_lora, peak_flops(torch.device("cpu"), 0.25)) == pytest.approx(758_272e6 / 0.25e12)
+    assert mfu(1e6, flops.per_token_lora, peak_flops(torch.device("cpu"), 0.25)) == pytest.approx(660_736e6 / 0.25e12)
 
 
 def test_a_tied_head_still_counts_as_a_matmul():

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from rayft.config import DpoConfig
 from rayft.model.build import set_gradient_sync
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
-from rayft.train.metrics import LossWindow
+from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.step import clip_gradients_
 
 log = logging.getLogger("rayft")
@@ -192,6 +192,7 @@ def train_step(
     """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad; skipped
     where the batches carry precomputed reference log-probs) and the policy pass over chosen + rejected, the loss
     summed over pairs and divided by the step's pairs per rank."""
+    window.run()  # the window's clock counts from the first step on
     per_rank, carried = step_pairs(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
@@ -200,7 +201,7 @@ def train_step(
             scores = score(model, batch, dpo, live=not carried)
         loss = scores.losses.sum() / per_rank
         loss.backward()
-        window.add(loss.detach(), last, batch["attention_mask"].sum())
+        window.add(loss.detach(), last, batch["attention_mask"].sum(), attended_keys(batch))
         sums.add(scores)
     grad_norm = clip_gradients_(model, max_grad_norm)  # SFT's: the global norm under expert parallelism too
     optimizer.step()
