@@ -30,6 +30,7 @@ from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
 
 log = logging.getLogger(__name__)
+CHAT_SAMPLE = 64  # records of each split encoded by `rayft validate` (about a second with a chat template)
 
 
 @dataclass
@@ -123,9 +124,35 @@ def _check_data(cfg: Config, train: SplitSource, validation: SplitSource | None)
     check_objective(cfg, records, train.what)
     if validation is not None:
         record_format(d, validation.columns(wanted), validation.what)
+    if records.kind in ("messages", "prompt_completion"):
+        _check_chat_sample(cfg, records, [s for s in (train, validation) if s is not None])
     elif cfg.train.eval_strategy != "no":
         _check_hold_out(d, train)
     return records
+
+
+def _check_chat_sample(cfg: Config, records: RecordFormat, sources: list[SplitSource]) -> None:
+    """The first records of each split through the tokenizer's own chat encoding, as the job would encode them: a
+    role the template does not know, a last turn that is not the assistant's or an empty loss mask is answered
+    here, with the record, rather than counted as skipped after the cluster started."""
+    from rayft.data.chat import ChatRefused, chat_tokens
+    from rayft.data.records import chat_conversation
+    from rayft.data.tokenizer import load_tokenizer
+
+    tokenizer = None
+    for source in sources:
+        for where, index, record in source.sample(CHAT_SAMPLE):
+            conversation = chat_conversation(record, records)
+            if conversation is None:
+                continue
+            tokenizer = tokenizer or load_tokenizer(cfg.model)
+            try:
+                chat_tokens(conversation[0], tokenizer, conversation[1])
+            except ChatRefused as e:
+                raise ConfigError(
+                    f"{where}: record {index} ({records.kind} in {source.what}): {e}; fix or drop the record, or "
+                    f"point model.tokenizer_name_or_path at a tokenizer whose chat format fits"
+                ) from None
 
 
 def check_objective(cfg: Config, records: RecordFormat, what: str) -> None:

@@ -576,3 +576,71 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys
 
     check_encoding(path)  # no error
     assert json_fields([path], ["text"]) == ["text"]
+
+
+# --- chat records against the tokenizer, and split names -----------------------------------------------------------
+
+
+def _chat_data(tmp: Path, conversations: list[list[dict]]) -> Path:
+    data = tmp / "chat"
+    data.mkdir(parents=True)
+    (data / "train.jsonl").write_text("\n".join(json.dumps({"messages": c}) for c in conversations) + "\n")
+    (data / "validation.jsonl").write_text(json.dumps({"messages": conversations[0]}) + "\n")
+    return data
+
+
+@pytest.mark.parametrize("tokenizer", ["tekken", "smollm2"])
+def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(tokenizer, fixtures, base, tmp_path,
+                                                                             capsys, request):  # fmt: skip
+    """On main `validate` said "config ok" to all of these: SmolLM2's template renders any role (a `narrator` was
+    trained on), and the job found out about the rest only after the cluster started."""
+    from test_chat import CONVERSATION, tekken_model
+
+    model = tekken_model(fixtures, tmp_path / "tekken") if tokenizer == "tekken" else request.getfixturevalue(tokenizer)
+    narrator = [CONVERSATION[1], {"role": "narrator", "content": "They wait."}, CONVERSATION[2]]
+    cases = {
+        "narrator": (narrator, r"record 2 .*role\(s\) narrator unknown to the chat template \(it knows system, user, "
+                               r"assistant, tool\); fix or drop the record"),
+        "user last": (CONVERSATION[:4], r"record 2 .*the last turn is 'user', not 'assistant': nothing to learn"),
+    }  # fmt: skip
+    for i, (conversation, pattern) in enumerate(cases.values()):
+        data = _chat_data(tmp_path / str(i), [CONVERSATION, CONVERSATION, conversation])
+        config = _config(tmp_path, base, model={"model_name_or_path": str(model)},
+                         data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
+        result = run_cli(capsys, "validate", "--config", str(config))
+        assert_refused(result, pattern)
+        assert f"{data / 'train.jsonl'}: record 2" in result.err
+    data = _chat_data(tmp_path / "good", [CONVERSATION, CONVERSATION])
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model)},
+                     data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert "records: messages, loss on completions only" in result.out
+
+
+def _split_layouts(tmp: Path) -> dict[str, tuple[dict, str]]:
+    flat = tmp / "flat"
+    flat.mkdir()
+    for split in ("train", "validation"):
+        (flat / f"{split}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in LINES) + "\n")
+    broken = tmp / "broken"
+    broken.mkdir()
+    shutil.copy(flat / "validation.jsonl", broken)
+    (broken / "train.jsonl").symlink_to(tmp / "gone" / "train.jsonl")
+    loop = tmp / "loop"
+    loop.symlink_to(loop)
+    return {
+        "misspelled train split": ({"dataset_name_or_path": str(flat), "train_split": "trian"},
+                                   r"data\.train_split: no split 'trian' in .*flat \(it has train, validation\)"),
+        "broken train symlink": ({"dataset_name_or_path": str(broken)},
+                                 r"train\.jsonl is a symbolic link to .*gone/train\.jsonl, which does not exist"),
+        "symlink loop": ({"dataset_name_or_path": str(loop)}, r"loop is a symbolic link loop"),
+    }  # fmt: skip
+
+
+def test_split_names_and_unreadable_split_files_are_refused_on_a_flat_folder(base, tmp_path, capsys):
+    """On main the first two fell back to every file in the folder, validation records included, and the loop
+    was reported as "does not exist"."""
+    for data, pattern in _split_layouts(tmp_path).values():
+        config = _config(tmp_path, base, data={"dataset_config_name": None, **data})
+        assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
