@@ -9,6 +9,7 @@ creating something.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -21,8 +22,9 @@ from torch import nn
 from rayft.config import Config, ConfigError, DataConfig, is_uri
 from rayft.data.files import DecodeBudget
 from rayft.data.records import RecordFormat, record_fields, record_format
-from rayft.data.sources import SplitSource, resolve_splits
+from rayft.data.sources import SplitSource, check_link, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
+from rayft.limits import check_max_length, local_placement_problem, lora_rank_warning
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
 from rayft.plan import Structure, structure
@@ -41,6 +43,7 @@ class Preflight:
     tokenizer: TokenizerFacts
     lora: LoraTargets
     structure: Structure  # parameter counts, for the memory plan
+    warnings: list[str]  # settings that run but are likely a mistake (validate prints them)
 
     @property
     def trainable_params(self) -> int:
@@ -82,7 +85,18 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
-    return Preflight(train, validation, records, tokenizer, targets, counts)
+        check_max_length(cfg, model.config.get_text_config())
+        warnings = [w for w in (lora_rank_warning(cfg, model), _local_placement(cfg)) if w]
+    return Preflight(train, validation, records, tokenizer, targets, counts, warnings)
+
+
+def _local_placement(cfg: Config) -> str | None:
+    """Refused for a CPU run (a config for this machine); a warning otherwise: a GPU config checked on a laptop is
+    usually meant for `ray job submit`, which gives it a cluster (RAY_ADDRESS) only then."""
+    problem = local_placement_problem(cfg)
+    if problem and cfg.ray.use_gpu is False:
+        raise ConfigError(problem)
+    return f"if run without a cluster: {problem}" if problem else None
 
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
@@ -182,6 +196,7 @@ def _check_hold_out(d: DataConfig, train: SplitSource) -> None:
 
 def _check_model_dir(path: Path) -> None:
     key = "model.model_name_or_path"
+    check_link(path, key)
     if not path.exists():
         raise ConfigError(
             f"{key}: {path} does not exist (a local model directory is expected; download hub models to the "
@@ -200,10 +215,30 @@ def _check_tokenizer(cfg: Config) -> TokenizerFacts:
             f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
             "set model.tokenizer_name_or_path to the directory that has one"
         )
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json"):
+        check_json_file(path / name)
     try:
         return tokenizer_facts(cfg.model)
     except Exception as e:
-        raise ConfigError(f"model.tokenizer_name_or_path: the tokenizer in {path} does not load: {e}") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.tokenizer_name_or_path: the tokenizer in {path} does not load ({type(e).__name__}: {first}); "
+            "copy its tokenizer files again from the model's source"
+        ) from None
+
+
+def check_json_file(path: Path) -> None:
+    """A JSON file of the tokenizer that does not parse (cut short by a copy, most often), named, with the fix:
+    the loaders' own message is the parser's, without the file."""
+    if path.suffix != ".json" or not path.is_file():
+        return
+    try:
+        json.loads(path.read_bytes())
+    except ValueError as e:
+        raise ConfigError(
+            f"{path}: not valid JSON ({e}; {path.stat().st_size:,} bytes): cut short or damaged; copy it again from "
+            "the model's source"
+        ) from None
 
 
 def _check_trackers(trackers: list[str]) -> None:
