@@ -124,3 +124,23 @@ def test_unknown_roles_and_conversations_ending_in_a_user_turn_are_skipped(smoll
     assert [r["skip"] for r in rows] == ["chat_template", "chat_template"]
     rows = encode_rows(tekken, [{"messages": narrator}, {"messages": CONVERSATION[:4]}])
     assert [r["skip"] for r in rows] == ["chat_template", "chat_template"]
+
+
+def test_tekken_preference_pairs_use_the_fine_tuning_encoding(tekken: Path):
+    """DPO's conversational pairs: on main skipped (`chat_template`) like SFT's."""
+    from rayft.data.preference import PairLimits, PreferenceTokenize
+
+    model_cfg = ModelConfig(model_name_or_path=str(tekken))
+    facts = dataclasses.asdict(tokenizer_facts(model_cfg))
+    limits = dataclasses.asdict(PairLimits(256, None, "truncate"))
+    actor = PreferenceTokenize(dataclasses.asdict(model_cfg), facts, "json", limits)
+    record = {"prompt": CONVERSATION[:4], "chosen": CONVERSATION[4:],
+              "rejected": [{"role": "assistant", "content": "It is 5."}]}  # fmt: skip
+    row = actor(pa.table({"_raw": pa.array([json.dumps(record).encode()], type=pa.binary())})).to_pylist()[0]
+    ids, mask = tekken_expected(tekken)
+    prompt = ids[: mask.index(1)]
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    raw = Tekkenizer.from_file(str(tekken / "tekken.json"))
+    assert row["skip"] == "" and row["chosen_ids"] == ids and row["prompt_length"] == len(prompt)
+    assert row["rejected_ids"] == [*prompt, *raw.encode("It is 5.", bos=False, eos=False), raw.eos_id]
