@@ -57,7 +57,7 @@ def local_placement_problem(cfg: Config) -> str | None:
         return None
     import torch
 
-    from rayft.launch import Request, describe_nodes
+    from rayft.launch import Request
 
     gpus = torch.cuda.device_count()
     use_gpu = cfg.ray.use_gpu if cfg.ray.use_gpu is not None else gpus > 0
@@ -68,8 +68,5 @@ def local_placement_problem(cfg: Config) -> str | None:
     request = Request(cfg.ray.num_workers, bundle, cfg.ray.placement_strategy)
     if request.fits([node]):
         return None
-    return (
-        f"ray.local_num_cpus: the local Ray cluster this run would start (no ray.address / RAY_ADDRESS) offers "
-        f"{describe_nodes([node])}, which cannot place {request.describe()}; raise ray.local_num_cpus, lower "
-        "ray.num_workers or ray.resources_per_worker, or give ray.address"
-    )
+    where = "the local Ray cluster this run would start (no ray.address / RAY_ADDRESS)"
+    return f"{request.refusal([node], where)} (its CPUs: ray.local_num_cpus {cfg.ray.local_num_cpus})"

@@ -670,8 +670,8 @@ LIMIT_CASES = {
     ),
     "local Ray too small for the workers": (
         lambda fx, tmp: ({}, {}, {"num_workers": 4, "resources_per_worker": {"CPU": 3}}),
-        r"ray\.local_num_cpus: the local Ray cluster this run would start .* offers CPU 8, .* cannot place 4 "
-        r"workers × \{CPU 3\}",
+        r"ray\.num_workers: the local Ray cluster this run would start .* cannot place 4 workers × \{CPU 3\} .* "
+        r"offers CPU 8, .*\(its CPUs: ray\.local_num_cpus 8\)",
     ),
 }  # fmt: skip
 

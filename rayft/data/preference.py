@@ -5,8 +5,8 @@ split: it is shuffled, sharded and batched as one unit, and the collate puts the
 and the rejected ones after them, for one forward over both. Formats are TRL's: `prompt`/`chosen`/`rejected` as
 strings or message lists (explicit prompt), or `chosen`/`rejected` alone holding the whole text or conversation
 (implicit prompt: their common prefix, as `trl.extract_prompt` finds it). Conversations are encoded by the
-tokenizer's own chat encoding (rayft/data/chat.py). A record that cannot be a pair gets a skip reason (the SFT reasons), counted by the
-driver like any bad record. Pure Python + pyarrow, run inside Ray Data actors.
+tokenizer's own chat encoding (rayft/data/chat.py). A record that cannot be a pair gets a skip reason (the SFT
+reasons), counted by the driver like any bad record. Pure Python + pyarrow, run inside Ray Data actors.
 """
 
 from __future__ import annotations
