@@ -441,8 +441,9 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     verdict = f"fits {args.gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
     print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
     print(f"  memory plan: {plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict} (rayft plan for details)")
-    if lora.warning:
-        print(f"rayft: warning: {lora.warning}", file=sys.stderr)
+    for warning in [lora.warning, *checked.warnings]:
+        if warning:
+            print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK
 
 
