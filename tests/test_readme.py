@@ -65,8 +65,11 @@ def test_docs_exist() -> None:
 
 @pytest.mark.parametrize(
     ("name", "pattern"),
-    [("tracker issue references", _ISSUE_RE), ("paths outside the repository", _OUTSIDE_RE)]
-    + [("development-machine facts", _DEV_MACHINE_RE)],
+    [
+        ("tracker issue references", _ISSUE_RE),
+        ("paths outside the repository", _OUTSIDE_RE),
+        ("development-machine facts", _DEV_MACHINE_RE),
+    ],
     ids=["issues", "outside", "dev-machine"],
 )
 def test_no_development_process_facts(name: str, pattern: re.Pattern[str]) -> None:
