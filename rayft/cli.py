@@ -1,4 +1,4 @@
-"""`rayft train | validate | eval | plan | export | k8s render | k8s validate`.
+"""`rayft train | validate | eval | plan | export | k8s render | k8s validate | config from-accelerate`.
 
 Exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails.
 """
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "k8s":
             return _k8s(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "config":
+            return _config(args)
         cfg = _load(args)
         if args.command == "validate":
             return _validate(cfg, args)
@@ -133,7 +135,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
     _k8s_parser(sub, common)
+    _config_parser(sub, common)
     return parser
+
+
+def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    config = sub.add_parser("config", help="write a rayft config from other tools' files")
+    actions = config.add_subparsers(dest="action", required=True)
+    about = (
+        "the rayft config doing what an accelerate launch config (FSDP) and a TRL/SFT training YAML did: "
+        "processes become Ray workers, fsdp_* the fsdp section, the SFT keys model/lora/data/train"
+    )
+    p = actions.add_parser("from-accelerate", help=about, description=about, parents=[common])
+    p.add_argument("accelerate", help="accelerate config (accelerate config / fsdp.yaml)")
+    p.add_argument("--trl", help="the TRL/SFT training YAML (sections model/lora/data/train, or SFTConfig's flat keys)")
+    p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="set one key of the written config (repeatable)")  # fmt: skip
+    p.add_argument("--out", help="where to write the config (default: stdout)")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rayft.config_import import convert, to_yaml
+
+    raw, notes = convert(args.accelerate, args.trl, args.override)
+    text = to_yaml(raw, notes, args.accelerate, args.trl)
+    for note in notes:
+        print(f"rayft: note: {note}", file=sys.stderr)
+    if args.out is None:
+        print(text, end="")
+    else:
+        Path(args.out).write_text(text)
+        print(f"rayft: wrote {args.out} (check it with: rayft validate --config {args.out})", file=sys.stderr)
+    return EXIT_OK
 
 
 def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
