@@ -264,6 +264,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rayft.plan.report import format_layouts
     from rayft.plan.steptime import Hardware, plan_layouts
 
+    for flag, values in (("--num-nodes", args.num_nodes), ("--gpus-per-node", [args.gpus_per_node])):
+        if any(n < 1 for n in values):
+            raise ConfigError(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
     cfg = load_config(args.config, args.override)
     config = None
     if args.preset == "mistral-small-4":
@@ -470,13 +473,21 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     )
     world = cfg.ray.num_workers
     fp8 = frozen_fp8(cfg.model)
-    plan = plan_memory(cfg, checked.structure, world, on_gpu=cfg.ray.use_gpu is not False, gpu=args.gpu, fp8=fp8)
-    verdict = f"fits {args.gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    on_gpu = cfg.ray.use_gpu is not False
+    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8)
     print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
-    print(f"  memory plan: {plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict} (rayft plan for details)")
+    print(f"  memory plan: {_memory_verdict(plan, world, on_gpu, args.gpu)} (rayft plan for details)")
     if lora.warning:
         print(f"rayft: warning: {lora.warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _memory_verdict(plan, world: int, on_gpu: bool, gpu: str) -> str:
+    """A GPU verdict only where the run trains on GPUs: CPU workers (ray.use_gpu: false) hold it in host memory."""
+    if not on_gpu:
+        return f"{plan.total_gib:.1f} GiB of host memory per CPU worker on {world} workers (ray.use_gpu: false)"
+    verdict = f"fits {gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    return f"{plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict}"
 
 
 def _storage(s, fp8: bool, torch_dtype: str) -> str:

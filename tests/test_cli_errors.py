@@ -82,10 +82,22 @@ def test_the_entrypoints_as_processes_exit_2_with_the_message_only(entrypoint, g
 
 
 def test_a_good_config_validates(good_config, capsys):
+    """The tiny config trains on CPU workers (ray.use_gpu: false): its memory plan is host memory, no GPU verdict."""
     result = _validate(capsys, good_config)
     assert result.rc == 0, result.err
     assert "config ok" in result.out and "LoRA modules: 15" in result.out
+    assert re.search(r"memory plan: [\d.]+ GiB of host memory per CPU worker on 2 workers", result.out), result.out
+    assert "fits" not in result.out and "GPU on" not in result.out
+    result = _validate(capsys, good_config, "ray.use_gpu=true", "fsdp.param_dtype=auto")
+    assert result.rc == 0, result.err
     assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.out), result.out
+
+
+@pytest.mark.parametrize("flag", [["--num-nodes", "2", "0"], ["--gpus-per-node", "0"]], ids=["nodes", "gpus"])
+def test_plan_refuses_zero_nodes_or_gpus(flag, capsys):
+    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", *flag)
+    assert result.rc == 2, result.err[-3000:]
+    assert f"{flag[0]} must be >= 1" in result.err and "Traceback" not in result.err
 
 
 def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tmp_path, capsys):
