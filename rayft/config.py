@@ -253,7 +253,8 @@ class TrainConfig:
     # Start from a checkpoint directory (also another run's), or "latest" = insist on continuing this run.
     # A run whose storage already has checkpoints always continues from its own latest one.
     resume_from_checkpoint: str | None = None
-    # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow.
+    # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow |
+    # wandb (output_dir/wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads them).
     report_to: list[str] | None = None
     seed: int = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
@@ -443,7 +444,7 @@ class K8sConfig:
                 _problem(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes")
 
 
-REPORT_TO = ("none", "tensorboard", "mlflow")
+REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")
 DEFAULT_VAL_RATIO = 0.05
 
 
