@@ -110,7 +110,11 @@ SCHEDULERS = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+# transformers' `optim` names that run here (rayft/train/schedule.py builds them; the state is the LoRA params').
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+# bitsandbytes' optimizers: their 8-bit/paged states are not built for FSDP2's sharded (DTensor) parameters.
+BNB_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
+                  "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit")  # fmt: skip
 STRATEGIES = ("no", "steps", "epoch")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
@@ -550,7 +554,7 @@ class Config:
         if not 0 <= t.warmup_ratio < 1:
             _problem(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
         _one_of("train.lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
-        _one_of("train.optim", t.optim, OPTIMIZERS)
+        check_optim(t.optim)
         _one_of("train.eval_strategy", t.eval_strategy, STRATEGIES)
         _one_of("train.save_strategy", t.save_strategy, STRATEGIES)
         if t.fp16:
@@ -942,6 +946,20 @@ def _suggest(word: str, choices: Any) -> str:
     if close:
         return f" (did you mean '{close[0]}'?)"
     return f"; valid: {', '.join(sorted(choices))}"
+
+
+def check_optim(name: str) -> bool:
+    """`train.optim`: one of OPTIMIZERS; a bitsandbytes name gets why not, and what to use instead."""
+    if name in BNB_OPTIMIZERS:
+        import importlib.util
+
+        absent = " (and bitsandbytes is not installed)" if importlib.util.find_spec("bitsandbytes") is None else ""
+        return _problem(
+            f"train.optim: {name} is a bitsandbytes optimizer{absent}, which rayft does not run: its quantised "
+            "states are not built for FSDP2's sharded parameters, and LoRA's optimizer state is small anyway; "
+            f"choose one of {', '.join(OPTIMIZERS)}"
+        )
+    return _one_of("train.optim", name, OPTIMIZERS)
 
 
 def _positive(key: str, value: float) -> bool:

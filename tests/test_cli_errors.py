@@ -44,6 +44,7 @@ CASES = {
     "missing dataset path": (["data.dataset_name_or_path=/nonexistent/data"], "/nonexistent/data does not exist"),
     "LoRA targets match nothing": (["lora.target_modules=[q_a_proj]"], "its linear layers are"),
     "unknown tracker": (["train.report_to=comet"], "train.report_to: unknown value 'comet'"),
+    "8-bit optimizer": (["train.optim=adamw_8bit"], "train.optim: adamw_8bit is a bitsandbytes optimizer"),
     # mlflow is not in the dev/CI environment (constraints.txt): the error a user without it would see
     "tracker library missing": (["train.report_to=mlflow"], "train.report_to: mlflow needs the mlflow package"),
     "resume from a missing checkpoint": (
