@@ -531,9 +531,17 @@ class Config:
         return metric, "max" if greater else "min"
 
     def check(self) -> None:
-        """Refuse out-of-range values and combinations that cannot work."""
-        t, d, lo, r, f, m = self.train, self.data, self.lora, self.ray, self.fsdp, self.model
+        """Refuse out-of-range values and combinations that cannot work (each problem recorded, see `_problem`)."""
         self.k8s.check()
+        self.check_train()
+        self.check_dpo()
+        self.check_data()
+        self.check_lora()
+        self.check_model_and_fsdp()
+        self.check_ray()
+
+    def check_train(self) -> None:
+        t = self.train
         _positive("train.learning_rate", t.learning_rate)
         _at_least("train.num_train_epochs", t.num_train_epochs, 1)
         _at_least("train.per_device_train_batch_size", t.per_device_train_batch_size, 1)
@@ -576,8 +584,9 @@ class Config:
         if t.resume_from_checkpoint is not None and not t.resume_from_checkpoint.strip():
             _problem("train.resume_from_checkpoint must be a checkpoint directory, 'latest' or null")
         _one_of("train.objective", t.objective, OBJECTIVES)
-        self.check_dpo()
 
+    def check_data(self) -> None:
+        d = self.data
         _at_least("data.max_length", d.max_length, 2)
         _at_least("data.tokenize_workers", d.tokenize_workers, 1)
         _at_least("data.shuffle_buffer_size", d.shuffle_buffer_size, 0)
@@ -595,7 +604,10 @@ class Config:
                 _problem(str(e))
             if d.format not in ("auto", "prompt_completion"):
                 _problem(f"data.prompt_template renders prompt/completion records; data.format is {d.format}")
+        _at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
 
+    def check_lora(self) -> None:
+        lo, t, f = self.lora, self.train, self.fsdp
         _at_least("lora.r", lo.r, 1)
         _positive("lora.lora_alpha", lo.lora_alpha)
         if not 0 <= lo.lora_dropout < 1:
@@ -615,6 +627,8 @@ class Config:
             )
         _one_of("lora.task_type", lo.task_type, ("CAUSAL_LM",))
 
+    def check_model_and_fsdp(self) -> None:
+        m, f, r = self.model, self.fsdp, self.ray
         _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))
         _one_of("model.load_mode", m.load_mode, ("sharded", "full"))
         _one_of("model.frozen_dtype", m.frozen_dtype, ("auto", "float8_e4m3fn", "bfloat16", "float32"))
@@ -626,7 +640,6 @@ class Config:
         _one_of("fsdp.param_dtype", f.param_dtype, (*DTYPES, "auto"))
         _one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
         _at_least("fsdp.forward_prefetch", f.forward_prefetch, 0)
-        _at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
         if f.shard_size is not None and _at_least("fsdp.shard_size", f.shard_size, 1) and r.num_workers % f.shard_size:
             _problem(
                 f"fsdp.shard_size {f.shard_size} must divide ray.num_workers {r.num_workers} "
@@ -638,6 +651,8 @@ class Config:
         self.check_expert_parallel()
         self.check_nccl()
 
+    def check_ray(self) -> None:
+        r = self.ray
         _at_least("ray.num_workers", r.num_workers, 1)
         _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
         _at_least("ray.local_num_cpus", r.local_num_cpus, 1)
