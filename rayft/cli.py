@@ -285,6 +285,9 @@ def _plan(args: argparse.Namespace) -> int:
     def plans(fp8: bool) -> list:
         return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8) for n in args.num_nodes]
 
+    if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
+        print(f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
+              f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)")  # fmt: skip
     other = plans(not fp8) if s.fp8 else None
     print(format_plans(plans(fp8), s, cfg.data.max_length * cfg.train.per_device_train_batch_size, other))
     if args.layouts:

@@ -154,3 +154,13 @@ def test_eval_with_base_refuses_what_it_cannot_compare(overrides, extra, needle,
     result = run_cli(capsys, "eval", "--config", str(good_config), "--with-base", *extra, *_overrides(overrides))
     assert result.rc == 2, result.err[-3000:]
     assert needle in result.err and "Traceback" not in result.err
+
+
+def test_plan_of_a_cpu_config_says_it_plans_gpus(capsys):
+    """`rayft plan` sizes GPU clusters: for a config that trains on CPU workers it says so before its GPU verdicts."""
+    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts", "--override", "ray.use_gpu=false",
+                     "--override", "fsdp.param_dtype=auto")  # fmt: skip
+    assert result.rc == 0, result.err[-3000:]
+    assert result.out.startswith("rayft plan: the config trains on CPU workers (ray.use_gpu: false)"), result.out
+    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts")
+    assert result.rc == 0 and "CPU workers" not in result.out
