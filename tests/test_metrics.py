@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 
@@ -95,3 +96,48 @@ def test_tensorboard_tracker_writes_event_files(tmp_path):
     trackers.close()
     events = list((tmp_path / "runs" / "run-1").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def _wandb_records(path) -> list:
+    """The protobuf records of a `.wandb` run file (a LevelDB-style log of 32 KiB blocks after a 7-byte header):
+    this wandb has no Python reader of its own."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending, records = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
+    """`report_to: wandb` with WANDB_MODE=offline: the run's file under output_dir/wandb holds the logged steps."""
+    pytest.importorskip("wandb")
+    from rayft.train.metrics import Trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = Trackers(["wandb"], str(tmp_path), "run-1", {"train.learning_rate": 1e-4})
+    trackers.log({"loss": 2.5, "tokens_per_s": 1000.0, "mfu_lora": None, "step": 3}, step=3)
+    trackers.log({"loss": 2.0, "step": 4}, step=4)
+    trackers.close()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (log,) = run_dir.glob("run-*.wandb")
+    records = _wandb_records(log)
+    rows = [
+        {(i.key or ".".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [(r["_step"], r["loss"]) for r in rows] == [(3, 2.5), (4, 2.0)] and rows[0]["tokens_per_s"] == 1000.0
+    assert "mfu_lora" not in rows[0]  # None is not a number: left out, as for TensorBoard
+    assert b"train.learning_rate" in log.read_bytes()  # the run's config
+    assert records[-1].WhichOneof("record_type") == "exit"  # finished

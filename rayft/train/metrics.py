@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -234,11 +235,18 @@ class Gauges:
 
 
 class Trackers:
-    """`train.report_to`: TensorBoard event files under output_dir/runs, or an MLflow run (rank 0 only)."""
+    """`train.report_to`: TensorBoard event files under output_dir/runs, an MLflow run, a Weights & Biases run under
+    output_dir/wandb (rank 0 only)."""
 
     def __init__(self, report_to: list[str], output_dir: str, run: str, params: dict[str, Any]):
         self.writers: list[Any] = []
         self.mlflow = None
+        self.wandb = None
+        if "wandb" in report_to:  # WANDB_PROJECT, WANDB_MODE (offline), WANDB_API_KEY as wandb reads them
+            import wandb
+
+            project = os.environ.get("WANDB_PROJECT", "rayft")
+            self.wandb = wandb.init(project=project, name=run, dir=output_dir, config=params)
         if "tensorboard" in report_to:
             self.writers.append(tensorboard_writer(f"{output_dir}/runs/{run}"))
         if "mlflow" in report_to:
@@ -258,12 +266,16 @@ class Trackers:
             writer.flush()
         if self.mlflow is not None:
             self.mlflow.log_metrics(numbers, step=step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
 
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
         if self.mlflow is not None:
             self.mlflow.end_run()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def tensorboard_writer(logdir: str) -> Any:
@@ -274,7 +286,7 @@ def tensorboard_writer(logdir: str) -> Any:
     return SummaryWriter(logdir)
 
 
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",)}
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",)}
 
 
 def missing_tracker(name: str) -> str | None:
