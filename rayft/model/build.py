@@ -20,7 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
+from rayft.config import DORA_ON_FP8, Config, ConfigError, FsdpConfig, ModelConfig
 from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import LoraTargets, apply_lora, wrap
 from rayft.model.loss import fuse_loss
@@ -37,6 +37,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
     ep = _expert_parallel(cfg, model, on_gpu)
     fp8 = frozen_fp8(cfg.model)
+    check_dora_storage(cfg, fp8)
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
         swapped = to_fp8_(decoder_layers(model), model.dtype)
         log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
@@ -108,6 +109,13 @@ def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bo
     if checkpoint_fp8 is None:
         checkpoint_fp8 = _checkpoint_quantization(model_cfg).get("quant_method") == "fp8"
     return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_fp8
+
+
+def check_dora_storage(cfg: Config, fp8: bool | None = None) -> None:
+    """DoRA needs the frozen weights' rows in bf16/fp32 (PEFT's magnitude is their norm): refuse FP8 storage, also
+    where `frozen_dtype: auto` picks it for an FP8 checkpoint (`Config.check` refuses the explicit setting)."""
+    if cfg.lora.use_dora and (fp8 if fp8 is not None else frozen_fp8(cfg.model)):
+        raise ConfigError(DORA_ON_FP8)
 
 
 def _checkpoint_quantization(model_cfg: ModelConfig) -> dict:

@@ -1,0 +1,133 @@
+"""PEFT's own options (`all-linear`, DoRA, rsLoRA, modules_to_save) through the sharded FSDP2 build, checkpoints and
+export, each held against PEFT's own model (`get_peft_model` + `save_pretrained`) on an unsharded copy of the same
+weights; and the combinations that cannot work, refused by `rayft validate` before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import Fixtures, run_cli, tiny_config, write_yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rayft.config import Config, ConfigError, LoraConfig, ModelConfig
+from rayft.model.build import build_model, empty_model
+from rayft.model.lora import resolve_targets
+from rayft.train.checkpoint import ADAPTER_WEIGHTS, save_adapter
+
+OPTIONS = {
+    "all-linear": {"target_modules": ["all-linear"]},
+    "dora": {"use_dora": True},
+    "rslora": {"use_rslora": True, "r": 4},
+    "modules_to_save": {"modules_to_save": ["lm_head", "embed_tokens"], "target_modules": ["q_proj", "v_proj"]},
+}
+IDS = torch.tensor([[1, 1784, 3937, 1278, 8312, 2], [1, 8312, 1321, 1278, 3937, 2]])
+
+
+@pytest.fixture
+def process_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _raw(fixtures: Fixtures, tmp_path: Path, option: str) -> dict:
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["lora"].update(lora_dropout=0.0, **OPTIONS[option])
+    raw["train"]["fused_loss"] = False
+    return raw
+
+
+def _reference(fixtures: Fixtures, raw: dict) -> peft.PeftModel:
+    """PEFT's own model on the unsharded checkpoint, configured from the same `lora` section by hand."""
+    lora = raw["lora"]
+    targets = lora["target_modules"]
+    return peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32),
+        peft.LoraConfig(
+            r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+            use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False),
+            modules_to_save=lora.get("modules_to_save"), task_type=peft.TaskType.CAUSAL_LM,
+        ),
+    )  # fmt: skip
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _step(model) -> float:
+    """One AdamW step on a fixed batch; the loss before it."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _trained_pair(fixtures: Fixtures, tmp_path: Path, option: str):
+    """rayft's sharded model and PEFT's own, with the same lora_A draw (the one random init), each trained a step."""
+    raw = _raw(fixtures, tmp_path, option)
+    torch.manual_seed(0)
+    ours = build_model(Config.from_dict(raw), on_gpu=False)
+    reference = _reference(fixtures, raw)
+    mine = _trainable(ours)
+    theirs = dict(reference.named_parameters())
+    assert sorted(mine) == sorted(n for n, p in theirs.items() if p.requires_grad)
+    with torch.no_grad():
+        for name, value in mine.items():
+            if ".lora_A." in name:
+                theirs[name].copy_(value)
+            else:  # B = 0, DoRA magnitudes, the modules_to_save copies: PEFT's own init on the real weights
+                torch.testing.assert_close(value, theirs[name], msg=name)
+    assert _step(ours) == pytest.approx(_step(reference), rel=1e-5)
+    return raw, ours, reference
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_trains_and_saves_as_peft_does(option, fixtures: Fixtures, tmp_path, process_group):
+    """Initial values, loss, one AdamW step (so gradients through FSDP2 too), the logits after it, and the saved
+    adapter (config fields, tensor keys and values) equal PEFT's own model and `save_pretrained`."""
+    raw, ours, reference = _trained_pair(fixtures, tmp_path, option)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=IDS).logits, reference(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
+    save_adapter(ours, tmp_path / "ours")
+    reference.save_pretrained(str(tmp_path / "peft"), save_embedding_layers=False)
+    mine, theirs = (load_file(str(tmp_path / d / ADAPTER_WEIGHTS)) for d in ("ours", "peft"))
+    assert sorted(mine) == sorted(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft")]
+    for field in ("r", "lora_alpha", "use_dora", "use_rslora", "modules_to_save"):
+        assert configs[0][field] == configs[1][field], field
+    assert set(configs[0]["target_modules"]) == set(configs[1]["target_modules"])
+
+
+def test_all_linear_is_every_linear_layer_but_the_head(fixtures: Fixtures):
+    targets = resolve_targets(empty_model(ModelConfig(model_name_or_path=str(fixtures.model))),
+                              LoraConfig(target_modules=["all-linear"]))  # fmt: skip
+    assert len(targets.modules) == 2 * 7 and not [m for m in targets.modules if "lm_head" in m or "embed" in m]
+
+
+def test_unknown_targets_list_linear_layers_apart_from_embeddings(fixtures: Fixtures):
+    """The message once listed `embed_tokens` among the linear layers."""
+    with pytest.raises(ConfigError) as error:
+        resolve_targets(empty_model(ModelConfig(model_name_or_path=str(fixtures.model))),
+                        LoraConfig(target_modules=["qkv_proj"]))  # fmt: skip
+    assert "its linear layers are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj;" in str(
+        error.value
+    )
+    assert "its embeddings: embed_tokens" in str(error.value)
