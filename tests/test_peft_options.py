@@ -131,3 +131,87 @@ def test_unknown_targets_list_linear_layers_apart_from_embeddings(fixtures: Fixt
         error.value
     )
     assert "its embeddings: embed_tokens" in str(error.value)
+
+
+COMBINED = {"target_modules": ["all-linear"], "use_dora": True, "use_rslora": True,
+            "modules_to_save": ["lm_head", "embed_tokens"], "lora_dropout": 0.0}  # fmt: skip
+
+
+def _train_and_save_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    from test_checkpoint import _full_state, _setup
+
+    from rayft.train.checkpoint import Progress, save_checkpoint
+
+    model, optimizer, scheduler = _setup(rank, world, port, raw)
+    try:
+        init = _trainable(model)
+        for _ in range(2):
+            model(input_ids=IDS, labels=IDS).loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        save_checkpoint(Path(out), model, optimizer, scheduler, Progress(2, 0, 4, world), {"loss": 1.0}, "run-a")
+        state = _full_state(model, optimizer)
+        with torch.no_grad():
+            logits = model(input_ids=IDS).logits
+        if rank == 0:
+            torch.save({**state, "init": init, "logits": logits}, Path(out) / "expected.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _resume_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    from test_checkpoint import _full_state, _setup
+
+    from rayft.train.checkpoint import ADAPTER_DIR, load_adapter_weights, load_checkpoint
+
+    model, optimizer, scheduler = _setup(rank, world, port, raw)
+    try:
+        load_checkpoint(Path(out), model, optimizer, scheduler)
+        resumed = _full_state(model, optimizer)
+        fresh = build_model(Config.from_dict(raw), on_gpu=False)
+        load_adapter_weights(fresh, Path(out) / ADAPTER_DIR)
+        with torch.no_grad():
+            logits = fresh(input_ids=IDS).logits
+        torch.save({**resumed, "adapter": _trainable(fresh), "logits": logits}, Path(out) / "loaded.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_resume_adapter_and_export_keep_every_option(fixtures: Fixtures, tmp_path):
+    """all-linear + DoRA + rsLoRA + modules_to_save, sharded over 2 ranks: the magnitudes and copies start as PEFT's
+    (each rank's own rows), the DCP state (magnitudes, copies and their optimizer moments) resumes exactly on 1 rank,
+    the saved adapter loads back into a fresh sharded model, and the merged export gives the trained model's logits."""
+    from conftest import free_port
+    from fixtures.ranks import spawn_ranks
+    from test_checkpoint import _assert_equal
+
+    from rayft.export import export
+
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["lora"].update(COMBINED)
+    raw["train"]["fused_loss"] = False
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    spawn_ranks(_train_and_save_rank, args=(2, free_port(), raw, str(ckpt)), nprocs=2)
+    spawn_ranks(_resume_rank, args=(1, free_port(), raw, str(ckpt)), nprocs=1)
+    expected, loaded = torch.load(ckpt / "expected.pt"), torch.load(ckpt / "loaded.pt")
+
+    reference = dict(_reference(fixtures, raw).named_parameters())
+    for name, value in expected["init"].items():
+        if ".lora_A." not in name:
+            torch.testing.assert_close(value, reference[name], msg=name)
+    assert any("modules_to_save" in k for k in expected["optim"]["state"]), "the copies are not in the optimizer"
+    _assert_equal(loaded["model"], expected["model"], "model")
+    _assert_equal(loaded["optim"], expected["optim"], "optim")
+    for name, value in loaded["adapter"].items():
+        torch.testing.assert_close(value, expected["model"][name], msg=name)
+    torch.testing.assert_close(loaded["logits"], expected["logits"])
+
+    merged_dir = export(ckpt / "adapter", fixtures.model, tmp_path / "merged", merge=True, dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=IDS).logits, expected["logits"], rtol=1e-4, atol=1e-4)
+    plain = export(ckpt / "adapter", fixtures.model, tmp_path / "plain", merge=False)
+    assert json.loads((plain / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head", "embed_tokens"]
