@@ -94,14 +94,14 @@ def _trained_pair(fixtures: Fixtures, tmp_path: Path, option: str):
             else:  # B = 0, DoRA magnitudes, the modules_to_save copies: PEFT's own init on the real weights
                 torch.testing.assert_close(value, theirs[name], msg=name)
     assert _step(ours) == pytest.approx(_step(reference), rel=1e-5)
-    return raw, ours, reference
+    return ours, reference
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_option_trains_and_saves_as_peft_does(option, fixtures: Fixtures, tmp_path, process_group):
     """Initial values, loss, one AdamW step (so gradients through FSDP2 too), the logits after it, and the saved
     adapter (config fields, tensor keys and values) equal PEFT's own model and `save_pretrained`."""
-    raw, ours, reference = _trained_pair(fixtures, tmp_path, option)
+    ours, reference = _trained_pair(fixtures, tmp_path, option)
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=IDS).logits, reference(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
     save_adapter(ours, tmp_path / "ours")
@@ -215,3 +215,41 @@ def test_checkpoint_resume_adapter_and_export_keep_every_option(fixtures: Fixtur
         torch.testing.assert_close(merged(input_ids=IDS).logits, expected["logits"], rtol=1e-4, atol=1e-4)
     plain = export(ckpt / "adapter", fixtures.model, tmp_path / "plain", merge=False)
     assert json.loads((plain / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head", "embed_tokens"]
+
+
+REFUSED = {
+    "dora-on-fp8-storage": ({"lora": {"use_dora": True}, "model": {"frozen_dtype": "float8_e4m3fn"}},
+                            "lora.use_dora: true needs the frozen weights in bf16/fp32"),
+    "dora-on-experts": ({"lora": {"use_dora": True, "target_experts": True, "lora_dropout": 0.0},
+                         "fsdp": {"activation_checkpointing": True}},
+                        "lora.use_dora: true cannot be combined with lora.target_experts: true"),
+    "modules_to_save-with-expert-parallel": ({"lora": {"modules_to_save": ["lm_head"]},
+                                              "parallel": {"expert_parallel": 2}, "ray": {"num_workers": 2}},
+                                             "cannot be combined with parallel.expert_parallel 2"),
+    "all-linear-with-names": ({"lora": {"target_modules": ["all-linear", "q_proj"]}},
+                              "all-linear already names every linear layer"),
+    "dora-on-an-embedding": ({"lora": {"use_dora": True, "target_modules": ["embed_tokens", "q_proj"]}},
+                             "lora.use_dora: true on the embedding model.embed_tokens"),
+    "unknown-modules_to_save": ({"lora": {"modules_to_save": ["score"]}},
+                                "lora.modules_to_save: 'score' matches no module of MistralForCausalLM"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_combinations_that_cannot_work_are_refused_by_validate(case, fixtures: Fixtures, tmp_path, capsys):
+    settings, message = REFUSED[case]
+    raw = tiny_config(fixtures, tmp_path / "out")
+    for section, values in settings.items():
+        raw.setdefault(section, {}).update(values)
+    result = run_cli(capsys, "validate", "--config", str(write_yaml(tmp_path / "c.yaml", raw)))
+    assert result.rc == 2 and message in result.err, result.err
+
+
+def test_dora_on_an_fp8_checkpoint_under_frozen_dtype_auto_is_refused(mistral4_hub, fixtures: Fixtures, tmp_path,
+                                                                       capsys):  # fmt: skip
+    """`frozen_dtype: auto` keeps an FP8 checkpoint in FP8: only the checkpoint's config says so, read by preflight."""
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["model"]["model_name_or_path"] = str(mistral4_hub)
+    raw["lora"].update(use_dora=True)
+    result = run_cli(capsys, "validate", "--config", str(write_yaml(tmp_path / "c.yaml", raw)))
+    assert result.rc == 2 and "or auto on an FP8 checkpoint" in result.err, result.err
