@@ -256,3 +256,15 @@ def test_dora_on_an_fp8_checkpoint_under_frozen_dtype_auto_is_refused(mistral4_h
     raw["lora"].update(use_dora=True)
     result = run_cli(capsys, "validate", "--config", str(write_yaml(tmp_path / "c.yaml", raw)))
     assert result.rc == 2 and "or auto on an FP8 checkpoint" in result.err, result.err
+
+
+def test_dpo_reference_pass_switches_off_the_modules_to_save_copies(fixtures: Fixtures, tmp_path, process_group):
+    """`dpo.reference: adapter_off` scores the base model: its own LM head and embedding, not the trained copies."""
+    from rayft.train.dpo import adapter_off
+
+    raw = _raw(fixtures, tmp_path, "modules_to_save")
+    model = build_model(Config.from_dict(raw), on_gpu=False)
+    _step(model)  # the copies (and LoRA) move away from the base
+    base = AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32)
+    with torch.no_grad(), adapter_off(model):
+        torch.testing.assert_close(model(input_ids=IDS).logits, base(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
