@@ -268,3 +268,15 @@ def test_dpo_reference_pass_switches_off_the_modules_to_save_copies(fixtures: Fi
     base = AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32)
     with torch.no_grad(), adapter_off(model):
         torch.testing.assert_close(model(input_ids=IDS).logits, base(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_modules_to_save_refuses_a_tied_head():
+    """A trained copy of a tied LM head would untie it from the embedding; the exported config still ties them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"lora.modules_to_save: 'lm_head' is tied"):
+        resolve_targets(model, LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
