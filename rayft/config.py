@@ -147,17 +147,30 @@ class ModelConfig:
     frozen_dtype: str = "auto"
 
 
+DORA_ON_FP8 = (
+    "lora.use_dora: true needs the frozen weights in bf16/fp32: DoRA's magnitude is the norm of each row of W + BA, "
+    "which FP8 storage (model.frozen_dtype float8_e4m3fn, or auto on an FP8 checkpoint) does not give; set "
+    "model.frozen_dtype: bfloat16 or lora.use_dora: false"
+)
+
+
 @dataclass
 class LoraConfig:
     r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    # "auto" = the right set for the architecture (see rayft.lora.AUTO_TARGETS), else module names.
+    # "auto" = the right set for the architecture (see rayft.lora.AUTO_TARGETS); "all-linear" = every linear layer
+    # but the LM head (PEFT's shorthand); else module names.
     target_modules: list[str] = field(default_factory=lambda: ["auto"])
     bias: str = "none"
     task_type: str = "CAUSAL_LM"
     # Also adapt the routed experts (fused 3D parameters, via PEFT target_parameters): one LoRA per expert.
     target_experts: bool = False
+    # PEFT's options of the same names: DoRA (a trained magnitude per output row), rank-stabilised scaling
+    # (lora_alpha / sqrt(r)), and modules trained in full beside the adapter (e.g. [lm_head, embed_tokens]).
+    use_dora: bool = False
+    use_rslora: bool = False
+    modules_to_save: list[str] | None = None
 
 
 @dataclass
@@ -626,6 +639,7 @@ class Config:
                 " every expert's W + BA is materialised in forward, keeping it for backward does not fit"
             )
         _one_of("lora.task_type", lo.task_type, ("CAUSAL_LM",))
+        self.check_peft_options()
 
     def check_model_and_fsdp(self) -> None:
         m, f, r = self.model, self.fsdp, self.ray
@@ -706,6 +720,32 @@ class Config:
         for name in n.env:
             if not name.startswith("NCCL_"):
                 _problem(f"nccl.env: '{name}' is not an NCCL variable (names start with NCCL_)")
+
+    def check_peft_options(self) -> None:
+        """`all-linear`, DoRA and modules_to_save where they cannot work: refused here, before any cluster resource
+        (DoRA on a checkpoint that is FP8 under `frozen_dtype: auto` is refused by `rayft.model.build`, which reads
+        the checkpoint's config)."""
+        lo = self.lora
+        if "all-linear" in lo.target_modules and len(lo.target_modules) > 1:
+            raise ConfigError(
+                f"lora.target_modules {lo.target_modules}: all-linear already names every linear layer (the LM head "
+                "excepted); give it alone, or list module names without it"
+            )
+        if lo.use_dora and lo.target_experts:
+            raise ConfigError(
+                "lora.use_dora: true cannot be combined with lora.target_experts: true (PEFT has no DoRA for the "
+                "routed experts' fused parameters); set one of them false"
+            )
+        if lo.use_dora and self.model.frozen_dtype == "float8_e4m3fn":
+            raise ConfigError(DORA_ON_FP8)
+        if lo.modules_to_save is not None and not lo.modules_to_save:
+            raise ConfigError("lora.modules_to_save is empty: name modules (e.g. [lm_head]) or leave it null")
+        if lo.modules_to_save and self.parallel.expert_parallel != 1:
+            raise ConfigError(
+                f"lora.modules_to_save {lo.modules_to_save} cannot be combined with parallel.expert_parallel "
+                f"{self.parallel.expert_parallel}: the expert-parallel adapter gathering handles LoRA factors only; "
+                "set parallel.expert_parallel: 1 or remove lora.modules_to_save"
+            )
 
     def check_dpo(self) -> None:
         """The `dpo` section's ranges, and the data settings preference pairs cannot use."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import AuxiliaryTrainingWrapper
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
@@ -92,8 +93,10 @@ def adapter_off(model) -> Iterator[None]:
     """PEFT's `disable_adapter()` without its `requires_grad` toggling: re-enabling sets it on whichever LoRA
     parameters FSDP2 has registered at that moment (the gathered ones of a unit kept unsharded), so the sharded
     parameters came back frozen — left out of gradient clipping and of checkpoints (a resume then failed on a
-    missing key). The reference pass runs without gradients, so only each LoRA layer's switch is flipped."""
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    missing key). The reference pass runs without gradients, so only each LoRA layer's switch is flipped, and each
+    `modules_to_save` wrapper's (an `AuxiliaryTrainingWrapper`, not a tuner layer): the reference is the base model's
+    own module, not the trained copy."""
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     before = [m._disable_adapters for m in layers]
     for layer in layers:
         layer._disable_adapters = True
