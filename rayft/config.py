@@ -727,21 +727,21 @@ class Config:
         the checkpoint's config)."""
         lo = self.lora
         if "all-linear" in lo.target_modules and len(lo.target_modules) > 1:
-            raise ConfigError(
+            _problem(
                 f"lora.target_modules {lo.target_modules}: all-linear already names every linear layer (the LM head "
                 "excepted); give it alone, or list module names without it"
             )
         if lo.use_dora and lo.target_experts:
-            raise ConfigError(
+            _problem(
                 "lora.use_dora: true cannot be combined with lora.target_experts: true (PEFT has no DoRA for the "
                 "routed experts' fused parameters); set one of them false"
             )
         if lo.use_dora and self.model.frozen_dtype == "float8_e4m3fn":
-            raise ConfigError(DORA_ON_FP8)
+            _problem(DORA_ON_FP8)
         if lo.modules_to_save is not None and not lo.modules_to_save:
-            raise ConfigError("lora.modules_to_save is empty: name modules (e.g. [lm_head]) or leave it null")
+            _problem("lora.modules_to_save is empty: name modules (e.g. [lm_head]) or leave it null")
         if lo.modules_to_save and self.parallel.expert_parallel != 1:
-            raise ConfigError(
+            _problem(
                 f"lora.modules_to_save {lo.modules_to_save} cannot be combined with parallel.expert_parallel "
                 f"{self.parallel.expert_parallel}: the expert-parallel adapter gathering handles LoRA factors only; "
                 "set parallel.expert_parallel: 1 or remove lora.modules_to_save"
