@@ -1,4 +1,4 @@
-"""`rayft train | validate | eval | plan | export | k8s render | k8s validate`.
+"""`rayft train | validate | eval | plan | export | k8s render | k8s validate | config from-accelerate`.
 
 Exit 0 when fine, 2 for configuration/usage errors, 1 when a run fails.
 """
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "k8s":
             return _k8s(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "config":
+            return _config(args)
         cfg = _load(args)
         if args.command == "validate":
             return _validate(cfg, args)
@@ -133,7 +135,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
     _k8s_parser(sub, common)
+    _config_parser(sub, common)
     return parser
+
+
+def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    config = sub.add_parser("config", help="write a rayft config from other tools' files")
+    actions = config.add_subparsers(dest="action", required=True)
+    about = (
+        "the rayft config doing what an accelerate launch config (FSDP) and a TRL/SFT training YAML did: "
+        "processes become Ray workers, fsdp_* the fsdp section, the SFT keys model/lora/data/train"
+    )
+    p = actions.add_parser("from-accelerate", help=about, description=about, parents=[common])
+    p.add_argument("accelerate", help="accelerate config (accelerate config / fsdp.yaml)")
+    p.add_argument("--trl", help="the TRL/SFT training YAML (sections model/lora/data/train, or SFTConfig's flat keys)")
+    p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="set one key of the written config (repeatable)")  # fmt: skip
+    p.add_argument("--out", help="where to write the config (default: stdout)")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rayft.config_import import convert, to_yaml
+
+    raw, notes = convert(args.accelerate, args.trl, args.override)
+    text = to_yaml(raw, notes, args.accelerate, args.trl)
+    for note in notes:
+        print(f"rayft: note: {note}", file=sys.stderr)
+    if args.out is None:
+        print(text, end="")
+    else:
+        Path(args.out).write_text(text)
+        print(f"rayft: wrote {args.out} (check it with: rayft validate --config {args.out})", file=sys.stderr)
+    return EXIT_OK
 
 
 def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -231,6 +264,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rayft.plan.report import format_layouts
     from rayft.plan.steptime import Hardware, plan_layouts
 
+    for flag, values in (("--num-nodes", args.num_nodes), ("--gpus-per-node", [args.gpus_per_node])):
+        if any(n < 1 for n in values):
+            raise ConfigError(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
     cfg = load_config(args.config, args.override)
     config = None
     if args.preset == "mistral-small-4":
@@ -249,6 +285,9 @@ def _plan(args: argparse.Namespace) -> int:
     def plans(fp8: bool) -> list:
         return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8) for n in args.num_nodes]
 
+    if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
+        print(f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
+              f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)")  # fmt: skip
     other = plans(not fp8) if s.fp8 else None
     print(format_plans(plans(fp8), s, cfg.data.max_length * cfg.train.per_device_train_batch_size, other))
     if args.layouts:
@@ -437,13 +476,22 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     )
     world = cfg.ray.num_workers
     fp8 = frozen_fp8(cfg.model)
-    plan = plan_memory(cfg, checked.structure, world, on_gpu=cfg.ray.use_gpu is not False, gpu=args.gpu, fp8=fp8)
-    verdict = f"fits {args.gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    on_gpu = cfg.ray.use_gpu is not False
+    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8)
     print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
-    print(f"  memory plan: {plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict} (rayft plan for details)")
-    if lora.warning:
-        print(f"rayft: warning: {lora.warning}", file=sys.stderr)
+    print(f"  memory plan: {_memory_verdict(plan, world, on_gpu, args.gpu)} (rayft plan for details)")
+    for warning in [lora.warning, *checked.warnings]:
+        if warning:
+            print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _memory_verdict(plan, world: int, on_gpu: bool, gpu: str) -> str:
+    """A GPU verdict only where the run trains on GPUs: CPU workers (ray.use_gpu: false) hold it in host memory."""
+    if not on_gpu:
+        return f"{plan.total_gib:.1f} GiB of host memory per CPU worker on {world} workers (ray.use_gpu: false)"
+    verdict = f"fits {gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    return f"{plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict}"
 
 
 def _storage(s, fp8: bool, torch_dtype: str) -> str:

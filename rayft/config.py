@@ -14,6 +14,9 @@ import re
 import string
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,55 @@ class ConfigError(ValueError):
     """A mistake in the user's configuration or paths; the message is meant to be shown as is."""
 
 
+@dataclass(frozen=True)
+class Problem:
+    key: str  # dotted, `train.learning_rate`: where the file sets it is looked up by this
+    message: str
+
+
+_PROBLEMS: ContextVar[list[Problem] | None] = ContextVar("rayft_config_problems", default=None)
+_LEADING_KEY = re.compile(r"(?:unknown key ')?([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)")
+
+
+def _problem(message: str, key: str | None = None) -> bool:
+    """One mistake in a config: recorded while `gather_problems` collects a file's problems (so the user fixes
+    them all in one round), raised as a ConfigError elsewhere. False, for `ok or _problem(...)`."""
+    found = _PROBLEMS.get()
+    if found is None:
+        raise ConfigError(message)
+    if key is None:  # every message starts with its key ("train.learning_rate must be > 0, ...")
+        match = _LEADING_KEY.match(message)
+        key = match.group(1) if match else ""
+    found.append(Problem(key, message))
+    return False
+
+
+@contextmanager
+def gather_problems(source: str, where: dict[str, str] | None = None) -> Iterator[None]:
+    """Collect the problems `_problem` reports in the block; at its end raise one ConfigError listing them all,
+    each with the file and line (`where`: dotted key → `path:line`, or `--override`) that sets its key."""
+    found: list[Problem] = []
+    token = _PROBLEMS.set(found)
+    try:
+        yield
+    finally:
+        _PROBLEMS.reset(token)
+    if found:
+        located = [f"{_location(p.key, source, where or {})}{p.message}" for p in found]
+        if len(located) == 1:
+            raise ConfigError(located[0])
+        raise ConfigError(f"{source}: {len(found)} problems:\n" + "\n".join(f"  - {line}" for line in located))
+
+
+def _location(key: str, source: str, where: dict[str, str]) -> str:
+    """`path:line: ` of the key, or of the closest section above it that the file names; else the source."""
+    parts = re.sub(r"\[\d+\]", "", key).split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in where:
+            return f"{where['.'.join(parts[:n])]}: "
+    return "" if source == "defaults" else f"{source}: "
+
+
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -58,7 +110,11 @@ SCHEDULERS = (
     "constant_with_warmup",
     "inverse_sqrt",
 )
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+# transformers' `optim` names that run here (rayft/train/schedule.py builds them; the state is the LoRA params').
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
+# bitsandbytes' optimizers: their 8-bit/paged states are not built for FSDP2's sharded (DTensor) parameters.
+BNB_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
+                  "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit")  # fmt: skip
 STRATEGIES = ("no", "steps", "epoch")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
@@ -91,17 +147,30 @@ class ModelConfig:
     frozen_dtype: str = "auto"
 
 
+DORA_ON_FP8 = (
+    "lora.use_dora: true needs the frozen weights in bf16/fp32: DoRA's magnitude is the norm of each row of W + BA, "
+    "which FP8 storage (model.frozen_dtype float8_e4m3fn, or auto on an FP8 checkpoint) does not give; set "
+    "model.frozen_dtype: bfloat16 or lora.use_dora: false"
+)
+
+
 @dataclass
 class LoraConfig:
     r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    # "auto" = the right set for the architecture (see rayft.lora.AUTO_TARGETS), else module names.
+    # "auto" = the right set for the architecture (see rayft.lora.AUTO_TARGETS); "all-linear" = every linear layer
+    # but the LM head (PEFT's shorthand); else module names.
     target_modules: list[str] = field(default_factory=lambda: ["auto"])
     bias: str = "none"
     task_type: str = "CAUSAL_LM"
     # Also adapt the routed experts (fused 3D parameters, via PEFT target_parameters): one LoRA per expert.
     target_experts: bool = False
+    # PEFT's options of the same names: DoRA (a trained magnitude per output row), rank-stabilised scaling
+    # (lora_alpha / sqrt(r)), and modules trained in full beside the adapter (e.g. [lm_head, embed_tokens]).
+    use_dora: bool = False
+    use_rslora: bool = False
+    modules_to_save: list[str] | None = None
 
 
 @dataclass
@@ -201,7 +270,8 @@ class TrainConfig:
     # Start from a checkpoint directory (also another run's), or "latest" = insist on continuing this run.
     # A run whose storage already has checkpoints always continues from its own latest one.
     resume_from_checkpoint: str | None = None
-    # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow.
+    # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow |
+    # wandb (output_dir/wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads them).
     report_to: list[str] | None = None
     seed: int = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
@@ -376,22 +446,22 @@ class K8sConfig:
         _one_of("k8s.queueing", self.queueing, QUEUEING)
         _one_of("k8s.config_delivery", self.config_delivery, CONFIG_DELIVERY)
         if self.queueing != "none" and not self.queue:
-            raise ConfigError(f"k8s.queue: k8s.queueing: {self.queueing} needs the queue's name")
+            _problem(f"k8s.queue: k8s.queueing: {self.queueing} needs the queue's name")
         if self.queueing == "none" and self.queue:
-            raise ConfigError("k8s.queue: given without k8s.queueing; set k8s.queueing: kueue, volcano or runai")
+            _problem("k8s.queue: given without k8s.queueing; set k8s.queueing: kueue, volcano or runai")
         if self.kuberay_version is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", self.kuberay_version):
-            raise ConfigError(f"k8s.kuberay_version: '{self.kuberay_version}' is not a version such as 1.7.0")
+            _problem(f"k8s.kuberay_version: '{self.kuberay_version}' is not a version such as 1.7.0")
         if (self.config_delivery == "working_dir") != bool(self.working_dir):
-            raise ConfigError("k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then")
+            _problem("k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then")
         if self.hf_home is not None and not self.hf_home.startswith("/"):
-            raise ConfigError(f"k8s.hf_home: '{self.hf_home}' must be an absolute path in the pods (on the PVC)")
+            _problem(f"k8s.hf_home: '{self.hf_home}' must be an absolute path in the pods (on the PVC)")
         names = {v.get("name") for v in self.volumes}
         for i, m in enumerate(self.volume_mounts):
             if m.get("name") not in names:
-                raise ConfigError(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes")
+                _problem(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes")
 
 
-REPORT_TO = ("none", "tensorboard", "mlflow")
+REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")
 DEFAULT_VAL_RATIO = 0.05
 
 
@@ -424,18 +494,24 @@ class Config:
     k8s: K8sConfig = field(default_factory=K8sConfig)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
+    def from_dict(
+        cls, raw: dict[str, Any] | None, source: str = "config", where: dict[str, str] | None = None
+    ) -> Config:
+        """The checked config; every problem of `raw` (unknown keys, wrong types, bad values) in one ConfigError.
+        A key that cannot be read keeps its default, so the checks of the others still run."""
         raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)}), got {raw!r}")
-        sections = {}
-        for name, values in raw.items():
-            section_type = SECTIONS.get(name)
-            if section_type is None:
-                raise ConfigError(f"{source}: unknown section '{name}'{_suggest(name, SECTIONS)}")
-            sections[name] = _build_section(name, section_type, values, source)
-        cfg = cls(**sections)
-        cfg.check()
+        with gather_problems(source, where):
+            sections = {}
+            for name, values in raw.items():
+                section_type = SECTIONS.get(name)
+                if section_type is None:
+                    _problem(f"unknown section '{name}'{_suggest(str(name), SECTIONS)}", key=str(name))
+                    continue
+                sections[name] = _build_section(name, section_type, values)
+            cfg = cls(**sections)
+            cfg.check()
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
@@ -468,9 +544,17 @@ class Config:
         return metric, "max" if greater else "min"
 
     def check(self) -> None:
-        """Refuse out-of-range values and combinations that cannot work."""
-        t, d, lo, r, f, m = self.train, self.data, self.lora, self.ray, self.fsdp, self.model
+        """Refuse out-of-range values and combinations that cannot work (each problem recorded, see `_problem`)."""
         self.k8s.check()
+        self.check_train()
+        self.check_dpo()
+        self.check_data()
+        self.check_lora()
+        self.check_model_and_fsdp()
+        self.check_ray()
+
+    def check_train(self) -> None:
+        t = self.train
         _positive("train.learning_rate", t.learning_rate)
         _at_least("train.num_train_epochs", t.num_train_epochs, 1)
         _at_least("train.per_device_train_batch_size", t.per_device_train_batch_size, 1)
@@ -489,91 +573,100 @@ class Config:
         if t.save_total_limit is not None:
             _at_least("train.save_total_limit", t.save_total_limit, 1, hint=" (or null to keep every checkpoint)")
         if not 0 <= t.warmup_ratio < 1:
-            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+            _problem(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
         _one_of("train.lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
-        _one_of("train.optim", t.optim, OPTIMIZERS)
+        check_optim(t.optim)
         _one_of("train.eval_strategy", t.eval_strategy, STRATEGIES)
         _one_of("train.save_strategy", t.save_strategy, STRATEGIES)
         if t.fp16:
-            raise ConfigError("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false")
+            _problem("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false")
         for tracker in t.report_to or []:
             _one_of("train.report_to", tracker, REPORT_TO)
         if t.metric_for_best_model is not None and eval_metric(t.metric_for_best_model) not in BEST_METRICS:
-            raise ConfigError(
+            _problem(
                 f"train.metric_for_best_model: unknown metric '{t.metric_for_best_model}'; "
                 f"evaluation reports {', '.join(BEST_METRICS)}"
             )
         if t.load_best_model_at_end and self.best_metric is None:
-            raise ConfigError(
+            _problem(
                 "train.load_best_model_at_end: true needs checkpoints ranked by an evaluation metric: set "
                 "train.eval_strategy (steps or epoch) and train.metric_for_best_model (e.g. eval_loss)"
             )
         if t.load_best_model_at_end and t.save_strategy == "no":
-            raise ConfigError("train.load_best_model_at_end: true needs train.save_strategy steps or epoch")
+            _problem("train.load_best_model_at_end: true needs train.save_strategy steps or epoch")
         if t.resume_from_checkpoint is not None and not t.resume_from_checkpoint.strip():
-            raise ConfigError("train.resume_from_checkpoint must be a checkpoint directory, 'latest' or null")
+            _problem("train.resume_from_checkpoint must be a checkpoint directory, 'latest' or null")
         _one_of("train.objective", t.objective, OBJECTIVES)
-        self.check_dpo()
 
+    def check_data(self) -> None:
+        d = self.data
         _at_least("data.max_length", d.max_length, 2)
         _at_least("data.tokenize_workers", d.tokenize_workers, 1)
         _at_least("data.shuffle_buffer_size", d.shuffle_buffer_size, 0)
         if d.max_eval_samples is not None:
             _at_least("data.max_eval_samples", d.max_eval_samples, 1)
         if d.val_ratio is not None and not 0 <= d.val_ratio < 1:
-            raise ConfigError(f"data.val_ratio must be in [0, 1), got {d.val_ratio}")
+            _problem(f"data.val_ratio must be in [0, 1), got {d.val_ratio}")
         _one_of("data.format", d.format, DATA_FORMATS)
         _one_of("data.bad_records", d.bad_records, ("skip", "error"))
         _one_of("data.overlong", d.overlong, ("truncate", "skip"))
         if d.prompt_template is not None:
-            template_fields(d.prompt_template)  # raises on a malformed template
+            try:
+                template_fields(d.prompt_template)
+            except ConfigError as e:
+                _problem(str(e))
             if d.format not in ("auto", "prompt_completion"):
-                raise ConfigError(f"data.prompt_template renders prompt/completion records; data.format is {d.format}")
+                _problem(f"data.prompt_template renders prompt/completion records; data.format is {d.format}")
+        _at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
 
+    def check_lora(self) -> None:
+        lo, t, f = self.lora, self.train, self.fsdp
         _at_least("lora.r", lo.r, 1)
         _positive("lora.lora_alpha", lo.lora_alpha)
         if not 0 <= lo.lora_dropout < 1:
-            raise ConfigError(f"lora.lora_dropout must be in [0, 1), got {lo.lora_dropout}")
+            _problem(f"lora.lora_dropout must be in [0, 1), got {lo.lora_dropout}")
         if not lo.target_modules:
-            raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+            _problem("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
         _one_of("lora.bias", lo.bias, ("none", "all", "lora_only"))
         if lo.target_experts and lo.lora_dropout != 0:
-            raise ConfigError(
+            _problem(
                 f"lora.target_experts: true needs lora.lora_dropout: 0 (got {lo.lora_dropout}): PEFT's LoRA on "
                 "expert parameters has no dropout"
             )
         if lo.target_experts and not (f.activation_checkpointing or t.gradient_checkpointing):
-            raise ConfigError(
+            _problem(
                 "lora.target_experts: true needs fsdp.activation_checkpointing: true (or train.gradient_checkpointing):"
                 " every expert's W + BA is materialised in forward, keeping it for backward does not fit"
             )
         _one_of("lora.task_type", lo.task_type, ("CAUSAL_LM",))
+        self.check_peft_options()
 
+    def check_model_and_fsdp(self) -> None:
+        m, f, r = self.model, self.fsdp, self.ray
         _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))
         _one_of("model.load_mode", m.load_mode, ("sharded", "full"))
         _one_of("model.frozen_dtype", m.frozen_dtype, ("auto", "float8_e4m3fn", "bfloat16", "float32"))
         if m.frozen_dtype in DTYPES and m.torch_dtype not in ("auto", m.frozen_dtype):
-            raise ConfigError(
+            _problem(
                 f"model.frozen_dtype {m.frozen_dtype} disagrees with model.torch_dtype {m.torch_dtype}: a dequantised "
                 "base is stored in torch_dtype; set one of them to match (or frozen_dtype: float8_e4m3fn / auto)"
             )
         _one_of("fsdp.param_dtype", f.param_dtype, (*DTYPES, "auto"))
         _one_of("fsdp.reduce_dtype", f.reduce_dtype, DTYPES)
         _at_least("fsdp.forward_prefetch", f.forward_prefetch, 0)
-        _at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
-        if f.shard_size is not None:
-            _at_least("fsdp.shard_size", f.shard_size, 1)
-            if r.num_workers % f.shard_size:
-                raise ConfigError(
-                    f"fsdp.shard_size {f.shard_size} must divide ray.num_workers {r.num_workers} "
-                    "(groups of shard_size workers each hold one full copy of the model)"
-                )
+        if f.shard_size is not None and _at_least("fsdp.shard_size", f.shard_size, 1) and r.num_workers % f.shard_size:
+            _problem(
+                f"fsdp.shard_size {f.shard_size} must divide ray.num_workers {r.num_workers} "
+                "(groups of shard_size workers each hold one full copy of the model)"
+            )
         _at_least("fsdp.backward_prefetch", f.backward_prefetch, 0)
         if r.use_gpu is False:
             self.check_cpu_precision()
         self.check_expert_parallel()
         self.check_nccl()
 
+    def check_ray(self) -> None:
+        r = self.ray
         _at_least("ray.num_workers", r.num_workers, 1)
         _at_least("ray.max_failures", r.max_failures, -1, hint=" (-1 retries forever)")
         _at_least("ray.local_num_cpus", r.local_num_cpus, 1)
@@ -581,10 +674,10 @@ class Config:
         _one_of("ray.checkpoint_upload", r.checkpoint_upload, ("async", "sync"))
         _one_of("ray.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
         if not r.name or "/" in r.name:
-            raise ConfigError(f"ray.name must be a non-empty directory name, got {r.name!r}")
+            _problem(f"ray.name must be a non-empty directory name, got {r.name!r}")
         for key, amount in (r.resources_per_worker or {}).items():
             if amount < 0:
-                raise ConfigError(f"ray.resources_per_worker.{key} must be >= 0, got {amount}")
+                _problem(f"ray.resources_per_worker.{key} must be >= 0, got {amount}")
 
     def check_expert_parallel(self) -> None:
         """`parallel.expert_parallel`: an integer k >= 1 dividing the workers, and what EP cannot combine with
@@ -592,28 +685,27 @@ class Config:
         k, workers = self.parallel.expert_parallel, self.ray.num_workers
         if isinstance(k, str):
             if k != "auto":
-                raise ConfigError(
+                _problem(
                     f"parallel.expert_parallel: {k!r} is neither an integer k nor auto (the planner's choice, "
                     f"`rayft plan`); give a k that divides ray.num_workers {workers} and the routed experts"
                 )
             return  # resolved by preflight, where the model's structure is known (`rayft.plan.choose_expert_parallel`)
-        _at_least("parallel.expert_parallel", k, 1)
-        if k == 1:
+        if not _at_least("parallel.expert_parallel", k, 1) or k == 1:
             return
         if workers % k:
             valid = [d for d in range(1, workers + 1) if workers % d == 0]
-            raise ConfigError(f"parallel.expert_parallel {k} must divide ray.num_workers {workers}; valid: {valid}")
+            _problem(f"parallel.expert_parallel {k} must divide ray.num_workers {workers}; valid: {valid}")
         if self.fsdp.shard_size is not None:
-            raise ConfigError(
+            _problem(
                 "fsdp.shard_size cannot be combined with parallel.expert_parallel > 1 (the non-expert part is then "
                 "sharded over the workers that hold the same experts); remove fsdp.shard_size"
             )
         if self.model.load_mode != "sharded":
-            raise ConfigError(
+            _problem(
                 "parallel.expert_parallel > 1 needs model.load_mode: sharded (each worker reads only its own experts)"
             )
         if self.fsdp.cpu_offload:
-            raise ConfigError(
+            _problem(
                 "fsdp.cpu_offload: true cannot be combined with parallel.expert_parallel > 1: the routed experts are "
                 "not FSDP's, so they would stay in host memory while their tokens are on the GPU; set "
                 "fsdp.cpu_offload: false or parallel.expert_parallel: 1"
@@ -627,7 +719,33 @@ class Config:
             _at_least("nccl.ib_gid_index", n.ib_gid_index, 0)
         for name in n.env:
             if not name.startswith("NCCL_"):
-                raise ConfigError(f"nccl.env: '{name}' is not an NCCL variable (names start with NCCL_)")
+                _problem(f"nccl.env: '{name}' is not an NCCL variable (names start with NCCL_)")
+
+    def check_peft_options(self) -> None:
+        """`all-linear`, DoRA and modules_to_save where they cannot work: refused here, before any cluster resource
+        (DoRA on a checkpoint that is FP8 under `frozen_dtype: auto` is refused by `rayft.model.build`, which reads
+        the checkpoint's config)."""
+        lo = self.lora
+        if "all-linear" in lo.target_modules and len(lo.target_modules) > 1:
+            _problem(
+                f"lora.target_modules {lo.target_modules}: all-linear already names every linear layer (the LM head "
+                "excepted); give it alone, or list module names without it"
+            )
+        if lo.use_dora and lo.target_experts:
+            _problem(
+                "lora.use_dora: true cannot be combined with lora.target_experts: true (PEFT has no DoRA for the "
+                "routed experts' fused parameters); set one of them false"
+            )
+        if lo.use_dora and self.model.frozen_dtype == "float8_e4m3fn":
+            _problem(DORA_ON_FP8)
+        if lo.modules_to_save is not None and not lo.modules_to_save:
+            _problem("lora.modules_to_save is empty: name modules (e.g. [lm_head]) or leave it null")
+        if lo.modules_to_save and self.parallel.expert_parallel != 1:
+            _problem(
+                f"lora.modules_to_save {lo.modules_to_save} cannot be combined with parallel.expert_parallel "
+                f"{self.parallel.expert_parallel}: the expert-parallel adapter gathering handles LoRA factors only; "
+                "set parallel.expert_parallel: 1 or remove lora.modules_to_save"
+            )
 
     def check_dpo(self) -> None:
         """The `dpo` section's ranges, and the data settings preference pairs cannot use."""
@@ -636,24 +754,24 @@ class Config:
         _one_of("dpo.loss_type", p.loss_type, DPO_LOSSES)
         _one_of("dpo.reference", p.reference, DPO_REFERENCES)
         if not 0 <= p.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
+            _problem(f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
         if p.label_smoothing and p.loss_type == "ipo":
-            raise ConfigError("dpo.label_smoothing applies to loss_type sigmoid or robust, not ipo; set it to 0")
+            _problem("dpo.label_smoothing applies to loss_type sigmoid or robust, not ipo; set it to 0")
         if p.max_prompt_length is not None:
             _at_least("dpo.max_prompt_length", p.max_prompt_length, 1)
         if self.train.objective != "dpo":
             return
         if d.packing:
-            raise ConfigError("data.packing: true cannot hold preference pairs (train.objective: dpo); set it false")
+            _problem("data.packing: true cannot hold preference pairs (train.objective: dpo); set it false")
         if d.format not in ("auto", "preference"):
-            raise ConfigError(f"train.objective: dpo trains on preference records; data.format is {d.format}")
+            _problem(f"train.objective: dpo trains on preference records; data.format is {d.format}")
         if d.prompt_template is not None:
-            raise ConfigError("data.prompt_template is for SFT records; preference records carry their own prompt")
+            _problem("data.prompt_template is for SFT records; preference records carry their own prompt")
 
     def check_cpu_precision(self) -> None:
         """gloo cannot all-gather bf16/fp16 (the process aborts), so CPU training computes in fp32."""
         if self.fsdp.param_dtype not in ("auto", "float32") or self.fsdp.reduce_dtype != "float32":
-            raise ConfigError(
+            _problem(
                 "fsdp.param_dtype/reduce_dtype must be float32 (or auto) when training on CPU: "
                 "the gloo backend cannot gather bf16/fp16 tensors"
             )
@@ -663,26 +781,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """Read a YAML file (None = all defaults) and apply `section.key=value` overrides on top. `env:NAME` reads
     the YAML from an environment variable: how a RayJob carries the config inline (`k8s.config_delivery`)."""
     raw: dict[str, Any] = {}
+    where: dict[str, str] = {}
     source = "defaults"
     if path is not None:
         source = str(path)
-        try:
-            if source.startswith("env:"):
-                if source[4:] not in os.environ:
-                    raise ConfigError(f"--config {source}: environment variable {source[4:]} is not set")
-                text = os.environ[source[4:]]
-            else:
-                text = Path(path).read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        try:
-            raw = yaml.load(text, Loader=UniqueKeyLoader)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raw, where = read_yaml(path)
         if raw is None:
             raise ConfigError(
                 f"{path}: the file is empty (no sections); write the sections to change "
@@ -690,13 +793,69 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             )
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
+        _refuse_accelerate(raw, source)
     for item in overrides:
-        section, key, value = _parse_override(item)
-        values = raw.setdefault(section, {})
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section '{section}' must be a mapping")
-        values[key] = value
-    return Config.from_dict(raw, source)
+        keys, value = parse_override(item)
+        set_nested(raw, keys, value, source)
+        where[".".join(keys)] = "--override"
+    return Config.from_dict(raw, source, where)
+
+
+ACCELERATE_KEYS = ("compute_environment", "distributed_type", "fsdp_config", "num_processes", "mixed_precision")
+
+
+def _refuse_accelerate(raw: dict[str, Any], source: str) -> None:
+    """An accelerate launch config passed as a rayft config: name the command that converts it."""
+    found = [k for k in ACCELERATE_KEYS if k in raw]
+    if found:
+        raise ConfigError(
+            f"{source}: this is an accelerate config ({', '.join(found)}), not a rayft one; convert it with "
+            f"`rayft config from-accelerate {source} [--trl sft.yaml] --out rayft.yaml` and pass --config rayft.yaml"
+        )
+
+
+def _read_text(path: str | Path) -> str:
+    source = str(path)
+    try:
+        if source.startswith("env:"):
+            if source[4:] not in os.environ:
+                raise ConfigError(f"--config {source}: environment variable {source[4:]} is not set")
+            return os.environ[source[4:]]
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def read_yaml(path: str | Path) -> tuple[Any, dict[str, str]]:
+    """A YAML file's data, and where each of its keys is written (dotted key → `path:line`), for messages."""
+    loader = UniqueKeyLoader(_read_text(path))
+    loader.name = str(path)  # PyYAML's own messages then say `in "<path>"`, not `in "<unicode string>"`
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        line = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
+        raise ConfigError(f"{path}{line}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+    return data, _key_lines(node, str(path))
+
+
+def _key_lines(node: yaml.Node | None, path: str, prefix: str = "") -> dict[str, str]:
+    lines: dict[str, str] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = f"{prefix}{key_node.value}"
+                lines[key] = f"{path}:{key_node.start_mark.line + 1}"
+                lines.update(_key_lines(value_node, path, f"{key}."))
+    return lines
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -721,32 +880,55 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _parse_override(item: str) -> tuple[str, str, Any]:
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`section.key[.subkey...]=value` → the key path and the value parsed as YAML."""
     dotted, sep, text = item.partition("=")
-    section, dot, key = dotted.strip().partition(".")
-    if not sep or not dot or not section or not key:
+    keys = dotted.strip().split(".")
+    if not sep or len(keys) < 2 or not all(keys):
         raise ConfigError(f"--override '{item}': expected section.key=value, e.g. train.learning_rate=2e-4")
-    if section not in SECTIONS:
-        raise ConfigError(f"--override '{item}': unknown section '{section}'{_suggest(section, SECTIONS)}")
+    if keys[0] not in SECTIONS:
+        raise ConfigError(f"--override '{item}': unknown section '{keys[0]}'{_suggest(keys[0], SECTIONS)}")
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"--override '{item}': value is not valid YAML: {e}") from None
-    return section, key, value
+    return keys, value
 
 
-def _build_section(name: str, section_type: type, values: Any, source: str) -> Any:
+def set_nested(raw: dict[str, Any], keys: list[str], value: Any, source: str) -> None:
+    """raw[k0][k1]...[kn] = value, making the mappings on the way (`ray.resources_per_worker.GPU=1`)."""
+    node = raw
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"{source}: {'section' if depth == 0 else 'key'} '{'.'.join(keys[: depth + 1])}' must be a mapping "
+                f"to override '{'.'.join(keys)}' (it is {child!r})"
+            )
+        node = child
+    node[keys[-1]] = value
+
+
+def _build_section(name: str, section_type: type, values: Any) -> Any:
+    """The section's dataclass; keys that are unknown or of the wrong type are reported and left at default."""
     if values is None:
         return section_type()
     if not isinstance(values, dict):
-        raise ConfigError(f"{source}: section '{name}' must be a mapping of keys, got {values!r}")
+        _problem(f"section '{name}' must be a mapping of keys, got {values!r}", key=name)
+        return section_type()
     hints = typing.get_type_hints(section_type)
     known = {f.name for f in dataclasses.fields(section_type)}
     kwargs = {}
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(f"{source}: unknown key '{name}.{key}'{_suggest(str(key), known)}")
-        kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+            _problem(f"unknown key '{name}.{key}'{_suggest(str(key), known)}", key=f"{name}.{key}")
+            continue
+        try:
+            kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+        except ConfigError as e:
+            _problem(str(e), key=f"{name}.{key}")
     return section_type(**kwargs)
 
 
@@ -821,18 +1003,33 @@ def _suggest(word: str, choices: Any) -> str:
     return f"; valid: {', '.join(sorted(choices))}"
 
 
-def _positive(key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
+def check_optim(name: str) -> bool:
+    """`train.optim`: one of OPTIMIZERS; a bitsandbytes name gets why not, and what to use instead."""
+    if name in BNB_OPTIMIZERS:
+        import importlib.util
+
+        absent = " (and bitsandbytes is not installed)" if importlib.util.find_spec("bitsandbytes") is None else ""
+        return _problem(
+            f"train.optim: {name} is a bitsandbytes optimizer{absent}, which rayft does not run: its quantised "
+            "states are not built for FSDP2's sharded parameters, and LoRA's optimizer state is small anyway; "
+            f"choose one of {', '.join(OPTIMIZERS)}"
+        )
+    return _one_of("train.optim", name, OPTIMIZERS)
 
 
-def _at_least(key: str, value: float, low: float, hint: str = "") -> None:
-    if value < low:
-        raise ConfigError(f"{key} must be >= {low}, got {value}{hint}")
+def _positive(key: str, value: float) -> bool:
+    """True when value > 0; else the problem is recorded (or raised outside `Problems`)."""
+    return value > 0 or _problem(f"{key} must be > 0, got {value}")
 
 
-def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{key}: unknown value '{value}'{hint}; choose one of {', '.join(choices)}")
+def _at_least(key: str, value: float, low: float, hint: str = "") -> bool:
+    """True when value >= low; else the problem is recorded, so checks that divide by it can skip themselves."""
+    return value >= low or _problem(f"{key} must be >= {low}, got {value}{hint}")
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> bool:
+    if value in choices:
+        return True
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return _problem(f"{key}: unknown value '{value}'{hint}; choose one of {', '.join(choices)}")

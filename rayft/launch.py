@@ -55,8 +55,9 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     profile = profile or Profile()
     cfg = _with_absolute_paths(cfg)
     checked = preflight(cfg, profile)
-    if checked.lora.warning:
-        log.warning(checked.lora.warning)
+    for warning in (checked.lora.warning, *checked.warnings):
+        if warning:
+            log.warning("%s", warning)
     run = RunDir(cfg.run_uri)
     resume_from, run_id = _resume_source(cfg, run)
     with profile.stage("ray_start"):

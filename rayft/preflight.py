@@ -9,6 +9,7 @@ creating something.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -21,9 +22,10 @@ from torch import nn
 from rayft.config import Config, ConfigError, DataConfig, is_uri
 from rayft.data.files import DecodeBudget
 from rayft.data.records import RecordFormat, record_fields, record_format
-from rayft.data.sources import SplitSource, resolve_splits
+from rayft.data.sources import SplitSource, check_link, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
 from rayft.hub import resolve_names
+from rayft.limits import check_max_length, local_placement_problem, lora_rank_warning
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
 from rayft.parallel.backend import prefix_matched_hca
@@ -32,6 +34,7 @@ from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
 
 log = logging.getLogger(__name__)
+CHAT_SAMPLE = 64  # records of each split encoded by `rayft validate` (about a second with a chat template)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Preflight:
     tokenizer: TokenizerFacts
     lora: LoraTargets
     structure: Structure  # parameter counts, for the memory plan
+    warnings: list[str]  # settings that run but are likely a mistake (validate prints them)
 
     @property
     def trainable_params(self) -> int:
@@ -61,9 +65,6 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     with timed("preflight_model"):  # hub names become cache snapshots here, once: the workers are handed paths
         resolve_names(cfg)
     model_dir = Path(cfg.model.model_name_or_path).expanduser()
-    hca = prefix_matched_hca(cfg.nccl)
-    if hca:
-        log.warning("%s", hca)
     with timed("preflight_model"):  # the files first: a missing model is the most common mistake
         _check_model_dir(model_dir)
         check_safetensors_dir(model_dir)
@@ -78,7 +79,10 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         _check_resume_source(cfg.train.resume_from_checkpoint)
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
+        from rayft.model.build import check_fp8_storage
+
         model, targets = _weightless_model(cfg)
+        check_fp8_storage(cfg, model)
         counts = structure(model, model.config)  # walked once: the planner's `auto` and the memory plan read it
         if cfg.parallel.expert_parallel == "auto":
             from rayft.model.build import frozen_fp8
@@ -88,7 +92,19 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
-    return Preflight(train, validation, records, tokenizer, targets, counts)
+        check_max_length(cfg, model.config.get_text_config())
+        said = (lora_rank_warning(cfg, model), _local_placement(cfg), prefix_matched_hca(cfg.nccl))
+        warnings = [w for w in said if w]
+    return Preflight(train, validation, records, tokenizer, targets, counts, warnings)
+
+
+def _local_placement(cfg: Config) -> str | None:
+    """Refused for a CPU run (a config for this machine); a warning otherwise: a GPU config checked on a laptop is
+    usually meant for `ray job submit`, which gives it a cluster (RAY_ADDRESS) only then."""
+    problem = local_placement_problem(cfg)
+    if problem and cfg.ray.use_gpu is False:
+        raise ConfigError(problem)
+    return f"if run without a cluster: {problem}" if problem else None
 
 
 def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
@@ -130,9 +146,35 @@ def _check_data(cfg: Config, train: SplitSource, validation: SplitSource | None)
     check_objective(cfg, records, train.what)
     if validation is not None:
         record_format(d, validation.columns(wanted), validation.what)
+    if records.kind in ("messages", "prompt_completion"):
+        _check_chat_sample(cfg, records, [s for s in (train, validation) if s is not None])
     elif cfg.train.eval_strategy != "no":
         _check_hold_out(d, train)
     return records
+
+
+def _check_chat_sample(cfg: Config, records: RecordFormat, sources: list[SplitSource]) -> None:
+    """The first records of each split through the tokenizer's own chat encoding, as the job would encode them: a
+    role the template does not know, a last turn that is not the assistant's or an empty loss mask is answered
+    here, with the record, rather than counted as skipped after the cluster started."""
+    from rayft.data.chat import ChatRefused, chat_tokens
+    from rayft.data.records import chat_conversation
+    from rayft.data.tokenizer import load_tokenizer
+
+    tokenizer = None
+    for source in sources:
+        for where, index, record in source.sample(CHAT_SAMPLE):
+            conversation = chat_conversation(record, records)
+            if conversation is None:
+                continue
+            tokenizer = tokenizer or load_tokenizer(cfg.model)
+            try:
+                chat_tokens(conversation[0], tokenizer, conversation[1])
+            except ChatRefused as e:
+                raise ConfigError(
+                    f"{where}: record {index} ({records.kind} in {source.what}): {e}; fix or drop the record, or "
+                    f"point model.tokenizer_name_or_path at a tokenizer whose chat format fits"
+                ) from None
 
 
 def check_objective(cfg: Config, records: RecordFormat, what: str) -> None:
@@ -162,6 +204,7 @@ def _check_hold_out(d: DataConfig, train: SplitSource) -> None:
 
 def _check_model_dir(path: Path) -> None:
     key = "model.model_name_or_path"
+    check_link(path, key)
     if not path.exists():
         raise ConfigError(
             f"{key}: {path} does not exist (a local model directory is expected; download hub models to the "
@@ -180,10 +223,30 @@ def _check_tokenizer(cfg: Config) -> TokenizerFacts:
             f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
             "set model.tokenizer_name_or_path to the directory that has one"
         )
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json"):
+        check_json_file(path / name)
     try:
         return tokenizer_facts(cfg.model)
     except Exception as e:
-        raise ConfigError(f"model.tokenizer_name_or_path: the tokenizer in {path} does not load: {e}") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.tokenizer_name_or_path: the tokenizer in {path} does not load ({type(e).__name__}: {first}); "
+            "copy its tokenizer files again from the model's source"
+        ) from None
+
+
+def check_json_file(path: Path) -> None:
+    """A JSON file of the tokenizer that does not parse (cut short by a copy, most often), named, with the fix:
+    the loaders' own message is the parser's, without the file."""
+    if path.suffix != ".json" or not path.is_file():
+        return
+    try:
+        json.loads(path.read_bytes())
+    except ValueError as e:
+        raise ConfigError(
+            f"{path}: not valid JSON ({e}; {path.stat().st_size:,} bytes): cut short or damaged; copy it again from "
+            "the model's source"
+        ) from None
 
 
 def _check_trackers(trackers: list[str]) -> None:

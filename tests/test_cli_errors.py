@@ -43,7 +43,8 @@ CASES = {
     "missing model path": (["model.model_name_or_path=/nonexistent/model"], "/nonexistent/model does not exist"),
     "missing dataset path": (["data.dataset_name_or_path=/nonexistent/data"], "/nonexistent/data does not exist"),
     "LoRA targets match nothing": (["lora.target_modules=[q_a_proj]"], "its linear layers are"),
-    "unknown tracker": (["train.report_to=wandb"], "train.report_to: unknown value 'wandb'"),
+    "unknown tracker": (["train.report_to=comet"], "train.report_to: unknown value 'comet'"),
+    "8-bit optimizer": (["train.optim=adamw_8bit"], "train.optim: adamw_8bit is a bitsandbytes optimizer"),
     # mlflow is not in the dev/CI environment (constraints.txt): the error a user without it would see
     "tracker library missing": (["train.report_to=mlflow"], "train.report_to: mlflow needs the mlflow package"),
     "resume from a missing checkpoint": (
@@ -82,10 +83,22 @@ def test_the_entrypoints_as_processes_exit_2_with_the_message_only(entrypoint, g
 
 
 def test_a_good_config_validates(good_config, capsys):
+    """The tiny config trains on CPU workers (ray.use_gpu: false): its memory plan is host memory, no GPU verdict."""
     result = _validate(capsys, good_config)
     assert result.rc == 0, result.err
     assert "config ok" in result.out and "LoRA modules: 15" in result.out
+    assert re.search(r"memory plan: [\d.]+ GiB of host memory per CPU worker on 2 workers", result.out), result.out
+    assert "fits" not in result.out and "GPU on" not in result.out
+    result = _validate(capsys, good_config, "ray.use_gpu=true", "fsdp.param_dtype=auto")
+    assert result.rc == 0, result.err
     assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.out), result.out
+
+
+@pytest.mark.parametrize("flag", [["--num-nodes", "2", "0"], ["--gpus-per-node", "0"]], ids=["nodes", "gpus"])
+def test_plan_refuses_zero_nodes_or_gpus(flag, capsys):
+    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", *flag)
+    assert result.rc == 2, result.err[-3000:]
+    assert f"{flag[0]} must be >= 1" in result.err and "Traceback" not in result.err
 
 
 def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tmp_path, capsys):
@@ -141,3 +154,13 @@ def test_eval_with_base_refuses_what_it_cannot_compare(overrides, extra, needle,
     result = run_cli(capsys, "eval", "--config", str(good_config), "--with-base", *extra, *_overrides(overrides))
     assert result.rc == 2, result.err[-3000:]
     assert needle in result.err and "Traceback" not in result.err
+
+
+def test_plan_of_a_cpu_config_says_it_plans_gpus(capsys):
+    """`rayft plan` sizes GPU clusters: for a config that trains on CPU workers it says so before its GPU verdicts."""
+    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts", "--override", "ray.use_gpu=false",
+                     "--override", "fsdp.param_dtype=auto")  # fmt: skip
+    assert result.rc == 0, result.err[-3000:]
+    assert result.out.startswith("rayft plan: the config trains on CPU workers (ray.use_gpu: false)"), result.out
+    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts")
+    assert result.rc == 0 and "CPU workers" not in result.out

@@ -71,7 +71,7 @@ def test_split_directories_globs_and_saved_datasets_resolve(tmp_path):
 
 
 def test_bad_sources_name_the_path_split_or_field(fixtures: Fixtures, tmp_path):
-    with pytest.raises(ConfigError, match="no 'training' split"):
+    with pytest.raises(ConfigError, match=r"data\.train_split: no split 'training' in .* \(it has test, train, valid"):
         resolve_splits(DataConfig(dataset_name_or_path=str(fixtures.dataset), train_split="training"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "train.jsonl").write_text("")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -576,3 +577,129 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys
 
     check_encoding(path)  # no error
     assert json_fields([path], ["text"]) == ["text"]
+
+
+# --- chat records against the tokenizer, and split names -----------------------------------------------------------
+
+
+def _chat_data(tmp: Path, conversations: list[list[dict]]) -> Path:
+    data = tmp / "chat"
+    data.mkdir(parents=True)
+    (data / "train.jsonl").write_text("\n".join(json.dumps({"messages": c}) for c in conversations) + "\n")
+    (data / "validation.jsonl").write_text(json.dumps({"messages": conversations[0]}) + "\n")
+    return data
+
+
+@pytest.mark.parametrize("tokenizer", ["tekken", "smollm2"])
+def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(tokenizer, fixtures, base, tmp_path,
+                                                                             capsys, request):  # fmt: skip
+    """On main `validate` said "config ok" to all of these: SmolLM2's template renders any role (a `narrator` was
+    trained on), and the job found out about the rest only after the cluster started."""
+    from test_chat import CONVERSATION, tekken_model
+
+    model = tekken_model(fixtures, tmp_path / "tekken") if tokenizer == "tekken" else request.getfixturevalue(tokenizer)
+    narrator = [CONVERSATION[1], {"role": "narrator", "content": "They wait."}, CONVERSATION[2]]
+    cases = {
+        "narrator": (narrator, r"record 2 .*role\(s\) narrator unknown to the chat template \(it knows system, user, "
+                               r"assistant, tool\); fix or drop the record"),
+        "user last": (CONVERSATION[:4], r"record 2 .*the last turn is 'user', not 'assistant': nothing to learn"),
+    }  # fmt: skip
+    for i, (conversation, pattern) in enumerate(cases.values()):
+        data = _chat_data(tmp_path / str(i), [CONVERSATION, CONVERSATION, conversation])
+        config = _config(tmp_path, base, model={"model_name_or_path": str(model)},
+                         data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
+        result = run_cli(capsys, "validate", "--config", str(config))
+        assert_refused(result, pattern)
+        assert f"{data / 'train.jsonl'}: record 2" in result.err
+    data = _chat_data(tmp_path / "good", [CONVERSATION, CONVERSATION])
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model)},
+                     data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert "records: messages, loss on completions only" in result.out
+
+
+def _split_layouts(tmp: Path) -> dict[str, tuple[dict, str]]:
+    flat = tmp / "flat"
+    flat.mkdir()
+    for split in ("train", "validation"):
+        (flat / f"{split}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in LINES) + "\n")
+    broken = tmp / "broken"
+    broken.mkdir()
+    shutil.copy(flat / "validation.jsonl", broken)
+    (broken / "train.jsonl").symlink_to(tmp / "gone" / "train.jsonl")
+    loop = tmp / "loop"
+    loop.symlink_to(loop)
+    return {
+        "misspelled train split": ({"dataset_name_or_path": str(flat), "train_split": "trian"},
+                                   r"data\.train_split: no split 'trian' in .*flat \(it has train, validation\)"),
+        "broken train symlink": ({"dataset_name_or_path": str(broken)},
+                                 r"train\.jsonl is a symbolic link to .*gone/train\.jsonl, which does not exist"),
+        "symlink loop": ({"dataset_name_or_path": str(loop)}, r"loop is a symbolic link loop"),
+    }  # fmt: skip
+
+
+def test_split_names_and_unreadable_split_files_are_refused_on_a_flat_folder(base, tmp_path, capsys):
+    """On main the first two fell back to every file in the folder, validation records included, and the loop
+    was reported as "does not exist"."""
+    for data, pattern in _split_layouts(tmp_path).values():
+        config = _config(tmp_path, base, data={"dataset_config_name": None, **data})
+        assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+
+
+# --- settings against the model and the machine; messages that point the right way ---------------------------------
+
+
+def _truncated_tokenizer(fx: Fixtures, tmp: Path) -> tuple[dict, str]:
+    model = variant(fx.model, tmp / "m", copy=("tokenizer.json",))
+    truncate(model / "tokenizer.json")
+    return ({"model_name_or_path": str(model)},
+            r"m/tokenizer\.json: not valid JSON \(.*\): cut short or damaged; copy it again")  # fmt: skip
+
+
+def _model_link_loop(fx: Fixtures, tmp: Path) -> tuple[dict, str]:
+    (tmp / "loop").symlink_to(tmp / "loop")
+    return {"model_name_or_path": str(tmp / "loop")}, r"model\.model_name_or_path: .*loop is a symbolic link loop"
+
+
+LIMIT_CASES = {
+    "max_length over max_position_embeddings": (
+        lambda fx, tmp: ({}, {"max_length": 4096}, {}),
+        r"data\.max_length: 4,096 is over the model's max_position_embeddings 2,048 \(.*config\.json\) and no rope "
+        r"scaling there covers it; set data\.max_length to 2,048 or less",
+    ),
+    "local Ray too small for the workers": (
+        lambda fx, tmp: ({}, {}, {"num_workers": 4, "resources_per_worker": {"CPU": 3}}),
+        r"ray\.num_workers: the local Ray cluster this run would start .* cannot place 4 workers × \{CPU 3\} .* "
+        r"offers CPU 8, .*\(its CPUs: ray\.local_num_cpus 8\)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["truncated tokenizer.json", "model dir symlink loop", *LIMIT_CASES])
+def test_model_limits_and_unreadable_files_are_refused_naming_the_key_or_file(case, fixtures, base, tmp_path,
+                                                                              capsys):  # fmt: skip
+    """On main: the first said the parser's text without the file, the second "does not exist", and the others
+    passed `validate` (the local Ray was refused only after it started)."""
+    if case in LIMIT_CASES:
+        build, pattern = LIMIT_CASES[case]
+        model, data, ray_keys = build(fixtures, tmp_path)
+    else:
+        model, pattern = (_truncated_tokenizer if case.startswith("truncated") else _model_link_loop)(
+            fixtures, tmp_path
+        )
+        data, ray_keys = {}, {}
+    config = _config(tmp_path, base, model=model, data=data, ray=ray_keys)
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+
+
+def test_rope_scaling_covers_a_longer_max_length_and_a_large_lora_rank_is_warned(fixtures, base, tmp_path, capsys):
+    model = variant(fixtures.model, tmp_path / "m", copy=("config.json",))
+    edit_json(model / "config.json",
+              lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 2048}))  # fmt: skip
+    config = _config(tmp_path, base, model={"model_name_or_path": str(model)}, data={"max_length": 4096},
+                     lora={"r": 128})  # fmt: skip
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert re.search(r"warning: lora\.r 128 is larger than the smaller side of .*k_proj \(32\)", result.err), result.err

@@ -32,6 +32,7 @@ from rayft.data.preference import PAIR_COLUMNS, PairLimits, PreferenceCollate, P
 from rayft.data.records import (
     SKIPS,
     RecordFormat,
+    Segments,
     join_wikitext_articles,
     record_fields,
     record_format,
@@ -440,7 +441,7 @@ class Tokenize(RecordEncoder):
         self.overlong = overlong
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        examples: list[tuple[list[tuple[str, bool]], bool, int]] = []  # (segments, add specials, records)
+        examples: list[tuple[Segments, bool, int]] = []  # (segments, add specials, records)
         skipped: list[str] = []
         for record, why in self._records(batch):
             found, specials, reason = segments(record, self.fmt, self.chat_tokenizer) if record else (None, False, why)
@@ -454,14 +455,14 @@ class Tokenize(RecordEncoder):
         return self._encode(examples, skipped)
 
     def _encode(self, examples, skipped: list[str]) -> pa.Table:
-        texts = [text for found, _, _ in examples for text, _ in found]
+        texts = [text for found, _, _ in examples for text, _ in found if isinstance(text, str)]
         encoded = iter(self.encode(texts)) if texts else iter(())
         ids_out, masks_out, skip_out, truncated_out, records_out = [], [], [], [], []
         for found, specials, records in examples:
             ids = list(self.bos) if specials else []
             mask = [0 if self.fmt.completion_only else 1] * len(ids)
-            for _, trained in found:
-                piece = next(encoded)
+            for text, trained in found:
+                piece = next(encoded) if isinstance(text, str) else text
                 ids += piece
                 mask += [1 if trained or not self.fmt.completion_only else 0] * len(piece)
             if specials:

@@ -4,14 +4,15 @@ A row holds both full sequences (prompt + chosen, prompt + rejected) and the pro
 split: it is shuffled, sharded and batched as one unit, and the collate puts the chosen rows of a micro-batch first
 and the rejected ones after them, for one forward over both. Formats are TRL's: `prompt`/`chosen`/`rejected` as
 strings or message lists (explicit prompt), or `chosen`/`rejected` alone holding the whole text or conversation
-(implicit prompt: their common prefix, as `trl.extract_prompt` finds it). Conversations are rendered with the
-tokenizer's chat template. A record that cannot be a pair gets a skip reason (the SFT reasons), counted by the
-driver like any bad record. Pure Python + pyarrow, run inside Ray Data actors.
+(implicit prompt: their common prefix, as `trl.extract_prompt` finds it). Conversations are encoded by the
+tokenizer's own chat encoding (rayft/data/chat.py). A record that cannot be a pair gets a skip reason (the SFT
+reasons), counted by the driver like any bad record. Pure Python + pyarrow, run inside Ray Data actors.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +21,16 @@ import numpy as np
 import pyarrow as pa
 from ray.data.collate_fn import NumpyBatchCollateFn
 
+from rayft.data.chat import ChatRefused, chat_tokens
 from rayft.data.encoder import RecordEncoder
 from rayft.data.records import _is_chat
 
 IGNORE_INDEX = -100
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_length")
+
+
+# (prompt, chosen, rejected) as text, or for conversations the ids of prompt, prompt + chosen, prompt + rejected
+PairParts = tuple[str, str, str] | tuple[list[int], list[int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,10 @@ class PairLimits:
     overlong: str = "truncate"
 
 
-def pair_texts(record: dict[str, Any], chat_tokenizer: Callable[[], Any]) -> tuple[tuple[str, str, str] | None, str]:
-    """(prompt, chosen, rejected) as text, rendered with the chat template where conversational; or None and why."""
-    from trl.data_utils import apply_chat_template, extract_prompt
+def pair_texts(record: dict[str, Any], chat_tokenizer: Callable[[], Any]) -> tuple[PairParts | None, str]:
+    """(prompt, chosen, rejected) as text; for conversations the ids of prompt, prompt + chosen and prompt + rejected
+    from the tokenizer's own chat encoding (rayft/data/chat.py); or None and why."""
+    from trl.data_utils import extract_prompt
 
     chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
     if chosen is None or rejected is None:
@@ -71,10 +78,19 @@ def pair_texts(record: dict[str, Any], chat_tokenizer: Callable[[], Any]) -> tup
     if not all(_has_content(p) for p in parts[1:]):
         return None, "empty"
     try:
-        rendered = apply_chat_template(example, chat_tokenizer())
-    except Exception:  # no template, or one that rejects these roles
+        tokenizer = chat_tokenizer()
+        chosen_ids, rejected_ids = (
+            chat_tokens([*example["prompt"], *side], tokenizer, first_trained=len(example["prompt"]))
+            for side in (example["chosen"], example["rejected"])
+        )
+    except ChatRefused:
         return None, "chat_template"
-    return (rendered["prompt"], rendered["chosen"], rendered["rejected"]), ""
+    prompt_ids = [t for ids, _ in itertools.takewhile(lambda run: not run[1], chosen_ids) for t in ids]
+    return (prompt_ids, _joined(chosen_ids), _joined(rejected_ids)), ""
+
+
+def _joined(runs: list[tuple[list[int], bool]]) -> list[int]:
+    return [t for ids, _ in runs for t in ids]
 
 
 def _has_content(messages: list[dict[str, Any]]) -> bool:
@@ -93,7 +109,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def tokenize_pair(ids: tuple[list[int], list[int], list[int]], bos: list[int], eos: list[int]) -> Pair | None:
     """From the ids of prompt, prompt + chosen and prompt + rejected (each encoded whole, as TRL does, so tokens
     that merge across the boundary stay merged): the completion starts where both diverge from the prompt. `bos`
-    and `eos` are added for plain text (empty lists for chat-rendered text, which carries its own). None when a
+    and `eos` are added for plain text (empty lists for chat ids, which carry their own). None when a
     completion has no tokens."""
     prompt, with_chosen, with_rejected = ids
     n = min(common_prefix(prompt, with_chosen), common_prefix(prompt, with_rejected))
@@ -145,7 +161,7 @@ class PreferenceTokenize(RecordEncoder):
         self.limits = PairLimits(**limits)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        texts: list[tuple[str, str, str] | None] = []
+        texts: list[PairParts | None] = []
         reasons: list[str] = []
         chat: list[bool] = []
         for record, why in self._records(batch):
@@ -153,14 +169,14 @@ class PreferenceTokenize(RecordEncoder):
             texts.append(found)
             reasons.append(reason)
             chat.append(bool(record) and not isinstance(record.get("chosen"), str))
-        flat = [t for found in texts if found for t in (found[0], found[0] + found[1], found[0] + found[2])]
+        flat = [t for f in texts if f and isinstance(f[0], str) for t in (f[0], f[0] + f[1], f[0] + f[2])]
         encoded = iter(self.encode(flat)) if flat else iter(())
         rows = []
         for found, reason, is_chat in zip(texts, reasons, chat, strict=True):
             if found is None:
                 rows.append((None, reason, False))
                 continue
-            ids = (next(encoded), next(encoded), next(encoded))
+            ids = (next(encoded), next(encoded), next(encoded)) if isinstance(found[0], str) else found
             specials = ([], []) if is_chat else (self.bos, self.eos)
             pair = tokenize_pair(ids, *specials)
             rows.append(fit(pair, self.limits) if pair is not None else (None, "empty", False))

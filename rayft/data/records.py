@@ -1,7 +1,8 @@
 """From raw records to examples: which text a record holds and which of its tokens carry the loss.
 
 An example is a list of segments `(text, trained)`: plain text is one trained segment; a prompt/completion record
-is an untrained prompt then a trained completion; a chat alternates between the two. A record that cannot be an
+is an untrained prompt then a trained completion; a chat alternates between the two, as token ids from the
+tokenizer's own chat encoding (rayft/data/chat.py). A record that cannot be an
 example gets a skip reason instead, so the driver can count and report it: one bad line must never stop a run.
 Pure Python, run inside Ray Data tasks.
 """
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayft.config import ConfigError, DataConfig, template_fields
+from rayft.data.chat import ChatRefused, chat_tokens
 
 # Why a record was skipped, in the order the driver reports them.
 SKIPS = ("empty", "missing_field", "not_text", "not_utf8", "bad_json", "chat_template", "too_long", "no_completion")
-Segments = list[tuple[str, bool]]
+# A segment is text to encode, or ids the tokenizer's own chat encoding already gave.
+Segments = list[tuple[str | list[int], bool]]
 # Fields every preference record has (the prompt may be implicit: the common start of both).
 PREFERENCE_FIELDS = ("chosen", "rejected")
 # A top-level wikitext heading (" = Title = "), which starts an article; " = = Section = = " does not.
@@ -114,18 +117,36 @@ def decode_line(raw: bytes, file_format: str) -> tuple[dict[str, Any] | None, st
 def segments(
     record: dict[str, Any], fmt: RecordFormat, chat_tokenizer: Callable[[], Any]
 ) -> tuple[Segments | None, bool, str]:
-    """(segments, needs bos/eos added, skip reason). Chat-rendered text carries its own special tokens.
-    `chat_tokenizer()` gives the transformers tokenizer, asked for only when a record needs its chat template."""
+    """(segments, needs bos/eos added, skip reason). A chat's ids carry their own special tokens.
+    `chat_tokenizer()` gives the transformers tokenizer, asked for only when a record needs its chat format."""
     if fmt.kind == "text":
         text, reason = _text(record, fmt.text_field)
         return ([(text, True)] if text is not None else None), True, reason
+    conversation = chat_conversation(record, fmt)
+    if conversation is not None:
+        try:
+            messages, first_trained = conversation
+            return list(chat_tokens(messages, chat_tokenizer(), first_trained)), False, ""
+        except ChatRefused:
+            return None, False, "chat_template"
+    if fmt.kind == "messages":
+        return None, False, "missing_field" if record.get(fmt.messages_field) is None else "not_text"
+    return _prompt_completion(record, fmt)
+
+
+def chat_conversation(record: Any, fmt: RecordFormat) -> tuple[list[dict[str, Any]], int] | None:
+    """(conversation, index of its first trained message) of a chat record: a messages list, or a prompt and a
+    completion that are both message lists (only the completion's assistant turns train); None otherwise."""
+    if not isinstance(record, dict):
+        return None
     if fmt.kind == "messages":
         messages = record.get(fmt.messages_field)
-        if not _is_chat(messages):
-            return None, False, "missing_field" if messages is None else "not_text"
-        found = chat_segments(messages, chat_tokenizer())
-        return found, False, "" if found else "chat_template"
-    return _prompt_completion(record, fmt, chat_tokenizer)
+        return (messages, 0) if _is_chat(messages) else None
+    if fmt.kind == "prompt_completion" and fmt.prompt_template is None:
+        prompt, completion = record.get("prompt"), record.get(fmt.completion_field)
+        if _is_chat(prompt) and _is_chat(completion):
+            return [*prompt, *completion], len(prompt)
+    return None
 
 
 def _text(record: dict[str, Any], name: str) -> tuple[str | None, str]:
@@ -144,9 +165,7 @@ def _text(record: dict[str, Any], name: str) -> tuple[str | None, str]:
     return value, ""
 
 
-def _prompt_completion(
-    record: dict[str, Any], fmt: RecordFormat, chat_tokenizer: Callable[[], Any]
-) -> tuple[Segments | None, bool, str]:
+def _prompt_completion(record: dict[str, Any], fmt: RecordFormat) -> tuple[Segments | None, bool, str]:
     completion = record.get(fmt.completion_field)
     if fmt.prompt_template is not None:
         try:
@@ -155,15 +174,6 @@ def _prompt_completion(
             return None, True, "missing_field"
     else:
         prompt = record.get("prompt")
-    if _is_chat(prompt) and _is_chat(completion):
-        from trl.data_utils import apply_chat_template
-
-        tokenizer = chat_tokenizer()
-        try:
-            rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer)
-        except Exception:  # no template, or one that rejects these roles
-            return None, False, "chat_template"
-        return [(rendered["prompt"], False), (rendered["completion"], True)], False, ""
     if prompt is None or completion is None:
         return None, True, "missing_field"
     if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -175,45 +185,6 @@ def _prompt_completion(
 
 def _is_chat(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-def chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> Segments | None:
-    """Render a conversation with the tokenizer's chat template and mark the assistant turns as trained.
-
-    Renders growing prefixes: turn i's prompt is the conversation up to it with the generation prompt, its
-    completion is what rendering turn i adds beyond that. Templates whose earlier output changes when turns are
-    added (some move the system prompt into the last user turn) fall back to training on the last assistant turn
-    only. None when the template cannot render the conversation.
-    """
-    try:
-        whole = _render(tokenizer, messages, generation_prompt=False)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not turns:
-            return None
-        found = _incremental(tokenizer, messages, turns, whole)
-        if found is None:
-            found = _incremental(tokenizer, messages, turns[-1:], whole)
-    except Exception:  # no template, or one that rejects these roles
-        return None
-    return found
-
-
-def _incremental(tokenizer: Any, messages: list[dict[str, Any]], turns: list[int], whole: str) -> Segments | None:
-    out: Segments = []
-    done = ""
-    for i in turns:
-        prompt = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
-        full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not (prompt.startswith(done) and full.startswith(prompt) and whole.startswith(full)):
-            return None
-        out += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
-        done = full
-    out.append((whole[len(done) :], False))
-    return [(text, trained) for text, trained in out if text]
-
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def join_wikitext_articles(texts: list[str]) -> list[tuple[str, int]]:

@@ -10,8 +10,10 @@ what to change.
 from __future__ import annotations
 
 import codecs
+import errno
 import glob
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,8 +30,11 @@ from rayft.data.files import (
     line_count,
     parquet_columns,
 )
+from rayft.data.records import decode_line
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+# Names that make a file a split's: a folder holding any is never read whole as the training split.
+SPLIT_WORDS = ("train", "training", "validation", "valid", "val", "dev", "eval", "test")
 GLOB_CHARS = re.compile(r"[*?[]")
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -72,6 +77,18 @@ class SplitSource:
             elif self.format in ("text", "json"):
                 check_encoding(path)
 
+    def sample(self, n: int) -> list[tuple[str, int, Any]]:
+        """The first `n` records as (file, index in that file, record or None where the line is not a JSON
+        object): what `rayft validate` checks against the tokenizer, cheaply, before any cluster resource."""
+        if self.format == "hf":
+            return [(self.what, i, r) for i, r in enumerate(self.dataset.select(range(min(n, len(self.dataset)))))]
+        out: list[tuple[str, int, Any]] = []
+        for path in self.paths:
+            out += [(path, i, r) for i, r in enumerate(_first_records(Path(path), self.format, n - len(out)))]
+            if len(out) >= n:
+                break
+        return out
+
     def rows(self) -> int:
         """Records before tokenization, as the reader yields them (what a hold-out split divides)."""
         if self.format == "hf":
@@ -93,6 +110,7 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
             raise ConfigError(f"data.dataset_name_or_path: the pattern {spec} matches no file")
         return _as_split(f"files matching {spec}", files), None
     root = Path(spec).expanduser()
+    check_link(root, "data.dataset_name_or_path")
     if not root.exists():
         if HUB_NAME.match(spec) and not spec.startswith((".", "/", "~")):
             return _hub_splits(data)
@@ -114,7 +132,16 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
                 _no_val_split(data, str(base), _split_names(base))
             return train_source, _as_split(f"split '{data.val_split}' in {base}", val) if val else None
 
-    loose = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in FORMATS)
+    named = sorted({n for b in _search_roots(root, data.dataset_config_name) for n in _split_names(b)}
+                   & {*SPLIT_WORDS, data.train_split, data.val_split})  # fmt: skip
+    if named:
+        raise ConfigError(
+            f"data.train_split: no split '{data.train_split}' in {root} (it has {', '.join(named)}); name one of "
+            "those (files of other splits are never read as training data)"
+        )
+    loose = sorted(p for p in root.iterdir() if p.suffix in FORMATS)
+    for path in loose:
+        check_link(path, str(root))
     if loose:
         return _as_split(str(root), loose), None
     looked = ", ".join(str(b) for b in _search_roots(root, data.dataset_config_name))
@@ -132,12 +159,36 @@ def _search_roots(root: Path, config_name: str | None) -> list[Path]:
 
 
 def _split_files(base: Path, split: str) -> list[Path]:
+    """`<split>.jsonl`, `<split>-*.parquet`, `<split>/*.txt`, ...: dangling links included, and refused, so that
+    an unreadable train file is an error rather than a split that seems absent."""
     found: list[Path] = []
-    for suffix in FORMATS:
-        found += base.glob(f"{split}-*{suffix}")
-        found += base.glob(f"{split}{suffix}")
-        found += base.glob(f"{split}/*{suffix}")
-    return sorted(set(found))
+    for entry in base.iterdir():
+        if entry.name == split and entry.is_dir():
+            found += [p for p in entry.iterdir() if p.suffix in FORMATS]
+        elif entry.suffix in FORMATS and (entry.stem == split or entry.name.startswith(f"{split}-")):
+            found.append(entry)
+    for path in found:
+        check_link(path, f"split '{split}'")
+    return sorted(found)
+
+
+def check_link(path: Path, what: str) -> None:
+    """A symbolic link that leads nowhere, named as what it is (not "does not exist")."""
+    if not path.is_symlink() or path.exists():
+        return
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 reports a loop so
+        problem = "a symbolic link loop"
+    except OSError as e:
+        problem = (
+            "a symbolic link loop"
+            if e.errno == errno.ELOOP
+            else f"a symbolic link to {os.readlink(path)}, which does not exist"
+        )
+    else:
+        return
+    raise ConfigError(f"{what}: {path} is {problem}; copy the file again or fix the link")
 
 
 def _as_split(what: str, paths: list[Path]) -> SplitSource:
@@ -210,6 +261,29 @@ def _split_names(base: Path) -> list[str]:
         elif path.suffix in FORMATS:
             names.add(path.stem.split("-")[0])
     return sorted(names)
+
+
+def _first_records(path: Path, file_format: str, n: int) -> list[Any]:
+    if file_format == "parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        return batch.to_pylist() if batch is not None else []
+    if file_format == "text":
+        return []  # plain text: nothing a tokenizer's chat format could refuse
+    with path.open("rb") as f:
+        starts_array = f.read(SNIFF_BYTES).lstrip().removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
+        f.seek(0)
+        if starts_array:
+            records = json.loads(f.read().removeprefix(codecs.BOM_UTF8))
+            return records[:n] if isinstance(records, list) else [records]
+        out = []
+        for line in f:
+            if len(out) >= n:
+                break
+            record, _ = decode_line(line.rstrip(b"\r\n").removeprefix(codecs.BOM_UTF8), "json")
+            out.append(record)
+        return out
 
 
 def _json_array_length(path: Path) -> int:

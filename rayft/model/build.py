@@ -20,9 +20,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from rayft.config import Config, ConfigError, FsdpConfig, ModelConfig
+from rayft.config import DORA_ON_FP8, Config, ConfigError, FsdpConfig, ModelConfig
 from rayft.model.fp8 import adopt_lora_, to_fp8_
-from rayft.model.lora import LoraTargets, apply_lora, wrap
+from rayft.model.lora import LoraTargets, apply_lora, modules_to_save, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import buffers_kept, load_sharded_, tie_weights_
 from rayft.parallel.alltoall import checkpoint_context
@@ -38,6 +38,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
     ep = _expert_parallel(cfg, model, on_gpu)
     fp8 = frozen_fp8(cfg.model)
+    check_fp8_storage(cfg, model, fp8)
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
         swapped = to_fp8_(decoder_layers(model), model.dtype)
         log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
@@ -111,6 +112,27 @@ def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bo
     if checkpoint_fp8 is None:
         checkpoint_fp8 = _checkpoint_quantization(model_cfg).get("quant_method") == "fp8"
     return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_fp8
+
+
+def check_fp8_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) -> None:
+    """What FP8 storage of the decoder matrices (`model.frozen_dtype` float8, or auto on an FP8 checkpoint) rules
+    out: DoRA (PEFT's magnitude is the norm of each bf16/fp32 row) and a trainable full copy (`modules_to_save`) of
+    an FP8-stored matrix. `Config.check` refuses the explicit float8 + DoRA setting; this reads the checkpoint."""
+    if not (cfg.lora.use_dora or cfg.lora.modules_to_save):
+        return
+    if not (fp8 if fp8 is not None else frozen_fp8(cfg.model)):
+        return
+    if cfg.lora.use_dora:
+        raise ConfigError(DORA_ON_FP8)
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    in_layers = {id(m) for layer in decoder_layers(base) for m in layer.modules()}
+    stored = [p for p in modules_to_save(base, cfg.lora) if id(base.get_submodule(p)) in in_layers]
+    if stored:
+        raise ConfigError(
+            f"lora.modules_to_save: {stored[0]} is a decoder matrix stored in FP8 (model.frozen_dtype "
+            f"{cfg.model.frozen_dtype}); a trainable full copy needs bf16/fp32: adapt it with LoRA (target_modules), "
+            "or set model.frozen_dtype: bfloat16"
+        )
 
 
 def _checkpoint_quantization(model_cfg: ModelConfig) -> dict:

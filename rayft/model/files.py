@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from rayft.config import Config, ConfigError
+from rayft.model.lora import adapter_file_keys
 from rayft.model.weights import (
     SAFETENSORS_DTYPES,
     CheckpointKeyError,
@@ -176,6 +177,9 @@ def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
         lora_alpha=saved.get("lora_alpha", cfg.lora.lora_alpha),
         target_modules=sorted(targets) if isinstance(targets, list | set) else [targets],
         target_experts=bool(saved.get("target_parameters")),
+        use_dora=bool(saved.get("use_dora")),
+        use_rslora=bool(saved.get("use_rslora")),
+        modules_to_save=saved.get("modules_to_save") or None,
     )
     if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; neither matters for eval or export
         raw["lora"]["lora_dropout"] = 0.0
@@ -196,13 +200,14 @@ def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
     header = safetensors_header(adapter / ADAPTER_WEIGHTS, f"--adapter {adapter}")
     cfg = with_adapter_shape(base_cfg, adapter)
     model, _ = weightless_lora_model(cfg)
-    ours = {n: list(p.shape) for n, p in model.named_parameters() if ".lora_" in n}
-    name = model.active_adapter
+    places = adapter_file_keys(model)
+    shapes = dict(model.state_dict())
+    ours = {target: list(shapes[target].shape) for target in places.values()}
     base = cfg.model.model_name_or_path
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        target = key.replace(".lora_A.", f".lora_A.{name}.").replace(".lora_B.", f".lora_B.{name}.")
+        target = places.get(key)
         if target not in ours:
             raise ConfigError(
                 f"--adapter {adapter}: tensor '{key}' has no place in the model at {base} (an adapter for another "
@@ -214,7 +219,7 @@ def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
                 f"this adapter's config needs {ours[target]} (an adapter for another base model?); use the base it "
                 "was trained on"
             )
-    lacking = sorted(set(ours) - _targets(header, name))
+    lacking = sorted(set(ours) - {places[k] for k in header if k in places})
     if lacking:
         raise ConfigError(
             f"--adapter {adapter}: {ADAPTER_WEIGHTS} has no tensor for '{lacking[0]}'"
@@ -222,11 +227,3 @@ def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
             + f" that its {ADAPTER_CONFIG} targets; the adapter is incomplete: copy it again"
         )
     return model
-
-
-def _targets(header: dict[str, Any], name: str) -> set[str]:
-    return {
-        k.replace(".lora_A.", f".lora_A.{name}.").replace(".lora_B.", f".lora_B.{name}.")
-        for k in header
-        if k != "__metadata__"
-    }

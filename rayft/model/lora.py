@@ -5,14 +5,17 @@ Mistral/Llama but on Mistral4 (MLA attention + MoE) it silently matches only `o_
 So `auto` picks the set per architecture, and an explicit list is checked name by name before training: names
 that match nothing are reported loudly with the model's real module names; a list matching nothing is an error.
 `auto` on an architecture it has no set for is an error listing the model's linear layers, rather than a guess.
+`all-linear` is PEFT's own shorthand (every linear layer but the LM head), resolved by PEFT's own helper.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import peft
+from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from rayft.config import ConfigError, LoraConfig
@@ -32,6 +35,7 @@ AUTO_TARGETS = {
     "deepseek_v3": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
 }
 ADAPTABLE = (nn.Linear, nn.Embedding)
+ALL_LINEAR = "all-linear"
 
 
 @dataclass
@@ -44,6 +48,7 @@ class LoraTargets:
     modules: list[str]  # the module paths that get an adapter
     unmatched: list[str]  # requested names that match no module
     candidates: list[str]  # the model's adaptable module names, for messages
+    saved: list[str] = field(default_factory=list)  # modules_to_save: the module paths trained in full
 
     @property
     def warning(self) -> str | None:
@@ -58,17 +63,35 @@ class LoraTargets:
 
 
 def target_names(lora: LoraConfig, model: nn.Module) -> list[str]:
+    if list(lora.target_modules) == [ALL_LINEAR]:
+        return sorted(all_linear(model))
     if list(lora.target_modules) != ["auto"]:
         return list(lora.target_modules)
     model_type = getattr(model.config, "model_type", "")
     if model_type not in AUTO_TARGETS:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(
             f"lora.target_modules: auto has no target set for model type '{model_type}' ({type(model).__name__}; "
-            f"known: {', '.join(sorted(AUTO_TARGETS))}); list the modules to adapt instead — its linear layers "
-            f"are: {', '.join(linear)}"
+            f"known: {', '.join(sorted(AUTO_TARGETS))}); list the modules to adapt instead (or all-linear) — "
+            f"{layer_names(model)}"
         )
     return list(AUTO_TARGETS[model_type])
+
+
+def all_linear(model: nn.Module) -> set[str]:
+    """The module paths PEFT's `all-linear` picks on this model (its own helper: linear layers, LM head excluded)."""
+    probe = peft.LoraConfig(target_modules=ALL_LINEAR, task_type=peft.TaskType.CAUSAL_LM)
+    return set(_maybe_include_all_linear_layers(probe, model).target_modules)
+
+
+def layer_names(model: nn.Module) -> str:
+    """The model's adaptable layer names for messages, linear layers apart from embeddings (an embedding takes
+    LoRA too, but it is not a linear layer)."""
+
+    def names(kind: type[nn.Module]) -> str:
+        return ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kind)}))
+
+    embeddings = names(nn.Embedding)
+    return f"its linear layers are: {names(nn.Linear)}" + (f"; its embeddings: {embeddings}" if embeddings else "")
 
 
 def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
@@ -77,20 +100,48 @@ def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
     hits = {t: [m for m in adaptable if m == t or m.endswith(f".{t}")] for t in names}
     targets = LoraTargets(
         architecture=type(model).__name__,
-        names=names,
+        names=[ALL_LINEAR] if list(lora.target_modules) == [ALL_LINEAR] else names,
         parameters=expert_parameters(model) if lora.target_experts else [],
         modules=sorted({m for found in hits.values() for m in found}),
         unmatched=[t for t, found in hits.items() if not found],
         candidates=sorted({m.rsplit(".", 1)[-1] for m in adaptable}),
+        saved=modules_to_save(model, lora),
     )
+    if lora.use_dora and (embedded := [m for m in targets.modules if isinstance(model.get_submodule(m), nn.Embedding)]):
+        raise ConfigError(
+            f"lora.use_dora: true on the embedding {embedded[0]}: rayft gives DoRA to linear layers only (an "
+            "embedding's magnitude runs across FSDP's shards); drop it from lora.target_modules or set use_dora: false"
+        )
     if lora.target_experts and not targets.parameters:
         raise ConfigError(f"lora.target_experts: true but {targets.architecture} has no fused expert parameters")
     if not targets.modules:
         raise ConfigError(
-            f"lora.target_modules {names} match no module of {targets.architecture}; "
-            f"its linear layers are: {', '.join(targets.candidates)}"
+            f"lora.target_modules {names} match no module of {targets.architecture}; {layer_names(model)}"
         )
     return targets
+
+
+def modules_to_save(model: nn.Module, lora: LoraConfig) -> list[str]:
+    """The module paths `lora.modules_to_save` names (matched as PEFT does: the path or its last parts); each name
+    must match, and none may be a tied embedding/head, whose trained copy would stop being tied on export."""
+    from rayft.model.weights import tied_parameters
+
+    found, paths = [], [n for n, _ in model.named_modules() if n]
+    tied = {name.rpartition(".")[0] for pair in tied_parameters(model).items() for name in pair}
+    for name in lora.modules_to_save or []:
+        hits = [p for p in paths if p == name or p.endswith(f".{name}")]
+        if not hits:
+            raise ConfigError(
+                f"lora.modules_to_save: '{name}' matches no module of {type(model).__name__}; name a module such as "
+                f"lm_head or embed_tokens ({layer_names(model)})"
+            )
+        if tied & set(hits):
+            raise ConfigError(
+                f"lora.modules_to_save: '{name}' is tied (tie_word_embeddings: the embedding and the LM head are one "
+                "matrix); a trained copy of one would untie them. Adapt it with LoRA (target_modules) instead"
+            )
+        found += hits
+    return sorted(found)
 
 
 def expert_parameters(model: nn.Module) -> list[str]:
@@ -104,11 +155,15 @@ def expert_parameters(model: nn.Module) -> list[str]:
 
 
 def peft_config(lora: LoraConfig, names: list[str], parameters: list[str] | None = None) -> peft.LoraConfig:
+    """PEFT's config for these targets; `[all-linear]` is handed over as PEFT's own shorthand string."""
     return peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
         lora_dropout=lora.lora_dropout,
-        target_modules=names,
+        target_modules=ALL_LINEAR if list(names) == [ALL_LINEAR] else names,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        modules_to_save=lora.modules_to_save,
         target_parameters=parameters or None,
         bias=lora.bias,
         task_type=peft.TaskType.CAUSAL_LM,
@@ -126,3 +181,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     if targets.warning:
         log.warning(targets.warning)
     return peft_model
+
+
+def adapter_file_keys(model: peft.PeftModel) -> dict[str, str]:
+    """Key in the model's saved PEFT adapter file → key of its state dict, for every tensor the adapter holds
+    (LoRA factors, DoRA magnitudes, modules_to_save copies): PEFT's own renaming (`get_peft_model_state_dict`),
+    run over the key names."""
+    keys = {k: k for k in model.state_dict()}
+    return dict(get_peft_model_state_dict(model, state_dict=keys, save_embedding_layers=False))

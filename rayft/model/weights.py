@@ -163,8 +163,10 @@ def tie_weights_(model: nn.Module) -> None:
 
 
 def model_param_name(name: str) -> str:
-    """The base model's own name for a parameter of the PEFT-wrapped model."""
-    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(PEFT_PREFIX))  # nested wrappers: experts
+    """The base model's own name for a parameter of the PEFT-wrapped model; a `modules_to_save` module's frozen
+    original and its trained copy both start as the base model's tensor."""
+    name = re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(PEFT_PREFIX))  # nested wrappers: experts
+    return re.sub(r"\.(original_module|modules_to_save\.[^.]+)\.", ".", name)
 
 
 def load_sharded_(model: nn.Module, directory: Path) -> None:
@@ -176,11 +178,12 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
         reads = plan_reads(model, checkpoint)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if ".lora_" in name:
+                if ".lora_" in name and DORA_MAGNITUDE not in name:
                     local, start, shape = _lora_rows(model, name, param)
                     _init_lora_(name, local, shape, start)
             for read in reads:
                 _copy_rows_(read, checkpoint)
+            _init_dora_magnitudes_(model)
     finally:
         checkpoint.close()
 
@@ -403,6 +406,22 @@ def _init_lora_(name: str, local: torch.Tensor, shape: torch.Size, start: int) -
     else:
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))
     local.copy_(full[start : start + local.shape[0]])
+
+
+DORA_MAGNITUDE = ".lora_magnitude_vector."
+
+
+def _init_dora_magnitudes_(model: nn.Module) -> None:
+    """DoRA's magnitude starts, as in PEFT (`DoraLinearLayer.update_layer`, B = 0), as the norm of each row of the
+    loaded base weight. FSDP2 cuts the weight [out, in] and the magnitude [out] into the same row blocks, so each rank
+    computes its own rows from its own shard, nothing gathered."""
+    for name, param in model.named_parameters():
+        if DORA_MAGNITUDE not in name:
+            continue
+        weight = model.get_submodule(name.split(DORA_MAGNITUDE)[0]).get_base_layer().weight
+        local_weight, _ = _local_rows(weight)
+        local, _ = _local_rows(param)
+        local.copy_(torch.linalg.norm(local_weight, dim=1).to(local.dtype))
 
 
 @contextmanager

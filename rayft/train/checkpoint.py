@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from rayft.model.lora import adapter_file_keys
 from rayft.parallel.expert import ExpertParallel, is_expert_lora
 from rayft.train import state as tensors_json
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
@@ -224,19 +225,6 @@ def publish_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTraine
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def adapter_file_keys(state_dict: dict[str, Any], adapter: str) -> dict[str, str]:
-    """Key in a saved PEFT adapter file → key of this model's state dict, for every LoRA tensor of `adapter`.
-
-    PEFT saves a tensor under its module key with the adapter's name taken out (`k.replace(f".{adapter}", "")`):
-    `...q_proj.lora_A.default.weight` → `...q_proj.lora_A.weight`, `...embed_tokens.lora_embedding_A.default` →
-    `...embed_tokens.lora_embedding_A`; the same rule, applied to this model's keys, gives every place."""
-    return {
-        key.replace(f".{adapter}", ""): key
-        for key in state_dict
-        if ".lora_" in key and (f".{adapter}." in key or key.endswith(f".{adapter}"))
-    }
-
-
 def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
     """A saved PEFT adapter into the (sharded) LoRA model built from its config: every rank reads the small file
     whole and keeps its own shards of it."""
@@ -244,7 +232,7 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
 
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     ours = model.state_dict()
-    places = adapter_file_keys(ours, model.active_adapter)
+    places = adapter_file_keys(model)
     state = {}
     for key, tensor in saved.items():
         target = places.get(key)

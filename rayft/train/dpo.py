@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import AuxiliaryTrainingWrapper
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
 from rayft.model.build import set_gradient_sync
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
-from rayft.train.metrics import LossWindow
+from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.step import clip_gradients_
 from rayft.train.transfer import to_device
 
@@ -93,8 +94,10 @@ def adapter_off(model) -> Iterator[None]:
     """PEFT's `disable_adapter()` without its `requires_grad` toggling: re-enabling sets it on whichever LoRA
     parameters FSDP2 has registered at that moment (the gathered ones of a unit kept unsharded), so the sharded
     parameters came back frozen — left out of gradient clipping and of checkpoints (a resume then failed on a
-    missing key). The reference pass runs without gradients, so only each LoRA layer's switch is flipped."""
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    missing key). The reference pass runs without gradients, so only each LoRA layer's switch is flipped, and each
+    `modules_to_save` wrapper's (an `AuxiliaryTrainingWrapper`, not a tuner layer): the reference is the base model's
+    own module, not the trained copy."""
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     before = [m._disable_adapters for m in layers]
     for layer in layers:
         layer._disable_adapters = True
@@ -193,6 +196,7 @@ def train_step(
     """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad; skipped
     where the batches carry precomputed reference log-probs) and the policy pass over chosen + rejected, the loss
     summed over pairs and divided by the step's pairs per rank."""
+    window.run()  # the window's clock counts from the first step on
     per_rank, carried = step_pairs(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
@@ -201,7 +205,7 @@ def train_step(
             scores = score(model, batch, dpo, live=not carried)
         loss = scores.losses.sum() / per_rank
         loss.backward()
-        window.add(loss.detach(), last, batch["attention_mask"].sum())
+        window.add(loss.detach(), last, batch["attention_mask"].sum(), attended_keys(batch))
         sums.add(scores)
     grad_norm = clip_gradients_(model, max_grad_norm)  # SFT's: the global norm under expert parallelism too
     optimizer.step()

@@ -87,15 +87,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if metrics:
             metrics.update(objective.window_metrics())
         if val_shard is not None and cadence.evaluate(progress, micro):
-            metrics.update(evaluate_now())
+            with window.paused():  # evaluating and saving are not training: out of the window's time
+                metrics.update(evaluate_now())
             cadence.last_evaluated = progress.step
         saving = cadence.save(progress, micro)
         if metrics or saving:
             metrics.update(step=progress.step, epoch=_epoch_position(progress, plan))
         if saving:  # metrics reach Ray with checkpoints only: a report without one is a cross-rank barrier
-            _save(checkpoints, state, metrics, loop_config.get("best_metric"), evaluate_now)
+            with window.paused():
+                _save(checkpoints, state, metrics, loop_config.get("best_metric"), evaluate_now)
         if progress_log is not None and ("loss" in metrics or "eval_loss" in metrics):
-            progress_log.record(metrics, checkpoints.stall_s)
+            with window.paused():
+                progress_log.record(metrics, checkpoints.stall_s)
         if done:
             break
 

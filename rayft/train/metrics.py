@@ -5,8 +5,11 @@ MFU counts the FLOPs the model needs per token, not what the kernels did (activa
   6N      6 · (N_base + N_lora) + 3 · A       the usual formula: forward 2N, backward 4N (input and weight grads)
   LoRA    4 · N_base + 6 · N_lora + 3 · A     a frozen base needs no weight gradients: its backward is 2N
 where N_base counts the frozen matrix weights a token is multiplied by (embeddings are lookups and are left out;
-routed experts count top_k / num_experts of theirs), N_lora the trainable ones, and A = 2 · L · s · H ·
-(d_qk + d_v) the forward FLOPs of attention scores and values per token at sequence length s (backward: 2A).
+routed experts count top_k / num_experts of theirs), N_lora the trainable ones, and A = 2 · L · H · (d_qk + d_v) · k
+the forward FLOPs of attention scores and values per token attending k keys (backward: 2A). Attention is causal
+and never crosses documents (packed rows restart at each one), so a document of n tokens attends n (n + 1) / 2
+keys in all: the window counts them from the batches it trained on, not from `max_length`; the start-up line's
+figures assume full-length documents, k = (s + 1) / 2.
 Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU.
 """
 
@@ -14,9 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,15 +42,24 @@ GIB = 2**30
 class FlopModel:
     base_params: int  # frozen matrix weights multiplied per token
     lora_params: int  # trainable ones
-    attention: float  # A: forward attention FLOPs per token
+    attention: float  # forward attention FLOPs of one query attending one key (all layers and heads)
+    seq_len: int = 1  # the document length the per-token properties assume (data.max_length)
+
+    def per_token(self, lora_aware: bool, keys_per_token: float | None = None) -> float:
+        """FLOPs per trained token with attention over `keys_per_token` keys per query (a window's measured mean);
+        by default a full-length document's causal mean, (s + 1) / 2."""
+        keys = (self.seq_len + 1) / 2 if keys_per_token is None else keys_per_token
+        base, lora = self.base_params, self.lora_params
+        matmuls = 4 * base + 6 * lora if lora_aware else 6 * (base + lora)
+        return matmuls + 3 * self.attention * keys
 
     @property
     def per_token_6n(self) -> float:
-        return 6 * (self.base_params + self.lora_params) + 3 * self.attention
+        return self.per_token(lora_aware=False)
 
     @property
     def per_token_lora(self) -> float:
-        return 4 * self.base_params + 6 * self.lora_params + 3 * self.attention
+        return self.per_token(lora_aware=True)
 
 
 def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
@@ -72,11 +87,12 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
             base += p.numel()
         elif p.dim() == 3 and experts:  # fused routed experts [E, out, in]: a token visits top_k of E
             base += p.numel() * top_k // experts
-    return FlopModel(base, lora, attention_flops(text, seq_len))
+    return FlopModel(base, lora, attention_flops(text, 1), seq_len)
 
 
 def attention_flops(text: Any, seq_len: int) -> float:
-    """2 · L · s · H · (d_qk + d_v): QKᵀ and attention·V, forward, per token (MLA: its own q/k and v widths)."""
+    """2 · L · s · H · (d_qk + d_v): QKᵀ and attention·V, forward, per token attending s keys (MLA: its own q/k and
+    v widths)."""
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     d_qk = getattr(text, "qk_head_dim", None) or (
@@ -84,6 +100,21 @@ def attention_flops(text: Any, seq_len: int) -> float:
     ) or head_dim  # fmt: skip
     d_v = getattr(text, "v_head_dim", None) or head_dim
     return 2.0 * text.num_hidden_layers * seq_len * heads * (d_qk + d_v)
+
+
+def attended_keys(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Keys the batch's tokens attend under the causal mask, summed on the device: a token at position p of its
+    document sees p + 1. Packed rows restart their position ids at every document (and block); padded rows count
+    the tokens of their mask; a row with neither is one document."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return (mask.cumsum(-1) * mask).sum()
+    positions = batch.get("position_ids")
+    if positions is not None:
+        return (positions + 1).sum()
+    ids = batch["input_ids"]
+    n = ids.shape[-1]
+    return torch.full((), ids.numel() // n * n * (n + 1) // 2, device=ids.device)
 
 
 def peak_flops(device: torch.device, stated_tflops: float | None = None) -> float | None:
@@ -102,12 +133,38 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None)
 
 
 def memory(device: torch.device) -> tuple[float, float, float]:
-    """(peak allocated, peak reserved, peak host RSS) in GiB for this process; NaN for what does not apply."""
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss = rss_kib / (GIB if sys.platform == "darwin" else GIB / 1024)
+    """(peak allocated, peak reserved, peak host RSS) in GiB of this process since `reset_peaks` (on Linux; since
+    the process started elsewhere); NaN for what does not apply."""
+    rss = peak_rss_gib()
     if device.type != "cuda":
         return math.nan, math.nan, rss
     return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB, rss
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory: VmHWM on Linux (restarted by `reset_peaks`; ru_maxrss would also keep
+    the RSS of the process that exec'd this one), ru_maxrss elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / (GIB / 1024)  # kB
+    except OSError:
+        pass
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kib / (GIB if sys.platform == "darwin" else GIB / 1024)
+
+
+def reset_peaks(device: torch.device) -> None:
+    """Start the peak-memory counts afresh, so a window reports its own peaks rather than the model load's: the
+    CUDA allocator's, and on Linux the process's peak RSS (`clear_refs` 5 restarts VmHWM from the current RSS)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the RSS peak stays the whole process's
+        pass
 
 
 def nan_to_none(value: float) -> float | None:
@@ -178,11 +235,18 @@ class Gauges:
 
 
 class Trackers:
-    """`train.report_to`: TensorBoard event files under output_dir/runs, or an MLflow run (rank 0 only)."""
+    """`train.report_to`: TensorBoard event files under output_dir/runs, an MLflow run, a Weights & Biases run under
+    output_dir/wandb (rank 0 only)."""
 
     def __init__(self, report_to: list[str], output_dir: str, run: str, params: dict[str, Any]):
         self.writers: list[Any] = []
         self.mlflow = None
+        self.wandb = None
+        if "wandb" in report_to:  # WANDB_PROJECT, WANDB_MODE (offline), WANDB_API_KEY as wandb reads them
+            import wandb
+
+            project = os.environ.get("WANDB_PROJECT", "rayft")
+            self.wandb = wandb.init(project=project, name=run, dir=output_dir, config=params)
         if "tensorboard" in report_to:
             self.writers.append(tensorboard_writer(f"{output_dir}/runs/{run}"))
         if "mlflow" in report_to:
@@ -202,12 +266,16 @@ class Trackers:
             writer.flush()
         if self.mlflow is not None:
             self.mlflow.log_metrics(numbers, step=step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
 
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
         if self.mlflow is not None:
             self.mlflow.end_run()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def tensorboard_writer(logdir: str) -> Any:
@@ -218,7 +286,7 @@ def tensorboard_writer(logdir: str) -> Any:
     return SummaryWriter(logdir)
 
 
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",)}
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",)}
 
 
 def missing_tracker(name: str) -> str | None:
@@ -255,19 +323,71 @@ def plot_losses(rows: list[dict[str, Any]]) -> bytes:
     return out.getvalue()
 
 
+class Stopwatch:
+    """Seconds counted while running: the logging window's clock, stopped until training starts and while the loop
+    does what is not training (evaluation, checkpoints)."""
+
+    def __init__(self) -> None:
+        self.total, self.since = 0.0, None
+
+    @property
+    def running(self) -> bool:
+        return self.since is not None
+
+    def run(self) -> bool:
+        """Count from now on; True when the clock was stopped."""
+        if self.since is not None:
+            return False
+        self.since = time.perf_counter()
+        return True
+
+    def stop(self) -> None:
+        if self.since is not None:
+            self.total, self.since = self.total + time.perf_counter() - self.since, None
+
+    def take(self) -> float:
+        """The seconds counted so far; counting restarts from zero (running if it was)."""
+        now = time.perf_counter()
+        elapsed = self.total + (now - self.since if self.since is not None else 0.0)
+        self.total, self.since = 0.0, (now if self.since is not None else None)
+        return elapsed
+
+
 class LossWindow:
     """The logging window's sums, kept on the device (no host sync per micro-step): loss over micro-batches,
-    optimizer steps, tokens; plus its start time and step count."""
+    optimizer steps, tokens, keys those tokens attended (the attention FLOPs); plus its clock and step count.
+
+    The clock starts with the first training step (`run`), so set-up, resume and the first batch's wait stay out of
+    the first window, and stops while the loop evaluates or saves (`paused`): tokens/s, step time and MFU measure
+    training alone. Each window's memory peaks are its own (`reset_peaks` where it starts)."""
 
     def __init__(self, device: torch.device, world_size: int, flops: FlopModel, peak: float | None):
         self.device, self.world_size, self.flops, self.peak = device, world_size, flops, peak
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.one, self.zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
-        self.started, self.steps = time.perf_counter(), 0
+        self.clock, self.steps = Stopwatch(), 0
         self.moved = dict.fromkeys(KINDS, 0)  # this rank's collective bytes in the window (host ints, no sync)
 
-    def add(self, loss: torch.Tensor, last_of_step: bool, tokens: torch.Tensor) -> None:
-        self.sums += torch.stack([loss.double(), self.one if last_of_step else self.zero, tokens.double()])
+    def run(self) -> None:
+        """A training step begins: the first one starts the clock, and the first window's memory peaks."""
+        if self.clock.run():
+            reset_peaks(self.device)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """What the loop does in here (evaluation, a checkpoint) is not counted in the window's time."""
+        running = self.clock.running
+        self.clock.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.clock.run()
+
+    def add(self, loss: torch.Tensor, last_of_step: bool, tokens: torch.Tensor, keys: torch.Tensor) -> None:
+        """One micro-batch: its loss, its tokens and the keys they attended (`attended_keys`)."""
+        step = self.one if last_of_step else self.zero
+        self.sums += torch.stack([loss.double(), step, tokens.double(), keys.double()])
         self.steps += last_of_step
 
     def add_moved(self, moved: dict[str, int]) -> None:
@@ -279,7 +399,7 @@ class LossWindow:
         """Window means over all ranks (the loss per target token of each step, tokens/s of the whole group,
         seconds per step, the share of the window the slowest rank spent waiting for data, the bytes collectives
         moved into a rank per step by kind), the hardware's metrics; then a new window."""
-        elapsed = time.perf_counter() - self.started
+        elapsed = self.clock.take()
         moved = torch.tensor([self.moved[kind] for kind in KINDS], dtype=torch.float64, device=self.device)
         totals = torch.cat([self.sums, moved])
         dist.all_reduce(totals)
@@ -288,7 +408,7 @@ class LossWindow:
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         steps = self.steps
         self.sums.zero_()
-        self.started, self.steps = time.perf_counter(), 0
+        self.steps = 0
         self.moved = dict.fromkeys(KINDS, 0)
         metrics = {
             "loss": totals[0].item() / max(totals[1].item(), 1),
@@ -297,9 +417,12 @@ class LossWindow:
             "tokens_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed / max(steps, 1),
             "data_wait_share": waits.item() / elapsed if elapsed > 0 else 0.0,
-            **moved_per_step(totals[3:].tolist(), self.world_size, steps),
+            **moved_per_step(totals[4:].tolist(), self.world_size, steps),
         }
-        metrics.update(hardware_metrics(metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device))
+        keys_per_token = totals[3].item() / totals[2].item() if totals[2].item() > 0 else None
+        metrics.update(hardware_metrics(metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device,
+                                        keys_per_token))  # fmt: skip
+        reset_peaks(self.device)  # the next window's peaks are its own
         return metrics
 
 
@@ -309,16 +432,22 @@ def moved_per_step(summed: list[float], world: int, steps: int) -> dict[str, flo
     return {**per_step, "comm_bytes": sum(per_step.values())}
 
 
-def hardware_metrics(tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device) -> dict[str, Any]:
-    """Per-worker throughput, both MFUs (null without a known GPU peak) and peak memory of the worst rank."""
+def hardware_metrics(tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device,
+                     keys_per_token: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Per-worker throughput, the FLOPs per token the MFUs count (attention over `keys_per_token` keys, the
+    window's measured mean; full-length documents without one), both MFUs (null without a known GPU peak) and peak
+    memory of the worst rank."""
     per_worker = tokens_per_s / world
+    per_token = {k: flops.per_token(k == "lora", keys_per_token) for k in ("6n", "lora")}
     worst = torch.tensor([-1.0 if math.isnan(v) else v for v in memory(device)], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     allocated, reserved, rss = (None if v < 0 else round(v, 3) for v in worst.tolist())
     return {
         "tokens_per_s_per_worker": per_worker,
-        "mfu_6n": nan_to_none(mfu(per_worker, flops.per_token_6n, peak)),
-        "mfu_lora": nan_to_none(mfu(per_worker, flops.per_token_lora, peak)),
+        "flops_per_token_6n": per_token["6n"],
+        "flops_per_token_lora": per_token["lora"],
+        "mfu_6n": nan_to_none(mfu(per_worker, per_token["6n"], peak)),
+        "mfu_lora": nan_to_none(mfu(per_worker, per_token["lora"], peak)),
         "peak_tflops": peak / 1e12 if peak else None,
         "memory_allocated_gib": allocated,
         "memory_reserved_gib": reserved,

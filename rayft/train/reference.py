@@ -5,8 +5,11 @@ exchange what they scored, so every rank holds the whole table: pair key → log
 The training collate then carries each pair's two values with its rows (`reference_logps`), and a step needs one
 forward per micro-batch instead of two. Keys are a hash of the pair's tokens, so they survive the per-epoch
 reshuffle and the equal split handing a pair to another worker. The table is written to the run directory: a
-restarted worker group (failure, resume) reads it instead of scoring again. A pair the table lacks (the equal split
-may drop other rows in a later epoch) makes its whole step score the reference live, on every rank alike.
+restarted worker group (failure, resume) reads it instead of scoring again. Whether to read it is rank 0's call,
+sent to every rank with the table's bytes: on a shared filesystem with attribute caching (NFS, a PVC) ranks can
+see different files, and a rank scoring (FSDP collectives) while another trains would hang the group. A pair the
+table lacks (the equal split may drop other rows in a later epoch) makes its whole step score the reference live,
+on every rank alike.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import logging
 import math
 import time
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +88,15 @@ def table_identity(cfg) -> dict[str, Any]:
 
 
 def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None:
-    """The table an earlier attempt of this run wrote, if it was made under the same settings."""
+    """The table an earlier attempt of this run wrote, if it was made under the same settings and reads whole (rank 0
+    must not fail here: the other ranks wait for its verdict)."""
     if not run.exists(TABLE_FILE):
         return None
-    table = ReferenceTable.from_bytes(run.read_file(TABLE_FILE))
+    try:
+        table = ReferenceTable.from_bytes(run.read_file(TABLE_FILE))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        log.warning("%s does not read (%s); scoring the reference again", TABLE_FILE, e)
+        return None
     if table.identity != identity:
         log.warning("%s was scored under other settings (%s); scoring the reference again", TABLE_FILE,
                     table.identity)  # fmt: skip
@@ -114,10 +123,22 @@ def score_batches(
     return np.concatenate(keys), np.concatenate(logps)
 
 
+def agreed_table(run: RunDir, identity: dict[str, Any], rank: int) -> ReferenceTable | None:
+    """The stored table as rank 0 sees it, on every rank (None everywhere where rank 0 finds none usable), so all
+    ranks take the same branch and train on the same values whatever their own view of the run directory holds."""
+    shared: list[bytes | None] = [None]
+    if rank == 0:
+        table = stored_table(run, identity)
+        shared[0] = None if table is None else table.to_bytes()
+    dist.broadcast_object_list(shared, src=0)
+    return None if shared[0] is None else ReferenceTable.from_bytes(shared[0])
+
+
 def precompute(model, shard, cfg, collate, device, autocast, run: RunDir, rank: int):
-    """The run's table: read from the run directory, or scored now on every rank and exchanged (then written)."""
+    """The run's table: read from the run directory (rank 0's view, shared), or scored now on every rank and
+    exchanged (then written)."""
     identity = table_identity(cfg)
-    table = stored_table(run, identity)
+    table = agreed_table(run, identity, rank)
     if table is not None:
         if rank == 0:
             log.info("reference log-probs of %d pairs read from %s", len(table), TABLE_FILE)

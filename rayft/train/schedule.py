@@ -53,15 +53,23 @@ def make_plan(cfg: Config, train_rows: int, validation_rows: int, world_size: in
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, on_gpu: bool) -> torch.optim.Optimizer:
-    """AdamW over the trainable (LoRA) parameters; no decay on 1-D tensors (biases, norms)."""
+    """`train.optim` over the trainable (LoRA) parameters; no decay on 1-D tensors (biases, norms)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": train.weight_decay},
         {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    lr = train.learning_rate
+    if train.optim == "adafactor":  # as transformers' Trainer builds it: the configured LR, no relative steps
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
+    others = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
+    if train.optim in others:
+        return others[train.optim](groups, lr=lr)
     fused = train.optim == "adamw_torch_fused" and on_gpu
-    return torch.optim.AdamW(groups, lr=train.learning_rate, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, plan: Plan):

@@ -17,7 +17,7 @@ from rayft.config import Config
 from rayft.model.build import set_gradient_sync
 from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint import Progress
-from rayft.train.metrics import LossWindow
+from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.schedule import Plan
 from rayft.train.transfer import to_device
 
@@ -44,6 +44,7 @@ def train_step(
     Every target token of the step weighs the same, on every rank and in every micro-batch (as in transformers'
     Trainer): each loss is a sum over its tokens divided by the step's count per rank.
     """
+    window.run()  # the window's clock counts from the first step on
     per_rank = step_targets(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
@@ -53,7 +54,7 @@ def train_step(
         loss.backward()
         mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
         tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=loss.device)
-        window.add(loss.detach(), last, tokens)
+        window.add(loss.detach(), last, tokens, attended_keys(batch))
     grad_norm = clip_gradients_(model, max_grad_norm)
     optimizer.step()
     scheduler.step()

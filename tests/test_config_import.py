@@ -1,0 +1,110 @@
+"""`rayft config from-accelerate` on the seed recipe's files: the config it writes validates and trains the seed's
+settings, key by key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import SEED_CONFIG, Fixtures, run_cli
+
+from rayft.config import ConfigError, load_config
+from rayft.config_import import convert
+
+SEEDS = SEED_CONFIG.parent
+ACCELERATE = SEEDS / "accelerate_fsdp2_3xh200.yaml"
+FLATTENED = SEEDS / "accelerate_fsdp_2node_flattened.txt"
+
+
+def _fixture_paths(fixtures: Fixtures, out) -> list[str]:
+    return [f"model.model_name_or_path={fixtures.model}", f"data.dataset_name_or_path={fixtures.dataset}",
+            f"train.output_dir={out}"]  # fmt: skip
+
+
+def test_seed_files_convert_to_a_config_that_validates(fixtures: Fixtures, tmp_path, capsys):
+    out = tmp_path / "rayft.yaml"
+    overrides = [a for o in _fixture_paths(fixtures, tmp_path / "run") for a in ("--override", o)]
+    result = run_cli(capsys, "config", "from-accelerate", str(ACCELERATE), "--trl", str(SEED_CONFIG),
+                     *overrides, "--out", str(out))  # fmt: skip
+    assert result.rc == 0, result.err
+    assert out.read_text().startswith(f"# Written by: rayft config from-accelerate {ACCELERATE} --trl {SEED_CONFIG}")
+    result = run_cli(capsys, "validate", "--config", str(out))
+    assert result.rc == 0, result.err
+    assert "config ok" in result.out
+
+
+def test_the_converted_config_trains_the_seed_settings_key_by_key():
+    acc = yaml.safe_load(ACCELERATE.read_text())
+    fsdp = acc["fsdp_config"]
+    raw, notes = convert(str(ACCELERATE), str(SEED_CONFIG))
+    cfg = load_config(None, [f"{s}.{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"
+                             for s, values in raw.items() for k, v in values.items()])  # fmt: skip
+    seed = yaml.safe_load(SEED_CONFIG.read_text())
+    as_loaded = load_config(SEED_CONFIG)  # the seed's values as rayft reads them (report_to: none → [none])
+    for section, values in seed.items():
+        for key in values:
+            assert getattr(getattr(cfg, section), key) == getattr(getattr(as_loaded, section), key), (section, key)
+    assert cfg.ray.num_workers == acc["num_processes"] == 3
+    assert cfg.ray.placement_strategy == "STRICT_SPREAD"  # one process per machine
+    assert cfg.train.bf16 is (acc["mixed_precision"] == "bf16")
+    assert cfg.fsdp.reshard_after_forward is fsdp["fsdp_reshard_after_forward"]
+    assert cfg.fsdp.cpu_offload is fsdp["fsdp_offload_params"]
+    assert cfg.fsdp.activation_checkpointing is fsdp["fsdp_activation_checkpointing"]
+    assert cfg.fsdp.forward_prefetch == int(fsdp["fsdp_forward_prefetch"])
+    assert cfg.fsdp.backward_prefetch == 1  # BACKWARD_PRE: the next layer's gather during backward
+    assert cfg.model.load_mode == "sharded"  # fsdp_cpu_ram_efficient_loading: no rank holds the whole model
+    assert any("fsdp_transformer_layer_cls_to_wrap" in n for n in notes)  # left out with a note, not silently
+
+
+def test_a_flattened_fsdp1_file_and_its_sharding_strategy():
+    raw, _ = convert(str(FLATTENED))
+    assert raw["ray"] == {"num_workers": 2, "placement_strategy": "STRICT_SPREAD"}
+    assert raw["fsdp"]["reshard_after_forward"] is True  # FULL_SHARD
+    assert raw["fsdp"]["cpu_offload"] is False and raw["fsdp"]["forward_prefetch"] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("num_processes: 4\nnum_machines: 2\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
+         {"ray": {"num_workers": 4, "placement_strategy": "SPREAD"},
+          "fsdp": {"reshard_after_forward": True, "shard_size": 2}}),
+        ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: 'no'\n",
+         {"ray": {"num_workers": 2, "placement_strategy": "PACK"}, "fsdp": {"shard_size": 1},
+          "train": {"bf16": False}}),
+    ],
+    ids=["hybrid shard", "DDP"],
+)  # fmt: skip
+def test_other_layouts(tmp_path, text, expected):
+    path = tmp_path / "acc.yaml"
+    path.write_text(text)
+    raw, _ = convert(str(path))
+    for section, values in expected.items():
+        assert {k: raw[section][k] for k in values} == values
+
+
+def test_flat_trl_keys_map_to_sections(tmp_path):
+    acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
+    acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
+    trl.write_text("lora_r: 8\nlora_target_modules: [q_proj]\nmax_seq_length: 512\nlearning_rate: 2.0e-4\n"
+                   "dataset_name: org/data\npush_to_hub: false\n")  # fmt: skip
+    raw, notes = convert(str(acc), str(trl))
+    assert raw["lora"] == {"r": 8, "target_modules": ["q_proj"]} and raw["data"]["max_length"] == 512
+    assert raw["train"]["learning_rate"] == 2e-4 and raw["data"]["dataset_name_or_path"] == "org/data"
+    assert any("push_to_hub" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("distributed_type: DEEPSPEED\n", "rayft trains with FSDP2"),
+        ("mixed_precision: fp16\n", "mixed_precision fp16"),
+        ("num_processes: 3\nnum_machines: 2\n", "multiple of num_machines"),
+    ],
+)
+def test_what_cannot_be_carried_over_is_refused(tmp_path, text, needle, capsys):
+    path = tmp_path / "acc.yaml"
+    path.write_text(text)
+    result = run_cli(capsys, "config", "from-accelerate", str(path))
+    assert result.rc == 2 and needle in result.err, result.err
+    with pytest.raises(ConfigError, match=needle):
+        convert(str(path))

@@ -1,0 +1,78 @@
+"""A config's mistakes all at once, each with its file and line; parse errors name the file; nested overrides;
+an accelerate file passed as --config names the command that converts it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SEED_CONFIG
+
+from rayft.config import ConfigError, load_config
+
+FOUR_MISTAKES = """\
+train:
+  learning_rate: -0.001
+  lr_scheduler_type: cosin
+  learnig_rate: 0.1
+ray:
+  num_workers: 0
+"""
+
+
+def test_every_problem_of_a_file_in_one_report_with_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(FOUR_MISTAKES)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["lora.r=0"])
+    message = str(err.value)
+    assert message.startswith(f"{path}: 5 problems:"), message
+    for needle in (
+        f"{path}:2: train.learning_rate must be > 0, got -0.001",
+        f"{path}:3: train.lr_scheduler_type: unknown value 'cosin' (did you mean 'cosine'?)",
+        f"{path}:4: unknown key 'train.learnig_rate' (did you mean 'learning_rate'?)",
+        f"{path}:6: ray.num_workers must be >= 1, got 0",
+        "--override: lora.r must be >= 1, got 0",
+    ):
+        assert needle in message, message
+
+
+def test_one_problem_stays_one_line_with_its_line(tmp_path):
+    path = tmp_path / "one.yaml"
+    path.write_text("train:\n  seed: 1\n  warmup_ratio: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:3: train.warmup_ratio must be in [0, 1), got 2.0"
+
+
+def test_a_zero_divisor_is_reported_not_divided_by():
+    """fsdp.shard_size 0 and parallel.expert_parallel 0 are problems, not a ZeroDivisionError in the checks after."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["fsdp.shard_size=0", "parallel.expert_parallel=0"])
+    message = str(err.value)
+    assert "fsdp.shard_size must be >= 1" in message and "parallel.expert_parallel must be >= 1" in message
+
+
+def test_a_broken_yaml_file_names_its_path_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  learning_rate: 1e-4\n   seed: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}:3: not valid YAML"), message
+    assert "<unicode string>" not in message and f'in "{path}", line 3' in message
+
+
+def test_nested_overrides_reach_mapping_keys():
+    cfg = load_config(SEED_CONFIG, ["ray.resources_per_worker.GPU=1", "ray.resources_per_worker.CPU=8"])
+    assert cfg.ray.resources_per_worker == {"GPU": 1.0, "CPU": 8.0}
+    cfg = load_config(None, ["nccl.env.NCCL_IB_QPS_PER_CONNECTION=2"])
+    assert cfg.nccl.env == {"NCCL_IB_QPS_PER_CONNECTION": "2"}
+    with pytest.raises(ConfigError, match=r"key 'train.learning_rate' must be a mapping to override"):
+        load_config(SEED_CONFIG, ["train.learning_rate.x=1"])
+
+
+def test_an_accelerate_config_as_config_names_the_converter():
+    accelerate = SEED_CONFIG.parent / "accelerate_fsdp2_3xh200.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(accelerate)
+    assert "this is an accelerate config (compute_environment" in str(err.value)
+    assert f"rayft config from-accelerate {accelerate}" in str(err.value)

@@ -1,0 +1,146 @@
+"""The user-facing documentation: a short README, and no development-process facts anywhere a user reads.
+
+README.md stays short (the detail lives in docs/); README.md, docs/*.md and cluster/README.md name no tracker
+issues, no paths outside the repository and nothing about the machine the project is developed on; every relative
+link resolves, and every `make` target and `rayft` subcommand the README names exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MAX_README_LINES = 250
+
+
+def _user_docs() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "cluster" / "README.md"]
+
+
+def _prose(text: str) -> str:
+    """The text without URLs and without hex-looking tokens (commit ids, digests), code kept: a dev fact in a code
+    block is still a dev fact."""
+    text = re.sub(r"https?://\S+", " ", text)
+    return re.sub(r"\b[0-9a-f]{7,40}\b", " ", text)
+
+
+def _without_fenced_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", " ", text, flags=re.S | re.M)
+
+
+# Tracker references: "issue 19", "issues 12 and 14", "issue #3", "#15" (not markdown anchors like "(#data)"
+# nor a heading's "# Title").
+_ISSUE_RE = re.compile(r"\bissues?\s*#?\d+|(?<![\w/&(#])#\d{2,}\b", re.I)
+_OUTSIDE_RE = re.compile(r"\.\./shared\b|\.\./\.\./")
+_DEV_MACHINE_RE = re.compile(
+    r"\bthis (?:\d+-core )?(?:machine|cpu|box|host|laptop|container)\b"
+    r"|\b\d+-core machine\b"
+    r"|\bon this (?:\d+-core )?\w*\s*(?:cpu|machine)\b"
+    r"|\b(?:cpu )?torch [\d.]+ cpu here\b"
+    r"|\bnodes here\b|\bonce, here\b|\bcost[s]? [^.]{0,40} here\b",
+    re.I,
+)
+
+
+def _hits(pattern: re.Pattern[str], path: Path) -> list[str]:
+    out = []
+    for n, line in enumerate(_prose(path.read_text(encoding="utf-8")).splitlines(), 1):
+        for m in pattern.finditer(line):
+            out.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}")
+    return out
+
+
+def test_readme_is_short() -> None:
+    n = len(README.read_text(encoding="utf-8").splitlines())
+    assert n <= MAX_README_LINES, f"README.md has {n} lines, at most {MAX_README_LINES}: move detail to docs/"
+
+
+def test_docs_exist() -> None:
+    assert sorted((ROOT / "docs").glob("*.md")), "docs/ holds the detailed documentation the README links to"
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [
+        ("tracker issue references", _ISSUE_RE),
+        ("paths outside the repository", _OUTSIDE_RE),
+        ("development-machine facts", _DEV_MACHINE_RE),
+    ],
+    ids=["issues", "outside", "dev-machine"],
+)
+def test_no_development_process_facts(name: str, pattern: re.Pattern[str]) -> None:
+    hits = [h for p in _user_docs() if p.exists() for h in _hits(pattern, p)]
+    assert not hits, f"{name} in user-facing docs:\n" + "\n".join(hits)
+
+
+def test_patterns_catch_what_they_are_for() -> None:
+    assert _ISSUE_RE.search("before issue 19 it was") and _ISSUE_RE.search("see #15 for")
+    assert not _ISSUE_RE.search("[Data](#data) and a `# comment`") and not _ISSUE_RE.search("color #fff")
+    assert _OUTSIDE_RE.search("run ../shared/gpu/make_kit.sh")
+    assert _DEV_MACHINE_RE.search("on this 2-core machine") and _DEV_MACHINE_RE.search("on this CPU")
+    assert not _DEV_MACHINE_RE.search("measured on a 2-core x86 CPU")
+
+
+_LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_relative_links_resolve(path: Path) -> None:
+    broken = []
+    for target in _LINK_RE.findall(_without_fenced_code(path.read_text(encoding="utf-8"))):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        file = target.split("#", 1)[0]
+        if not (path.parent / file).exists():
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_make_targets_named_exist() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([A-Za-z][\w.-]*)\s*:(?!=)", makefile, flags=re.M))
+    named = set(re.findall(r"\bmake ([a-z][\w-]*)", _code(README.read_text(encoding="utf-8"))))
+    assert named, "the README names its set-up commands"
+    assert named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    from rayft.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _choices(help_text: str) -> set[str]:
+    """The subcommands argparse lists in a usage line: `{train,validate,...}`."""
+    m = re.search(r"positional arguments:\s*\n\s*\{([\w,-]+)\}", help_text)
+    return set(m.group(1).split(",")) if m else set()
+
+
+def _code(text: str) -> str:
+    """Fenced blocks and inline code spans: where a README names commands (prose says "rayft is ...")."""
+    fenced = re.findall(r"^```.*?^```", text, flags=re.S | re.M)
+    inline = re.findall(r"`([^`\n]+)`", _without_fenced_code(text))
+    return "\n".join(fenced + inline)
+
+
+def test_rayft_subcommands_named_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    commands = _choices(_help(capsys))
+    assert {"train", "validate", "plan"} <= commands, commands
+    actions: dict[str, set[str]] = {}
+    missing = []
+    for cmd, action in re.findall(r"\brayft ([a-z][\w-]*)(?:[ \t]+([a-z][\w-]*))?", _code(README.read_text("utf-8"))):
+        if cmd not in commands:
+            missing.append(cmd)
+            continue
+        if cmd not in actions:
+            actions[cmd] = _choices(_help(capsys, cmd))
+        if actions[cmd] and action not in actions[cmd]:
+            missing.append(f"{cmd} {action}")
+    assert not missing, f"README names rayft subcommands that do not exist: {sorted(set(missing))}"
