@@ -147,6 +147,17 @@ def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: st
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def process_group():
+    """A one-rank gloo process group in this process (model assembly and FSDP2 without spawning ranks)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def tiny_config(fx: Fixtures, output_dir: Path, **train_overrides) -> dict:
     """The demo's settings pointed at the test fixtures."""
     cfg = demo.demo_config(fx.model.parent)

@@ -15,14 +15,6 @@ from rayft.model.build import build_model, decoder_layers, mixed_precision
 from rayft.model.lora import DENSE_TARGETS as DENSE
 
 
-@pytest.fixture
-def process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_mixed_precision_defaults_follow_the_device():
     cfg = Config.from_dict({"train": {"bf16": True}})
     assert mixed_precision(cfg, on_gpu=True).param_dtype == torch.bfloat16

@@ -5,7 +5,6 @@ weights; and the combinations that cannot work, refused by `rayft validate` befo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import peft
@@ -28,14 +27,6 @@ OPTIONS = {
     "modules_to_save": {"modules_to_save": ["lm_head", "embed_tokens"], "target_modules": ["q_proj", "v_proj"]},
 }
 IDS = torch.tensor([[1, 1784, 3937, 1278, 8312, 2], [1, 8312, 1321, 1278, 3937, 2]])
-
-
-@pytest.fixture
-def process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _raw(fixtures: Fixtures, tmp_path: Path, option: str) -> dict:
