@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayft.config import Config, ModelConfig
-from rayft.model.build import build_model, empty_model, fused_loss
+from rayft.model.build import build_model, empty_model, fused_loss, reshard_all
 from rayft.model.weights import (
     CheckpointKeyError,
     CheckpointShapeError,
@@ -45,7 +45,7 @@ def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -
         probe = torch.tensor([[1, 1784, 3937, 1278, 8312, 2]])
         with torch.no_grad():
             logits = model(input_ids=probe).logits  # collective: every rank runs it
-        model.reshard()  # the root keeps its weights gathered after forward
+        reshard_all(model)  # the root and the last layer keep their weights gathered after forward
         for name, param in model.named_parameters():
             full = param.full_tensor()  # collective too
             if rank == 0 and ".lora_" not in name:

@@ -298,6 +298,14 @@ def apply_fsdp(
                 layer.set_modules_to_backward_prefetch(behind)
 
 
+def reshard_all(model: nn.Module) -> None:
+    """After a forward no backward follows (evaluation, reference scoring): free the weights FSDP keeps gathered
+    after forward for the backward it expects, the root's and the last decoder layer's."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def set_gradient_sync(model: FSDPModule, sync: bool, kept_layers: list[nn.Module]) -> None:
     """Between the micro-batches of a step: no gradient reduction; and `kept_layers`, those that stay gathered after
     forward (`fsdp.reshards` false), stay gathered after backward too, since no weight changes before the optimizer

@@ -26,7 +26,7 @@ from peft.utils import AuxiliaryTrainingWrapper
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
-from rayft.model.build import set_gradient_sync
+from rayft.model.build import reshard_all, set_gradient_sync
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
 from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.step import clip_gradients_
@@ -227,6 +227,6 @@ def evaluate(
         batch = to_device(batch, device)
         with autocast():
             sums.add(score(model, batch, dpo))
-    model.reshard()  # no backward follows: free the root's gathered weights now
+    reshard_all(model)  # no backward follows: free what forward kept gathered for it
     model.train()
     return sums.take(prefix="eval_")

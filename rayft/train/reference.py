@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rayft.model.build import reshard_all
 from rayft.train.dpo import reference_logprobs
 from rayft.train.rundir import RunDir
 from rayft.train.transfer import to_device
@@ -146,7 +147,7 @@ def precompute(model, shard, cfg, collate, device, autocast, run: RunDir, rank: 
     started = time.perf_counter()
     batches = shard.iter_torch_batches(batch_size=cfg.train.per_device_eval_batch_size, collate_fn=collate)
     mine = score_batches(model, batches, device, autocast)
-    model.reshard()  # no backward follows: free the root's gathered weights now
+    reshard_all(model)  # no backward follows: free what forward kept gathered for it
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     table = ReferenceTable.merge(gathered, identity)

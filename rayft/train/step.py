@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
-from rayft.model.build import set_gradient_sync
+from rayft.model.build import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint import Progress
 from rayft.train.metrics import LossWindow, attended_keys
@@ -85,7 +85,7 @@ def evaluate(
         with autocast():
             loss = model(**batch).loss
         totals += torch.stack([loss.double() * predicted, predicted.double()])
-    model.reshard()  # no backward follows: free the root's gathered weights now
+    reshard_all(model)  # no backward follows: free what forward kept gathered for it
     model.train()
     TALLY.take()  # evaluation's gathers are not a training step's
     dist.all_reduce(totals)
