@@ -71,7 +71,9 @@ def finish(run: Run, driver: Driver) -> str:
     return text
 
 
-def wait_until(condition, what: str, run: Run, timeout: float = 300, every: float = 0.05):
+def wait_until(condition, what: str, run: Run, timeout: float = 600, every: float = 0.05):
+    """Polls `condition` until it is truthy; the generous deadline covers a CI machine running two job tests at once
+    on two cores (a run that works returns as soon as the condition holds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
