@@ -23,6 +23,9 @@ LEAN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_ENABLE_STATE_TRACKING": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # No dashboard, so no state API of its own: its placement-group cleaner must not ask another Ray on the machine
+    # (as rayft's local Ray without a dashboard; port 0 serves nothing).
+    "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:0",
 }
 
 

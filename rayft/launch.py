@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ WORKER_ENV = {
 
 # Ray Train's controller polls its workers this often (Ray's default 2 s); on a private local Ray, rayft's 0.5 s.
 HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
+DASHBOARD_PORT = 8265  # Ray's default dashboard port, kept for a private local Ray when free
 
 
 @dataclass
@@ -363,15 +365,34 @@ def local_ray_options() -> dict[str, Any]:
     its workers every 0.5 s instead of 2 s: it notices a finished or failed worker group on that poll, half a gap
     later on average, 0.25 s instead of 1 s (a missed poll is not a failure; only 10 minutes of them are). The
     dashboard stays (RAYFT_LOCAL_DASHBOARD=0 drops it, 2 s of start-up here): without it Ray Train's placement-group
-    cleaner polls the state API it serves every second and logs a warning each time it is not there."""
+    cleaner polls the state API it serves every second and logs a warning each time it is not there.
+
+    That cleaner asks the state API for its controller with no address: where several Rays run on one machine, Ray
+    picks the one last started by `ray start`, not finding the controller there, and removes this run's placement
+    group (its workers die). So the job's processes are pointed at this Ray's own dashboard
+    (RAY_API_SERVER_ADDRESS), on a port chosen here: Ray's usual 8265 when it is free; without a dashboard, at port 0,
+    where nothing can listen, so the cleaner's question fails and it asks again."""
     dashboard = os.environ.get("RAYFT_LOCAL_DASHBOARD", "1") != "0"
     poll = os.environ.get(HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S)  # the user's own value wins
     env = {**worker_env(), "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", HEALTH_CHECK_ENV: poll}
-    return {
-        "include_dashboard": dashboard,
-        "runtime_env": {"env_vars": env},
-        "_system_config": {"prestart_worker_first_driver": False},
-    }
+    options: dict[str, Any] = {"include_dashboard": dashboard}
+    port = local_port(preferred=DASHBOARD_PORT) if dashboard else 0
+    if dashboard:
+        options.update(dashboard_host="127.0.0.1", dashboard_port=port)
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return {**options, "runtime_env": {"env_vars": env}, "_system_config": {"prestart_worker_first_driver": False}}
+
+
+def local_port(preferred: int) -> int:
+    """`preferred` if nothing listens on it on this machine, else a free port the system picks."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free local port")  # binding port 0 fails only when the system has none left
 
 
 def torch_config(cfg: Config, use_gpu: bool) -> TorchConfig:

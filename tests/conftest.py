@@ -342,15 +342,16 @@ class Head:
 def _start_head(temp_dir: Path, env: dict[str, str], common: list[str], log: Path) -> Head:
     """The head node on free ports, its `ray start` output in `log`."""
     gcs_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
+    address = f"127.0.0.1:{gcs_port}"
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             [str(RAY_BIN), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
              "--metrics-export-port", str(metrics_port), "--ray-client-server-port", str(free_port()),
              *agent_ports(), *common],
-            env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+            env=own_state_api(env, address), start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
         )  # fmt: skip
-    return Head(proc, f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}", metrics_port, log)
+    return Head(proc, address, f"http://127.0.0.1:{dashboard_port}", metrics_port, log)
 
 
 def _start_worker_node(
@@ -362,8 +363,16 @@ def _start_worker_node(
         return subprocess.Popen(
             [str(RAY_BIN), "start", "--address", address, "--node-ip-address", "127.0.0.1", *agent_ports(),
              "--metrics-export-port", str(metrics_port), "--temp-dir", temp_dir, *common],
-            env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+            env=own_state_api(env, address), start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
         )  # fmt: skip
+
+
+def own_state_api(env: dict[str, str], address: str) -> dict[str, str]:
+    """A test node's environment, which its workers inherit: Ray's state API, asked with no address (as Ray Train's
+    placement-group cleaner asks whether its controller lives), answers for this cluster. Left to auto-detection with
+    several Rays on the machine, it asks the one last started as a cluster, and the cleaner, not finding its
+    controller there, removes the run's placement group."""
+    return {**env, "RAY_ADDRESS": address}
 
 
 def agent_ports() -> list[str]:

@@ -215,16 +215,22 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
     lost pod would, kills its worker; with max_failures 1 the group restarts on the spare node, from the last
     checkpoint, and ends with the uninterrupted run's result."""
     from ray.cluster_utils import Cluster
+    from ray.util import get_node_ip_address
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    # The nodes' processes inherit this environment: their state API answers for this cluster (conftest.own_state_api).
+    gcs_port = free_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"{get_node_ip_address()}:{gcs_port}")
     # driver, controller, Ray Data; free agent ports, as conftest.agent_ports gives the session clusters. The GCS
     # checks each node every second and calls it dead after 3 misses (Ray's default: 3 s and 5), so the lost node is
     # noticed in ~3 s rather than ~15 s: what is tested is the restart, not Ray's detection delay.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "dashboard_agent_listen_port": free_port(), "ray_client_server_port": free_port(),
+        "num_cpus": 4, "gcs_server_port": gcs_port, "dashboard_agent_listen_port": free_port(),
+        "ray_client_server_port": free_port(),
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
     })  # fmt: skip
     try:
+        assert cluster.address == os.environ["RAY_ADDRESS"], cluster.address
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
         trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(3)]
         cluster.wait_for_nodes()
