@@ -1,16 +1,16 @@
 """rayft's DPO step against TRL's DPOTrainer on CPU, side by side, alternating; and the memory of a DPO run against an
 SFT run of the same batch.
 
-Both systems train one process each (rayft: one gloo rank, FSDP2 + PEFT, `rayft.train.dpo.train_step` fed by
-`PreferenceTokenize` → `PreferenceCollate`; TRL: `DPOTrainer` as users run it on CPU) on the same tiny
-Mistral-architecture model (real tekken tokenizer, 131k vocab; the SFT bench's size), the same pairs in the same
-order, the same initial LoRA weights (TRL loads rayft's initial adapter), LoRA r=16 on the seven projections (TRL
-refuses LoRA on lm_head for DPO), beta 0.1, sigmoid loss, fp32, AdamW, constant LR; 48 pairs with 20-word prompts and
-20-40-word completions (≤ 128 tokens), 2 pairs × 2 accumulation per step, 8 steps. The reference is the base with
-the adapter switched off on both sides. Reported per system (median over repeats): steady-state tokens/s (real
-tokens of chosen + rejected sequences, padding not counted; steps after the first), step time, peak RSS; the ratio
-rayft/TRL; then rayft's DPO peak RSS against rayft's SFT step on the same rows (no second model: within 10%); and
-rayft with `dpo.reference: precomputed` (one forward per micro-batch; its first pass over the pairs timed apart).
+Both systems train one process each (rayft: one gloo rank, FSDP2 + PEFT, `rayft.train.step.train_step` with
+`rayft.train.dpo.PreferenceLoss`, fed by `PreferenceTokenize` → `PreferenceCollate`; TRL: `DPOTrainer` as users run it
+on CPU) on the same tiny Mistral-architecture model (real tekken tokenizer, 131k vocab; the SFT bench's size), the same
+pairs in the same order, the same initial LoRA weights (TRL loads rayft's initial adapter), LoRA r=16 on the seven
+projections (TRL refuses LoRA on lm_head for DPO), beta 0.1, sigmoid loss, fp32, AdamW, constant LR; 48 pairs with
+20-word prompts and 20-40-word completions (≤ 128 tokens), 2 pairs × 2 accumulation per step, 8 steps. The reference is
+the base with the adapter switched off on both sides. Reported per system (median over repeats): steady-state tokens/s
+(real tokens of chosen + rejected sequences, padding not counted; steps after the first), step time, peak RSS; the ratio
+rayft/TRL; then rayft's DPO peak RSS against rayft's SFT step on the same rows (no second model: within 10%); and rayft
+with `dpo.reference: precomputed` (one forward per micro-batch; its first pass over the pairs timed apart).
 
     python bench/dpo_vs_trl.py [--size smoke|default] [--out bench/results/dpo_vs_trl_cpu.json]
 """

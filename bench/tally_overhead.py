@@ -65,9 +65,10 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
 
     from rayft.config import Config
     from rayft.model.build import build_model
+    from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
     from rayft.parallel.tally import TALLY
-    from rayft.train.metrics import FlopModel, LossWindow
+    from rayft.train.metrics import LossWindow
     from rayft.train.step import train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

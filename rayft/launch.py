@@ -17,6 +17,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from rayft import ray_private
 from rayft.config import Config, ConfigError, RayConfig, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
@@ -343,17 +344,10 @@ def connect(ray_cfg: RayConfig) -> bool:
 def start_data_singletons() -> None:
     """Ask a Ray just started for Ray Data's two cluster-wide actors now (no waiting): Ray Train's controller waits
     on the autoscaling coordinator, and the first batch on the stats actor, each a new process (~1 s here) that then
-    starts while the driver plans the data. Private Ray Data functions (ray is pinned in constraints.txt): where they
-    have moved, both actors start on first use as before."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-        from ray.data._internal.stats import get_or_create_stats_actor
-    except ImportError:
-        return
-    get_or_create_autoscaling_coordinator()
-    get_or_create_stats_actor()
+    starts while the driver plans the data. Private Ray Data functions (`rayft.ray_private`): where they have
+    moved, both actors start on first use as before."""
+    for start in ray_private.data_actor_starters() or []:
+        start()
 
 
 def local_ray_options() -> dict[str, Any]:
@@ -495,11 +489,10 @@ def node_totals() -> list[dict[str, float]]:
 def autoscaler_ceiling() -> list[dict[str, float]] | None:
     """The largest cluster the autoscaler may build (its node groups × their max counts; an unbounded group as
     more nodes than any job asks for), or None when no autoscaler declared its configuration (a fixed cluster)."""
+    state = ray_private.cluster_state()
     try:
-        from ray._private.state import state
-
-        config = state.get_cluster_config()
-    except Exception:  # a private API: its absence means we cannot tell, not an error of the user's
+        config = state.get_cluster_config() if state is not None else None
+    except Exception:  # a private API: its failure means we cannot tell, not an error of the user's
         return None
     if config is None or not config.node_group_configs:
         return None

@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from rayft import ray_private
+
 LEVEL_ENV = "RAYFT_LOG_LEVEL"
 
 # Ray's routine output, one pattern per kind of line (matched anywhere in the line, after the worker prefix).
@@ -71,11 +73,8 @@ def quiet_worker_output() -> bool:
     """Filter the workers' output on its way into this driver's log (Ray's log printer, after `ray.init`). Returns
     whether the filter is installed: not in verbose mode, nor where Ray's printer is not where 2.60 keeps it (then
     the log stays complete rather than wrong)."""
-    if verbose():
-        return False
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
+    dispatcher = None if verbose() else ray_private.worker_output_dispatcher()
+    if dispatcher is None:
         return False
     with dispatcher._lock:
         for i, (name, handler) in enumerate(dispatcher.handlers):

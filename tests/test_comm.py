@@ -57,9 +57,10 @@ class C10dBytes(TorchDispatchMode):
 
 def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
     from rayft.model.build import build_model, decoder_layers
+    from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
-    from rayft.train.metrics import FlopModel, LossWindow
-    from rayft.train.step import train_step
+    from rayft.train.loop import Objective
+    from rayft.train.metrics import LossWindow
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -74,14 +75,14 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
             window = LossWindow(torch.device("cpu"), world, FlopModel(0, 0, 0.0), None)
             kept = [] if cfg.fsdp.reshards(world) else decoder_layers(model)
-            ids = torch.randint(3, 1000, (1, cfg.data.max_length), generator=torch.Generator().manual_seed(rank))
-            group = [{"input_ids": ids, "labels": ids} for _ in range(ACCUM)]
+            objective = Objective(cfg, model, torch.device("cpu"))  # the loop's: SFT or DPO by train.objective
+            group = [_micro_batch(cfg, rank, objective.dpo) for _ in range(ACCUM)]
             tallied, witnessed = [], []
             for _ in range(STEPS):
                 before = dict(window.moved)
                 with C10dBytes() as witness:
-                    norm = train_step(model, optimizer, scheduler, group, window, world_size=world, kept_layers=kept,
-                                      autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
+                    norm = objective.step(model, optimizer, scheduler, group, window, world_size=world,
+                                          kept_layers=kept, autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
                 tallied.append({k: window.moved[k] - before[k] for k in KINDS})
                 witnessed.append(witness.take())
             metrics = window.take(norm, scheduler, 0.0)
@@ -93,6 +94,17 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
                 json.dump(results, f)
     finally:
         dist.destroy_process_group()
+
+
+def _micro_batch(cfg: Config, rank: int, pairs: bool) -> dict[str, torch.Tensor]:
+    """One row of next-token data, or one preference pair (chosen, rejected) scored on its second half."""
+    rows = 2 if pairs else 1
+    ids = torch.randint(3, 1000, (rows, cfg.data.max_length), generator=torch.Generator().manual_seed(rank))
+    if not pairs:
+        return {"input_ids": ids, "labels": ids}
+    labels = ids.clone()
+    labels[:, : cfg.data.max_length // 2] = -100  # the prompt
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
 def test_measured_bytes_per_step_match_the_planner_for_fsdp_and_ep(fixtures: Fixtures, mistral4_hub, tmp_path):
@@ -118,12 +130,18 @@ def test_measured_bytes_per_step_match_the_planner_for_fsdp_and_ep(fixtures: Fix
         # Experts split over both ranks, the rest whole on each: tokens travel (all-to-all), nothing is gathered.
         # The planner assumes uniform routing; the tiny random router is near it at 128 tokens (a few % off).
         "hub_ep2": config(mistral4_hub, "auto", hub=True, ep=2, tokens=128),
+        "dense_dpo": {**config(fixtures.model, "float32", hub=False), "dpo": {}},  # the step of preference tuning
     }
+    runs["dense_dpo"]["train"] = {**runs["dense_dpo"]["train"], "objective": "dpo"}
+    runs["dense_dpo"]["data"] = {**runs["dense_dpo"]["data"], "packing": False}
     out = tmp_path / "results.json"
     spawn_ranks(_train_rank, args=(WORLD, free_port(), runs, str(out)), nprocs=WORLD)
     results = json.loads(out.read_text())
     for label, raw in runs.items():
         cfg, got = Config.from_dict(raw), results[label]
+        if cfg.train.objective == "dpo":
+            _check_reported_bytes_are_the_witnessed(label, got)
+            continue
         s = meta_structure(cfg)
         fp8 = frozen_fp8(cfg.model)
         k = cfg.parallel.expert_groups()
@@ -156,3 +174,12 @@ def test_measured_bytes_per_step_match_the_planner_for_fsdp_and_ep(fixtures: Fix
     assert fp8 < 0.5 * fp32, (fp8, fp32)
     fp8, fp32 = (results[f"dense_{x}"]["tallied"][-1]["all_gather"] for x in ("fp8", "fp32"))
     assert fp8 < fp32, (fp8, fp32)
+
+
+def _check_reported_bytes_are_the_witnessed(label: str, got: dict) -> None:
+    """The logged per-step gathers and reduce-scatters are what went through c10d (the planner has no DPO model: it
+    predicts one forward per micro-batch, and a live reference adds a second)."""
+    for kind in ("all_gather", "reduce_scatter"):
+        witnessed = sum(step[kind] for step in got["witnessed"]) / STEPS
+        assert witnessed > 0, (label, kind, got)
+        assert got["metrics"][f"comm_{kind}_bytes"] == witnessed, (label, kind, got["metrics"], witnessed)

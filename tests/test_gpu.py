@@ -296,7 +296,8 @@ def test_mfu_and_memory_metrics_are_reported_and_sane(fixtures: Fixtures, tmp_pa
     in (0, 1) with 6N above LoRA-aware; on the GPU peak allocated ≤ reserved ≤ the GPU's memory, on the CPU no
     device memory (null) but the host's RSS."""
     from rayft.model.build import build_model
-    from rayft.train.metrics import flop_model, hardware_metrics, peak_flops
+    from rayft.model.flops import flop_model, peak_flops
+    from rayft.train.metrics import hardware_metrics
 
     cuda = device_group.type == "cuda"
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)

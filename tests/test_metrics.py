@@ -11,7 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import MistralConfig, MistralForCausalLM
 
-from rayft.train.metrics import PEAK_BF16_FLOPS, flop_model, memory, mfu, peak_flops, plot_losses
+from rayft.model.flops import PEAK_BF16_FLOPS, flop_model, mfu, peak_flops
+from rayft.train.metrics import memory, plot_losses
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import MistralConfig, MistralForCausalLM
 
 from rayft.data.pipeline import PackedCollate, PadCollate, pack
-from rayft.train.metrics import LossWindow, attended_keys, flop_model
+from rayft.model.flops import flop_model
+from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.step import train_step
 
 PEAK = 1e12  # a stated peak (train.peak_tflops 1): MFU exists on CPU

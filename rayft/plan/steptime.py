@@ -22,10 +22,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from rayft.config import Config, ConfigError
+from rayft.model.flops import PEAK_BF16_FLOPS
 from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
 from rayft.plan.memory import GPU_GIB, MemoryPlan, plan_memory, tokens_per_micro_batch
 from rayft.plan.structure import Structure
-from rayft.train.metrics import PEAK_BF16_FLOPS
 
 DEFAULT_MFU = 0.4
 DEFAULT_INTER_GBITS = 400.0  # per GPU, each direction (one 400 Gb/s NDR InfiniBand NIC per GPU)

@@ -55,7 +55,7 @@ class Structure:
 def structure(model: nn.Module, config) -> Structure:
     """Parameter counts of a (meta) PEFT model with its decoder layers."""
     from rayft.model.build import decoder_layers
-    from rayft.train.metrics import flop_model
+    from rayft.model.flops import flop_model
 
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}

@@ -1,4 +1,4 @@
-"""Preference tuning (DPO and its relatives) with LoRA: the loss, its metrics, one optimizer step, evaluation.
+"""Preference tuning (DPO and its relatives) with LoRA: the loss a step minimises, its metrics, evaluation.
 
 The reference model is the policy with its adapter switched off (`adapter_off`, as PEFT's `disable_adapter()`),
 run without gradients on the same FSDP2-sharded base: no second model in memory. With `precomputed` that pass runs
@@ -26,11 +26,8 @@ from peft.utils import AuxiliaryTrainingWrapper
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
-from rayft.model.build import reshard_all, set_gradient_sync
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
-from rayft.train.metrics import LossWindow, attended_keys
-from rayft.train.step import clip_gradients_
-from rayft.train.transfer import to_device
+from rayft.train.step import MicroBatchLoss, eval_pass
 
 log = logging.getLogger("rayft")
 
@@ -179,54 +176,31 @@ def step_pairs(group: list[Batch], world_size: int) -> tuple[torch.Tensor, bool]
     return (counts[0] / world_size).clamp_min(1.0), precomputed and not missing
 
 
-def train_step(
-    model,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    group: list[Batch],
-    window: LossWindow,
-    *,
-    sums: PreferenceSums,
-    dpo: DpoConfig,
-    world_size: int,
-    kept_layers: list,
-    autocast: Callable[[], Any],
-    max_grad_norm: float,
-) -> torch.Tensor:
-    """`rayft.train.step.train_step` for pairs: per micro-batch the reference pass (adapter off, no grad; skipped
-    where the batches carry precomputed reference log-probs) and the policy pass over chosen + rejected, the loss
-    summed over pairs and divided by the step's pairs per rank."""
-    window.run()  # the window's clock counts from the first step on
-    per_rank, carried = step_pairs(group, world_size)
-    for i, batch in enumerate(group):
-        last = i == len(group) - 1
-        set_gradient_sync(model, last, kept_layers)
-        with autocast():
-            scores = score(model, batch, dpo, live=not carried)
-        loss = scores.losses.sum() / per_rank
-        loss.backward()
-        window.add(loss.detach(), last, batch["attention_mask"].sum(), attended_keys(batch))
-        sums.add(scores)
-    grad_norm = clip_gradients_(model, max_grad_norm)  # SFT's: the global norm under expert parallelism too
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+class PreferenceLoss:
+    """A step's loss on pairs (`rayft.train.step.StepLoss`): per micro-batch the reference pass (adapter off, no
+    grad; skipped where the batches carry precomputed reference log-probs) and the policy pass over chosen +
+    rejected, the loss summed over pairs and divided by the step's pairs per rank; TRL's metrics go to `sums`."""
+
+    def __init__(self, dpo: DpoConfig, sums: PreferenceSums):
+        self.dpo, self.sums = dpo, sums
+
+    def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss:
+        per_rank, carried = step_pairs(group, world_size)
+
+        def micro_batch_loss(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            scores = score(model, batch, self.dpo, live=not carried)
+            self.sums.add(scores)
+            return scores.losses.sum() / per_rank, batch["attention_mask"].sum()
+
+        return micro_batch_loss
 
 
-@torch.no_grad()
 def evaluate(
     model, shard, batch_size: int, collate, device: torch.device, autocast: Callable[[], Any] = nullcontext, *,
     dpo: DpoConfig,
 ) -> dict[str, float]:  # fmt: skip
     """`eval_loss` and TRL's `eval_rewards/*`, `eval_logps/*`: means over every pair of every rank's shard. For the
     base model alone (no adapter trained yet) policy and reference are the same: rewards 0, loss ln 2 (sigmoid)."""
-    model.eval()
     sums = PreferenceSums(device)
-    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
-        batch = to_device(batch, device)
-        with autocast():
-            sums.add(score(model, batch, dpo))
-    reshard_all(model)  # no backward follows: free what forward kept gathered for it
-    model.train()
+    eval_pass(model, shard, batch_size, collate, device, autocast, lambda batch: sums.add(score(model, batch, dpo)))
     return sums.take(prefix="eval_")

@@ -22,6 +22,7 @@ from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
 from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
+from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.startup import Profile, process_start_time
@@ -31,7 +32,7 @@ from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
 from rayft.train.rundir import EVAL_RESULT, RunDir
 from rayft.train.schedule import Plan, build_optimizer, build_scheduler
-from rayft.train.step import DataWait, evaluate, step_groups, train_step
+from rayft.train.step import NEXT_TOKEN, DataWait, StepLoss, evaluate, step_groups, train_step
 
 log = logging.getLogger("rayft")
 
@@ -175,8 +176,8 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
     model.train()
     optimizer = build_optimizer(model, cfg.train, on_gpu)
     scheduler = build_scheduler(optimizer, cfg.train, plan)
-    flops = measured.flop_model(model, model.config, cfg.data.max_length)
-    peak = measured.peak_flops(device, cfg.train.peak_tflops)
+    flops = flop_model(model, model.config, cfg.data.max_length)
+    peak = peak_flops(device, cfg.train.peak_tflops)
     log.info("%s", measured.flops_line(flops, peak, device, stated=cfg.train.peak_tflops is not None))
     log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
     log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
@@ -194,20 +195,21 @@ def _progress_log(cfg: Config, plan: Plan, state: TrainState, run: RunDir, resum
 
 class Objective:
     """What the run optimises, `train.objective`: the next-token loss (sft) or a preference loss on pairs (dpo,
-    `rayft.train.dpo`). Gives the step, the evaluation (a dict of eval metrics) and the window's extra metrics."""
+    `rayft.train.dpo`). Gives the step its loss, the evaluation (a dict of eval metrics) and the window's extra
+    metrics; the step itself is one for both (`rayft.train.step.train_step`)."""
 
     def __init__(self, cfg: Config, model, device: torch.device):
         self.cfg, self.model, self.dpo = cfg, model, cfg.train.objective == "dpo"
         self.precomputed = self.dpo and cfg.dpo.reference == "precomputed"
         self.sums = None
+        self.loss: StepLoss = NEXT_TOKEN
         if self.dpo:
             dpo.enable_sequence_logprobs(model)
             self.sums = dpo.PreferenceSums(device)
+            self.loss = dpo.PreferenceLoss(cfg.dpo, self.sums)
 
-    def step(self, *args, **kwargs) -> torch.Tensor:
-        if self.dpo:
-            return dpo.train_step(*args, sums=self.sums, dpo=self.cfg.dpo, **kwargs)
-        return train_step(*args, **kwargs)
+    def step(self, model, optimizer, scheduler, group, window: LossWindow, **kwargs) -> torch.Tensor:
+        return train_step(model, optimizer, scheduler, group, window, loss=self.loss, **kwargs)
 
     def evaluate(self, shard, batch_size: int, collate, device, autocast) -> dict[str, Any]:
         if self.dpo:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from itertools import islice
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,35 @@ from rayft.train.transfer import to_device
 log = logging.getLogger("rayft")
 
 Batch = dict[str, torch.Tensor]
+# (model, micro-batch) → (the micro-batch's loss to backpropagate, its attended tokens)
+MicroBatchLoss = Callable[[Any, Batch], tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepLoss(Protocol):
+    """What a step minimises, per micro-batch, given the step's micro-batches: they count what each micro-batch's
+    loss is divided by (once per step, over all ranks), so every item of the step weighs the same."""
+
+    def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss: ...
+
+
+class NextTokenLoss:
+    """Supervised fine-tuning: every target token of the step weighs the same, on every rank and in every
+    micro-batch (as in transformers' Trainer): each loss is a sum over its tokens divided by the step's count per
+    rank."""
+
+    def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss:
+        per_rank = step_targets(group, world_size)
+
+        def micro_batch_loss(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = model(**batch, num_items_in_batch=per_rank).loss
+            mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
+            tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=loss.device)
+            return loss, tokens
+
+        return micro_batch_loss
+
+
+NEXT_TOKEN = NextTokenLoss()  # holds nothing between steps
 
 
 def train_step(
@@ -33,28 +62,24 @@ def train_step(
     group: list[Batch],
     window: LossWindow,
     *,
+    loss: StepLoss = NEXT_TOKEN,
     world_size: int,
     kept_layers: list,
     autocast: Callable[[], Any],
     max_grad_norm: float,
 ) -> torch.Tensor:
-    """Forward and backward over the step's micro-batches, then clip, step and advance the schedule; returns the
-    gradient norm before clipping. Gradients are synchronised on the last micro-batch only.
-
-    Every target token of the step weighs the same, on every rank and in every micro-batch (as in transformers'
-    Trainer): each loss is a sum over its tokens divided by the step's count per rank.
-    """
+    """Forward and backward over the step's micro-batches with the objective's `loss`, then clip, step and advance
+    the schedule; returns the gradient norm before clipping. Gradients are synchronised on the last micro-batch
+    only; the collectives of the step go to the window."""
     window.run()  # the window's clock counts from the first step on
-    per_rank = step_targets(group, world_size)
+    micro_batch_loss = loss.for_step(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         set_gradient_sync(model, last, kept_layers)
         with autocast():
-            loss = model(**batch, num_items_in_batch=per_rank).loss
-        loss.backward()
-        mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
-        tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=loss.device)
-        window.add(loss.detach(), last, tokens, attended_keys(batch))
+            value, tokens = micro_batch_loss(model, batch)
+        value.backward()
+        window.add(value.detach(), last, tokens, attended_keys(batch))
     grad_norm = clip_gradients_(model, max_grad_norm)
     optimizer.step()
     scheduler.step()
@@ -73,21 +98,30 @@ def clip_gradients_(model, max_grad_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
+def eval_pass(model, shard, batch_size: int, collate, device: torch.device, autocast, score: Callable[[Batch], None]):
+    """`score` every batch of this rank's validation shard in eval mode; then the model as training wants it back.
+    Evaluation's collectives are not a training step's: they leave the tally."""
+    model.eval()
+    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
+        batch = to_device(batch, device)
+        with autocast():
+            score(batch)
+    reshard_all(model)  # no backward follows: free what forward kept gathered for it
+    model.train()
+    TALLY.take()
+
+
 def evaluate(
     model, shard, batch_size: int, collate, device: torch.device, autocast: Callable[[], Any] = nullcontext
 ) -> float:
     """Token-weighted mean loss over every rank's validation shard."""
-    model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in shard.iter_torch_batches(batch_size=batch_size, collate_fn=collate):
-        batch = to_device(batch, device)
+
+    def score(batch: Batch) -> None:
         predicted = targets(batch)
-        with autocast():
-            loss = model(**batch).loss
-        totals += torch.stack([loss.double() * predicted, predicted.double()])
-    reshard_all(model)  # no backward follows: free what forward kept gathered for it
-    model.train()
-    TALLY.take()  # evaluation's gathers are not a training step's
+        totals.add_(torch.stack([model(**batch).loss.double() * predicted, predicted.double()]))
+
+    eval_pass(model, shard, batch_size, collate, device, autocast, score)
     dist.all_reduce(totals)
     return totals[0].item() / totals[1].item() if totals[1] > 0 else math.nan
 

@@ -1,0 +1,105 @@
+"""What the model costs per token, for model FLOPs utilisation (MFU) and the planner's step time, and the peak
+FLOP/s of the GPU it runs on.
+
+MFU counts the FLOPs the model needs per token, not what the kernels did (activation recompute is excluded):
+  6N      6 · (N_base + N_lora) + 3 · A       the usual formula: forward 2N, backward 4N (input and weight grads)
+  LoRA    4 · N_base + 6 · N_lora + 3 · A     a frozen base needs no weight gradients: its backward is 2N
+where N_base counts the frozen matrix weights a token is multiplied by (embeddings are lookups and are left out;
+routed experts count top_k / num_experts of theirs), N_lora the trainable ones, and A = 2 · L · H · (d_qk + d_v) · k
+the forward FLOPs of attention scores and values per token attending k keys (backward: 2A). Attention is causal
+and never crosses documents (packed rows restart at each one), so a document of n tokens attends n (n + 1) / 2
+keys in all: the window counts them from the batches it trained on, not from `max_length`; the start-up line's
+figures assume full-length documents, k = (s + 1) / 2.
+Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Dense (no sparsity) bf16 peak per GPU, vendor figures; matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
+                   "A100": 312e12, "A800": 312e12, "L40S": 362e12}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    base_params: int  # frozen matrix weights multiplied per token
+    lora_params: int  # trainable ones
+    attention: float  # forward attention FLOPs of one query attending one key (all layers and heads)
+    seq_len: int = 1  # the document length the per-token properties assume (data.max_length)
+
+    def per_token(self, lora_aware: bool, keys_per_token: float | None = None) -> float:
+        """FLOPs per trained token with attention over `keys_per_token` keys per query (a window's measured mean);
+        by default a full-length document's causal mean, (s + 1) / 2."""
+        keys = (self.seq_len + 1) / 2 if keys_per_token is None else keys_per_token
+        base, lora = self.base_params, self.lora_params
+        matmuls = 4 * base + 6 * lora if lora_aware else 6 * (base + lora)
+        return matmuls + 3 * self.attention * keys
+
+    @property
+    def per_token_6n(self) -> float:
+        return self.per_token(lora_aware=False)
+
+    @property
+    def per_token_lora(self) -> float:
+        return self.per_token(lora_aware=True)
+
+
+def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
+    """Counts from the (possibly FSDP-sharded: DTensor numel is the global one) PEFT model and its config."""
+    text = getattr(config, "text_config", None) or config
+    top_k = getattr(text, "num_experts_per_tok", None) or 0
+    experts = getattr(text, "n_routed_experts", None) or getattr(text, "num_local_experts", None) or 0
+    base = lora = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            seen.update(id(p) for p in module.parameters(recurse=False))
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base_model.get_output_embeddings() if hasattr(base_model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    if head_weight is not None and id(head_weight) in seen and not head_weight.requires_grad:
+        base += head_weight.numel()  # a tied head is the embedding matrix, yet a matmul every token goes through
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            lora += p.numel()
+        elif p.dim() == 2:
+            base += p.numel()
+        elif p.dim() == 3 and experts:  # fused routed experts [E, out, in]: a token visits top_k of E
+            base += p.numel() * top_k // experts
+    return FlopModel(base, lora, attention_flops(text, 1), seq_len)
+
+
+def attention_flops(text: Any, seq_len: int) -> float:
+    """2 · L · s · H · (d_qk + d_v): QKᵀ and attention·V, forward, per token attending s keys (MLA: its own q/k and
+    v widths)."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    d_qk = getattr(text, "qk_head_dim", None) or (
+        (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0)
+    ) or head_dim  # fmt: skip
+    d_v = getattr(text, "v_head_dim", None) or head_dim
+    return 2.0 * text.num_hidden_layers * seq_len * heads * (d_qk + d_v)
+
+
+def peak_flops(device: torch.device, stated_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of this rank's device: the one the config states (`train.peak_tflops`), else the table's bf16
+    figure for a known GPU; None on CPU or an unknown GPU without a stated peak (MFU is then reported as null)."""
+    if stated_tflops is not None:
+        return stated_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None) -> float | None:
+    return tokens_per_s_per_gpu * flops_per_token / peak if peak else None
