@@ -24,6 +24,11 @@ from rayft import demo
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two xdist workers share the cores: one thread each (before torch loads)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray starts its workers at nice 15 so that its own daemons stay responsive on a busy node. In a test run the other
+# xdist worker's torch processes and every test Ray's daemons (all at nice 0) are that load: a niced job got a few
+# percent of a core, and a recovery test waited minutes for one actor notification. Every Ray a test starts, and every
+# job it runs, inherits this environment.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"

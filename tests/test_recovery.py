@@ -210,6 +210,25 @@ def test_another_runs_checkpoint_resumes_on_one_worker(
     assert (run.run_dir / f"checkpoint-{STEPS:06d}" / "state" / ".metadata").is_file()
 
 
+PRIORITY_PROBE = """
+import os, ray
+ray.init()
+@ray.remote(num_cpus=1)
+def niceness():
+    return os.nice(0)
+print("niceness", ray.get(niceness.remote()))
+"""
+
+
+def test_a_test_clusters_workers_run_at_normal_priority(ray_cluster: RayCluster):
+    """Ray's default nice 15 for workers let the rest of a parallel test run starve a job (tests/conftest.py): a
+    recovery test then timed out waiting for work that takes a minute. The test clusters' workers run at nice 0."""
+    env = {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}
+    probe = subprocess.run([sys.executable, "-c", PRIORITY_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert "niceness 0" in probe.stdout, probe.stdout
+
+
 def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, reference_run: Run, tmp_path, monkeypatch):
     """Three trainer nodes for two workers (STRICT_SPREAD, one per node): removing a worker's node mid-run, as a
     lost pod would, kills its worker; with max_failures 1 the group restarts on the spare node, from the last
