@@ -9,7 +9,7 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
+from rayft.train.job import EvalJob, Job
 from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
 from rayft.train.schedule import Plan, make_plan
@@ -74,33 +75,24 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
     best = _best_metric(cfg, plan)
-
+    params = {"trainable_params": checked.trainable_params, "total_params": checked.total_params}
+    job = Job(
+        config=cfg,
+        plan=plan,
+        run_uri=run.uri,
+        run_id=run_id,
+        resume_from=resume_from,
+        best_metric=best[0] if best else None,
+        params=params,
+        profile=profile,
+        fit_started=time.time(),
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": cfg.to_dict(),
-            "plan": asdict(plan),
-            "run_uri": run.uri,
-            "best_metric": best[0] if best else None,
-            "resume_from": resume_from,
-            "run_id": run_id,
-            "params": {"trainable_params": checked.trainable_params, "total_params": checked.total_params},
-            "profile": profile.to_dict(),
-            "fit_started": time.time(),
-        },
+        train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
-        run_config=ray.train.RunConfig(
-            name=cfg.ray.name,
-            storage_path=cfg.storage_path,
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.train.save_total_limit,
-                checkpoint_score_attribute=best[0] if best else None,
-                checkpoint_score_order=best[1] if best else "max",
-            ),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
-            worker_runtime_env=worker_runtime_env(cfg, use_gpu),
-        ),
+        run_config=_run_config(cfg, best, use_gpu),
         datasets=splits,
     )
     try:
@@ -116,6 +108,21 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
         # Ray keeps reported metrics with checkpoints only; without them, the run's own record has the last ones
         metrics=dict(result.metrics or {}) or _last_metrics(run),
+    )
+
+
+def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray.train.RunConfig:
+    """Where Ray keeps the run, how many checkpoints (ranked by `best`: metric and order), how often it restarts."""
+    return ray.train.RunConfig(
+        name=cfg.ray.name,
+        storage_path=cfg.storage_path,
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=cfg.train.save_total_limit,
+            checkpoint_score_attribute=best[0] if best else None,
+            checkpoint_score_order=best[1] if best else "max",
+        ),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+        worker_runtime_env=worker_runtime_env(cfg, use_gpu),
     )
 
 
@@ -247,11 +254,10 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path, scored, split, rows,
              cfg.ray.num_workers)  # fmt: skip
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
-    loop_config = {"config": cfg.to_dict(), "adapter": str(adapter.resolve()) if adapter else None, "run_uri": run.uri,
-                   "with_base": with_base}  # fmt: skip
+    job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base)
     trainer = TorchTrainer(
         eval_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(
