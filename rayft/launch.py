@@ -322,7 +322,7 @@ def _plot_losses(run: RunDir) -> None:
     try:
         rows = run.read_metrics()
         if rows:
-            from rayft.train.metrics import plot_losses
+            from rayft.train.sinks import plot_losses
 
             run.write_file(LOSS_PLOT, plot_losses(rows))
             log.info("loss curve: %s", f"{run.uri}/{LOSS_PLOT}")

@@ -25,7 +25,7 @@ from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.startup import Profile, process_start_time
-from rayft.train import dpo, reference
+from rayft.train import dpo, reference, sinks
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.job import EvalJob, Job
@@ -236,9 +236,9 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
 
 def _progress_log(cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params) -> ProgressLog:
     """Rank 0's logger, gauges and trackers."""
-    trackers = measured.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
+    trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
     dpo_run = cfg.train.objective == "dpo"
-    gauges = measured.Gauges(cfg.ray.name, measured.PREFERENCE_GAUGES if dpo_run else None)
+    gauges = sinks.Gauges(cfg.ray.name, sinks.PREFERENCE_GAUGES if dpo_run else None)
     return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers)
 
 
