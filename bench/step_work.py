@@ -75,9 +75,9 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
     import torch.distributed as dist
     from fixtures.work import WorkCounter
 
-    from rayft.model.build import build_model
     from rayft.model.fp8 import frozen_storage_bytes
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.step import clip_gradients_
 

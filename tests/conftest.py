@@ -123,7 +123,7 @@ def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: st
     import torch.distributed as dist
 
     from rayft.config import Config
-    from rayft.model.build import build_model
+    from rayft.parallel.parallelize import build_model
     from rayft.train.checkpoint import save_adapter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

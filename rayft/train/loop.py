@@ -20,10 +20,11 @@ from rayft.config import Config, TrainConfig
 from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
-from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
+from rayft.model.build import cpu_autocast, cpu_bf16, decoder_layers, fused_loss
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
+from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
 from rayft.train import dpo, reference, sinks
 from rayft.train import metrics as measured
