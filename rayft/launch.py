@@ -375,12 +375,11 @@ def local_ray_options() -> dict[str, Any]:
     dashboard = os.environ.get("RAYFT_LOCAL_DASHBOARD", "1") != "0"
     poll = os.environ.get(HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S)  # the user's own value wins
     env = {**worker_env(), "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", HEALTH_CHECK_ENV: poll}
-    options: dict[str, Any] = {"include_dashboard": dashboard}
     port = local_port(preferred=DASHBOARD_PORT) if dashboard else 0
-    if dashboard:
-        options.update(dashboard_host="127.0.0.1", dashboard_port=port)
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    return {**options, "runtime_env": {"env_vars": env}, "_system_config": {"prestart_worker_first_driver": False}}
+    served = {"dashboard_host": "127.0.0.1", "dashboard_port": port} if dashboard else {}
+    return {"include_dashboard": dashboard, **served, "runtime_env": {"env_vars": env},
+            "_system_config": {"prestart_worker_first_driver": False}}  # fmt: skip
 
 
 def local_port(preferred: int) -> int:

@@ -102,8 +102,10 @@ def autoscaler_ceiling() -> list[dict[str, float]] | None:
     """The largest cluster the autoscaler may build (its node groups × their max counts; an unbounded group as
     more nodes than any job asks for), or None when no autoscaler declared its configuration (a fixed cluster)."""
     state = ray_private.cluster_state()
+    if state is None:
+        return None
     try:
-        config = state.get_cluster_config() if state is not None else None
+        config = state.get_cluster_config()
     except Exception:  # a private API: its failure means we cannot tell, not an error of the user's
         return None
     if config is None or not config.node_group_configs:
