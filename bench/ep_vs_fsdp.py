@@ -61,7 +61,8 @@ def _count_all_gathers(module, box: list[int]) -> None:
 
 def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) -> None:
     from rayft.config import Config
-    from rayft.model.build import build_model, decoder_layers
+    from rayft.model.build import decoder_layers
+    from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.step import clip_gradients_
 

@@ -41,7 +41,8 @@ STEPS = 3
 
 def _rank(rank: int, world: int, port: int, raw: dict, vocab: int, results: str) -> None:
     from rayft.config import Config
-    from rayft.model.build import build_model, decoder_layers
+    from rayft.model.build import decoder_layers
+    from rayft.parallel.parallelize import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -10,6 +10,12 @@ checkpointing on or off); per step each rank counts
 - collective calls and bytes by kind, from `rayft.parallel.tally` (calls counted at its `add`);
 - tokens/s of steps run without the counters, and the loss, so rows can be compared for equality.
 
+Two more rows show the one host sync the FP8 expert path keeps: a layer whose experts do not fit one
+dequantisation chunk (Mistral-Small-4's 128) reads the routed row counts on the host to skip experts without rows
+and to dequantise a chunk of experts at a time. Here the chunk is made 2 experts (of the model's 4 or 8), and the
+row's `trade` says what the sync buys against the same case dequantised whole: FP8 bytes not read per sync, and the
+largest dequantised weight alive at once.
+
 The "before" rows run the code of another commit (default: the branch point with `main`), unpacked with
 `git archive` into a temporary directory and imported from there in the same invocation; the "after" rows run
 this checkout. On CPU the times say little; the counts are what a GPU pays.
@@ -20,6 +26,7 @@ this checkout. On CPU the times say little; the counts are what a GPU pays.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,7 +43,9 @@ SIZES = {
 }
 TIMED_STEPS = 2
 CASES = [
-    (base, k, ac) for base in ("fp8", "dense") for k in (1, 2) for ac in (False, True)
+    *((base, k, ac) for base in ("fp8", "dense") for k in (1, 2) for ac in (False, True)),
+    ("fp8", 1, False, 2),  # experts dequantised 2 at a time: the chunked path and its sync
+    ("fp8", 1, True, 2),
 ]  # fmt: skip
 
 
@@ -52,14 +61,23 @@ def _count_calls(calls: Counter) -> None:
     TALLY.add = counted
 
 
-def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) -> None:
+def _dequantise_in_chunks_of(model, experts: int) -> None:
+    """Shrink the FP8 expert path's dequantisation budget to `experts` experts' gate_up weights (down_proj, half
+    their size, goes twice as many at a time), as a layer with more experts than one chunk holds would run."""
+    from rayft.model import fp8
+
+    stacks = [m for m in model.modules() if isinstance(m, fp8.Fp8Experts)]
+    fp8.EXPERT_DEQUANT_BUDGET = experts * math.prod(stacks[0].gate_up_proj.shape[1:])  # global shape if sharded
+
+
+def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, chunk: int | None = None) -> None:
     import torch
     import torch.distributed as dist
     from fixtures.work import WorkCounter
 
-    from rayft.model.build import build_model
     from rayft.model.fp8 import frozen_storage_bytes
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.step import clip_gradients_
 
@@ -68,6 +86,8 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) ->
     torch.manual_seed(0)
     try:
         model = build_model(_config(raw), on_gpu=False)
+        if chunk:
+            _dequantise_in_chunks_of(model, chunk)
         count_fsdp_collectives(model)
         calls: Counter = Counter()
         _count_calls(calls)
@@ -137,7 +157,7 @@ def _worker_main(args: list[str]) -> None:
     from _common import free_port
 
     spec = json.loads(args[args.index("--case") + 1])
-    mp.spawn(_rank, args=(2, free_port(), spec["raw"], spec["tokens"], spec["out"]), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), spec["raw"], spec["tokens"], spec["out"], spec["chunk"]), nprocs=2)
 
 
 def _summarise(per_rank: list[dict], raw: dict, shape: dict, tokens: int) -> dict:
@@ -160,6 +180,7 @@ def _summarise(per_rank: list[dict], raw: dict, shape: dict, tokens: int) -> dic
         "host_syncs_by_site_both_ranks": dict(sorted(syncs.items())),
         "dequant_bytes_per_step": dequant,
         "dequant_bytes_per_layer_per_pass": dequant / moe_passes,
+        "largest_dequant_elements": max(max(r["dequant_calls"], default=0) for r in per_rank),
         "layer_fp8_weights_plus_scales_bytes": layer_fp8,
         "dequant_per_pass_over_layer_fp8": round(dequant / moe_passes / layer_fp8, 4) if layer_fp8 else None,
         "collective_calls_per_step": _mean_dicts([r["collective_calls"] for r in per_rank]),
@@ -185,9 +206,9 @@ def _unpack(rev: str, into: Path) -> str:
     return full
 
 
-def _run_case(code_root: Path, raw: dict, tokens: int, out: Path, shape: dict) -> dict:
+def _run_case(code_root: Path, raw: dict, tokens: int, out: Path, shape: dict, chunk: int | None = None) -> dict:
     out.mkdir(parents=True)
-    spec = json.dumps({"raw": raw, "tokens": tokens, "out": str(out)})
+    spec = json.dumps({"raw": raw, "tokens": tokens, "out": str(out), "chunk": chunk})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code_root), str(REPO / "bench"), str(REPO / "tests")])}
     result = subprocess.run(
         [sys.executable, __file__, "--worker", "--case", spec], env=env, capture_output=True, text=True, timeout=1800
@@ -216,16 +237,35 @@ def run(size: str, before: str | None = "main", cases: list | None = None) -> di
             before_hash = _unpack(before, Path(tmp) / "before")
             report["before"] = {"commit": before_hash, "how": f"git archive of {before} imported in a child process"}
             roots = {"before": Path(tmp) / "before", **roots}
-        for base, k, ac in cases or CASES:
-            name = f"{base} base, {'EP 2' if k == 2 else 'FSDP only'}, AC {'on' if ac else 'off'}"
+        for base, k, ac, *chunk in cases or CASES:
+            whole = f"{base} base, {'EP 2' if k == 2 else 'FSDP only'}, AC {'on' if ac else 'off'}"
+            name = f"{whole}, experts dequantised {chunk[0]} at a time" if chunk else whole
             raw = _case_raw(model_dir, base, k, ac)
-            row = {label: _run_case(root, raw, tokens, Path(tmp) / "runs" / name / label, shape)
+            row = {label: _run_case(root, raw, tokens, Path(tmp) / "runs" / name / label, shape, *chunk)
                    for label, root in roots.items()}  # fmt: skip
             if before:
                 pairs = zip(row["before"]["losses_rank0"], row["after"]["losses_rank0"], strict=True)
                 row["loss_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
+            if chunk and whole in report["rows"]:
+                row["trade"] = _trade(row["after"], report["rows"][whole]["after"])
             report["rows"][name] = row
     return report
+
+
+def _trade(chunked: dict, whole: dict) -> dict:
+    """What the chunked path's host syncs buy against the same case dequantised whole (both this checkout)."""
+    syncs = chunked["host_syncs_expert_path_per_step"] - whole["host_syncs_expert_path_per_step"]
+    saved = whole["dequant_bytes_per_step"] - chunked["dequant_bytes_per_step"]
+    return {
+        "host_syncs_added_per_step": syncs,
+        "fp8_bytes_not_read_per_step": saved,
+        "fp8_bytes_not_read_per_sync": saved / syncs if syncs else None,
+        "largest_dequant_elements_whole_layer": whole["largest_dequant_elements"],
+        "largest_dequant_elements_chunked": chunked["largest_dequant_elements"],
+        "loss_max_abs_diff_vs_whole": max(
+            abs(x - y) for x, y in zip(chunked["losses_rank0"], whole["losses_rank0"], strict=True)
+        ),
+    }
 
 
 if __name__ == "__main__":

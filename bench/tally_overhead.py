@@ -64,9 +64,9 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     from rayft.config import Config
-    from rayft.model.build import build_model
     from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.metrics import LossWindow
     from rayft.train.step import train_step

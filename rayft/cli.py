@@ -68,6 +68,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="a configuration error's traceback too, and Ray's routine log lines")  # fmt: skip
     parser.add_argument("--verbose", action="store_true", default=False, help=common._actions[0].help)
     sub = parser.add_subparsers(dest="command", required=True)
+    _job_parsers(sub, common)
+    _plan_parser(sub, common)
+    _export_parser(sub, common)
+    _k8s_parser(sub, common)
+    _config_parser(sub, common)
+    return parser
+
+
+def _job_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """train, validate and eval: a config and overrides each, and their own few flags."""
     for name, help_text in (
         ("train", "fine-tune: joins the Ray cluster of `ray job submit` or starts a local one"),
         ("validate", "check config, data, tokenizer and LoRA targets and print the memory plan; no cluster, no GPU"),
@@ -93,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--split", help="split to score (default: data.val_split)")
             p.add_argument("--with-base", action="store_true",
                            help="with --adapter: score the base model too, in the same job (one load)")  # fmt: skip
+
+
+def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     about = (
         "per-GPU memory plan of the run for one or more cluster sizes, and each layout's bytes moved and step "
         "time (no GPU, no weights needed)"
@@ -127,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-layouts", dest="layouts", action="store_false",
                    help="the memory table only, without the layouts' communication and step time")  # fmt: skip
+
+
+def _export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     about = "copy a trained adapter, or merge it into a standalone text-only checkpoint"
     p = sub.add_parser("export", help=about, description=about, parents=[common])
     p.add_argument("--adapter", required=True, help="PEFT adapter dir (output_dir/final or a checkpoint's adapter/)")
@@ -134,9 +150,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the export")
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
-    _k8s_parser(sub, common)
-    _config_parser(sub, common)
-    return parser
 
 
 def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -182,39 +195,7 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    help="override one key; also passed to the job's entrypoint")  # fmt: skip
     p.add_argument("--out", help="directory for rayjob.yaml and raycluster.yaml (default: both to stdout)")
     p.add_argument("--config-in-cluster", help="the config's path on the PVC when it is not under jobs/")
-    flags = {
-        "name": "RayJob name (the RayCluster gets -cluster appended)",
-        "namespace": "Kubernetes namespace",
-        "image": "the rayft image (cluster/Containerfile)",
-        "pvc": "PersistentVolumeClaim with models, data and checkpoints (ReadWriteMany)",
-        "mount_path": "where the PVC is mounted on every pod",
-        "gpus_per_pod": "GPUs per worker pod (one Ray worker each)",
-        "gpu_resource": "the GPU extended resource",
-        "worker_cpus": "CPUs per GPU pod (tokenization runs there too)",
-        "worker_memory": "memory per GPU pod, /dev/shm included",
-        "shm_size": "size of the memory-backed /dev/shm",
-        "head_cpus": "CPUs of the head pod (driver, dashboard)",
-        "head_memory": "memory of the head pod",
-        "head_shm_size": "size of the head's memory-backed /dev/shm",
-        "network": "Multus network for k8s.v1.cni.cncf.io/networks ('none' to leave out)",
-        "ib_resource": "RDMA extended resource, e.g. rdma/rdma_shared_device_a, nvidia.com/hostdev, "
-        "openshift.io/mellanoxnics ('none' to leave out)",
-        "ib_hca": "NCCL_IB_HCA: which InfiniBand adapters NCCL uses",
-        "socket_ifname": "NCCL_SOCKET_IFNAME: the pod interface on the IB network",
-        "pre_running_deadline_s": "seconds the RayJob may take to start running",
-        "active_deadline_s": "seconds the RayJob may run",
-        "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
-        "backoff_limit": "fresh clusters after a failed job (default: 1, or 0 with ray.max_failures: -1)",
-        "prometheus_host": "RAY_PROMETHEUS_HOST on the head: the in-cluster Prometheus URL the dashboard queries",
-        "grafana_host": "RAY_GRAFANA_HOST on the head: the in-cluster Grafana URL the dashboard checks",
-        "grafana_iframe_host": "RAY_GRAFANA_IFRAME_HOST on the head: the Grafana URL the browser loads panels from",
-    }
-    for field, text in flags.items():
-        default = getattr(d, field)
-        flag = "--" + field.removesuffix("_s").replace("_after_finished", "").replace("_", "-")
-        kind = int if isinstance(default, int) or field == "backoff_limit" else str
-        metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
-        p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text} (default {default})")
+    _deployment_flags(p, d)
     about = "also render a PodMonitor (head and workers) and rayft's Grafana dashboard as a ConfigMap"
     p.add_argument("--monitoring", action="store_true", default=None, help=about)
     g = p.add_argument_group("platform (add to or override the config's k8s: section)")
@@ -243,6 +224,46 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
     p = actions.add_parser("validate", help=about, description=about, parents=[common])
     p.add_argument("files", nargs="+", type=Path)
+
+
+# `rayft k8s render` flags, one per field of rayft.deploy.k8s.Deployment (its default shown in the help).
+DEPLOYMENT_FLAGS = {
+    "name": "RayJob name (the RayCluster gets -cluster appended)",
+    "namespace": "Kubernetes namespace",
+    "image": "the rayft image (cluster/Containerfile)",
+    "pvc": "PersistentVolumeClaim with models, data and checkpoints (ReadWriteMany)",
+    "mount_path": "where the PVC is mounted on every pod",
+    "gpus_per_pod": "GPUs per worker pod (one Ray worker each)",
+    "gpu_resource": "the GPU extended resource",
+    "worker_cpus": "CPUs per GPU pod (tokenization runs there too)",
+    "worker_memory": "memory per GPU pod, /dev/shm included",
+    "shm_size": "size of the memory-backed /dev/shm",
+    "head_cpus": "CPUs of the head pod (driver, dashboard)",
+    "head_memory": "memory of the head pod",
+    "head_shm_size": "size of the head's memory-backed /dev/shm",
+    "network": "Multus network for k8s.v1.cni.cncf.io/networks ('none' to leave out)",
+    "ib_resource": "RDMA extended resource, e.g. rdma/rdma_shared_device_a, nvidia.com/hostdev, "
+    "openshift.io/mellanoxnics ('none' to leave out)",
+    "ib_hca": "NCCL_IB_HCA: which InfiniBand adapters NCCL uses",
+    "socket_ifname": "NCCL_SOCKET_IFNAME: the pod interface on the IB network",
+    "pre_running_deadline_s": "seconds the RayJob may take to start running",
+    "active_deadline_s": "seconds the RayJob may run",
+    "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
+    "backoff_limit": "fresh clusters after a failed job (default: 1, or 0 with ray.max_failures: -1)",
+    "prometheus_host": "RAY_PROMETHEUS_HOST on the head: the in-cluster Prometheus URL the dashboard queries",
+    "grafana_host": "RAY_GRAFANA_HOST on the head: the in-cluster Grafana URL the dashboard checks",
+    "grafana_iframe_host": "RAY_GRAFANA_IFRAME_HOST on the head: the Grafana URL the browser loads panels from",
+}
+
+
+def _deployment_flags(p: argparse.ArgumentParser, d) -> None:
+    """One flag per `DEPLOYMENT_FLAGS` field: its type and metavar from the Deployment default's."""
+    for field, text in DEPLOYMENT_FLAGS.items():
+        default = getattr(d, field)
+        flag = "--" + field.removesuffix("_s").replace("_after_finished", "").replace("_", "-")
+        kind = int if isinstance(default, int) or field == "backoff_limit" else str
+        metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
+        p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text} (default {default})")
 
 
 def _load(args: argparse.Namespace) -> Config:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,12 @@ from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, with_adapter_shape
 from rayft.parallel.backend import nccl_env, process_group_backend
+from rayft.placement import resolve_use_gpu, wait_for_placement
 from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
+from rayft.train.job import EvalJob, Job
 from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
 from rayft.train.schedule import Plan, make_plan
@@ -74,33 +75,24 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
     best = _best_metric(cfg, plan)
-
+    params = {"trainable_params": checked.trainable_params, "total_params": checked.total_params}
+    job = Job(
+        config=cfg,
+        plan=plan,
+        run_uri=run.uri,
+        run_id=run_id,
+        resume_from=resume_from,
+        best_metric=best[0] if best else None,
+        params=params,
+        profile=profile,
+        fit_started=time.time(),
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": cfg.to_dict(),
-            "plan": asdict(plan),
-            "run_uri": run.uri,
-            "best_metric": best[0] if best else None,
-            "resume_from": resume_from,
-            "run_id": run_id,
-            "params": {"trainable_params": checked.trainable_params, "total_params": checked.total_params},
-            "profile": profile.to_dict(),
-            "fit_started": time.time(),
-        },
+        train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
-        run_config=ray.train.RunConfig(
-            name=cfg.ray.name,
-            storage_path=cfg.storage_path,
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.train.save_total_limit,
-                checkpoint_score_attribute=best[0] if best else None,
-                checkpoint_score_order=best[1] if best else "max",
-            ),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
-            worker_runtime_env=worker_runtime_env(cfg, use_gpu),
-        ),
+        run_config=_run_config(cfg, best, use_gpu),
         datasets=splits,
     )
     try:
@@ -116,6 +108,21 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
         # Ray keeps reported metrics with checkpoints only; without them, the run's own record has the last ones
         metrics=dict(result.metrics or {}) or _last_metrics(run),
+    )
+
+
+def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray.train.RunConfig:
+    """Where Ray keeps the run, how many checkpoints (ranked by `best`: metric and order), how often it restarts."""
+    return ray.train.RunConfig(
+        name=cfg.ray.name,
+        storage_path=cfg.storage_path,
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=cfg.train.save_total_limit,
+            checkpoint_score_attribute=best[0] if best else None,
+            checkpoint_score_order=best[1] if best else "max",
+        ),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+        worker_runtime_env=worker_runtime_env(cfg, use_gpu),
     )
 
 
@@ -247,11 +254,10 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path, scored, split, rows,
              cfg.ray.num_workers)  # fmt: skip
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
-    loop_config = {"config": cfg.to_dict(), "adapter": str(adapter.resolve()) if adapter else None, "run_uri": run.uri,
-                   "with_base": with_base}  # fmt: skip
+    job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base)
     trainer = TorchTrainer(
         eval_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(
@@ -316,7 +322,7 @@ def _plot_losses(run: RunDir) -> None:
     try:
         rows = run.read_metrics()
         if rows:
-            from rayft.train.metrics import plot_losses
+            from rayft.train.sinks import plot_losses
 
             run.write_file(LOSS_PLOT, plot_losses(rows))
             log.info("loss curve: %s", f"{run.uri}/{LOSS_PLOT}")
@@ -369,12 +375,11 @@ def local_ray_options() -> dict[str, Any]:
     dashboard = os.environ.get("RAYFT_LOCAL_DASHBOARD", "1") != "0"
     poll = os.environ.get(HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S)  # the user's own value wins
     env = {**worker_env(), "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", HEALTH_CHECK_ENV: poll}
-    options: dict[str, Any] = {"include_dashboard": dashboard}
     port = local_port(preferred=DASHBOARD_PORT) if dashboard else 0
-    if dashboard:
-        options.update(dashboard_host="127.0.0.1", dashboard_port=port)
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    return {**options, "runtime_env": {"env_vars": env}, "_system_config": {"prestart_worker_first_driver": False}}
+    served = {"dashboard_host": "127.0.0.1", "dashboard_port": port} if dashboard else {}
+    return {"include_dashboard": dashboard, **served, "runtime_env": {"env_vars": env},
+            "_system_config": {"prestart_worker_first_driver": False}}  # fmt: skip
 
 
 def local_port(preferred: int) -> int:
@@ -403,112 +408,3 @@ def worker_env() -> dict[str, str]:
     """Environment of every worker process: WORKER_ENV, plus the log level when it was raised."""
     level = os.environ.get(LEVEL_ENV)
     return {**WORKER_ENV, **({LEVEL_ENV: level} if level else {})}
-
-
-def resolve_use_gpu(ray_cfg: RayConfig) -> bool:
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if ray_cfg.use_gpu is None:
-        return gpus > 0
-    if ray_cfg.use_gpu and gpus == 0:
-        raise ConfigError("ray.use_gpu: true but the Ray cluster has no GPUs; set ray.use_gpu: false to train on CPU")
-    return ray_cfg.use_gpu
-
-
-def wait_for_placement(ray_cfg: RayConfig, bundle: dict[str, float], started_locally: bool) -> None:
-    """Before fit(): the workers' placement group must fit the cluster, or Ray Train cycles between scheduling
-    and rescheduling forever. A cluster that cannot ever fit it is refused at once: the local one, or one whose
-    autoscaler's declared maximum is too small. Otherwise (nodes may still join) this waits, at most
-    `ray.placement_timeout_s`, saying what for; Ctrl-C stops the wait."""
-    request = Request(ray_cfg.num_workers, bundle, ray_cfg.placement_strategy)
-    nodes = node_totals()
-    if request.fits(nodes):
-        return
-    ceiling = autoscaler_ceiling()
-    if started_locally or (ceiling is not None and not request.fits(ceiling)):
-        raise ConfigError(request.refusal(nodes, "the local Ray cluster" if started_locally else "this cluster, "
-                                          "even at its autoscaler's maximum,"))  # fmt: skip
-    deadline = time.monotonic() + ray_cfg.placement_timeout_s
-    log.warning("waiting up to %ds (ray.placement_timeout_s) for the cluster to fit %s; it offers %s now",
-                ray_cfg.placement_timeout_s, request.describe(), describe_nodes(nodes))  # fmt: skip
-    while time.monotonic() < deadline:
-        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-        nodes = node_totals()
-        if request.fits(nodes):
-            log.info("the cluster now fits %s", request.describe())
-            return
-    raise ConfigError(request.refusal(nodes, f"the cluster (after waiting {ray_cfg.placement_timeout_s}s)"))
-
-
-@dataclass(frozen=True)
-class Request:
-    """The workers' placement group: `workers` bundles of `bundle`, placed by a Ray placement strategy."""
-
-    workers: int
-    bundle: dict[str, float]
-    strategy: str
-
-    def fits(self, nodes: list[dict[str, float]]) -> bool:
-        """Whether some placement exists on nodes with these resource totals."""
-        per_node = [self._bundles_on(node) for node in nodes]
-        if self.strategy == "STRICT_PACK":
-            return any(n >= self.workers for n in per_node)
-        if self.strategy == "STRICT_SPREAD":
-            return sum(1 for n in per_node if n >= 1) >= self.workers
-        return sum(per_node) >= self.workers  # PACK, SPREAD: bundles go wherever they fit
-
-    def _bundles_on(self, node: dict[str, float]) -> int:
-        counts = [math.floor(node.get(r, 0) / amount) for r, amount in self.bundle.items() if amount > 0]
-        return min(counts) if counts else self.workers  # an empty bundle fits anywhere
-
-    def describe(self) -> str:
-        each = ", ".join(f"{r} {_amount(a)}" for r, a in sorted(self.bundle.items()))
-        total = ", ".join(f"{r} {_amount(a * self.workers)}" for r, a in sorted(self.bundle.items()))
-        return f"{self.workers} workers × {{{each}}} = {{{total}}} ({self.strategy})"
-
-    def refusal(self, nodes: list[dict[str, float]], where: str) -> str:
-        if self.strategy == "STRICT_SPREAD" and Request(self.workers, self.bundle, "PACK").fits(nodes):
-            return (
-                f"ray.placement_strategy: STRICT_SPREAD puts each of the {self.workers} workers on its own node, but "
-                f"{where} offers {describe_nodes(nodes)}; set ray.placement_strategy: PACK to share nodes, or add "
-                "nodes"
-            )
-        return (
-            f"ray.num_workers: {where} cannot place {self.describe()}: it offers {describe_nodes(nodes)}; lower "
-            "ray.num_workers or ray.resources_per_worker, change ray.placement_strategy, or add nodes"
-        )
-
-
-UNBOUNDED_NODES = 100_000
-
-
-def node_totals() -> list[dict[str, float]]:
-    """Each live node's total resources (what it can ever offer, not what is free now)."""
-    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-
-
-def autoscaler_ceiling() -> list[dict[str, float]] | None:
-    """The largest cluster the autoscaler may build (its node groups × their max counts; an unbounded group as
-    more nodes than any job asks for), or None when no autoscaler declared its configuration (a fixed cluster)."""
-    state = ray_private.cluster_state()
-    try:
-        config = state.get_cluster_config() if state is not None else None
-    except Exception:  # a private API: its failure means we cannot tell, not an error of the user's
-        return None
-    if config is None or not config.node_group_configs:
-        return None
-    nodes: list[dict[str, float]] = []
-    for group in config.node_group_configs:
-        nodes += [dict(group.resources)] * (UNBOUNDED_NODES if group.max_count < 0 else group.max_count)
-    return nodes
-
-
-def describe_nodes(nodes: list[dict[str, float]]) -> str:
-    """Totals, then the first nodes one by one: what a refusal shows next to what was asked for."""
-    shown = ["{" + ", ".join(f"{k} {_amount(n[k])}" for k in ("CPU", "GPU") if k in n) + "}" for n in nodes[:8]]
-    more = f" and {len(nodes) - 8} more" if len(nodes) > 8 else ""
-    cpus, gpus = (sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU"))
-    return f"CPU {_amount(cpus)}, GPU {_amount(gpus)} in total on {len(nodes)} node(s) ({', '.join(shown)}{more})"
-
-
-def _amount(value: float) -> str:
-    return f"{value:g}"

@@ -57,7 +57,7 @@ def local_placement_problem(cfg: Config) -> str | None:
         return None
     import torch
 
-    from rayft.launch import Request
+    from rayft.placement import Request
 
     gpus = torch.cuda.device_count()
     use_gpu = cfg.ray.use_gpu if cfg.ray.use_gpu is not None else gpus > 0

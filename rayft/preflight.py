@@ -250,7 +250,7 @@ def check_json_file(path: Path) -> None:
 
 
 def _check_trackers(trackers: list[str]) -> None:
-    from rayft.train.metrics import missing_tracker
+    from rayft.train.sinks import missing_tracker
 
     for name in trackers:
         package = missing_tracker(name)

@@ -32,7 +32,7 @@ def _setup(rank: int, world: int, port: int, raw: dict):
     import torch.distributed as dist
 
     from rayft.config import Config
-    from rayft.model.build import build_model
+    from rayft.parallel.parallelize import build_model
     from rayft.train.schedule import Plan, build_optimizer, build_scheduler
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -359,7 +359,7 @@ def _load_adapter_rank(rank: int, world: int, port: int, raw: dict, adapter_dir:
     from safetensors.torch import load_file
 
     from rayft.config import Config
-    from rayft.model.build import build_model
+    from rayft.parallel.parallelize import build_model
     from rayft.train.checkpoint import load_adapter_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

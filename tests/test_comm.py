@@ -56,9 +56,10 @@ class C10dBytes(TorchDispatchMode):
 
 
 def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
-    from rayft.model.build import build_model, decoder_layers
+    from rayft.model.build import decoder_layers
     from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.parallelize import build_model
     from rayft.train.loop import Objective
     from rayft.train.metrics import LossWindow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rayft.deploy import grafana
-from rayft.train.metrics import GAUGES
+from rayft.train.sinks import GAUGES
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "cluster" / "grafana" / "rayft-dashboard.json"
 RUN = "ray_run"  # ray.name of the reference run (tests/conftest.py)

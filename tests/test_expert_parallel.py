@@ -69,7 +69,7 @@ def _record_routing(model, calls: list) -> None:
 
 
 def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | None, save: str | None) -> None:
-    from rayft.model.build import build_model
+    from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
     from rayft.train.step import clip_gradients_, step_targets
@@ -246,7 +246,7 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
     (FSDP's gathered, the experts' made whole over the ep-group) after the step's averaging."""
     from torch.distributed.tensor import DTensor
 
-    from rayft.model.build import build_model
+    from rayft.parallel.parallelize import build_model
     from rayft.train.step import clip_gradients_, step_targets
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -301,7 +301,8 @@ def _assert_hub_bytes_loaded_as_they_are(model: nn.Module, model_dir: str, rank:
 
 
 def _fsdp_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
-    from rayft.model.build import build_model, decoder_layers
+    from rayft.model.build import decoder_layers
+    from rayft.parallel.parallelize import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

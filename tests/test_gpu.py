@@ -137,7 +137,8 @@ def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
 ):
     """One optimizer step of the worker's model (bf16 FSDP2 + LoRA, fused loss, MoE experts through grouped_mm):
     loss, every LoRA gradient and the loss after the AdamW step equal the fp32 CPU reference within bf16 error."""
-    from rayft.model.build import build_model, fused_loss
+    from rayft.model.build import fused_loss
+    from rayft.parallel.parallelize import build_model
 
     raw = _raw_config(kind, fixtures, mistral4_hub, tmp_path)
     cfg = Config.from_dict(raw)
@@ -178,8 +179,8 @@ def test_fused_loss_equals_full_logits_in_both_branches(packed, fixtures: Fixtur
     """On the worker's model (bf16 on the GPU): transformers' loss over full logits, then rayft's fused loss
     through its GPU branch (masking) and its CPU branch (dropping rows): same loss and LoRA gradients within bf16
     error."""
-    from rayft.model.build import build_model
     from rayft.model.loss import fuse_loss
+    from rayft.parallel.parallelize import build_model
 
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
     torch.manual_seed(0)
@@ -218,8 +219,8 @@ def test_sharded_loading_onto_the_device_equals_the_files(
     from test_weights import _dequantised_reference
     from transformers import AutoModelForCausalLM
 
-    from rayft.model.build import build_model
     from rayft.model.weights import model_param_name
+    from rayft.parallel.parallelize import build_model
 
     model_dir = _model_dir(kind, fixtures, mistral4_hub)
     cfg = Config.from_dict(_raw_config(kind, fixtures, mistral4_hub, tmp_path, frozen))
@@ -247,7 +248,7 @@ def test_sharded_loading_onto_the_device_equals_the_files(
 def test_checkpoint_save_and_exact_resume_on_the_device(fixtures: Fixtures, tmp_path, device_group):
     """Save after 2 steps, train 2 more; a fresh model (other seed) that loads the checkpoint trains those 2 steps
     to the same losses and adapter: LoRA params, AdamW state, scheduler and the device's RNG (dropout) restored."""
-    from rayft.model.build import build_model
+    from rayft.parallel.parallelize import build_model
     from rayft.train.checkpoint import Progress, load_checkpoint, save_checkpoint
     from rayft.train.schedule import build_optimizer, build_scheduler, make_plan
 
@@ -295,8 +296,8 @@ def test_mfu_and_memory_metrics_are_reported_and_sane(fixtures: Fixtures, tmp_pa
     """The loop's hardware metrics on a real step: a peak (the GPU's from the table; on CPU a stated one), both MFUs
     in (0, 1) with 6N above LoRA-aware; on the GPU peak allocated ≤ reserved ≤ the GPU's memory, on the CPU no
     device memory (null) but the host's RSS."""
-    from rayft.model.build import build_model
     from rayft.model.flops import flop_model, peak_flops
+    from rayft.parallel.parallelize import build_model
     from rayft.train.metrics import hardware_metrics
 
     cuda = device_group.type == "cuda"
@@ -334,8 +335,8 @@ def test_cpu_offload_takes_a_clipped_step_on_the_workers_process_group(device_ty
     """`fsdp.cpu_offload`: shards and their gradients live on the host, so clipping all-reduces CPU tensors. On
     the group a worker joins (`cpu:gloo,cuda:nccl` on a GPU, where NCCL alone has no CPU backend) the clipped AdamW
     step runs and changes the adapter; the frozen base stays on the host too."""
-    from rayft.model.build import build_model
     from rayft.parallel.backend import process_group_backend
+    from rayft.parallel.parallelize import build_model
     from rayft.train.schedule import build_optimizer
     from rayft.train.step import clip_gradients_
 

@@ -12,7 +12,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import MistralConfig, MistralForCausalLM
 
 from rayft.model.flops import PEAK_BF16_FLOPS, flop_model, mfu, peak_flops
-from rayft.train.metrics import memory, plot_losses
+from rayft.train.metrics import memory
+from rayft.train.sinks import plot_losses
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_loss_plot_is_a_real_png():
 
 
 def test_tensorboard_tracker_writes_event_files(tmp_path):
-    from rayft.train.metrics import Trackers
+    from rayft.train.sinks import Trackers
 
     trackers = Trackers(["tensorboard"], str(tmp_path), "run-1", {"train.learning_rate": 1e-4})
     trackers.log({"loss": 2.5, "tokens_per_s": 1000.0, "mfu_lora": None, "step": 3}, step=3)
@@ -122,7 +123,7 @@ def _wandb_records(path) -> list:
 def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
     """`report_to: wandb` with WANDB_MODE=offline: the run's file under output_dir/wandb holds the logged steps."""
     pytest.importorskip("wandb")
-    from rayft.train.metrics import Trackers
+    from rayft.train.sinks import Trackers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

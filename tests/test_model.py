@@ -11,8 +11,9 @@ import torch.distributed as dist
 from conftest import Fixtures, tiny_config
 
 from rayft.config import Config
-from rayft.model.build import build_model, decoder_layers, mixed_precision
+from rayft.model.build import decoder_layers
 from rayft.model.lora import DENSE_TARGETS as DENSE
+from rayft.parallel.parallelize import build_model, mixed_precision
 
 
 def test_mixed_precision_defaults_follow_the_device():
@@ -134,7 +135,7 @@ def test_replicated_model_trains_like_the_sharded_one(fixtures: Fixtures, tmp_pa
 def _train_two_ways(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
-    from rayft.model.build import set_gradient_sync
+    from rayft.parallel.parallelize import set_gradient_sync
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -182,7 +183,7 @@ def test_cpu_offload_materialises_the_shards_on_the_host(fixtures: Fixtures, tmp
     loss.backward()
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters() if p.requires_grad)
 
-    from rayft.model.build import materialization_device
+    from rayft.parallel.parallelize import materialization_device
 
     assert materialization_device(cfg.fsdp, torch.device("cuda", 0)) == torch.device("cpu")
     without = Config.from_dict(tiny_config(fixtures, tmp_path)).fsdp

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rayft.config import Config, ConfigError, LoraConfig, ModelConfig
-from rayft.model.build import build_model, empty_model
+from rayft.model.build import empty_model
 from rayft.model.lora import resolve_targets
+from rayft.parallel.parallelize import build_model
 from rayft.train.checkpoint import ADAPTER_WEIGHTS, save_adapter
 
 OPTIONS = {

@@ -514,7 +514,7 @@ PLACEMENT = [  # (workers, bundle, strategy, nodes, fits) — worked out by hand
 
 @pytest.mark.parametrize(("workers", "bundle", "strategy", "nodes", "fits"), PLACEMENT)
 def test_placement_feasibility(workers, bundle, strategy, nodes, fits):
-    from rayft.launch import Request
+    from rayft.placement import Request
 
     assert Request(workers, bundle, strategy).fits(nodes) is fits
 

@@ -8,8 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from rayft.startup import DRIVER_STAGES, WORKER_STAGES, Profile, process_start_time
 
 
@@ -86,7 +84,7 @@ def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_trai
 
 
 OTHER_RAY_PROBE = """
-import json, socket
+import json, os, socket
 import ray
 from ray.cluster_utils import Cluster
 from rayft.config import RayConfig
@@ -97,39 +95,41 @@ def free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+@ray.remote(num_cpus=0)
+class Probe:
+    def finds_itself(self) -> str:
+        from ray.util.state import get_actor
+        from ray.util.state.exception import RayStateApiException
+        try:  # what Ray Train's placement-group cleaner asks of its controller, with no address
+            return "found" if get_actor(ray.get_runtime_context().get_actor_id(), timeout=60) else "not found"
+        except RayStateApiException:  # the cleaner asks again
+            return "no answer"
+
 # Another Ray on the machine, started as `ray start` would be: Ray's address auto-detection now names it.
 other = Cluster(initialize_head=True, head_node_args={
     "num_cpus": 0, "dashboard_agent_listen_port": free_port(), "ray_client_server_port": free_port()})
+answers = {}
 try:
-    assert connect(RayConfig(local_num_cpus=1)) is True
-
-    @ray.remote(num_cpus=0)
-    class Probe:
-        def finds_itself(self) -> str:
-            from ray.util.state import get_actor
-            from ray.util.state.exception import RayStateApiException
-            try:  # what Ray Train's placement-group cleaner asks of its controller, with no address
-                return "found" if get_actor(ray.get_runtime_context().get_actor_id(), timeout=60) else "not found"
-            except RayStateApiException:  # the cleaner asks again
-                return "no answer"
-
-    print(json.dumps({"answer": ray.get(Probe.remote().finds_itself.remote())}))
-    ray.shutdown()
+    for dashboard in ("1", "0"):  # rayft's local Ray with its dashboard, then without
+        os.environ["RAYFT_LOCAL_DASHBOARD"] = dashboard
+        assert connect(RayConfig(local_num_cpus=1)) is True
+        answers[dashboard] = ray.get(Probe.remote().finds_itself.remote())
+        ray.shutdown()
 finally:
     other.shutdown()
+print(json.dumps(answers))
 """
 
 
-@pytest.mark.parametrize(("dashboard", "answer"), [("1", "found"), ("0", "no answer")])
-def test_a_private_local_rays_processes_never_ask_another_rays_state_api(dashboard: str, answer: str):
+def test_a_private_local_rays_processes_never_ask_another_rays_state_api():
     """Ray Train's placement-group cleaner asks the state API, with no address, whether its controller lives; asked
     of another Ray on the machine, the answer is "not found" and it removes the run's placement group. A private
     local Ray's processes get their own Ray's answer, or, without a dashboard (no state API of its own), none."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update(RAY_AUTH_MODE="disabled", RAYFT_LOCAL_DASHBOARD=dashboard)
+    env["RAY_AUTH_MODE"] = "disabled"
     out = subprocess.run([sys.executable, "-c", OTHER_RAY_PROBE], capture_output=True, text=True, timeout=300,
                          env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"answer": answer}, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"1": "found", "0": "no answer"}, out.stderr[-3000:]

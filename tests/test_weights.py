@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayft.config import Config, ModelConfig
-from rayft.model.build import build_model, empty_model, fused_loss, reshard_all
+from rayft.model.build import empty_model, fused_loss
 from rayft.model.weights import (
     CheckpointKeyError,
     CheckpointShapeError,
@@ -34,6 +34,7 @@ from rayft.model.weights import (
     model_param_name,
     tied_parameters,
 )
+from rayft.parallel.parallelize import build_model, reshard_all
 
 
 def _sharded_rank(rank: int, world: int, port: int, raw: dict, model_dir: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayft.train.metrics import GAUGES
+from rayft.train.sinks import GAUGES
 
 DASHBOARD_FILE = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "rayft-dashboard.json"
 UID = "rayftTraining"

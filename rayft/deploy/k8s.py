@@ -272,90 +272,83 @@ def backoff_limit(cfg: Config, dep: Deployment) -> int:
 def cluster_spec(
     dep: Deployment, worker_pods: int, plat: K8sConfig | None = None, nccl: NcclConfig | None = None
 ) -> dict[str, Any]:
+    """The RayCluster spec: one head group (driver, dashboard) and one GPU worker group of `worker_pods` pods, with
+    the platform's settings applied to both pod templates."""
     plat = plat or K8sConfig()
-    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}}]
-    mounts = [{"name": "data", "mountPath": dep.mount_path}]
-    head = {
+    head, worker = _head_group(dep, plat), _worker_group(dep, worker_pods, plat, nccl or NcclConfig())
+    platform.apply_to_pod(head["template"], plat, "head")
+    platform.apply_to_pod(worker["template"], plat, "worker")
+    return {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]}
+
+
+def _pvc(dep: Deployment, shm_size: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A pod's volumes and their mounts: the shared PVC, and a memory-backed /dev/shm of `shm_size`."""
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}]  # fmt: skip
+    mounts = [{"name": "data", "mountPath": dep.mount_path}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    return volumes, mounts
+
+
+def _head_group(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
+    volumes, mounts = _pvc(dep, dep.head_shm_size)
+    container = {
+        "name": "ray-head",
+        "image": dep.image,
+        "ports": [
+            {"containerPort": 6379, "name": "gcs-server"},
+            {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+            {"containerPort": 10001, "name": "client"},
+            {"containerPort": 8080, "name": "metrics"},
+        ],
+        "env": _env(head_env(dep, plat)),
+        "resources": _requests_are_limits({"cpu": str(dep.head_cpus), "memory": dep.head_memory}),
+        "volumeMounts": mounts,
+    }
+    return {
         "serviceType": "ClusterIP",
         # Ray's own dashboard and job API on all interfaces, for `kubectl port-forward` and the submitter pod;
         # no CPUs or GPUs for Ray to schedule there, so no training or data task lands beside the driver.
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
-        "template": {
-            "metadata": {"labels": _labels(dep)},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "ray-head",
-                        "image": dep.image,
-                        "ports": [
-                            {"containerPort": 6379, "name": "gcs-server"},
-                            {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
-                            {"containerPort": 10001, "name": "client"},
-                            {"containerPort": 8080, "name": "metrics"},
-                        ],
-                        "env": _env(head_env(dep, plat)),
-                        "resources": _requests_are_limits({"cpu": str(dep.head_cpus), "memory": dep.head_memory}),
-                        "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
-                    }
-                ],
-                "volumes": [
-                    *volumes,
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dep.head_shm_size}},
-                ],
-            },
-        },
+        "template": {"metadata": {"labels": _labels(dep)}, "spec": {"containers": [container], "volumes": volumes}},
     }
-    gpu_limits = {"cpu": str(dep.worker_cpus), "memory": dep.worker_memory, dep.gpu_resource: str(dep.gpus_per_pod)}
+
+
+def _worker_group(dep: Deployment, worker_pods: int, plat: K8sConfig, nccl: NcclConfig) -> dict[str, Any]:
+    volumes, mounts = _pvc(dep, dep.shm_size)
+    limits = {"cpu": str(dep.worker_cpus), "memory": dep.worker_memory, dep.gpu_resource: str(dep.gpus_per_pod)}
     if dep.ib_resource:
-        gpu_limits[dep.ib_resource] = "1"
-    metadata: dict[str, Any] = {"labels": {**_labels(dep), "rayft.io/role": "gpu-worker"}}
+        limits[dep.ib_resource] = "1"
+    labels = {**_labels(dep), "rayft.io/role": "gpu-worker"}
+    metadata: dict[str, Any] = {"labels": labels}
     if dep.network:
         metadata["annotations"] = {"k8s.v1.cni.cncf.io/networks": dep.network}
-    worker = {
+    container = {
+        "name": "ray-worker",
+        "image": dep.image,
+        "env": _env(gpu_env(dep, plat, nccl)),
+        **({"ports": [{"containerPort": 8080, "name": "metrics"}]} if dep.monitoring else {}),
+        "resources": _requests_are_limits(limits),
+        # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
+        # Without RDMA the capability is not asked for (restricted pod security refuses it).
+        **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if dep.ib_resource else {}),
+        "volumeMounts": mounts,
+    }
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": [{"key": dep.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    if dep.gpus_per_pod == 1:  # one GPU pod per node: each owns its node's NIC, and a lost node takes one rank
+        term = {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
+        spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {
         "groupName": "gpu",
         "replicas": worker_pods,
         "minReplicas": worker_pods,
         "maxReplicas": worker_pods,
         "rayStartParams": {},
-        "template": {
-            "metadata": metadata,
-            "spec": {
-                "containers": [
-                    {
-                        "name": "ray-worker",
-                        "image": dep.image,
-                        "env": _env(gpu_env(dep, plat, nccl or NcclConfig())),
-                        **({"ports": [{"containerPort": 8080, "name": "metrics"}]} if dep.monitoring else {}),
-                        "resources": _requests_are_limits(gpu_limits),
-                        # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
-                        # Without RDMA the capability is not asked for (restricted pod security refuses it).
-                        **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if dep.ib_resource else {}),
-                        "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
-                    }
-                ],
-                "volumes": [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dep.shm_size}}],
-                "tolerations": [{"key": dep.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}],
-                # One GPU pod per node: each owns its node's NIC, and a node lost takes one rank, not several.
-                "affinity": {
-                    "podAntiAffinity": {
-                        "requiredDuringSchedulingIgnoredDuringExecution": [
-                            {
-                                "labelSelector": {"matchLabels": {**_labels(dep), "rayft.io/role": "gpu-worker"}},
-                                "topologyKey": "kubernetes.io/hostname",
-                            }
-                        ]
-                    }
-                }
-                if dep.gpus_per_pod == 1
-                else {},
-            },
-        },
+        "template": {"metadata": metadata, "spec": spec},
     }
-    if not worker["template"]["spec"]["affinity"]:
-        del worker["template"]["spec"]["affinity"]
-    platform.apply_to_pod(head["template"], plat, "head")
-    platform.apply_to_pod(worker["template"], plat, "worker")
-    return {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]}
 
 
 def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:

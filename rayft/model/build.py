@@ -7,82 +7,21 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
-from pathlib import Path
 
 import peft
 import torch
-import torch.distributed as dist
 import transformers
 from accelerate import init_empty_weights
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from rayft.config import DORA_ON_FP8, Config, ConfigError, FsdpConfig, ModelConfig
-from rayft.model.fp8 import adopt_lora_, to_fp8_
-from rayft.model.lora import LoraTargets, apply_lora, modules_to_save, wrap
+from rayft.config import DORA_ON_FP8, Config, ConfigError, ModelConfig
+from rayft.model.lora import LoraTargets, modules_to_save, wrap
 from rayft.model.loss import fuse_loss
-from rayft.model.weights import buffers_kept, load_sharded_, tie_weights_
-from rayft.parallel.alltoall import checkpoint_context
-from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
+from rayft.model.weights import tie_weights_
 
 log = logging.getLogger("rayft")
-
-
-def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
-    """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
-    `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
-    sharded = cfg.model.load_mode == "sharded"
-    model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
-    ep = _expert_parallel(cfg, model, on_gpu)
-    fp8 = frozen_fp8(cfg.model)
-    check_fp8_storage(cfg, model, fp8)
-    if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
-        swapped = to_fp8_(decoder_layers(model), model.dtype)
-        log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
-                 swapped, cfg.model.frozen_dtype)  # fmt: skip
-    if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
-        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
-        # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
-        kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    model = apply_lora(model, cfg.lora)
-    if fp8:
-        adopt_lora_(model)
-    if ep is None:
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
-    else:
-        blocks = split_experts_(model, ep)
-        log.info("expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
-                 blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, ep.k)  # fmt: skip
-        model.expert_parallel = ep  # checkpoints, the adapter and the gradient step read the layout from here
-        ignored = set(expert_params(model))
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu", ep.mesh, ignored)
-    if sharded:
-        with buffers_kept(model):
-            model.to_empty(device=materialization_device(cfg.fsdp, device))
-        load_sharded_(model, Path(cfg.model.model_name_or_path))
-    return model
-
-
-def _expert_parallel(cfg: Config, model: PreTrainedModel, on_gpu: bool) -> ExpertParallel | None:
-    """`parallel.expert_parallel` k > 1: the layout (mesh, groups); None for k = 1 (FSDP over every expert, as
-    without the setting). `split_experts_` cuts the model to this worker's experts once LoRA is on."""
-    k = cfg.parallel.expert_groups()
-    if k == 1:
-        return None
-    return expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
-
-
-def materialization_device(fsdp: FsdpConfig, device: torch.device | None) -> torch.device:
-    """Where the sharded parameters are created: the training device, except with `fsdp.cpu_offload`, where FSDP2
-    keeps the shards in host memory (it copies each unit to the GPU for its forward and backward) and refuses
-    parameters that live anywhere else."""
-    if fsdp.cpu_offload or device is None:
-        return torch.device("cpu")
-    return device
 
 
 def fused_loss(model: peft.PeftModel, cfg: Config) -> str | None:
@@ -223,14 +162,6 @@ def cpu_autocast(cfg: Config, device: torch.device) -> Callable[[], AbstractCont
     return partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=cpu_bf16(cfg, device))
 
 
-def mixed_precision(cfg: Config, on_gpu: bool) -> MixedPrecisionPolicy:
-    if cfg.fsdp.param_dtype == "auto":
-        param_dtype = torch.bfloat16 if (on_gpu and cfg.train.bf16) else torch.float32
-    else:
-        param_dtype = getattr(torch, cfg.fsdp.param_dtype)
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.fsdp.reduce_dtype))
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP shards one by one: the classes the model declares as not splittable."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
@@ -240,76 +171,3 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not layers:
         raise RuntimeError(f"{type(base).__name__} declares no decoder layer class (_no_split_modules) to shard")
     return layers
-
-
-def fsdp_mesh(fsdp: FsdpConfig, device_type: str) -> DeviceMesh | None:
-    """None (fully_shard's default: shard over every rank), or a (replicate, shard) mesh for `fsdp.shard_size`."""
-    world = dist.get_world_size()
-    shards = fsdp.shard_group(world)
-    if shards == world:
-        return None
-    return init_device_mesh(device_type, (world // shards, shards), mesh_dim_names=("replicate", "shard"))
-
-
-def apply_fsdp(
-    model: nn.Module,
-    fsdp: FsdpConfig,
-    mp_policy: MixedPrecisionPolicy,
-    device_type: str = "cpu",
-    mesh: DeviceMesh | None = None,
-    ignored: set[nn.Parameter] | None = None,
-) -> None:
-    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head).
-    `mesh`/`ignored`: expert parallelism's (ep, dp) mesh (HSDP: replicated over ep) and its experts, which
-    FSDP leaves alone."""
-    # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
-    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
-    if mesh is None:
-        mesh, reshard = fsdp_mesh(fsdp, device_type), fsdp.reshards(dist.get_world_size())
-    else:
-        shards = mesh.size(1)
-        reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shards > 1
-    layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        fully_shard(
-            layer,
-            mesh=mesh,
-            mp_policy=mp_policy,
-            # The last layer's backward comes right after its forward: keep it gathered (as torchtitan does).
-            reshard_after_forward=reshard and i < len(layers) - 1,
-            offload_policy=offload,
-            ignored_params=ignored,
-        )
-    # The root's weights are needed again right at the start of backward: keep them gathered.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload,
-                ignored_params=ignored)  # fmt: skip
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    if not any(p.requires_grad for p in model.parameters() if id(p) not in in_layers):
-        # Frozen embeddings + LM head never change: gathered once, not again for every micro-batch.
-        model.set_reshard_after_backward(False, recurse=False)
-    for i, layer in enumerate(layers):
-        if fsdp.forward_prefetch:
-            ahead = layers[i + 1 : i + 1 + fsdp.forward_prefetch]
-            if ahead:
-                layer.set_modules_to_forward_prefetch(ahead)
-        if fsdp.backward_prefetch:
-            behind = layers[max(0, i - fsdp.backward_prefetch) : i][::-1]
-            if behind:
-                layer.set_modules_to_backward_prefetch(behind)
-
-
-def reshard_all(model: nn.Module) -> None:
-    """After a forward no backward follows (evaluation, reference scoring): free the weights FSDP keeps gathered
-    after forward for the backward it expects, the root's and the last decoder layer's."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
-def set_gradient_sync(model: FSDPModule, sync: bool, kept_layers: list[nn.Module]) -> None:
-    """Between the micro-batches of a step: no gradient reduction; and `kept_layers`, those that stay gathered after
-    forward (`fsdp.reshards` false), stay gathered after backward too, since no weight changes before the optimizer
-    step: one gather per step instead of one per micro-batch."""
-    model.set_requires_gradient_sync(sync)
-    for layer in kept_layers:
-        layer.set_reshard_after_backward(sync, recurse=False)

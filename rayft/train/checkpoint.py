@@ -3,7 +3,7 @@ that stages, reports, resumes and tidies them.
 
 A checkpoint directory holds:
   state/                 torch.distributed.checkpoint shards, written by every rank in parallel: LoRA params and
-                         optimizer tensors, plus each rank's JSON document (as a uint8 tensor: see rayft/train/state.py)
+                         optimizer tensors, plus each rank's JSON document (a uint8 tensor: rayft/train/safe_dcp.py)
                          with progress (step, epoch, batches of the epoch consumed), scheduler, optimizer
                          hyperparameters and its RNG states, so a resumed run continues exactly where this one stood
   adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered on rank 0
@@ -40,11 +40,11 @@ from transformers import PreTrainedTokenizerBase
 
 from rayft.model.lora import adapter_file_keys
 from rayft.parallel.expert import ExpertParallel, is_expert_lora
-from rayft.train import state as tensors_json
+from rayft.train import safe_dcp
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
 from rayft.train.rundir import RunDir, checkpoint_dir_name
+from rayft.train.safe_dcp import CheckpointFormatError
 from rayft.train.spool import checkpoint_spool
-from rayft.train.state import CheckpointFormatError
 
 log = logging.getLogger("rayft")
 
@@ -81,8 +81,8 @@ def save_checkpoint(
     state = _training_state(model, optimizer, scheduler, progress)
     if (ep := expert_layout(model)) is not None:
         ep.to_checkpoint(state)
-    tensors, document = tensors_json.split(state)
-    tensors[DOCUMENT] = {f"rank{dist.get_rank()}": tensors_json.to_tensor(document)}
+    tensors, document = safe_dcp.split(state)
+    tensors[DOCUMENT] = {f"rank{dist.get_rank()}": safe_dcp.to_tensor(document)}
     dcp.save(tensors, checkpoint_id=str(directory / STATE_DIR))
     save_adapter(model, directory / ADAPTER_DIR)
     if dist.get_rank() == 0:
@@ -105,12 +105,12 @@ def load_checkpoint(
     target = _training_state(model, optimizer, scheduler, progress)
     if ep is not None:
         ep.to_checkpoint(target)
-    tensors, _ = tensors_json.split(target)
+    tensors, _ = safe_dcp.split(target)
     if rank >= progress.world_size:  # no RNG of this rank in the checkpoint: keep the seeded one
         del tensors["rng"]
         document.pop("rng", None)
-    tensors_json.load_tensors(tensors, directory / STATE_DIR)
-    state = tensors_json.join(document, tensors)
+    safe_dcp.load_tensors(tensors, directory / STATE_DIR)
+    state = safe_dcp.join(document, tensors)
     if ep is not None:
         ep.from_checkpoint(state)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
@@ -126,11 +126,11 @@ def read_document(directory: Path, rank: int = 0) -> tuple[dict[str, Any], Progr
     CheckpointFormatError for a checkpoint of an older rayft."""
     metadata = check_format(directory)
     key = f"rank{rank}"
-    if tensors_json.stored_tensor_size(metadata, f"{DOCUMENT}.{key}") is None:
+    if safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}") is None:
         key = "rank0"
-    buffer = torch.empty(tensors_json.stored_tensor_size(metadata, f"{DOCUMENT}.{key}"), dtype=torch.uint8)
-    tensors_json.load_tensors({DOCUMENT: {key: buffer}}, directory / STATE_DIR)
-    document = tensors_json.from_tensor(buffer)
+    buffer = torch.empty(safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}"), dtype=torch.uint8)
+    safe_dcp.load_tensors({DOCUMENT: {key: buffer}}, directory / STATE_DIR)
+    document = safe_dcp.from_tensor(buffer)
     saved = document.get("progress", {})
     if set(saved) != {f.name for f in fields(Progress)}:
         raise CheckpointFormatError(f"{directory}: progress {sorted(saved)} is not rayft's; {_OLDER_FIX}")
@@ -149,8 +149,8 @@ def check_format(directory: Path):
     state = Path(directory) / STATE_DIR
     if not (state / ".metadata").is_file():
         raise CheckpointFormatError(f"{directory}: no {STATE_DIR}/.metadata, not a complete rayft checkpoint")
-    metadata = tensors_json.read_metadata(state)
-    if tensors_json.stored_tensor_size(metadata, f"{DOCUMENT}.rank0") is None:
+    metadata = safe_dcp.read_metadata(state)
+    if safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.rank0") is None:
         raise CheckpointFormatError(f"{directory}: a checkpoint of an older rayft format; {_OLDER_FIX}")
     return metadata
 
@@ -376,7 +376,7 @@ def missing_state_files(directory: Path) -> list[str]:
     byte ranges recorded for it ("name (missing)" / "name (N of M bytes)"). Empty when complete. Raises ValueError
     when `.metadata` itself cannot be read."""
     state = Path(directory) / STATE_DIR
-    metadata = tensors_json.read_metadata(state)  # never unpickles anything but DCP's own metadata classes
+    metadata = safe_dcp.read_metadata(state)  # never unpickles anything but DCP's own metadata classes
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

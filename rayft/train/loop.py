@@ -9,7 +9,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,16 @@ from rayft.config import Config, TrainConfig
 from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
-from rayft.model.build import build_model, cpu_autocast, cpu_bf16, decoder_layers, fused_loss
+from rayft.model.build import cpu_autocast, cpu_bf16, decoder_layers, fused_loss
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
+from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
-from rayft.train import dpo, reference
+from rayft.train import dpo, reference, sinks
 from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
+from rayft.train.job import EvalJob, Job
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
 from rayft.train.rundir import EVAL_RESULT, RunDir
 from rayft.train.schedule import Plan, build_optimizer, build_scheduler
@@ -38,91 +39,19 @@ log = logging.getLogger("rayft")
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """One worker's run, the story in three lines: set up from the job, train, save what is left and publish."""
     entered = time.time()
-    cfg, plan = Config.from_dict(loop_config["config"]), Plan(**loop_config["plan"])
-    t, rank, device = cfg.train, ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
-    _setup_logging(rank)
-    profile = _worker_profile(loop_config, entered)
-    torch.manual_seed(t.seed)
-    # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("validation") if plan.has_validation else None
-    import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
-
-    with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
-        tokenizer_loading = pool.submit(load_tokenizer, cfg.model)  # overlaps the model build and load
-        with profile.stage("model_build_load"):
-            state, autocast, window = _build_state(cfg, plan, device)
-        with profile.stage("tokenizer"):  # what is left of it once the model is loaded
-            tokenizer = tokenizer_loading.result()
-    run = RunDir(cfg.run_uri)
-    checkpoints = CheckpointManager(run, loop_config.get("run_id"), cfg.ray.name, cfg.ray.checkpoint_upload, rank)
-    with profile.stage("resume"):
-        resumed = checkpoints.restore(loop_config.get("resume_from"), state, plan, t.gradient_accumulation_steps)
-    progress_log = _progress_log(cfg, plan, state, run, resumed, loop_config.get("params", {})) if rank == 0 else None
-
-    objective = Objective(cfg, state.model, device)
-    collate = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=objective.dpo)
-    evaluate_now = partial(objective.evaluate, val_shard, t.per_device_eval_batch_size, collate, device, autocast)
-    cadence = Cadence(t, plan)
-    waited = DataWait()
-    kept_layers = [] if cfg.fsdp.reshards(plan.world_size) else decoder_layers(state.model)
-    train_collate = collate
-    if objective.precomputed:
-        with profile.stage("reference"):
-            keyed = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=True, keys=True)
-            table = reference.precompute(state.model, train_shard, cfg, keyed, device, autocast, run, rank)
-        train_collate = collate_fn(cfg.data, tokenizer.pad_token_id, pairs=True, reference=table)
-    groups = step_groups(train_shard, cfg, plan, state.progress, train_collate, waited, device)
-    for group, micro in groups:
-        stepped = time.time()
-        grad_norm = objective.step(state.model, state.optimizer, state.scheduler, group, window,
-                                   world_size=plan.world_size, kept_layers=kept_layers, autocast=autocast,
-                                   max_grad_norm=t.max_grad_norm)  # fmt: skip
-        if profile is not None:
-            profile = _first_step_done(profile, stepped, waited, progress_log)
-        progress = state.progress
-        progress.step, progress.batches_in_epoch = progress.step + 1, micro + 1
-        done = progress.step >= plan.total_steps
-        metrics = _window_metrics(window, waited, grad_norm, state.scheduler) if cadence.log(progress) else {}
-        if metrics:
-            metrics.update(objective.window_metrics())
-        if val_shard is not None and cadence.evaluate(progress, micro):
-            with window.paused():  # evaluating and saving are not training: out of the window's time
-                metrics.update(evaluate_now())
-            cadence.last_evaluated = progress.step
-        saving = cadence.save(progress, micro)
-        if metrics or saving:
-            metrics.update(step=progress.step, epoch=_epoch_position(progress, plan))
-        if saving:  # metrics reach Ray with checkpoints only: a report without one is a cross-rank barrier
-            with window.paused():
-                _save(checkpoints, state, metrics, loop_config.get("best_metric"), evaluate_now)
-        if progress_log is not None and ("loss" in metrics or "eval_loss" in metrics):
-            with window.paused():
-                progress_log.record(metrics, checkpoints.stall_s)
-        if done:
-            break
-
-    if t.save_strategy != "no" and checkpoints.last_saved != state.progress.step:
-        final_metrics: dict[str, Any] = {"step": state.progress.step}
-        if val_shard is not None and cadence.last_evaluated != state.progress.step:
-            final_metrics["eval_loss"] = evaluate_now()["eval_loss"]
-        _save(checkpoints, state, final_metrics, loop_config.get("best_metric"), evaluate_now)
-    final_dir = Path(t.output_dir) / "final"
-    publish_adapter(state.model, final_dir, tokenizer)
-    checkpoints.close()
-    if progress_log is not None:
-        log.info("final adapter written to %s", final_dir)
-        progress_log.close()
+    trainer = Trainer(loop_config["job"], entered)
+    trainer.train()
+    trainer.close()
 
 
 def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """`rayft eval`: the base model, or base + a trained adapter, scored on one split (token-weighted loss). The
     model is built with the adapter's LoRA shape at its zero-delta init, which is the base exactly: `with_base`
     scores it before the adapter's weights are loaded."""
-    cfg = Config.from_dict(loop_config["config"])
-    rank = ray.train.get_context().get_world_rank()
-    device = ray.train.torch.get_device()
+    job: EvalJob = loop_config["job"]
+    cfg, rank, device = job.config, ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
     _setup_logging(rank)
     model = build_model(cfg, device.type == "cuda", device)
     fused_loss(model, cfg)
@@ -136,20 +65,141 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
         metrics = objective.evaluate(shard, cfg.train.per_device_eval_batch_size, collate, device, autocast)
         return {**metrics, "eval_s": round(time.perf_counter() - started, 3)}
 
-    base = score() if loop_config.get("with_base") else None
-    if loop_config.get("adapter"):
-        load_adapter_weights(model, Path(loop_config["adapter"]))
+    base = score() if job.with_base else None
+    if job.adapter:
+        load_adapter_weights(model, job.adapter)
     result = score()
     if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
-        RunDir(loop_config["run_uri"]).write_file(EVAL_RESULT, json.dumps({**result, "base": base}).encode())
+        RunDir(job.run_uri).write_file(EVAL_RESULT, json.dumps({**result, "base": base}).encode())
     ray.train.report(result)
 
 
-def _worker_profile(loop_config: dict[str, Any], entered: float) -> Profile:
+class Trainer:
+    """A worker's run: the sharded model and its optimizer, the data shards, checkpoints, metrics and when each is
+    due, held together from set-up (`__init__`) through the steps (`train`) to the final adapter (`close`)."""
+
+    def __init__(self, job: Job, entered: float):
+        self.job, self.cfg, self.plan = job, job.config, job.plan
+        self.rank, self.device = ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
+        _setup_logging(self.rank)
+        self.profile: Profile | None = _worker_profile(job, entered)
+        torch.manual_seed(self.cfg.train.seed)
+        # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
+        self.train_shard = ray.train.get_dataset_shard("train")
+        self.val_shard = ray.train.get_dataset_shard("validation") if self.plan.has_validation else None
+        self.state, self.autocast, self.window, self.tokenizer = self._build()
+        run = RunDir(self.cfg.run_uri)
+        ray_cfg, accum = self.cfg.ray, self.cfg.train.gradient_accumulation_steps
+        self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, self.rank)
+        with self.profile.stage("resume"):
+            resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
+        self.progress_log = (
+            _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params) if self.rank == 0 else None
+        )
+        self.objective = Objective(self.cfg, self.state.model, self.device)
+        self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
+        self.cadence = Cadence(self.cfg.train, self.plan)
+        self.waited = DataWait()
+        self.kept_layers = [] if self.cfg.fsdp.reshards(self.plan.world_size) else decoder_layers(self.state.model)
+        self.train_collate = self._train_collate(run)
+
+    def _build(self) -> tuple[TrainState, Any, LossWindow, Any]:
+        """The model, optimizer and window (`_build_state`), the tokenizer loading beside them."""
+        import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
+
+        with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
+            tokenizer_loading = pool.submit(load_tokenizer, self.cfg.model)  # overlaps the model build and load
+            with self.profile.stage("model_build_load"):
+                state, autocast, window = _build_state(self.cfg, self.plan, self.device)
+            with self.profile.stage("tokenizer"):  # what is left of it once the model is loaded
+                tokenizer = tokenizer_loading.result()
+        return state, autocast, window, tokenizer
+
+    def _train_collate(self, run: RunDir):
+        """The training batches' collate: with a precomputed DPO reference, one carrying its table, scored now."""
+        if not self.objective.precomputed:
+            return self.collate
+        pad_id = self.tokenizer.pad_token_id
+        with self.profile.stage("reference"):
+            keyed = collate_fn(self.cfg.data, pad_id, pairs=True, keys=True)
+            table = reference.precompute(self.state.model, self.train_shard, self.cfg, keyed, self.device,
+                                         self.autocast, run, self.rank)  # fmt: skip
+        return collate_fn(self.cfg.data, pad_id, pairs=True, reference=table)
+
+    def train(self) -> None:
+        """Optimizer steps until the plan's last; after each, what is due: metrics, evaluation, a checkpoint."""
+        state, t = self.state, self.cfg.train
+        groups = step_groups(self.train_shard, self.cfg, self.plan, state.progress, self.train_collate, self.waited,
+                             self.device)  # fmt: skip
+        for group, micro in groups:
+            stepped = time.time()
+            grad_norm = self.objective.step(state.model, state.optimizer, state.scheduler, group, self.window,
+                                            world_size=self.plan.world_size, kept_layers=self.kept_layers,
+                                            autocast=self.autocast, max_grad_norm=t.max_grad_norm)  # fmt: skip
+            if self.profile is not None:
+                self.profile = _first_step_done(self.profile, stepped, self.waited, self.progress_log)
+            progress = state.progress
+            progress.step, progress.batches_in_epoch = progress.step + 1, micro + 1
+            self._after_step(progress, micro, grad_norm)
+            if progress.step >= self.plan.total_steps:
+                break
+
+    def _after_step(self, progress: Progress, micro: int, grad_norm: torch.Tensor) -> None:
+        """The step's metrics when logging is due, evaluation and a checkpoint when due; none of it counts as
+        training time in the window."""
+        window = self.window
+        metrics = (
+            _window_metrics(window, self.waited, grad_norm, self.state.scheduler) if self.cadence.log(progress) else {}
+        )
+        if metrics:
+            metrics.update(self.objective.window_metrics())
+        if self.val_shard is not None and self.cadence.evaluate(progress, micro):
+            with window.paused():  # evaluating and saving are not training: out of the window's time
+                metrics.update(self.evaluate())
+            self.cadence.last_evaluated = progress.step
+        saving = self.cadence.save(progress, micro)
+        if metrics or saving:
+            metrics.update(step=progress.step, epoch=_epoch_position(progress, self.plan))
+        if saving:  # metrics reach Ray with checkpoints only: a report without one is a cross-rank barrier
+            with window.paused():
+                self._save(metrics)
+        if self.progress_log is not None and ("loss" in metrics or "eval_loss" in metrics):
+            with window.paused():
+                self.progress_log.record(metrics, self.checkpoints.stall_s)
+
+    def evaluate(self) -> dict[str, Any]:
+        t = self.cfg.train
+        return self.objective.evaluate(self.val_shard, t.per_device_eval_batch_size, self.collate, self.device,
+                                       self.autocast)  # fmt: skip
+
+    def _save(self, metrics: dict[str, Any]) -> None:
+        """Every checkpoint carries the score Ray ranks it by: evaluated now where this step had none."""
+        best = self.job.best_metric
+        if best and best not in metrics:
+            metrics[best] = self.evaluate()[best]
+        self.checkpoints.save(self.state, metrics)
+
+    def close(self) -> None:
+        """A last checkpoint where the last step had none, then the final adapter (with the tokenizer)."""
+        step = self.state.progress.step
+        if self.cfg.train.save_strategy != "no" and self.checkpoints.last_saved != step:
+            final_metrics: dict[str, Any] = {"step": step}
+            if self.val_shard is not None and self.cadence.last_evaluated != step:
+                final_metrics["eval_loss"] = self.evaluate()["eval_loss"]
+            self._save(final_metrics)
+        final_dir = Path(self.cfg.train.output_dir) / "final"
+        publish_adapter(self.state.model, final_dir, self.tokenizer)
+        self.checkpoints.close()
+        if self.progress_log is not None:
+            log.info("final adapter written to %s", final_dir)
+            self.progress_log.close()
+
+
+def _worker_profile(job: Job, entered: float) -> Profile:
     """The driver's stages plus this worker's wait to be started: from the driver's fit() (or, for a restarted
     group, this worker process's own launch, whichever is later) to the loop's first line."""
-    profile = Profile.from_dict(loop_config.get("profile"))
-    started = max(loop_config.get("fit_started") or entered, process_start_time())
+    profile = Profile(job.profile.origin, dict(job.profile.stages))
+    started = max(job.fit_started or entered, process_start_time())
     profile.add("worker_group_start", entered - started)
     return profile
 
@@ -187,9 +237,9 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
 
 def _progress_log(cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params) -> ProgressLog:
     """Rank 0's logger, gauges and trackers."""
-    trackers = measured.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
+    trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
     dpo_run = cfg.train.objective == "dpo"
-    gauges = measured.Gauges(cfg.ray.name, measured.PREFERENCE_GAUGES if dpo_run else None)
+    gauges = sinks.Gauges(cfg.ray.name, sinks.PREFERENCE_GAUGES if dpo_run else None)
     return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers)
 
 
@@ -265,13 +315,6 @@ def _window_metrics(window: LossWindow, waited: DataWait, grad_norm, scheduler) 
 
 def _eval_metrics(loss: float) -> dict[str, Any]:
     return {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
-
-
-def _save(checkpoints: CheckpointManager, state: TrainState, metrics: dict[str, Any], best_metric, evaluate_now):
-    """Every checkpoint carries the score Ray ranks it by: evaluated now where this step had none."""
-    if best_metric and best_metric not in metrics:
-        metrics[best_metric] = evaluate_now()[best_metric]
-    checkpoints.save(state, metrics)
 
 
 def _precision_line(model, bf16_on_cpu: bool, on_gpu: bool) -> str:

@@ -1,5 +1,5 @@
-"""Everything measured about a run, in one place: throughput, model FLOPs utilisation (two ways), memory, and
-where the numbers go (Ray's report, Prometheus gauges for the dashboard and Grafana, TensorBoard or MLflow).
+"""What is measured about a run: the logging window's loss, throughput, model FLOPs utilisation (two ways), memory
+and collective bytes, and the progress line; where the numbers then go is `rayft.train.sinks`.
 
 The FLOPs per token that MFU divides by are the model's (`rayft.model.flops`).
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from rayft.model.flops import FlopModel, mfu
 from rayft.parallel.tally import KINDS
+from rayft.train.sinks import Gauges, Trackers
 
 GIB = 2**30
 
@@ -77,158 +77,6 @@ def reset_peaks(device: torch.device) -> None:
 
 def nan_to_none(value: float) -> float | None:
     return None if value is None or math.isnan(value) else value
-
-
-# The Prometheus gauges (Ray prefixes `ray_`), set by rank 0 at every logging step.
-GAUGES = {
-    "loss": "training loss (mean over the logging window)",
-    "eval_loss": "validation loss",
-    "learning_rate": "learning rate",
-    "grad_norm": "gradient norm before clipping",
-    "tokens_per_s": "training tokens per second, all workers",
-    "tokens_per_s_per_worker": "training tokens per second, one worker",
-    "step_time_s": "seconds per optimizer step",
-    "data_wait_share": "share of the window the slowest worker waited for data",
-    "mfu_6n": "model FLOPs utilisation, 6N formula",
-    "mfu_lora": "model FLOPs utilisation, LoRA-aware formula",
-    "memory_allocated_gib": "peak GPU memory allocated, worst worker",
-    "memory_reserved_gib": "peak GPU memory reserved, worst worker",
-    "host_rss_gib": "peak host RSS, worst worker",
-    "checkpoint_stall_s": "seconds training stood still for checkpoints so far in this attempt",
-    **{
-        f"comm_{kind}_bytes": f"bytes {what} into each worker per optimizer step (received from the others, mean)"
-        for kind, what in (
-            ("all_gather", "all-gathered"),
-            ("reduce_scatter", "reduce-scattered"),
-            ("all_reduce", "all-reduced"),
-            ("all_to_all", "all-to-all'ed"),
-        )
-    },
-    "comm_bytes": "bytes all collectives moved into each worker per optimizer step (mean over workers)",
-    "step": "optimizer steps done",
-}
-
-
-# DPO runs add TRL's preference metrics (`rewards/chosen` → `ray_rayft_rewards_chosen`).
-PREFERENCE_GAUGES = {
-    "rewards/chosen": "DPO: beta x log-ratio of the chosen completions (mean over pairs)",
-    "rewards/rejected": "DPO: beta x log-ratio of the rejected completions",
-    "rewards/accuracies": "DPO: share of pairs whose chosen reward exceeds the rejected one",
-    "rewards/margins": "DPO: chosen minus rejected reward",
-    "logps/chosen": "DPO: log-probability of the chosen completions under the policy",
-    "logps/rejected": "DPO: log-probability of the rejected completions under the policy",
-    "eval_rewards/accuracies": "DPO: reward accuracy on the validation pairs",
-    "eval_rewards/margins": "DPO: reward margin on the validation pairs",
-}
-
-
-class Gauges:
-    """rayft's metrics as Ray metrics: scraped from every node's metrics port by Prometheus, shown in the Ray
-    dashboard's Metrics view and Grafana, tagged with the run name. `extra`: more metrics (name → description);
-    a `/` in a name becomes `_` in the gauge's."""
-
-    def __init__(self, run: str, extra: dict[str, str] | None = None):
-        from ray.util.metrics import Gauge
-
-        self.tags = {"run": run}
-        described = {**GAUGES, **(extra or {})}
-        self.gauges = {k: Gauge(f"rayft_{k.replace('/', '_')}", description=d, tag_keys=("run",))
-                       for k, d in described.items()}  # fmt: skip
-
-    def set(self, metrics: dict[str, Any]) -> None:
-        for key, gauge in self.gauges.items():
-            value = metrics.get(key)
-            if isinstance(value, int | float) and math.isfinite(value):
-                gauge.set(float(value), tags=self.tags)
-
-
-class Trackers:
-    """`train.report_to`: TensorBoard event files under output_dir/runs, an MLflow run, a Weights & Biases run under
-    output_dir/wandb (rank 0 only)."""
-
-    def __init__(self, report_to: list[str], output_dir: str, run: str, params: dict[str, Any]):
-        self.writers: list[Any] = []
-        self.mlflow = None
-        self.wandb = None
-        if "wandb" in report_to:  # WANDB_PROJECT, WANDB_MODE (offline), WANDB_API_KEY as wandb reads them
-            import wandb
-
-            project = os.environ.get("WANDB_PROJECT", "rayft")
-            self.wandb = wandb.init(project=project, name=run, dir=output_dir, config=params)
-        if "tensorboard" in report_to:
-            self.writers.append(tensorboard_writer(f"{output_dir}/runs/{run}"))
-        if "mlflow" in report_to:
-            import mlflow
-
-            mlflow.set_experiment(run)
-            mlflow.start_run(run_name=run)
-            mlflow.log_params({k: v for k, v in params.items() if v is not None})
-            self.mlflow = mlflow
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
-        numbers = {k: v for k, v in numbers.items() if math.isfinite(v)}
-        for writer in self.writers:
-            for key, value in numbers.items():
-                writer.add_scalar(key, value, step)
-            writer.flush()
-        if self.mlflow is not None:
-            self.mlflow.log_metrics(numbers, step=step)
-        if self.wandb is not None:
-            self.wandb.log(numbers, step=step)
-
-    def close(self) -> None:
-        for writer in self.writers:
-            writer.close()
-        if self.mlflow is not None:
-            self.mlflow.end_run()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def tensorboard_writer(logdir: str) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # torch's writer needs the tensorboard package; tensorboardX writes the same files
-        from tensorboardX import SummaryWriter
-    return SummaryWriter(logdir)
-
-
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",)}
-
-
-def missing_tracker(name: str) -> str | None:
-    """The pip package to install when `report_to` names a tracker whose library is absent, else None."""
-    import importlib.util
-
-    if any(importlib.util.find_spec(module) for module in TRACKER_PACKAGES[name]):
-        return None
-    return TRACKER_PACKAGES[name][0]
-
-
-def plot_losses(rows: list[dict[str, Any]]) -> bytes:
-    """Loss curves (train and eval against step) as a PNG."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for key, label, style in (("loss", "train loss", "-"), ("eval_loss", "eval loss", "o-")):
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-        if points:
-            ax.plot(*zip(*points, strict=True), style, label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = io.BytesIO()
-    fig.savefig(out, format="png")
-    plt.close(fig)
-    return out.getvalue()
 
 
 class Stopwatch:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rayft.model.build import reshard_all
+from rayft.parallel.parallelize import reshard_all
 from rayft.train.dpo import reference_logprobs
 from rayft.train.rundir import RunDir
 from rayft.train.transfer import to_device

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
-from rayft.model.build import reshard_all, set_gradient_sync
+from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint import Progress
 from rayft.train.metrics import LossWindow, attended_keys
