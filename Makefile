@@ -25,7 +25,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# tests/test_dashboard.py runs a real Prometheus: present already, or Debian's package (root), or a loud failure.
+# tests/integration/test_dashboard.py runs a real Prometheus: present already, or Debian's package (root), or a loud failure.
 prometheus:
 	sh tests/tools/ensure-prometheus.sh
 

@@ -15,7 +15,7 @@ directory, after the install): wall time, steps and evaluations.
 
     python bench/startup.py [--out bench/results/startup_cpu.json]
 
-Never in CI (minutes). Its runs are bench/train_vs_trl.py's at one step, so tests/test_bench_smoke.py checks
+Never in CI (minutes). Its runs are bench/train_vs_trl.py's at one step, so tests/integration/test_bench_smoke.py checks
 `summarise` on the pair of runs of train_vs_trl's smoke (one of each), and the yardstick once, rather than start
 the same runs again.
 """

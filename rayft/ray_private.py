@@ -2,8 +2,8 @@
 
 Each is a convenience, never needed for a correct run: where a Ray release has moved one, its function returns None
 and the caller carries on without it (slower start, a less precise refusal, a noisier log). So that such a move is
-seen at once rather than as a quiet slowdown, `tests/test_ray_private.py` asks for every one of them on the Ray that
-`constraints.txt` pins.
+seen at once rather than as a quiet slowdown, `tests/unit/test_ray_private.py` asks for every one of them on the Ray
+that `constraints.txt` pins.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 
 SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
 STEPS = 6  # of the checkpointing reference run
+# The preflight tests' shared fixtures (a base config, a real adapter, another base), for each command's file.
+pytest_plugins = ["fixtures.preflight"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

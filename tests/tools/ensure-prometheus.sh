@@ -1,5 +1,5 @@
 #!/bin/sh
-# Makes sure a `prometheus` binary is on PATH for tests/test_dashboard.py: a no-op where one is, Debian's package
+# Makes sure a `prometheus` binary is on PATH for tests/integration/test_dashboard.py: a no-op where one is, Debian's package
 # where apt-get can install it (root), and a loud failure otherwise (the dashboard test never skips).
 set -eu
 if command -v prometheus >/dev/null 2>&1; then

@@ -260,3 +260,20 @@ def test_plan_counts_equal_shards_and_partial_accumulation():
     assert plan.warmup_steps == 5 and plan.has_validation
     with pytest.raises(ConfigError, match=r"cannot feed ray\.num_workers=4"):
         make_plan(cfg, train_rows=3, validation_rows=0, world_size=4)
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):
+    """Windows editors start UTF-8 files with a BOM: it passes the encoding check and is dropped when lines are read,
+    so the first JSON record is not a bad_json skip."""
+    from rayft.data.pipeline import _split_lines
+    from rayft.data.records import decode_line
+
+    content = "\ufeff".encode() + b'{"text": "first"}\n{"text": "second"}\n'
+    lines = _split_lines(pa.table({"bytes": [content]}), json_array_ok=True).column("_raw").to_pylist()
+    assert [decode_line(line, "json") for line in lines] == [({"text": "first"}, ""), ({"text": "second"}, "")]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(content)
+    from rayft.data.files import check_encoding, json_fields
+
+    check_encoding(path)  # no error
+    assert json_fields([path], ["text"]) == ["text"]

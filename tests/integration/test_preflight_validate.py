@@ -1,9 +1,8 @@
-"""Every bad input is answered before a cluster starts: `rayft validate` (in-process: one import of torch for all
-cases) exits 2 with one line naming the file / key / tensor, in seconds, and Ray is never initialised. The inputs
-are real files: model directories whose config.json does not describe their weights, cut-short or inconsistent
+"""`rayft validate` answers every bad input before a cluster starts (in-process: one import of torch for all
+cases): exit 2 with one line naming the file / key / tensor, in seconds, and Ray never initialised. The inputs are
+real files: model directories whose config.json does not describe their weights, cut-short or inconsistent
 safetensors shards, UTF-16 text, corrupt parquet, JSON Lines whose first records lack the field, damaged DCP
-checkpoints, YAML with duplicate keys. `rayft export` / `rayft eval` refuse damaged or foreign adapters the same
-way and leave nothing behind."""
+checkpoints, YAML with duplicate keys, chat records the tokenizer cannot train, settings the model cannot take."""
 
 from __future__ import annotations
 
@@ -11,78 +10,25 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
-from conftest import REPO, CliResult, Fixtures, run_cli, tiny_config, write_yaml
-
-SECONDS = 60  # generous for a 2-core machine shared by several runs; typically 3-6 s
-
-
-def assert_refused(result: CliResult, pattern: str) -> None:
-    import re
-
-    rc, err, elapsed = result.rc, result.err, result.elapsed
-    assert rc == 2, err[-3000:]
-    assert re.search(pattern, err), err[-3000:]
-    assert "Traceback" not in err
-    assert len([line for line in err.splitlines() if line.startswith("rayft: config error")]) == 1
-    assert elapsed < SECONDS, f"took {elapsed:.1f}s"
-    assert not ray.is_initialized(), "a Ray cluster was started before the error"
-
-
-def variant(src: Path, dst: Path, copy: tuple[str, ...] = ()) -> Path:
-    """A model directory sharing `src`'s files (symlinks) except those in `copy`, which can then be damaged."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name in copy:
-            shutil.copy2(f, dst / f.name)
-        else:
-            (dst / f.name).symlink_to(f)
-    return dst
-
-
-def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
-    data = json.loads(path.read_text())
-    edit(data)
-    path.unlink()  # a symlink into the shared fixture: never write through it
-    path.write_text(json.dumps(data))
-
-
-def truncate(path: Path, keep: float = 0.6) -> None:
-    size = path.stat().st_size
-    with open(path, "r+b") as f:
-        f.truncate(int(size * keep))
-
-
-@pytest.fixture(scope="module")
-def base(fixtures: Fixtures, tmp_path_factory) -> dict:
-    return tiny_config(fixtures, tmp_path_factory.mktemp("preflight-out") / "out")
-
-
-def _config(tmp: Path, raw: dict, **sections: dict) -> Path:
-    raw = json.loads(json.dumps(raw))
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return write_yaml(tmp / "config.yaml", raw)
-
+from conftest import Fixtures, run_cli
+from fixtures.chat import CONVERSATION, tekken_model
+from fixtures.preflight import (
+    assert_refused,
+    config_file,
+    edit_json,
+    kv_heads,
+    small_embedding,
+    truncate,
+    variant,
+)
 
 # --- model files: cases build a damaged copy of a real checkpoint and return its directory -----------------------
-
-
-def _kv_heads(fx: Fixtures, hub: Path, tmp: Path) -> Path:
-    d = variant(fx.model, tmp / "m", copy=("config.json",))
-    edit_json(d / "config.json", lambda c: c.update(num_key_value_heads=1))
-    return d
 
 
 def _vocab(fx: Fixtures, hub: Path, tmp: Path) -> Path:
@@ -130,23 +76,9 @@ def _garbage_header(fx: Fixtures, hub: Path, tmp: Path) -> Path:
     return d
 
 
-def _small_embedding(fx: Fixtures, hub: Path, tmp: Path) -> Path:
-    """Weights and config agree, but the tokenizer (131k tokens) has more ids than the embedding has rows."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from rayft.data.tokenizer import copy_tokenizer_files
-
-    d = tmp / "m"
-    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
-    MistralForCausalLM(MistralConfig(vocab_size=1000, **sizes)).save_pretrained(d)
-    copy_tokenizer_files(fx.model, d)
-    return d
-
-
 MODEL_CASES = {
     "num_key_value_heads 2→1": (
-        _kv_heads, r"does not fit the model \(4 tensors\): 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
+        kv_heads, r"does not fit the model \(4 tensors\): 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
         r"\[32, 64\] in the checkpoint, the model's '.*k_proj\.weight' has \[16, 64\]",
     ),
     "vocab_size +512": (_vocab, r"'model\.embed_tokens\.weight' has shape \[131072, 64\] .* has \[131584, 64\]"),
@@ -161,7 +93,7 @@ MODEL_CASES = {
     "index names a tensor its shard lacks": (_index_names_absent_tensor,
                                              r"puts tensor 'language_model\.model\.extra\.weight' in model-00001"),
     "garbage safetensors header": (_garbage_header, r"model\.safetensors has a corrupt safetensors header"),
-    "tokenizer larger than the embedding": (_small_embedding, r"has 131,072 tokens, the model's embedding 1,000 rows"),
+    "tokenizer larger than the embedding": (small_embedding, r"has 131,072 tokens, the model's embedding 1,000 rows"),
 }  # fmt: skip
 
 
@@ -170,7 +102,7 @@ def test_model_files_that_do_not_match_are_refused(case, fixtures, mistral4_hub,
     build, pattern = MODEL_CASES[case]
     model = build(fixtures, mistral4_hub, tmp_path)
     lora = {"target_modules": ["auto"]}  # the hub model has no q_proj: auto picks its set
-    config = _config(tmp_path, base, model={"model_name_or_path": str(model), "torch_dtype": "float32"}, lora=lora)
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(model), "torch_dtype": "float32"}, lora=lora)
     assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
 
 
@@ -183,7 +115,7 @@ def test_tied_lm_head_missing_from_the_checkpoint_is_fine(fixtures, base, tmp_pa
 
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()  # noqa: SIM118 (safe_open has no __contains__)
-    config = _config(tmp_path, base, model={"model_name_or_path": str(model)})
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)})
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
 
@@ -220,10 +152,10 @@ def test_yaml_with_duplicate_keys_or_nothing_in_it_is_refused(base, tmp_path, ca
 
 
 def test_a_val_split_that_does_not_exist_is_refused_unless_val_ratio_is_set(base, tmp_path, capsys):
-    config = _config(tmp_path, base, data={"val_split": "valdation"})
+    config = config_file(tmp_path, base, data={"val_split": "valdation"})
     pattern = r"data\.val_split: no split 'valdation' in .*wikitext-2-raw-v1 \(it has test, train, validation\)"
     assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
-    config = _config(tmp_path, base, data={"val_split": "valdation", "val_ratio": 0.1})
+    config = config_file(tmp_path, base, data={"val_split": "valdation", "val_ratio": 0.1})
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert "validation: none (holding out 10%)" in result.out
@@ -302,7 +234,7 @@ DATA_CASES = {
 @pytest.mark.parametrize("case", list(DATA_CASES))
 def test_bad_data_files_are_refused_by_content(case, base, tmp_path, capsys):
     build, pattern = DATA_CASES[case]
-    config = _config(tmp_path, base, data=build(tmp_path))
+    config = config_file(tmp_path, base, data=build(tmp_path))
     assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
 
 
@@ -314,7 +246,7 @@ def test_records_lacking_the_field_anywhere_are_skipped_not_fatal(base, tmp_path
     huge = tmp_path / "huge.jsonl"
     huge.write_text("\n".join([json.dumps({"text": "word " * 400_000})] + [json.dumps({"text": t}) for t in LINES]))
     for path in (late, huge):
-        config = _config(tmp_path, base, data={"dataset_name_or_path": str(path)})
+        config = config_file(tmp_path, base, data={"dataset_name_or_path": str(path)})
         result = run_cli(capsys, "validate", "--config", str(config))
         assert result.rc == 0, result.err
 
@@ -327,7 +259,7 @@ def test_records_lacking_the_field_anywhere_are_skipped_not_fatal(base, tmp_path
 
 def test_an_output_dir_that_cannot_be_created_is_refused(base, tmp_path, capsys):
     """/proc accepts no new entries, whatever the permission bits (and root's os.access) say."""
-    config = _config(tmp_path, base, train={"output_dir": "/proc/rayft-out"})
+    config = config_file(tmp_path, base, train={"output_dir": "/proc/rayft-out"})
     assert_refused(run_cli(capsys, "validate", "--config", str(config)),
                    r"train\.output_dir: cannot create /proc/rayft-out: creating anything in /proc fails")  # fmt: skip
 
@@ -374,209 +306,14 @@ CHECKPOINT_CASES = {
 @pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
 def test_a_damaged_resume_checkpoint_is_refused(case, dcp_checkpoint, base, tmp_path, capsys):
     build, pattern = CHECKPOINT_CASES[case]
-    config = _config(tmp_path, base, train={"resume_from_checkpoint": str(build(dcp_checkpoint, tmp_path))})
+    config = config_file(tmp_path, base, train={"resume_from_checkpoint": str(build(dcp_checkpoint, tmp_path))})
     assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
 
 
 def test_a_complete_checkpoint_passes(dcp_checkpoint, base, tmp_path, capsys):
-    config = _config(tmp_path, base, train={"resume_from_checkpoint": str(dcp_checkpoint)})
+    config = config_file(tmp_path, base, train={"resume_from_checkpoint": str(dcp_checkpoint)})
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
-
-
-# --- export and eval: the adapter is checked before any work, --out is written atomically ----------------------
-
-
-@pytest.fixture(scope="module")
-def adapter(fixtures: Fixtures, tmp_path_factory) -> Path:
-    """A real PEFT adapter (r=4 on q_proj, v_proj) of the tiny Mistral, as PEFT saves it."""
-    import peft
-    from transformers import MistralForCausalLM
-
-    out = tmp_path_factory.mktemp("adapter") / "final"
-    model = MistralForCausalLM.from_pretrained(str(fixtures.model))
-    peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def other_base(fixtures: Fixtures, tmp_path_factory) -> Path:
-    """The same architecture at another size: an adapter of the tiny Mistral does not fit it."""
-    return _small_embedding(fixtures, Path(), tmp_path_factory.mktemp("other-base"))
-
-
-def _truncated_adapter(adapter: Path, tmp: Path) -> Path:
-    copy = shutil.copytree(adapter, tmp / "truncated-adapter")
-    truncate(copy / "adapter_model.safetensors", 0.5)
-    return copy
-
-
-EXPORT_CASES = {
-    "truncated adapter": (False, r"adapter_model\.safetensors is truncated: its header declares"),
-    "truncated adapter, --merge": (True, r"adapter_model\.safetensors is truncated: its header declares"),
-    "another base": (False, r"tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' has "
-                     r"shape \[4, 64\], the model at .* needs \[4, 32\]"),
-    "another base, --merge": (True, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("case", list(EXPORT_CASES))
-def test_export_of_a_damaged_or_foreign_adapter_is_refused_and_leaves_nothing(
-    case, adapter, other_base, fixtures, tmp_path, capsys
-):
-    merge, pattern = EXPORT_CASES[case]
-    source, base = (adapter, other_base) if "another base" in case else (_truncated_adapter(adapter, tmp_path),
-                                                                          fixtures.model)  # fmt: skip
-    out = tmp_path / "exports" / "x"
-    before = set(tmp_path.iterdir())
-    result = run_cli(capsys, "export", "--adapter", str(source), "--base", str(base), "--out", str(out),
-                     *(["--merge"] if merge else []))  # fmt: skip
-    assert_refused(result, pattern)
-    assert set(tmp_path.iterdir()) == before, "something was left behind"
-
-
-def test_export_out_that_is_a_file_or_a_foreign_directory_is_refused(adapter, fixtures, tmp_path, capsys):
-    file = tmp_path / "out.txt"
-    file.write_text("mine")
-    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(file))
-    assert_refused(result, r"--out .*out\.txt is a file; give a directory path")
-    (tmp_path / "photos").mkdir()
-    (tmp_path / "photos" / "cat.jpg").write_text("meow")
-    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model),
-                     "--out", str(tmp_path / "photos"))  # fmt: skip
-    assert_refused(result, r"--out .*photos is a directory with other content")
-    assert file.read_text() == "mine" and (tmp_path / "photos" / "cat.jpg").read_text() == "meow"
-
-
-def test_export_writes_out_whole_and_replaces_a_previous_export(adapter, fixtures, tmp_path, capsys):
-    out = tmp_path / "export"
-    for _ in range(2):  # the second run replaces the first export
-        result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(out))
-        assert result.rc == 0, result.err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging or old copies left
-    assert (out / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(fixtures.model)
-    assert oct(out.stat().st_mode & 0o777) != oct(0o700), "the staging directory's 0700 leaked into the export"
-
-
-@pytest.mark.parametrize("case", ["truncated adapter", "another base", "missing split"])
-def test_eval_of_a_damaged_or_foreign_adapter_is_refused_before_ray(case, adapter, other_base, base, tmp_path, capsys):
-    raw = json.loads(json.dumps(base))
-    split = []
-    if case == "missing split":
-        source, pattern, split = adapter, r"data: no split 'tset' in .*; name one with --split", ["--split", "tset"]
-    elif case == "another base":
-        source, pattern = adapter, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"
-        raw["model"]["model_name_or_path"] = str(other_base)
-    else:
-        source, pattern = _truncated_adapter(adapter, tmp_path), r"adapter_model\.safetensors is truncated"
-    config = write_yaml(tmp_path / "config.yaml", raw)
-    assert_refused(run_cli(capsys, "eval", "--config", str(config), "--adapter", str(source), *split), pattern)
-
-
-# --- the job entrypoint refuses the same way, without starting Ray -----------------------------------------------
-
-
-def test_the_job_refuses_a_model_config_that_does_not_match_its_weights_without_starting_ray(
-    fixtures, mistral4_hub, base, tmp_path
-):
-    model = _kv_heads(fixtures, mistral4_hub, tmp_path)
-    config = _config(tmp_path, base, model={"model_name_or_path": str(model)})
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    start = time.monotonic()
-    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
-    output = job.stdout + job.stderr
-    assert job.returncode == 2, output[-3000:]
-    assert "k_proj.weight' has shape [32, 64] in the checkpoint" in job.stderr and "Traceback" not in output
-    assert "starting a local one" not in output and "Started a local Ray instance" not in output
-    print(f"job refused in {time.monotonic() - start:.1f}s")
-
-
-# --- placement: what the cluster can never place is refused, never retried forever --------------------------------
-
-NODE = {"CPU": 4.0, "memory": 8e9}
-GPU_NODE = {"CPU": 16.0, "GPU": 8.0}
-PLACEMENT = [  # (workers, bundle, strategy, nodes, fits) — worked out by hand
-    (8, {"CPU": 1}, "PACK", [NODE, NODE], True),
-    (12, {"CPU": 1}, "PACK", [NODE, NODE], False),
-    (3, {"CPU": 3}, "SPREAD", [NODE, NODE], False),  # 4 CPUs hold one 3-CPU bundle each: 2 in all
-    (4, {"CPU": 2}, "STRICT_PACK", [NODE, NODE], False),
-    (2, {"CPU": 2}, "STRICT_PACK", [NODE, NODE], True),
-    (2, {"CPU": 1}, "STRICT_SPREAD", [NODE], False),
-    (2, {"CPU": 1}, "STRICT_SPREAD", [NODE, NODE], True),
-    (16, {"GPU": 1}, "PACK", [GPU_NODE, GPU_NODE], True),
-    (3, {"GPU": 1}, "STRICT_SPREAD", [GPU_NODE, GPU_NODE], False),
-    (1, {"GPU": 1}, "PACK", [NODE], False),
-    (9, {"CPU": 1, "GPU": 1}, "PACK", [NODE, GPU_NODE], False),  # only the GPU node holds these: 8
-]
-
-
-@pytest.mark.parametrize(("workers", "bundle", "strategy", "nodes", "fits"), PLACEMENT)
-def test_placement_feasibility(workers, bundle, strategy, nodes, fits):
-    from rayft.placement import Request
-
-    assert Request(workers, bundle, strategy).fits(nodes) is fits
-
-
-def test_workers_the_cluster_can_never_place_are_refused_within_the_deadline(ray_cluster, fixtures, tmp_path):
-    """The session cluster: 2 nodes × 4 CPUs, no autoscaler. 12 one-CPU workers packed can never be placed: the job
-    waits its stated deadline for nodes to join, then exits 2 naming what it asked for and what there is; Ctrl-C
-    stops the wait at once."""
-    raw = tiny_config(fixtures, tmp_path / "out")
-    raw["ray"].update(address=ray_cluster.address, num_workers=12, placement_strategy="PACK", placement_timeout_s=5)
-    config = write_yaml(tmp_path / "config.yaml", raw)
-    start = time.monotonic()
-    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=ray_cluster.env)  # fmt: skip
-    elapsed = time.monotonic() - start
-    assert job.returncode == 2, job.stderr[-3000:]
-    assert "waiting up to 5s (ray.placement_timeout_s)" in job.stderr
-    assert "cannot place 12 workers × {CPU 1} = {CPU 12} (PACK): it offers CPU 8, GPU 0 in total on 2 node(s)" in (
-        job.stderr
-    )
-    assert "Traceback" not in job.stderr
-    assert elapsed < 5 + 90, f"{elapsed:.0f}s: start-up and preflight take well under a minute here"
-
-    raw["ray"]["placement_timeout_s"] = 600
-    write_yaml(config, raw)
-    waiting = subprocess.Popen([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO,
-                               env=ray_cluster.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        seen = []
-        for line in waiting.stderr:
-            seen.append(line)
-            if "waiting up to 600s" in line:
-                break
-        else:
-            pytest.fail("the job never said it was waiting:\n" + "".join(seen[-30:]))
-        interrupted = time.monotonic()
-        waiting.send_signal(signal.SIGINT)
-        rest = waiting.communicate(timeout=60)[1]
-        assert waiting.returncode == 130, "".join(seen[-20:]) + rest
-        assert "rayft: interrupted" in rest
-        assert time.monotonic() - interrupted < 30
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
-
-
-def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):
-    """Windows editors start UTF-8 files with a BOM: it passes the encoding check and is dropped when lines are read,
-    so the first JSON record is not a bad_json skip."""
-    from rayft.data.pipeline import _split_lines
-    from rayft.data.records import decode_line
-
-    content = "\ufeff".encode() + b'{"text": "first"}\n{"text": "second"}\n'
-    lines = _split_lines(pa.table({"bytes": [content]}), json_array_ok=True).column("_raw").to_pylist()
-    assert [decode_line(line, "json") for line in lines] == [({"text": "first"}, ""), ({"text": "second"}, "")]
-    path = tmp_path / "bom.jsonl"
-    path.write_bytes(content)
-    from rayft.data.files import check_encoding, json_fields
-
-    check_encoding(path)  # no error
-    assert json_fields([path], ["text"]) == ["text"]
 
 
 # --- chat records against the tokenizer, and split names -----------------------------------------------------------
@@ -595,7 +332,6 @@ def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(tok
                                                                              capsys, request):  # fmt: skip
     """On main `validate` said "config ok" to all of these: SmolLM2's template renders any role (a `narrator` was
     trained on), and the job found out about the rest only after the cluster started."""
-    from test_chat import CONVERSATION, tekken_model
 
     model = tekken_model(fixtures, tmp_path / "tekken") if tokenizer == "tekken" else request.getfixturevalue(tokenizer)
     narrator = [CONVERSATION[1], {"role": "narrator", "content": "They wait."}, CONVERSATION[2]]
@@ -606,13 +342,13 @@ def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(tok
     }  # fmt: skip
     for i, (conversation, pattern) in enumerate(cases.values()):
         data = _chat_data(tmp_path / str(i), [CONVERSATION, CONVERSATION, conversation])
-        config = _config(tmp_path, base, model={"model_name_or_path": str(model)},
+        config = config_file(tmp_path, base, model={"model_name_or_path": str(model)},
                          data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
         result = run_cli(capsys, "validate", "--config", str(config))
         assert_refused(result, pattern)
         assert f"{data / 'train.jsonl'}: record 2" in result.err
     data = _chat_data(tmp_path / "good", [CONVERSATION, CONVERSATION])
-    config = _config(tmp_path, base, model={"model_name_or_path": str(model)},
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)},
                      data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
@@ -643,7 +379,7 @@ def test_split_names_and_unreadable_split_files_are_refused_on_a_flat_folder(bas
     """On main the first two fell back to every file in the folder, validation records included, and the loop
     was reported as "does not exist"."""
     for data, pattern in _split_layouts(tmp_path).values():
-        config = _config(tmp_path, base, data={"dataset_config_name": None, **data})
+        config = config_file(tmp_path, base, data={"dataset_config_name": None, **data})
         assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
 
 
@@ -689,7 +425,7 @@ def test_model_limits_and_unreadable_files_are_refused_naming_the_key_or_file(ca
             fixtures, tmp_path
         )
         data, ray_keys = {}, {}
-    config = _config(tmp_path, base, model=model, data=data, ray=ray_keys)
+    config = config_file(tmp_path, base, model=model, data=data, ray=ray_keys)
     assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
 
 
@@ -698,7 +434,7 @@ def test_rope_scaling_covers_a_longer_max_length_and_a_large_lora_rank_is_warned
     edit_json(model / "config.json",
               lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 2048}))  # fmt: skip
-    config = _config(tmp_path, base, model={"model_name_or_path": str(model)}, data={"max_length": 4096},
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)}, data={"max_length": 4096},
                      lora={"r": 128})  # fmt: skip
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err

@@ -15,7 +15,7 @@ from rayft.config import load_config
 from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, schemas, validate, validate_file
 from rayft.deploy.k8s import IMAGE_ROOT, RAY_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = sorted((REPO / "cluster").glob("*.yaml"))
 EXAMPLE = "jobs/mistral4-3xh200.yaml"
 

@@ -13,10 +13,10 @@ import pytest
 from rayft.deploy import grafana
 from rayft.train.sinks import GAUGES
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "cluster" / "grafana" / "rayft-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "rayft-dashboard.json"
 RUN = "ray_run"  # ray.name of the reference run (tests/conftest.py)
 # What rank 0 reports as null on CPU (no CUDA allocator): Ray gets no value, Prometheus no series. The reference
-# run states a peak (train.peak_tflops), so both MFUs have values here; tests/test_gpu_job.py covers GPU memory.
+# run states a peak (train.peak_tflops), so both MFUs have values here; test_gpu_job.py covers GPU memory.
 NULL_ON_CPU = {"memory_allocated_gib", "memory_reserved_gib"}
 
 

@@ -24,14 +24,12 @@ from conftest import (
     Fixtures,
     RayCluster,
     Run,
-    _stop_group,
-    _wait_for_dashboard,
-    _wait_for_nodes,
     checkpointing_config,
     free_port,
     submit_job,
     write_yaml,
 )
+from fixtures.cluster import stop_group, wait_for_dashboard, wait_for_nodes
 from fixtures.devices import DEVICES
 from safetensors.torch import load_file
 
@@ -82,12 +80,12 @@ def gpu_cluster(request) -> Head:
         )  # fmt: skip
     try:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
-        if not _wait_for_dashboard(dashboard, head, log):
+        if not wait_for_dashboard(dashboard, head, log):
             pytest.fail(f"ray start --head exited with {head.returncode}; its output:\n{log.read_text()[-3000:]}")
-        _wait_for_nodes(f"127.0.0.1:{gcs_port}", env, 1)
+        wait_for_nodes(f"127.0.0.1:{gcs_port}", env, 1)
         yield Head(RayCluster(address=f"127.0.0.1:{gcs_port}", dashboard=dashboard, env=env), cuda)
     finally:
-        _stop_group(head)
+        stop_group(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(shim, ignore_errors=True)
         log.unlink(missing_ok=True)

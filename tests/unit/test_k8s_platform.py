@@ -12,7 +12,7 @@ from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import validate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"
 TOLERATION = {"key": "pool", "operator": "Equal", "value": "h200", "effect": "NoSchedule"}
 NODE_AFFINITY = {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Fixtures, RayCluster, submit_job, tiny_config, write_yaml
-from test_chat import CONVERSATION, chatml_expected, tekken_expected, tekken_model
+from fixtures.chat import CONVERSATION, chatml_expected, tekken_expected, tekken_model
 
 pytestmark = pytest.mark.ray
 

@@ -8,37 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from conftest import Fixtures
+from fixtures.chat import CONVERSATION, chatml_expected, tekken_expected, tekken_model
 
-from rayft import demo
 from rayft.config import DataConfig, ModelConfig
 from rayft.data.pipeline import Tokenize
 from rayft.data.records import record_format
 from rayft.data.tokenizer import load_tokenizer, tokenizer_facts
-
-SYSTEM = "Be brief."
-CONVERSATION = [
-    {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": "Hi there"},
-    {"role": "assistant", "content": "Hello! How can I help?"},
-    {"role": "user", "content": "What is 2+2?"},
-    {"role": "assistant", "content": "It is 4."},
-]
-
-
-def tekken_model(fx: Fixtures, directory: Path) -> Path:
-    """The tiny Mistral with the tokenizer Mistral checkpoints ship: tekken.json (no tokenizer.json), which
-    transformers loads as `MistralCommonBackend`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (directory / name).symlink_to(fx.model / name)
-    shutil.copy(demo.tekken_file(), directory / "tekken.json")
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +39,6 @@ def encode_rows(model: Path, records: list[dict]) -> list[dict]:
     return tokenize(model, fmt)(pa.table({"_raw": pa.array(raw, type=pa.binary())})).to_pylist()
 
 
-def tekken_expected(model: Path) -> tuple[list[int], list[int]]:
-    """Mistral's v3 instruct format by hand: <s>[INST]user[/INST]assistant</s>..., the system prompt before the
-    last user message; trained: the assistant turns the prefix comparison can place (the last one: the system
-    prompt moves when turns are added), with their </s>."""
-    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
-
-    raw = Tekkenizer.from_file(str(model / "tekken.json"))
-    inst, end_inst = raw.get_special_token("[INST]"), raw.get_special_token("[/INST]")
-
-    def enc(text: str) -> list[int]:
-        return raw.encode(text, bos=False, eos=False)
-
-    ids = [raw.bos_id, inst, *enc("Hi there"), end_inst, *enc("Hello! How can I help?"), raw.eos_id]
-    mask = [0] * len(ids)
-    ids += [inst, *enc(f"{SYSTEM}\n\nWhat is 2+2?"), end_inst]
-    mask += [0] * (len(ids) - len(mask))
-    answer = [*enc("It is 4."), raw.eos_id]
-    return ids + answer, mask + [1] * len(answer)
-
-
 def test_tekken_chat_trains_on_the_assistant_reply_in_fine_tuning_mode(tekken: Path):
     """On main every such record was skipped (`chat_template`): serving-mode validation wants a user turn last."""
     assert type(load_tokenizer(ModelConfig(model_name_or_path=str(tekken)))).__name__ == "MistralCommonBackend"
@@ -92,23 +52,6 @@ def test_tekken_prompt_completion_chat_trains_on_the_completion(tekken: Path):
     row = encode_rows(tekken, [record])[0]
     ids, mask = tekken_expected(tekken)
     assert row["skip"] == "" and row["input_ids"] == ids and row["loss_mask"] == mask
-
-
-def chatml_expected(model: Path) -> tuple[list[int], list[int]]:
-    """ChatML as SmolLM2's template writes it, encoded piece by piece with the `tokenizers` library alone: every
-    assistant turn trained from its text through <|im_end|> and the newline after it."""
-    from tokenizers import Tokenizer
-
-    raw = Tokenizer.from_file(str(model / "tokenizer.json"))
-    ids: list[int] = []
-    mask: list[int] = []
-    for message in CONVERSATION:
-        head = raw.encode(f"<|im_start|>{message['role']}\n", add_special_tokens=False).ids
-        body = raw.encode(f"{message['content']}<|im_end|>\n", add_special_tokens=False).ids
-        trained = message["role"] == "assistant"
-        ids += head + body
-        mask += [0] * len(head) + [int(trained)] * len(body)
-    return ids, mask
 
 
 def test_chat_template_tokenizer_trains_every_assistant_turn(smollm2: Path):

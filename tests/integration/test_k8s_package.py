@@ -13,7 +13,7 @@ import yaml
 
 from rayft.deploy.crd import CRD_DIR_ENV, PACKAGED_CRD_DIR, ManifestError, crd_dir, schemas
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_default_crds_are_the_packaged_v1_7_0_copies(monkeypatch):
