@@ -16,6 +16,11 @@ and to dequantise a chunk of experts at a time. Here the chunk is made 2 experts
 row's `trade` says what the sync buys against the same case dequantised whole: FP8 bytes not read per sync, and the
 largest dequantised weight alive at once.
 
+`dequant_traffic` says what dequantising one FP8 weight moves through memory on this checkout: the eager ops
+(bytes of every op's inputs and outputs, counted as they dispatch: each writes an fp32 temporary the next reads)
+against the compiled kernel CUDA runs (`rayft.model.fp8.fuses`), compiled here for the CPU: the kernels inductor
+generated, and the bytes of that one kernel's inputs and outputs (a pointwise kernel reads and writes each once).
+
 The "before" rows run the code of another commit (default: the branch point with `main`), unpacked with
 `git archive` into a temporary directory and imported from there in the same invocation; the "after" rows run
 this checkout. On CPU the times say little; the counts are what a GPU pays.
@@ -229,6 +234,7 @@ def run(size: str, before: str | None = "main", cases: list | None = None) -> di
     shape, tokens = SIZES[size]["model"], SIZES[size]["tokens"]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     report = {**machine(), "size": size, "model": shape, "tokens_per_rank_per_step": tokens, "ranks": 2, "rows": {}}
+    report["dequant_traffic"] = dequant_traffic()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_mistral_small4(Path(tmp) / "model", **shape)
         roots = {"after": REPO}
@@ -250,6 +256,46 @@ def run(size: str, before: str | None = "main", cases: list | None = None) -> di
                 row["trade"] = _trade(row["after"], report["rows"][whole]["after"])
             report["rows"][name] = row
     return report
+
+
+def dequant_traffic(experts: int = 8, rows: int = 256, cols: int = 128) -> dict:
+    """Memory traffic per FP8 weight of the eager and the compiled dequantisation of an expert stack (docstring)."""
+    import torch
+    import torch._inductor.config as inductor
+    from torch._inductor import metrics
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from rayft.model import fp8
+
+    class OpBytes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            if not func.is_view:  # a view moves nothing
+                self.ops.append((func.overloadpacket.__name__, sum(t.numel() * t.element_size() for t in tensors)))
+            return out
+
+    data, scale = fp8.quantize_rows(torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0)))
+    weights = data.numel()
+    with OpBytes() as eager:
+        want = fp8._dequantize(data, scale, torch.bfloat16)
+    metrics.reset()
+    with inductor.patch({"force_disable_caches": True}):  # a cached kernel is not generated, so not counted
+        got = torch.compile(fp8._dequantize, fullgraph=True)(data, scale, torch.bfloat16)
+    assert torch.equal(got, want)
+    moved = sum(t.numel() * t.element_size() for t in (data, scale, got))
+    return {
+        "weights": weights,
+        "eager_ops": [name for name, _ in eager.ops],
+        "eager_bytes_per_weight": round(sum(b for _, b in eager.ops) / weights, 3),
+        "compiled_kernels": metrics.generated_kernel_count,
+        "compiled_bytes_per_weight": round(moved / weights, 3) if metrics.generated_kernel_count == 1 else None,
+    }
 
 
 def _trade(chunked: dict, whole: dict) -> dict:

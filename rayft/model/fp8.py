@@ -15,12 +15,19 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
   row (amax / 448).
 - The matmul is an autograd Function: forward dequantises into the compute dtype, backward dequantises again for
   the input gradient; no weight gradient, and only the 1-byte weight and its scales are saved for backward.
+- On CUDA the dequantisation is one compiled kernel (`torch.compile` of `_dequantize`): it reads each byte and row
+  scale once and writes the compute dtype, where the eager ops write and read fp32 temporaries between them (about
+  six times the memory traffic). The values are the same: both multiply in fp32 and round once. Elsewhere, or with
+  RAYFT_FP8_FUSED=0, or where compiling fails, the eager ops run, in bounded blocks of rows.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+import logging
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -47,16 +54,59 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data.view(STORAGE), scale
 
 
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 bytes × their row scales, multiplied in fp32 and rounded once to `dtype`: the elementwise core."""
+    return (data.view(E4M3).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+
+
+@functools.cache
+def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]:
+    """`_dequantize` compiled into one kernel; dynamic shapes, so every linear and expert stack shares it."""
+    return torch.compile(_dequantize, dynamic=True, fullgraph=True)
+
+
+_fusing: dict[str, bool] = {}  # device type → whether the compiled kernel is used there (a failed compile: never again)
+
+
+def fuses(device: torch.device) -> bool:
+    """Whether `dequantize_rows` runs the compiled kernel on `device`: on CUDA unless RAYFT_FP8_FUSED=0 says no;
+    `fused_dequantization` sets it for a device type (tests, benchmarks)."""
+    if device.type not in _fusing:
+        _fusing[device.type] = device.type == "cuda" and os.environ.get("RAYFT_FP8_FUSED", "1") != "0"
+    return _fusing[device.type]
+
+
+@contextmanager
+def fused_dequantization(device_type: str, on: bool) -> Iterator[None]:
+    """Within: `dequantize_rows` on `device_type` compiled (`on`) or eager, whatever the default there."""
+    before = _fusing.get(device_type)
+    _fusing[device_type] = on
+    try:
+        yield
+    finally:
+        if before is None:
+            _fusing.pop(device_type, None)
+        else:
+            _fusing[device_type] = before
+
+
 def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight in `dtype`: E4M3 bytes × their row scales, multiplied in fp32 (exactly the checkpoint's value,
-    as a bf16 load rounds it), a bounded block of rows at a time so the fp32 temporary stays small next to a
-    128-expert stack."""
+    as a bf16 load rounds it). Compiled, in one pass (`fuses`); eager, a bounded block of rows at a time so the
+    fp32 temporaries stay small next to a 128-expert stack."""
+    if fuses(data.device):
+        try:
+            # Detached: dynamo keeps a parameter's shape static, one compile per weight shape (its limit is 8).
+            return _fused_dequantize()(data.detach(), scale.detach(), dtype)
+        except Exception as error:  # no compiler for this device (e.g. no Triton): the eager ops, from now on
+            logging.getLogger(__name__).warning("FP8 dequantisation stays eager: compiling it failed (%s)", error)
+            _fusing[data.device.type] = False
     if dtype == torch.float32 or data.numel() <= DEQUANT_BLOCK:
-        return (data.view(E4M3).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+        return _dequantize(data, scale, dtype)
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
     step = max(1, DEQUANT_BLOCK // (data[0].numel()))
     for lo in range(0, data.shape[0], step):
-        out[lo : lo + step] = dequantize_rows(data[lo : lo + step], scale[lo : lo + step], torch.float32)
+        out[lo : lo + step] = _dequantize(data[lo : lo + step], scale[lo : lo + step], torch.float32)
     return out
 
 

@@ -24,6 +24,8 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
         f"{tokens} tokens/GPU per micro-batch, {m} per step, {flops_per_token(cfg, s) / 1e9:.1f} GFLOP/token; "
         "GB received per GPU per step (network: the part over the inter-node links); seconds per step",
     ]
+    if any(plan.fp8 for plan in plans):
+        head.append(f"compute of an FP8 base includes its dequantisation at {hw.hbm_bytes_per_s / 1e12:g} TB/s HBM")
     columns = ["layout", "base", "GiB/GPU", "fits", *(label for _, label in KINDS), "network",
                "compute", "comm", "step", "serial", "bound"]  # fmt: skip
     widths = [20, 4, 8, 5, 9, 10, 8, 8, 8, 8, 7, 7, 7, 6]
@@ -38,7 +40,7 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
             "yes" if plan.fits else "OOM",
             *(f"{plan.comm.per_step(kind) / GB:.2f}" for kind, _ in KINDS),
             f"{plan.comm.per_step(inter_node=True) / GB:.2f}",
-            f"{plan.time.compute_s:.2f}",
+            f"{plan.time.busy_s:.2f}",
             f"{plan.time.comm_s:.2f}",
             f"{plan.time.predicted_s:.2f}",
             f"{plan.time.serial_s:.2f}",

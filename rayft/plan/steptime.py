@@ -8,12 +8,19 @@ weights), so 4·N_active — not the 6·N of full training. The LoRA matrices ge
 Activation checkpointing recomputes the forward: + 2·N_active + 2·N_lora + A. Compute time = tokens · FLOPs per
 token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU.
 
+An FP8 base is dequantised before each matmul that uses it, once per pass (forward, input gradient, recompute):
+every FP8 linear whole, and the routed experts a GPU holds that got tokens (uniform routing: each of the E/k local
+experts is hit by one of the s · top_k · k token slots its expert-parallel group routes with probability
+1 − (1 − 1/E)^(s·top_k·k)). The compiled kernel reads each E4M3 byte and writes c bytes, in the GPU's memory
+bandwidth, on the compute stream: dequantisation time adds to compute. The first layer's projections of the
+embeddings need no input gradient, which the count ignores (an upper bound by one of them per pass).
+
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
 (received per GPU, comm.py). FSDP's gathers and gradient reductions run on their own streams, prefetched a layer
 ahead, so they overlap compute; the all-to-all of expert parallelism cannot (the experts wait for their tokens)
-and adds to it. Predicted step = max(compute, overlappable comm) + all-to-all; the serial figure (nothing
-overlapped) is the upper bound. A layout is communication-bound when its communication alone takes longer than
-its compute.
+and adds to it. Predicted step = max(compute + FP8 dequantisation, overlappable comm) + all-to-all; the serial
+figure (nothing overlapped) is the upper bound. A layout is communication-bound when its communication alone takes
+longer than its compute and dequantisation.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from rayft.config import Config, ConfigError
-from rayft.model.flops import PEAK_BF16_FLOPS
+from rayft.model.flops import HBM_BYTES_PER_S, PEAK_BF16_FLOPS
 from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
-from rayft.plan.memory import GPU_GIB, MemoryPlan, plan_memory, tokens_per_micro_batch
+from rayft.plan.memory import GPU_GIB, MemoryPlan, compute_bytes, plan_memory, tokens_per_micro_batch
 from rayft.plan.structure import Structure
 
 DEFAULT_MFU = 0.4
@@ -44,6 +51,10 @@ class Hardware:
         return PEAK_BF16_FLOPS[self.gpu.upper()]
 
     @property
+    def hbm_bytes_per_s(self) -> float:
+        return HBM_BYTES_PER_S[self.gpu.upper()]
+
+    @property
     def inter_bytes_per_s(self) -> float:
         """What one GPU receives per second over the network: Gb/s per direction / 8."""
         return self.inter_gbits * 1e9 / 8
@@ -56,25 +67,31 @@ class Hardware:
 
 @dataclass(frozen=True)
 class StepTime:
-    compute_s: float
+    compute_s: float  # matmuls and attention at the assumed MFU
     overlapped_comm_s: float  # FSDP gathers, gradient reductions
     all_to_all_s: float
+    dequant_s: float = 0.0  # FP8 weights dequantised for their matmuls, on the compute stream
 
     @property
     def comm_s(self) -> float:
         return self.overlapped_comm_s + self.all_to_all_s
 
     @property
+    def busy_s(self) -> float:
+        """What the compute stream does: the matmuls and the dequantisation before them."""
+        return self.compute_s + self.dequant_s
+
+    @property
     def predicted_s(self) -> float:
-        return max(self.compute_s, self.overlapped_comm_s) + self.all_to_all_s
+        return max(self.busy_s, self.overlapped_comm_s) + self.all_to_all_s
 
     @property
     def serial_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.busy_s + self.comm_s
 
     @property
     def comm_bound(self) -> bool:
-        return self.comm_s > self.compute_s
+        return self.comm_s > self.busy_s
 
 
 @dataclass(frozen=True)
@@ -98,9 +115,25 @@ def flops_per_token(cfg: Config, s: Structure) -> float:
     return (4 + 2 * ac) * s.active_base + (6 + 2 * ac) * lora + (3 + ac) * attention
 
 
-def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware) -> StepTime:
+def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int = 1) -> float:
+    """FP8 weight elements one GPU dequantises per micro-batch (module docstring): every pass over the FP8 linears
+    and over its E/k routed experts that got tokens."""
+    passes = 2 + bool(cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing)
+    linears = s.fp8 - s.experts
+    hit = 0.0
+    if s.num_experts:
+        slots = tokens_per_micro_batch(cfg) * s.top_k * expert_parallel
+        hit = 1 - (1 - 1 / s.num_experts) ** slots
+    return passes * (linears + s.experts / expert_parallel * hit)
+
+
+def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, fp8: bool = False) -> StepTime:
     m = cfg.train.gradient_accumulation_steps
     compute = m * tokens_per_micro_batch(cfg) * flops_per_token(cfg, s) / (hw.peak * hw.mfu)
+    dequant = 0.0
+    if fp8:  # the compiled kernel: 1 byte read and c written per weight
+        dequant = m * dequantised_per_micro_batch(cfg, s, comm.layout.expert_parallel) * (1 + compute_bytes(cfg, True))
+        dequant /= hw.hbm_bytes_per_s
     overlapped = all_to_all = 0.0
     for t in comm.transfers:
         seconds = t.inter_node / hw.inter_bytes_per_s + (t.received - t.inter_node) / hw.intra_bytes_per_s
@@ -109,7 +142,7 @@ def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware) -> StepTi
             all_to_all += seconds
         else:
             overlapped += seconds
-    return StepTime(compute, overlapped, all_to_all)
+    return StepTime(compute, overlapped, all_to_all, dequant)
 
 
 def plan_layouts(
@@ -120,7 +153,7 @@ def plan_layouts(
     for layout in candidates if candidates is not None else layouts(cluster, s):
         memory = _memory(cfg, s, layout, cluster, hw, fp8)
         comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, fp8=fp8)
-        out.append(LayoutPlan(layout, fp8, memory, comm, step_time(cfg, s, comm, hw)))
+        out.append(LayoutPlan(layout, fp8, memory, comm, step_time(cfg, s, comm, hw, fp8)))
     return out
 
 

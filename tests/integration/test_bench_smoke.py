@@ -242,6 +242,14 @@ def test_step_work_benchmark_counts_what_a_gpu_pays():
         assert row["adapter_sq_norm"] > 0 and all(math.isfinite(x) for x in row["losses_rank0"]), row
     calls = [r["collective_calls_per_step"]["all_to_all"] for r in (off, on)]
     assert calls[0] == calls[1] > 0, calls
+    # Dequantising one weight: eagerly, the E4M3 byte read and an fp32 written (5 B), that fp32 read and the product
+    # written (8 B), the product read and bf16 written (6 B); compiled, one kernel that reads the byte and writes
+    # bf16 (3 B). Both read each row's fp32 scale once: 4 B over the bench stack's 128 weights a row.
+    traffic, per_row_scale = report["dequant_traffic"], 4 / 128
+    assert traffic["eager_ops"] == ["_to_copy", "mul", "_to_copy"], traffic
+    assert math.isclose(traffic["eager_bytes_per_weight"], 19 + per_row_scale, abs_tol=1e-3), traffic
+    assert traffic["compiled_kernels"] == 1, traffic
+    assert math.isclose(traffic["compiled_bytes_per_weight"], 3 + per_row_scale, abs_tol=1e-3), traffic
 
 
 def test_gpu_check_times_the_fp8_expert_path_for_the_moe_run(tmp_path):

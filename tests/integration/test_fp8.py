@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
+from fixtures.devices import DEVICES
 from fixtures.hub_layout import TINY_MISTRAL4
 from fixtures.ranks import spawn_ranks
 from fixtures.work import WorkCounter
@@ -25,7 +26,8 @@ from torch import nn
 from transformers import Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
 
 from rayft.config import Config, ConfigError
-from rayft.model.fp8 import Fp8Experts, Fp8Linear, adopt_lora_, to_fp8_
+from rayft.model import fp8 as fp8_module
+from rayft.model.fp8 import Fp8Experts, Fp8Linear, adopt_lora_, fused_dequantization, to_fp8_
 
 STEPS = 5
 E4M3_MAX = 448.0
@@ -532,3 +534,61 @@ def test_active_experts_are_dequantised_a_bounded_chunk_at_a_time(monkeypatch):
     assert max(sizes) <= 2 * fp8.gate_up_proj[0].numel() and len(sizes) > len(whole_sizes)
     assert sum(sizes) == sum(whole_sizes)
     assert torch.equal(out, whole_out) and torch.equal(grad, whole_grad)
+
+
+def _logits_and_input_grad(model: nn.Module, ids: torch.Tensor, fused: bool, dtype: torch.dtype):
+    device = ids.device
+    with fused_dequantization(device.type, fused), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()  # layer 0 needs its dgrad too
+        out = model(inputs_embeds=embeds, labels=ids)
+        out.loss.backward()
+        assert fp8_module.fuses(device) is fused, "the compiled kernel failed and the eager ops ran"
+    return out.logits.detach(), embeds.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_dequantisation_gives_the_eager_ops_values_bit_for_bit(dtype, device):
+    """On CUDA the FP8 weights are dequantised by one compiled kernel (`rayft.model.fp8.fuses`); on either device
+    the same FP8 model (linears and routed experts, forward and input gradient) gives exactly the eager ops' logits
+    and input gradients, the CPU compiling its own kernel here."""
+    model, _ = _fp8_and_reference("mistral4")
+    model.to(device)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    eager = _logits_and_input_grad(model, ids, fused=False, dtype=dtype)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fp8_module._fused_dequantize.cache_clear()
+    fused = _logits_and_input_grad(model, ids, fused=True, dtype=dtype)
+    # One kernel for every weight shape (the linears' 2-D, the expert stacks' 3-D): far below dynamo's recompile
+    # limit, past which the model would fall back to the eager ops.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3, torch._dynamo.utils.counters["stats"]
+    assert eager[0].dtype == dtype and eager[1].abs().sum() > 0
+    for got, want in zip(fused, eager, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_dequantisation_that_cannot_compile_runs_the_eager_ops_from_then_on(caplog):
+    """Where compiling fails (here: the C++ compiler inductor calls does not exist; on a GPU: no Triton), the
+    weight still comes out right, a warning says why, and no later call tries again."""
+    import torch._inductor.config as inductor
+
+    data, scale = fp8_module.quantize_rows(torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(1)))
+    torch._dynamo.reset()
+    fp8_module._fused_dequantize.cache_clear()
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}), fused_dequantization("cpu", True):
+        got = fp8_module.dequantize_rows(data, scale, torch.bfloat16)
+        assert not fp8_module.fuses(torch.device("cpu"))
+    want = (data.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert "FP8 dequantisation stays eager: compiling it failed" in caplog.text
+    torch._dynamo.reset()
+    fp8_module._fused_dequantize.cache_clear()
+
+
+def test_only_cuda_compiles_the_dequantisation_and_the_environment_can_say_no(monkeypatch):
+    monkeypatch.setattr(fp8_module, "_fusing", {})
+    assert fp8_module.fuses(torch.device("cuda")) and not fp8_module.fuses(torch.device("cpu"))
+    monkeypatch.setattr(fp8_module, "_fusing", {})
+    monkeypatch.setenv("RAYFT_FP8_FUSED", "0")
+    assert not fp8_module.fuses(torch.device("cuda"))

@@ -165,6 +165,29 @@ def test_step_time_and_the_layout_auto_picks():
     assert not step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), slow).comm_bound
 
 
+def test_an_fp8_base_adds_its_dequantisation_at_memory_bandwidth_to_compute():
+    cfg, cluster, hw = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2), Hardware("h200")
+    per_weight = (1 + 2) / 4.8e12  # the compiled kernel reads the E4M3 byte and writes bf16, at the H200's 4.8 TB/s
+
+    def timed(layout: Layout, fp8: bool, config: Config = cfg):
+        return step_time(config, TOY, plan_comm(config, TOY, layout, cluster, True, fp8), hw, fp8)
+
+    bf16, fp8 = timed(Layout(shard=4), False), timed(Layout(shard=4), True)
+    assert bf16.dequant_s == 0 and fp8.compute_s == bf16.compute_s
+    # 2 micro-batches x 2 passes (forward, input gradient) x (1,000 linear weights + 6,000 expert weights, each of
+    # the 4 experts hit by one of 32 tokens x top-2 = 64 slots with probability 1 - (3/4)^64)
+    assert math.isclose(fp8.dequant_s, 2 * 2 * (1_000 + 6_000 * (1 - 0.75**64)) * per_weight)
+    assert math.isclose(fp8.busy_s, fp8.compute_s + fp8.dequant_s)
+    assert math.isclose(fp8.predicted_s, max(fp8.busy_s, fp8.overlapped_comm_s) + fp8.all_to_all_s)
+    # EP 2: each GPU holds 2 of the 4 experts, hit by the pair's 128 slots
+    assert math.isclose(timed(Layout(2, 2), True).dequant_s, 2 * 2 * (1_000 + 3_000 * (1 - 0.75**128)) * per_weight)
+    # 2 tokens a micro-batch: 4 slots leave an expert idle with probability (3/4)^4; the recompute is a third pass
+    short = Config.from_dict({"data": {"max_length": 2}, "train": {"gradient_accumulation_steps": 2},
+                              "fsdp": {"activation_checkpointing": True}})  # fmt: skip
+    assert math.isclose(timed(Layout(shard=4), True, short).dequant_s,
+                        2 * 3 * (1_000 + 6_000 * (1 - 0.75**4)) * per_weight)  # fmt: skip
+
+
 def test_expert_parallel_memory_holds_e_over_k_experts_whole():
     cfg = _toy_cfg()
     rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=2).rows)
