@@ -192,24 +192,29 @@ class _LinearTokenLogProbs(torch.autograd.Function):
 
 def sequence_logprobs(
     hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None, head=None,
-    workspace: Workspace | None = None,
+    workspace: Workspace | None = None, drop_unscored: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(sum of log p over each row's scored tokens, their count) for a causal LM: labels shifted by one, -100 not
-    scored. Only the scored positions reach the head. With a frozen `weight` the log-probs come chunk by chunk
-    without the logits being kept (`_LinearTokenLogProbs`); otherwise `head` (a module: LoRA on the LM head)
-    gives the logits of the scored positions, as autograd sees them."""
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    scored. With a frozen `weight` the log-probs come chunk by chunk without the logits being kept
+    (`_LinearTokenLogProbs`); otherwise `head` (a module: LoRA on the LM head) gives the logits, as autograd sees
+    them. `drop_unscored` as for `linear_cross_entropy`: True sends only the scored positions to the head (their
+    count reaches the host: free on CPU, a sync on GPU), False every position, the unscored ones' log-probs masked
+    to 0 (no sync); None picks by device. Both give the same sums."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     scored = targets != IGNORE_INDEX
-    where = scored.reshape(-1).nonzero()[:, 0]
-    picked = hidden.reshape(-1, hidden.shape[-1])[where]
-    wanted = targets.reshape(-1)[where]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    rows = torch.arange(len(targets), device=hidden.device) // labels.shape[-1]
+    if hidden.device.type == "cpu" if drop_unscored is None else drop_unscored:
+        where = scored.nonzero()[:, 0]
+        hidden, targets, rows = hidden[where], targets[where], rows[where]
+    wanted = targets.clamp(min=0)  # an unscored position (masked below) looks up any valid id
     if weight is not None:
-        token_logps = _LinearTokenLogProbs.apply(picked, weight, wanted, workspace or Workspace())
+        token_logps = _LinearTokenLogProbs.apply(hidden, weight, wanted, workspace or Workspace())
     else:
-        token_logps = torch.log_softmax(head(picked).float(), dim=-1).gather(1, wanted[:, None])[:, 0]
-    rows = where // targets.shape[-1]
-    sums = torch.zeros(targets.shape[0], dtype=torch.float32, device=hidden.device).index_add(0, rows, token_logps)
-    return sums, scored.sum(-1)
+        token_logps = torch.log_softmax(head(hidden).float(), dim=-1).gather(1, wanted[:, None])[:, 0]
+    token_logps = torch.where(targets != IGNORE_INDEX, token_logps, 0.0)
+    sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add(0, rows, token_logps)
+    return sums, scored.reshape(labels.shape).sum(-1)
 
 
 def linear_cross_entropy(

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import Fixtures
 from fixtures.preference import Settings, in_process, make_pairs
+from fixtures.work import WorkCounter
 from torch.nn import functional as F
 
 from rayft.config import Config, ConfigError, DataConfig, DpoConfig, ModelConfig
@@ -181,9 +182,11 @@ def test_loss_formulas_match_the_papers():
     check("ipo", 0.0, [(a - 1 / (2 * beta)) ** 2 for a in averaged])
 
 
+@pytest.mark.parametrize("drop_unscored", [True, False], ids=["cpu-branch", "gpu-branch"])
 @pytest.mark.parametrize("lora_head", [False, True], ids=["fused", "lora-head"])
-def test_sequence_logprobs_equal_full_logits(lora_head: bool):
-    """Sums of completion log-probs and their gradient against log_softmax over the full logits."""
+def test_sequence_logprobs_equal_full_logits(lora_head: bool, drop_unscored: bool):
+    """Sums of completion log-probs and their gradient against log_softmax over the full logits, in both branches:
+    the prompt positions dropped before the head (CPU) or masked after it (GPU: no host sync, counted)."""
     torch.manual_seed(0)
     hidden = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64)
@@ -201,10 +204,10 @@ def test_sequence_logprobs_equal_full_logits(lora_head: bool):
     want, want_counts = reference()
     (want * upstream).sum().backward()
     want_grad, hidden.grad = hidden.grad, None
-    if lora_head:
-        got, counts = sequence_logprobs(hidden, labels, head=lambda h: F.linear(h, weight))
-    else:
-        got, counts = sequence_logprobs(hidden, labels, weight=weight)
+    head = {"head": lambda h: F.linear(h, weight)} if lora_head else {"weight": weight}
+    with WorkCounter() as work:
+        got, counts = sequence_logprobs(hidden, labels, drop_unscored=drop_unscored, **head)
+    assert sum(work.syncs.values()) == drop_unscored, work.syncs  # the scored positions' count, or nothing
     (got * upstream).sum().backward()
     assert counts.tolist() == want_counts.tolist() == [4, 4, 1]
     assert torch.allclose(got.double(), want, atol=1e-5)
