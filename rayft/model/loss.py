@@ -204,7 +204,8 @@ def sequence_logprobs(
     scored = targets != IGNORE_INDEX
     hidden = hidden.reshape(-1, hidden.shape[-1])
     rows = torch.arange(len(targets), device=hidden.device) // labels.shape[-1]
-    if hidden.device.type == "cpu" if drop_unscored is None else drop_unscored:
+    drop = hidden.device.type == "cpu" if drop_unscored is None else drop_unscored
+    if drop:
         where = scored.nonzero()[:, 0]
         hidden, targets, rows = hidden[where], targets[where], rows[where]
     wanted = targets.clamp(min=0)  # an unscored position (masked below) looks up any valid id
