@@ -82,7 +82,10 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
 
     from rayft.model.fp8 import frozen_storage_bytes
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
-    from rayft.parallel.parallelize import build_model
+    try:
+        from rayft.parallel.parallelize import build_model
+    except ImportError:  # a "before" commit whose rayft built the model in rayft.model.build
+        from rayft.model.build import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.step import clip_gradients_
 
