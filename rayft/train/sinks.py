@@ -111,7 +111,12 @@ class Trackers:
         if self.mlflow is not None:
             self.mlflow.end_run()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            # The run file is complete only once wandb's service process has closed it, which `finish` does not
+            # wait for: `teardown` does. Its exit hook would too, but a Ray worker need not run exit hooks.
+            wandb.teardown()
 
 
 def tensorboard_writer(logdir: str) -> Any:
