@@ -82,6 +82,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
 
     from rayft.model.fp8 import frozen_storage_bytes
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+
     try:
         from rayft.parallel.parallelize import build_model
     except ImportError:  # a "before" commit whose rayft built the model in rayft.model.build
