@@ -518,6 +518,11 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def recomputes_activations(self) -> bool:
+        """Activation checkpointing, asked for in FSDP's section or as the HF trainer's `gradient_checkpointing`."""
+        return self.fsdp.activation_checkpointing or self.train.gradient_checkpointing
+
+    @property
     def storage_path(self) -> str:
         """Absolute local path (a shared volume on a cluster) or a pyarrow URI such as s3://bucket/runs."""
         path = self.ray.storage_path or self.train.output_dir

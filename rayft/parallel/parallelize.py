@@ -43,7 +43,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
         swapped = to_fp8_(decoder_layers(model), model.dtype)
         log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
                  swapped, cfg.model.frozen_dtype)  # fmt: skip
-    if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
+    if cfg.recomputes_activations:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
         # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
         kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}

@@ -115,7 +115,7 @@ def plan_memory(
 
 def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, float]:
     layer_working_set = tokens * s.hidden * 17 * c + tokens * s.top_k * s.moe_intermediate * 3 * c
-    if cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing:
+    if cfg.recomputes_activations:
         return "activations (AC on)", s.layers * tokens * s.hidden * c + layer_working_set
     return "activations (AC off)", s.layers * layer_working_set
 

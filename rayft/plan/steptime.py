@@ -109,7 +109,7 @@ class LayoutPlan:
 
 def flops_per_token(cfg: Config, s: Structure) -> float:
     """Hardware FLOPs per token of a LoRA step (module docstring), activation recompute included."""
-    ac = cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing
+    ac = cfg.recomputes_activations
     lora = s.lora - s.expert_lora + (s.expert_lora * s.top_k / s.num_experts if s.num_experts else 0)
     attention = s.attention_per_position * cfg.data.max_length
     return (4 + 2 * ac) * s.active_base + (6 + 2 * ac) * lora + (3 + ac) * attention
@@ -118,7 +118,7 @@ def flops_per_token(cfg: Config, s: Structure) -> float:
 def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int = 1) -> float:
     """FP8 weight elements one GPU dequantises per micro-batch (module docstring): every pass over the FP8 linears
     and over its E/k routed experts that got tokens."""
-    passes = 2 + bool(cfg.fsdp.activation_checkpointing or cfg.train.gradient_checkpointing)
+    passes = 2 + cfg.recomputes_activations
     linears = s.fp8 - s.experts
     hit = 0.0
     if s.num_experts:
