@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.hub_layout import TINY_MISTRAL4
-from fixtures.moe_families import COMMON, MOE_FAMILIES
+from fixtures.moe_families import COMMON, MOE_FAMILIES, UNKNOWN_MOE
 
 from rayft.config import ConfigError, LoraConfig
 from rayft.model.families import FAMILIES, check_moe_family, moe_blocks, num_routed_experts
@@ -16,8 +16,6 @@ from rayft.model.lora import resolve_targets
 
 CONFIGS = {**{t: {**COMMON, **fields} for t, fields in MOE_FAMILIES.items()},
            "mistral4": {**TINY_MISTRAL4, "vocab_size": 1024}}  # fmt: skip
-UNKNOWN_MOE = {"qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
-               "olmoe": {"num_experts": 4, "intermediate_size": 16}}  # fmt: skip
 
 
 def _model(model_type: str, fields: dict) -> torch.nn.Module:
