@@ -122,7 +122,8 @@ def _weightless_model(cfg: Config) -> tuple[nn.Module, LoraTargets]:
 def _check_expert_parallel(cfg: Config, config) -> None:
     """`parallel.expert_parallel` k > 1 against the model: routed experts that split into k groups (ConfigError
     naming the valid k), before any worker starts."""
-    from rayft.parallel.expert import check_experts, num_routed_experts
+    from rayft.model.families import num_routed_experts
+    from rayft.parallel.expert import check_experts
 
     k = cfg.parallel.expert_groups()
     if k == 1:

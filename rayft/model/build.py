@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import DORA_ON_FP8, Config, ConfigError, ModelConfig
+from rayft.model.families import check_moe_family
 from rayft.model.lora import LoraTargets, modules_to_save, wrap
 from rayft.model.loss import fuse_loss
 from rayft.model.weights import tie_weights_
@@ -104,11 +105,13 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
 
 
 def weightless_lora_model(cfg: Config, config: PretrainedConfig | None = None) -> tuple[peft.PeftModel, LoraTargets]:
-    """The LoRA-wrapped model with every tensor on the meta device, for checks and plans: no memory, no weights."""
+    """The LoRA-wrapped model with every tensor on the meta device, for checks and plans: no memory, no weights.
+    An MoE model of a family rayft does not know is refused here, before LoRA resolves its targets."""
     config = config if config is not None else text_config(cfg.model.model_name_or_path)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
         model = causal_lm_class(config)._from_config(config)
+        check_moe_family(model, cfg.model.model_name_or_path)
         tie_weights_(model)
         return wrap(model, cfg.lora)
 

@@ -19,21 +19,14 @@ from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from rayft.config import ConfigError, LoraConfig
+from rayft.model.families import DENSE_TARGETS as DENSE_TARGETS  # re-exported: the sets are named from here too
+from rayft.model.families import FAMILIES
+from rayft.model.families import MLA_TARGETS as MLA_TARGETS
 
 log = logging.getLogger("rayft")
 
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Multi-head latent attention's projections; with MoE, gate/up/down exist only in the shared expert (the routed
-# experts are fused 3D parameters, not modules).
-MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-# Every attention and MLP projection; the dense families share the names (Qwen2 adds q/k/v biases, Qwen3 and Gemma
-# norms, none of them LoRA targets). Keyed by the text model's `model_type`.
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
-AUTO_TARGETS = {
-    **dict.fromkeys(DENSE_FAMILIES, DENSE_TARGETS),
-    "mistral4": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
-    "deepseek_v3": (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj"),
-}
+# Keyed by the text model's `model_type`; each family's set lives in `rayft.model.families`.
+AUTO_TARGETS = {f.model_type: f.targets for f in FAMILIES.values()}
 ADAPTABLE = (nn.Linear, nn.Embedding)
 ALL_LINEAR = "all-linear"
 

@@ -28,11 +28,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rayft.config import ConfigError
+from rayft.model.families import MOE_BLOCKS, MoeBlock, block_of, moe_blocks, num_routed_experts, unsupported_moe
 from rayft.model.fp8 import expert_counts
 from rayft.parallel.alltoall import exchange, exchange_counts
 from rayft.parallel.tally import TALLY
 
-SUPPORTED_MOE = ("Mistral4MoE",)  # router → (logits, weights, indices); fused experts; shared expert added after
+SUPPORTED_MOE = tuple(MOE_BLOCKS)  # the MoE blocks of `rayft.model.families`: how each is laid out is read there
 
 
 @dataclass
@@ -208,16 +209,12 @@ def is_expert_lora(name: str) -> bool:
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__ in SUPPORTED_MOE or isinstance(m, ExpertParallelMoE)]
+    return [m for m in moe_blocks(model) if block_of(m) is not None]
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """Every parameter (frozen and LoRA) of the routed experts: each worker's own, never FSDP's."""
     return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
-
-
-def num_routed_experts(config) -> int:
-    return getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None) or 0
 
 
 def check_experts(k: int, num_experts: int, world: int) -> None:
@@ -254,16 +251,24 @@ def _own_groups(rows: torch.Tensor) -> dist.ProcessGroup:
 
 class ExpertParallelMoE(nn.Module):
     """Mixin put in front of a supported MoE block's class: the same computation with the routed experts
-    (E/k of them here) reached through `ExpertParallel.route`."""
+    (E/k of them here) reached through `ExpertParallel.route`; `family` says where the block keeps its router,
+    shared expert and jitter, and what it returns."""
 
     ep: ExpertParallel
+    family: MoeBlock
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        residuals, shape = hidden_states, hidden_states.shape
-        _, weights, index = self.gate(hidden_states)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        family, shape = self.family, hidden_states.shape
+        residuals = hidden_states
+        jitter = getattr(self, family.jitter, 0.0) if family.jitter else 0.0
+        if self.training and jitter > 0:  # the block's own draw, from the same generator
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
         flat = hidden_states.view(-1, shape[-1])
-        routed = self.ep.route(flat, index, weights, self.experts).view(*shape)
-        return routed + self.shared_experts(residuals)
+        _, weights, index = getattr(self, family.router)(flat)
+        out = self.ep.route(flat, index, weights, self.experts).view(*shape)
+        if family.shared is not None:
+            out = out + getattr(self, family.shared)(residuals)
+        return (out, weights) if family.returns_router_weights else out
 
 
 def split_experts_(model: nn.Module, ep: ExpertParallel) -> int:
@@ -271,15 +276,16 @@ def split_experts_(model: nn.Module, ep: ExpertParallel) -> int:
     (frozen storage, FP8 scales, expert LoRA factors) and routes through `ep`. Cutting after PEFT has wrapped the
     experts makes PEFT create (and draw the random numbers for) the same adapters as with k = 1, so the adapter
     starts the same. Returns the blocks changed; ConfigError when the model has MoE blocks of another kind."""
-    blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
-    others = sorted({type(m).__name__ for m in blocks if type(m).__name__ not in SUPPORTED_MOE})
+    others = unsupported_moe(model)
     if others:
         raise ConfigError(
             f"parallel.expert_parallel: {', '.join(others)} blocks are not supported (only {', '.join(SUPPORTED_MOE)})"
         )
+    blocks = moe_layers(model)
     for moe in blocks:
         _cut_experts_(moe.experts, ep)
-        moe.__class__ = type(f"ExpertParallel{type(moe).__name__}", (ExpertParallelMoE, type(moe)), {})
+        cls = type(moe)
+        moe.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMoE, cls), {"family": block_of(moe)})
         moe.ep = ep
     return len(blocks)
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import Fixtures, run_cli
 from fixtures.chat import CONVERSATION, tekken_model
+from fixtures.moe_families import UNKNOWN_MOE, make_tiny_moe, make_unknown_moe
 from fixtures.preflight import (
     assert_refused,
     config_file,
@@ -118,6 +119,35 @@ def test_tied_lm_head_missing_from_the_checkpoint_is_fine(fixtures, base, tmp_pa
     config = config_file(tmp_path, base, model={"model_name_or_path": str(model)})
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
+
+
+TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
+
+
+@pytest.mark.parametrize("model_type", sorted(UNKNOWN_MOE))
+def test_an_moe_family_rayft_does_not_know_is_refused(model_type, fixtures, base, tmp_path, capsys):
+    """An MoE model whose blocks no family in rayft.model.families describes; on main it passed validate (and then
+    trained its routed experts through whatever the block happened to do)."""
+    model = make_unknown_moe(model_type, tmp_path / "m", TOKENIZER_IDS, tokenizer_from=fixtures.model)
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)}, lora={"target_modules": ["q_proj"]})
+    assert_refused(
+        run_cli(capsys, "validate", "--config", str(config)),
+        rf"model\.model_name_or_path: .*/m is a {model_type} model whose MoE blocks \(\w+SparseMoeBlock\) rayft does "
+        r"not support; the supported MoE families are Mistral-Small-4 \(mistral4\), DeepSeek-V3 \(deepseek_v3\), "
+        r"Qwen3-MoE \(qwen3_moe\), Mixtral \(mixtral\), GPT-OSS \(gpt_oss\): point model\.model_name_or_path at one",
+    )
+
+
+def test_a_supported_moe_family_with_fused_expert_keys_passes(fixtures, base, tmp_path, capsys):
+    """Qwen3-MoE in the fused layout with expert LoRA and EP 2: admitted by the family table."""
+    model = make_tiny_moe("qwen3_moe", tmp_path / "m", vocab_size=TOKENIZER_IDS, tokenizer_from=fixtures.model)
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)},
+                         lora={"target_modules": ["auto"], "target_experts": True},
+                         fsdp={"activation_checkpointing": True}, ray={"num_workers": 2},
+                         parallel={"expert_parallel": 2})  # fmt: skip
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert "Qwen3MoeForCausalLM" in result.out
 
 
 # --- YAML ------------------------------------------------------------------------------------------------------

@@ -144,3 +144,35 @@ def test_rayft_subcommands_named_exist(capsys: pytest.CaptureFixture[str]) -> No
         if actions[cmd] and action not in actions[cmd]:
             missing.append(f"{cmd} {action}")
     assert not missing, f"README names rayft subcommands that do not exist: {sorted(set(missing))}"
+
+
+def _model_rows() -> list[list[str]]:
+    """The cells of the README's model table (the rows after its `Family (`model_type`)` header)."""
+    lines = README.read_text("utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| Family (`model_type`)"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_model_table_is_the_family_table() -> None:
+    """Every family rayft knows has a row, each row's `auto` targets are the family's, and the MoE columns say yes
+    exactly for the families with an MoE block."""
+    from rayft.model.families import FAMILIES
+
+    seen = []
+    for family_cell, targets, expert_lora, expert_parallel, _ in _model_rows():
+        model_types = re.findall(r"`(\w+)`", family_cell)
+        assert model_types, family_cell
+        for model_type in model_types:
+            family = FAMILIES[model_type]
+            assert tuple(targets.strip("`").split()) == family.targets, model_type
+            moe = "yes" if family.moe is not None else "—"
+            assert expert_lora == expert_parallel == moe, model_type
+            if family.moe is not None:
+                assert family.name in family_cell, model_type
+        seen += model_types
+    assert sorted(seen) == sorted(FAMILIES)
