@@ -1,7 +1,8 @@
 """Fill an FSDP2-sharded model from safetensors files: each rank reads only the rows it owns.
 
 No rank ever holds the whole checkpoint: every parameter's local shard (dim-0 rows, FSDP2's `Shard(0)`) is read
-as exactly those bytes of the file, mapped from the checkpoint's key layout, dequantised from FP8 when the
+as exactly those bytes of the file, mapped from the checkpoint's key layout (the hub's per-expert tensors of a fused
+experts parameter: just the experts a rank holds, `rayft.model.hub_keys`), dequantised from FP8 when the
 checkpoint is quantised (static per-tensor or per-expert scales, applied per slice) and cast to the model dtype.
 Every read is planned and checked (key, shape, dtype, FP8 scale) before the first byte is copied, so a checkpoint
 that does not fit the model fails whole, naming the tensors, instead of half-filling it. Tied word embeddings
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rayft.model.fp8 import fp8_scale_params, quantize_rows, rows_scale, scales
+from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
@@ -190,38 +192,50 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
 
 @dataclass(frozen=True)
 class _Read:
-    """One parameter's local shard and where its rows come from."""
+    """One parameter's local shard and where its rows come from: one checkpoint tensor, or (a fused experts
+    parameter in the hub's per-expert layout) each of its experts' part tensors."""
 
-    key: str
+    key: str  # the tensor, or the first expert's first part (for messages)
     local: torch.Tensor
     start: int
     scale: tuple[torch.Tensor, int] | None = None  # FP8 storage (`rayft.model.fp8`): its row scales, filled with it
+    experts: ExpertParts | None = None
 
 
 def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Read]:
-    """Every base parameter's checkpoint key, checked against the checkpoint's shape and dtype; raises
+    """Every base parameter's checkpoint tensors, checked against the checkpoint's shape and dtype; raises
     `CheckpointKeyError` for missing tensors and `CheckpointShapeError` for ones that do not fit, naming them all."""
     partners = {}
     for head, embedding in tied_parameters(model).items():
         partners[head], partners[embedding] = embedding, head  # either name serves the one tied parameter
     fp8_scales = fp8_scale_params(model)
     filled_with_weight = {id(p) for p in fp8_scales.values()}
+    model_type = _model_type(model)
     reads, missing, misfits = [], [], []
     for name, param in model.named_parameters():
         if ".lora_" in name or id(param) in filled_with_weight:
             continue
         base_name = model_param_name(name)
-        key = _find_key(base_name, checkpoint) or _find_key(partners.get(base_name), checkpoint)
-        if key is None:
+        wanted, fp8_storage = _global_shape(model, name, param), name in fp8_scales
+        source = _find_source(model_type, base_name, checkpoint) or _find_source(
+            model_type, partners.get(base_name), checkpoint
+        )
+        if source is None:
             missing.append(base_name)
             continue
-        misfit = _misfit(base_name, _global_shape(model, name, param), key, checkpoint, fp8_storage=name in fp8_scales)
-        if misfit:
-            misfits.append(misfit)
+        key, parts = source
+        if parts is None:
+            problems = [p for p in [_misfit(base_name, wanted, key, checkpoint, fp8_storage)] if p]
+        else:
+            problems, absent = _expert_misfits(base_name, wanted, parts, checkpoint, fp8_storage)
+            missing += absent
+        if problems:
+            misfits += problems
             continue
         local, start = _rows(model, name, param)
-        scale = _rows(model, name, fp8_scales[name]) if name in fp8_scales else None
-        reads.append(_Read(key, local, start, scale))
+        scale = _rows(model, name, fp8_scales[name]) if fp8_storage else None
+        reads.append(_Read(key, local, start, scale, parts))
+    reads += _buffer_reads(model, model_type, checkpoint, misfits)
     if missing:
         raise CheckpointKeyError(
             f"the checkpoint at {checkpoint.directory} lacks {len(missing)} model tensors: {_first(missing)}"
@@ -232,6 +246,53 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
             f"{_first(misfits, shown=2)}; is model_name_or_path the checkpoint this config describes?"
         )
     return reads
+
+
+def _buffer_reads(
+    model: nn.Module, model_type: str, checkpoint: SafetensorsCheckpoint, misfits: list[str]
+) -> list[_Read]:
+    """The persistent buffers the checkpoint holds, read whole (FSDP does not shard buffers): DeepSeek-V3's routing
+    bias `mlp.gate.e_score_correction_bias` is a buffer, and a trained one. A buffer the file lacks keeps its
+    computed value, as `from_pretrained` keeps it."""
+    reads = []
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            base_name = model_param_name(f"{module_name}.{name}" if module_name else name)
+            source = _find_source(model_type, base_name, checkpoint)
+            if source is None or source[1] is not None:
+                continue
+            misfit = _misfit(base_name, (list(buffer.shape), buffer.dtype), source[0], checkpoint)
+            if misfit:
+                misfits.append(misfit)
+            else:
+                reads.append(_Read(source[0], buffer, 0))
+    return reads
+
+
+def _model_type(model: nn.Module) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
+    return getattr(getattr(base, "config", None), "model_type", "") or ""
+
+
+def _find_source(
+    model_type: str, name: str | None, checkpoint: SafetensorsCheckpoint
+) -> tuple[str, ExpertParts | None] | None:
+    """(key, None) for a parameter stored whole (under its own or its hub name); (its first expert's first part,
+    the part names) for a fused experts parameter stored per expert; None when the checkpoint has neither."""
+    if name is None:
+        return None
+    for candidate in checkpoint_names(model_type, name):
+        key = _find_key(candidate, checkpoint)
+        if key is not None:
+            return key, None
+    for parts in expert_parts(model_type, name):
+        first = _find_key(parts.keys(0)[0], checkpoint)
+        if first is not None:  # the VLM wrapper's prefix, as the first expert's key has it
+            prefix = first.removesuffix(parts.keys(0)[0])
+            return first, parts.renamed(lambda key, prefix=prefix: prefix + key)
+    return None
 
 
 def _find_key(name: str | None, checkpoint: SafetensorsCheckpoint) -> str | None:
@@ -256,6 +317,12 @@ def _misfit(
     (wanted, param_dtype), stored = param, checkpoint.shape(key)
     if stored != wanted:
         return f"'{key}' has shape {stored} in the checkpoint, the model's '{name}' has {wanted}"
+    return _dtype_misfit(name, param_dtype, key, checkpoint, fp8_storage)
+
+
+def _dtype_misfit(
+    name: str, param_dtype: torch.dtype, key: str, checkpoint: SafetensorsCheckpoint, fp8_storage: bool
+) -> str | None:
     dtype = checkpoint.dtype(key)
     wanted_float = fp8_storage or param_dtype.is_floating_point
     if wanted_float != dtype.is_floating_point or (not wanted_float and dtype != param_dtype):
@@ -268,48 +335,86 @@ def _misfit(
     return None
 
 
+def _expert_misfits(
+    name: str,
+    param: tuple[list[int], torch.dtype],
+    parts: ExpertParts,
+    checkpoint: SafetensorsCheckpoint,
+    fp8_storage: bool,
+) -> tuple[list[str], list[str]]:
+    """(misfits, missing keys) of a fused `[E, rows, ...]` parameter stored per expert: every expert's parts are
+    there, each `[part rows, ...]` with the parameter's trailing shape, and the parts' rows add up to `rows`."""
+    (wanted, param_dtype), misfits, missing = param, [], []
+    for expert in range(wanted[0]):
+        keys = list(parts.keys(expert))
+        absent = [key for key in keys if key not in checkpoint]
+        if absent:
+            missing += absent
+            continue
+        shapes = [checkpoint.shape(key) for key in keys]
+        if any(shape[1:] != wanted[2:] for shape in shapes) or sum(shape[0] for shape in shapes) != wanted[1]:
+            misfits.append(
+                f"'{keys[0]}' ({' + '.join(map(str, shapes))} concatenated) does not make expert {expert} of the "
+                f"model's '{name}' {wanted}"
+            )
+        misfits += [p for key in keys if (p := _dtype_misfit(name, param_dtype, key, checkpoint, fp8_storage))]
+    return misfits, missing
+
+
 def _first(items: list[str], shown: int = 5) -> str:
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def _copy_rows_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
-    """Fill a local shard in bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a
-    fixed size however large the tensor (a 128-expert fused weight is GBs)."""
+    """Fill a local shard piece by piece (`_pieces`): the temporaries (raw rows, their fp32 dequantisation) stay a
+    bounded size however large the tensor (a 128-expert fused weight is GBs)."""
+    if read.local.ndim == 0:
+        read.local.copy_(dequantize(checkpoint.rows(read.key, 0, 1), read.key, checkpoint, 0).reshape(()))
+        return
+    scale = None
     if read.scale is not None:
-        _load_fp8_(read.local, read.scale, read.start, read.key, checkpoint)
-        return
-    local = read.local
-    if local.ndim == 0:
-        local.copy_(dequantize(checkpoint.rows(read.key, 0, 1), read.key, checkpoint, 0).reshape(()))
-        return
-    step = max(1, CHUNK_BYTES // max(1, 4 * math.prod(local.shape[1:])))
-    for lo in range(0, local.shape[0], step):
-        hi = min(lo + step, local.shape[0])
-        rows = checkpoint.rows(read.key, read.start + lo, read.start + hi)
-        local[lo:hi].copy_(dequantize(rows, read.key, checkpoint, read.start + lo))
-
-
-def _load_fp8_(
-    data: torch.Tensor, scale: tuple[torch.Tensor, int], start: int, key: str, checkpoint: SafetensorsCheckpoint
-) -> None:
-    """Fill FP8 storage (E4M3 bytes + row scales, `rayft.model.fp8`) with rows [start, start + len): an E4M3
-    checkpoint's bytes as they are (its static scale spread over the rows), anything else quantised per row."""
-    scale_local, scale_start = scales(scale[0]), scale[1]  # fp32 view of the int32 scale storage
-    if scale_start != start or scale_local.shape[0] != data.shape[0]:
-        raise RuntimeError(f"'{key}': its FP8 row scales are sharded unlike its rows ({scale_start} vs {start})")
-    if not data.shape[0]:
-        return  # an uneven FSDP shard can be empty
-    step = max(1, CHUNK_BYTES // max(1, 4 * data[0].numel()))
-    for lo in range(0, data.shape[0], step):
-        hi = min(lo + step, data.shape[0])
-        rows = checkpoint.rows(key, start + lo, start + hi)
-        if rows.dtype == torch.float8_e4m3fn:
-            data[lo:hi].copy_(rows.view(data.dtype))
-            scale_local[lo:hi].copy_(rows_scale(fp8_scale(rows, key, checkpoint, start + lo), rows.shape))
+        scale = scales(read.scale[0])  # fp32 view of the int32 scale storage
+        if read.scale[1] != read.start or scale.shape[0] != read.local.shape[0]:
+            raise RuntimeError(f"'{read.key}': its FP8 row scales are sharded unlike its rows")
+    for index, key, lo, hi in _pieces(read, checkpoint):
+        rows = checkpoint.rows(key, lo, hi)
+        if scale is None:
+            read.local[index].copy_(dequantize(rows, key, checkpoint, lo))
         else:
-            q, s = quantize_rows(dequantize(rows, key, checkpoint, start + lo))
-            data[lo:hi].copy_(q)
-            scale_local[lo:hi].copy_(s)
+            _fill_fp8_(read.local[index], scale[index], rows, key, checkpoint, lo)
+
+
+def _pieces(read: _Read, checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[tuple, str, int, int]]:
+    """(index into the local shard, checkpoint key, first row, end row) of each read: bounded chunks of rows of one
+    tensor, or for a parameter stored per expert each held expert's parts (a global row is an expert)."""
+    local = read.local
+    if read.experts is None:
+        step = max(1, CHUNK_BYTES // max(1, 4 * math.prod(local.shape[1:])))
+        for lo in range(0, local.shape[0], step):
+            hi = min(lo + step, local.shape[0])
+            yield (slice(lo, hi),), read.key, read.start + lo, read.start + hi
+        return
+    for i in range(local.shape[0]):
+        offset = 0
+        for key in read.experts.keys(read.start + i):
+            rows = checkpoint.shape(key)[0]
+            yield (i, slice(offset, offset + rows)), key, 0, rows
+            offset += rows
+
+
+def _fill_fp8_(
+    data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int
+) -> None:
+    """Fill a piece of FP8 storage (E4M3 bytes + row scales, `rayft.model.fp8`) from checkpoint rows (from row
+    `start`): an E4M3 checkpoint's bytes as they are (its static scale spread over the rows), anything else
+    quantised per row."""
+    if rows.dtype == torch.float8_e4m3fn:
+        data.copy_(rows.view(data.dtype))
+        scale.copy_(rows_scale(fp8_scale(rows, key, checkpoint, start), rows.shape))
+    else:
+        q, s = quantize_rows(dequantize(rows, key, checkpoint, start))
+        data.copy_(q)
+        scale.copy_(s)
 
 
 def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
