@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rayft.model.fp8 import fp8_scale_params, quantize_rows, rows_scale, scales
+from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows, rows_scale, scales
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -69,6 +69,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
+        self.weight_block = weight_block(self.directory)
         self.entries: dict[str, _Entry] = {}
         for file in sorted(self.directory.glob("*.safetensors")):
             with open(file, "rb") as f:
@@ -120,6 +121,18 @@ class SafetensorsCheckpoint:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def weight_block(directory: Path) -> tuple[int, int] | None:
+    """(rows, columns) of each block of a block-wise FP8 checkpoint's scales: `quantization_config.weight_block_size`
+    in its config.json (top level, or its text model's for a VLM wrapper); None for static scales or no config."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
@@ -200,6 +213,7 @@ class _Read:
     start: int
     scale: tuple[torch.Tensor, int] | None = None  # FP8 storage (`rayft.model.fp8`): its row scales, filled with it
     experts: ExpertParts | None = None
+    block: int | None = None  # FP8 storage: the column block width of its scales (None: one per row)
 
 
 def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Read]:
@@ -234,7 +248,7 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
             continue
         local, start = _rows(model, name, param)
         scale = _rows(model, name, fp8_scales[name]) if fp8_storage else None
-        reads.append(_Read(key, local, start, scale, parts))
+        reads.append(_Read(key, local, start, scale, parts, fp8_block(model, name) if fp8_storage else None))
     reads += _buffer_reads(model, model_type, checkpoint, misfits)
     if missing:
         raise CheckpointKeyError(
@@ -381,7 +395,7 @@ def _copy_rows_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
         if scale is None:
             read.local[index].copy_(dequantize(rows, key, checkpoint, lo))
         else:
-            _fill_fp8_(read.local[index], scale[index], rows, key, checkpoint, lo)
+            _fill_fp8_(read.local[index], scale[index], rows, key, checkpoint, lo, read.block)
 
 
 def _pieces(read: _Read, checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[tuple, str, int, int]]:
@@ -403,50 +417,98 @@ def _pieces(read: _Read, checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[tu
 
 
 def _fill_fp8_(
-    data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    rows: torch.Tensor,
+    key: str,
+    checkpoint: SafetensorsCheckpoint,
+    start: int,
+    block: int | None,
 ) -> None:
-    """Fill a piece of FP8 storage (E4M3 bytes + row scales, `rayft.model.fp8`) from checkpoint rows (from row
-    `start`): an E4M3 checkpoint's bytes as they are (its static scale spread over the rows), anything else
-    quantised per row."""
-    if rows.dtype == torch.float8_e4m3fn:
+    """Fill a piece of FP8 storage (E4M3 bytes + scales per row or `block`-wide column block, `rayft.model.fp8`) from
+    checkpoint rows (from row `start`): an E4M3 checkpoint's bytes and scales as they are, where the storage's
+    layout holds them losslessly; anything else quantised."""
+    stored = (
+        _stored_scale(rows, key, checkpoint, start, scale.shape, block) if rows.dtype == torch.float8_e4m3fn else None
+    )
+    if stored is not None:
         data.copy_(rows.view(data.dtype))
-        scale.copy_(rows_scale(fp8_scale(rows, key, checkpoint, start), rows.shape))
+        scale.copy_(stored)
     else:
-        q, s = quantize_rows(dequantize(rows, key, checkpoint, start))
+        q, s = quantize_rows(dequantize(rows, key, checkpoint, start), block)
         data.copy_(q)
         scale.copy_(s)
 
 
+def _stored_scale(
+    rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int, shape: torch.Size, block: int | None
+) -> torch.Tensor | None:
+    """The file's scales of E4M3 `rows` in the storage's layout (`shape`: per row, or per row and `block`-wide
+    column block), or None where that layout cannot hold them (block-wise scales of another width)."""
+    scale, kind = fp8_scale(rows, key, checkpoint, start), _scale_kind(key, checkpoint)[1]
+    if kind != "block":
+        per_row = rows_scale(scale, rows.shape)
+        return per_row if block is None else per_row.unsqueeze(-1).expand(shape)
+    if block is None:
+        return scale.squeeze(-1) if scale.shape[-1] == 1 else None
+    return scale if block == checkpoint.weight_block[1] and scale.shape == shape else None
+
+
 def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
-    """FP8 rows × their static scale: a 0-d per-tensor scale, or one per row of dim 0 ([E,1,1] for experts)."""
+    """FP8 rows × their static scale: a 0-d per-tensor scale, one per row of dim 0 ([E,1,1] for experts), or one per
+    block of a block-wise checkpoint."""
     if rows.dtype not in FP8_DTYPES:
         return rows
-    return rows.to(torch.float32) * fp8_scale(rows, key, checkpoint, start).to(torch.float32)
+    scale, kind = fp8_scale(rows, key, checkpoint, start).to(torch.float32), _scale_kind(key, checkpoint)[1]
+    if kind == "block":
+        scale = block_scales(scale, checkpoint.weight_block[1], rows.shape[-1])
+    elif kind == "row":
+        scale = scale.reshape(scale.shape[0], *[1] * (rows.ndim - 1))
+    return rows.to(torch.float32) * scale
 
 
 def fp8_scale(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
-    """The static scale of FP8 `rows` (from row `start`): 0-d per tensor, or the rows' own ([n,1,1] per expert)."""
-    scale_key = fp8_scale_key(key, checkpoint)
-    if math.prod(checkpoint.shape(scale_key)) == 1:
+    """The static scale of FP8 `rows` (from row `start`): 0-d per tensor, the rows' own ([n,1,1] per expert), or for
+    a block-wise checkpoint `[n, column blocks]`, each row given its row block's scales."""
+    scale_key, kind = _scale_kind(key, checkpoint)
+    if kind == "tensor":
         return checkpoint.rows(scale_key, 0, 1).reshape(())
-    return checkpoint.rows(scale_key, start, start + rows.shape[0])
+    if kind == "row":
+        return checkpoint.rows(scale_key, start, start + rows.shape[0])
+    row_block, n = checkpoint.weight_block[0], rows.shape[0]
+    first = start // row_block
+    blocks = checkpoint.rows(scale_key, first, max(first, (start + n - 1) // row_block + 1))
+    return blocks[torch.arange(start, start + n) // row_block - first]
 
 
 def fp8_scale_key(key: str, checkpoint: SafetensorsCheckpoint) -> str:
-    """The static scale of an FP8 tensor: per tensor (one value) or per row of dim 0 (per expert)."""
+    """The scale of an FP8 tensor: static per tensor (one value) or per row of dim 0 (per expert), or block-wise."""
+    return _scale_kind(key, checkpoint)[0]
+
+
+def _scale_kind(key: str, checkpoint: SafetensorsCheckpoint) -> tuple[str, str]:
+    """(scale key, `tensor` | `row` | `block`) of an FP8 tensor; raises naming the key when it has none that fits."""
     scale_key = next(
         (k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in checkpoint), None
     )
     if scale_key is None:
         raise CheckpointKeyError(f"FP8 tensor '{key}' has no '{key}_scale_inv' / 'weight_scale_inv' scale")
-    scale_shape = checkpoint.shape(scale_key)
-    per_row = bool(scale_shape) and scale_shape[0] == checkpoint.shape(key)[0] and math.prod(scale_shape[1:]) == 1
-    if math.prod(scale_shape) != 1 and not per_row:
-        raise CheckpointShapeError(
-            f"'{scale_key}' has shape {scale_shape}: only static per-tensor or per-expert FP8 scales are supported "
-            "(block-wise FP8 checkpoints are not)"
-        )
-    return scale_key
+    scale_shape, shape, block = checkpoint.shape(scale_key), checkpoint.shape(key), checkpoint.weight_block
+    if math.prod(scale_shape) == 1:
+        return scale_key, "tensor"
+    if scale_shape and scale_shape[0] == shape[0] and math.prod(scale_shape[1:]) == 1:
+        return scale_key, "row"
+    if (
+        block is not None
+        and len(shape) == 2
+        and scale_shape == [math.ceil(n / b) for n, b in zip(shape, block, strict=True)]
+    ):
+        return scale_key, "block"
+    raise CheckpointShapeError(
+        f"'{scale_key}' has shape {scale_shape}: neither a static per-tensor / per-row FP8 scale nor the block-wise "
+        f"scales of the config's quantization_config.weight_block_size ({list(block) if block else None}) for "
+        f"'{key}' {shape}; is config.json the one of these weights?"
+    )
 
 
 def _expert_rows(model: nn.Module, name: str) -> tuple[int, int, int] | None:
