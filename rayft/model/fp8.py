@@ -26,6 +26,7 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
@@ -247,28 +248,35 @@ def _grouped_chunks(
 
 
 class _FrozenGroupedLinear(torch.autograd.Function):
-    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert), dequantising the chunks'
+    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ, or x_g · dequant(W_g) for `[E, in, out]` weights (rows of x
+    sorted by expert), dequantising the chunks'
     experts a chunk at a time (`Fp8Experts._chunks`); no weight gradient; saves only the E4M3 bytes and their
     scales (and the chunks' small index tensors)."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int | None, chunks: list[ExpertChunk]
+        ctx,
+        x: torch.Tensor,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        block: int | None,
+        chunks: list[ExpertChunk],
+        transposed: bool,
     ) -> torch.Tensor:
         dtype = _compute_dtype(x)
         ctx.save_for_backward(data, scale)
-        ctx.dtype, ctx.input_dtype, ctx.block, ctx.chunks = dtype, x.dtype, block, chunks
+        ctx.dtype, ctx.input_dtype, ctx.block, ctx.chunks, ctx.transposed = dtype, x.dtype, block, chunks, transposed
         with torch.autocast(x.device.type, enabled=False):
-            return _grouped_chunks(x.to(dtype), data, scale, block, chunks, transpose=True)
+            return _grouped_chunks(x.to(dtype), data, scale, block, chunks, transpose=not transposed)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         data, scale = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            dx = _grouped_chunks(grad.to(ctx.dtype), data, scale, ctx.block, ctx.chunks, transpose=False)
-        return dx.to(ctx.input_dtype), None, None, None, None
+            dx = _grouped_chunks(grad.to(ctx.dtype), data, scale, ctx.block, ctx.chunks, transpose=ctx.transposed)
+        return dx.to(ctx.input_dtype), None, None, None, None, None
 
 
 def _scale_shape(weight_shape: tuple[int, ...], block: int | None) -> tuple[int, ...]:
@@ -335,45 +343,47 @@ class Fp8Linear(nn.Linear):
 
 
 class Fp8Experts(nn.Module):
-    """Fused routed experts (transformers' `@use_experts_implementation` layout: concatenated gate/up, not
-    transposed, no bias) stored in FP8: `gate_up_proj` uint8 `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`,
-    `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]`. The forward is transformers' `grouped_mm` one.
+    """Fused routed experts (transformers' `@use_experts_implementation` layouts) stored in FP8: `gate_up_proj` uint8
+    `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`, `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]`, or
+    GPT-OSS's transposed `[E, H, 2I]` / `[E, I, H]` (scales per row of dim 1 likewise) with its biases kept in the
+    compute dtype, as `Fp8Linear` keeps its bias. The forward is transformers' `grouped_mm` one; the gate is the
+    experts module's own `_apply_gate` (concatenated gate‖up with its activation, or GPT-OSS's interleaved, clamped
+    one), called on a weightless copy of that module.
 
     LoRA on the experts (PEFT `target_parameters`) arrives through `Fp8ParamWrapper`, which hands this module the
     low-rank factors: the update is applied as activations (x·Bᵀ·Aᵀ per expert group), never as a weight-sized
     delta — with an FP8 base PEFT's own path would fold the delta into the E4M3 weight."""
 
-    is_transposed = False  # PEFT reads it: the weights are [E, out, in]
-
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, block: int | None = None) -> None:
         super().__init__()
-        unsupported = [
-            flag
-            for flag, bad in (
-                ("has_bias", True),
-                ("is_transposed", True),
-                ("has_gate", False),
-                ("is_concatenated", False),
-                ("has_post_expert_norm", True),
-            )
-            if getattr(experts, flag, not bad) == bad
-        ]
+        unsupported = [flag for flag, bad in (("has_gate", False), ("has_post_expert_norm", True))
+                       if getattr(experts, flag, not bad) == bad]  # fmt: skip
         if unsupported:
             raise ValueError(f"{type(experts).__name__}: FP8 experts support no {', '.join(unsupported)} layout")
-        self.num_experts, self.act_fn, self.compute_dtype = experts.num_experts, experts.act_fn, compute_dtype
+        self.num_experts, self.compute_dtype = experts.num_experts, compute_dtype
+        self.is_transposed = bool(getattr(experts, "is_transposed", False))  # PEFT reads it: [E, in, out] when True
+        self._apply_gate = _weightless(experts)._apply_gate
         device = experts.gate_up_proj.device
         self.blocks = {name: storage_block(getattr(experts, name).shape[-1], block) for name in EXPERT_WEIGHTS}
         for name in EXPERT_WEIGHTS:
-            shape = tuple(getattr(experts, name).shape)
-            self.register_parameter(name, _frozen(shape, STORAGE, device))
-            self.register_parameter(f"{name}_scale", _frozen(_scale_shape(shape, self.blocks[name]), SCALE_STORAGE,
-                                                             device))  # fmt: skip
-            if device.type != "meta":
-                with torch.no_grad():
-                    data, scale = quantize_rows(getattr(experts, name), self.blocks[name])
-                    getattr(self, name).copy_(data)
-                    self.scale(name).copy_(scale)
+            self._store_(name, getattr(experts, name), self.blocks[name])
+            bias = getattr(experts, f"{name}_bias", None) if getattr(experts, "has_bias", False) else None
+            if bias is not None:
+                self.register_parameter(f"{name}_bias", _frozen(tuple(bias.shape), compute_dtype, device))
+                if device.type != "meta":
+                    getattr(self, f"{name}_bias").data.copy_(bias.detach())
         self.lora_factors: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
+
+    def _store_(self, name: str, weight: torch.Tensor, block: int | None) -> None:
+        """Register `name` as E4M3 storage + its scales, quantising `weight` unless it is on the meta device."""
+        shape = tuple(weight.shape)
+        self.register_parameter(name, _frozen(shape, STORAGE, weight.device))
+        self.register_parameter(f"{name}_scale", _frozen(_scale_shape(shape, block), SCALE_STORAGE, weight.device))
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                data, scale = quantize_rows(weight, block)
+                getattr(self, name).copy_(data)
+                self.scale(name).copy_(scale)
 
     def scale(self, name: str) -> torch.Tensor:
         """The fp32 row scales of expert weight `name` (`[E, out]`)."""
@@ -389,8 +399,8 @@ class Fp8Experts(nn.Module):
         counts = expert_counts(expert_ids, self.num_experts)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # every expert's group end, on the device
         chunks = self._chunks(counts, offs, routed.shape[0])
-        gate, up = self._project("gate_up_proj", routed, offs, chunks["gate_up_proj"]).chunk(2, dim=-1)
-        out = self._project("down_proj", self.act_fn(gate) * up, offs, chunks["down_proj"])
+        gate_up = self._project("gate_up_proj", routed, offs, chunks["gate_up_proj"], expert_ids)
+        out = self._project("down_proj", self._apply_gate(gate_up), offs, chunks["down_proj"], expert_ids)
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
         unsorted = torch.empty_like(out)
         unsorted[perm] = out
@@ -409,13 +419,19 @@ class Fp8Experts(nn.Module):
         host_counts = counts.tolist()
         return {name: expert_chunks(host_counts, n, offs.device) for name, n in per_expert.items()}
 
-    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk]) -> torch.Tensor:
-        out = _FrozenGroupedLinear.apply(x, getattr(self, name), self.scale(name), self.blocks[name], chunks)
+    def _project(
+        self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk], expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        weight, scale, block = getattr(self, name), self.scale(name), self.blocks[name]
+        out = _FrozenGroupedLinear.apply(x, weight, scale, block, chunks, self.is_transposed)
+        bias = getattr(self, f"{name}_bias", None)
+        if bias is not None:
+            out = out + bias[expert_ids].to(out.dtype)
         for lhs, rhs, scaling in self.lora_factors.get(name, ()):
-            # (x · (s·lhs·rhs)ᵀ) per group = s · (x · rhsᵀ) · lhsᵀ; lhs [E, out, r], rhs [E, r, in]
-            x_in = x.to(out.dtype).contiguous()
-            down = F.grouped_mm(x_in, rhs.to(out.dtype).transpose(-2, -1).contiguous(), offs=offs)
-            out = out + scaling * F.grouped_mm(down, lhs.to(out.dtype).transpose(-2, -1).contiguous(), offs=offs)
+            # ΔW = s·lhs·rhs in the weight's layout: x·ΔWᵀ = s·(x·rhsᵀ)·lhsᵀ, or transposed x·ΔW = s·(x·lhs)·rhs
+            first, second = (lhs, rhs) if self.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+            down = F.grouped_mm(x.to(out.dtype).contiguous(), first.to(out.dtype).contiguous(), offs=offs)
+            out = out + scaling * F.grouped_mm(down, second.to(out.dtype).contiguous(), offs=offs)
         return out
 
 
@@ -436,15 +452,27 @@ class Fp8ParamWrapper(ParamWrapper):
             base.lora_factors.pop(self.parameter_name, None)
 
     def lora_factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(lhs [E, out, in→r], rhs [E, r, in], scaling) with ΔW = scaling · lhs · rhs, in the adapter's dtype."""
+        """(lhs, rhs, scaling) with ΔW = scaling · lhs · rhs in the weight's own layout (PEFT's `get_delta_factors`
+        without its cast to the uint8 storage dtype), in the adapter's dtype: `[E, out, r]`·`[E, r, in]`, or for a
+        transposed `[E, in, out]` weight `[E, in, r]`·`[E, r, out]`."""
         e = self.num_experts
-        a = self.lora_A[adapter].weight.reshape(e, -1, self.lora_A[adapter].weight.shape[-1])  # [E, r, in]
+        a = self.lora_A[adapter].weight.reshape(e, -1, self.lora_A[adapter].weight.shape[-1])  # [E, r, A's in]
         b = self.lora_B[adapter].weight
-        b = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r]
+        b = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, B's out, r]
+        if not self._did_swap_in_out_features:  # PEFT kept [E, in, out]: A reads dim 1, B writes dim 2
+            return a.transpose(-2, -1), b.transpose(-2, -1), self.scaling[adapter]
         return b, a, self.scaling[adapter]
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise NotImplementedError("FP8 expert weights cannot take a merged LoRA: merge into a dequantised model")
+
+
+def _weightless(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` without its parameters: its methods (an experts module's `_apply_gate`) and
+    settings (GPT-OSS's `alpha`, `limit`) without keeping its full-precision weights alive."""
+    shell = copy.copy(module)
+    shell._parameters = {}
+    return shell
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.devices import DEVICES
 from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.moe_families import tiny_moe_config
 from fixtures.ranks import spawn_ranks
 from fixtures.work import WorkCounter
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import GptOssForCausalLM, Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
 
 from rayft.config import Config, ConfigError
 from rayft.model import fp8 as fp8_module
@@ -41,6 +42,9 @@ def _tiny(arch: str) -> nn.Module:
             num_key_value_heads=2, head_dim=16,
         )  # fmt: skip
         return MistralForCausalLM(config).float()
+    if arch == "gpt_oss":  # transposed, biased experts, interleaved gate/up; a limit low enough that it clamps
+        config = tiny_moe_config("gpt_oss", hidden_size=64, intermediate_size=32, vocab_size=512, swiglu_limit=0.05)
+        return GptOssForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
     config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 512})
     return Mistral4ForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
 
@@ -100,13 +104,13 @@ def _input_grads(model: nn.Module, names: set[str], ids: torch.Tensor) -> tuple[
     return grads, embeds.grad
 
 
-@pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16"])
+@pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16", "gpt_oss"])
 def test_every_frozen_fp8_layer_passes_the_input_gradient(arch):
     """Fails if any FP8 layer drops (or changes) its input gradient: each one's dgrad is compared with the fp32
     dequantised layer's, and no FP8 storage gets a weight gradient."""
     fp8, reference = _fp8_and_reference(arch)
     layers = {name for name, m in fp8.named_modules() if isinstance(m, FP8_TYPES)}
-    assert len(layers) == (14 if arch == "dense" else 18)  # 7 linears/layer; MLA 5 + shared 3 + experts
+    assert len(layers) == {"dense": 14, "gpt_oss": 10}.get(arch, 18)  # 7 linears/layer; MLA 5 + shared 3 + experts
     if arch.endswith("-block16"):  # blocks where the rows are wider than 16 (kv_b_proj's 16 columns: one scale)
         assert sum(m.weight_scale.ndim == 2 for m in fp8.modules() if isinstance(m, Fp8Linear)) == 14
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -180,15 +184,16 @@ def test_under_cpu_bf16_autocast_the_fp8_linear_is_the_dequantised_linear():
 
 def _lora(model: nn.Module, arch: str) -> peft.PeftModel:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    experts = None
+    experts = None if arch == "dense" else ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     if arch.startswith("mistral4"):
         targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]
-        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    elif arch == "gpt_oss":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, target_parameters=experts)
     return peft.get_peft_model(model, config)
 
 
-@pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16"])
+@pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16", "gpt_oss"])
 def test_peft_lora_on_the_fp8_base_trains_like_the_dequantised_reference(arch):
     fp8, reference = _fp8_and_reference(arch)
     fp8, reference = _lora(fp8, arch), _lora(reference, arch)
