@@ -138,11 +138,15 @@ def weight_block(directory: Path) -> tuple[int, int] | None:
 def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
     """Where a text model's tensor lives in the checkpoint: plain causal LM, llava-style VLM wrapper
     (`language_model.model.*`, `language_model.lm_head.*`) or transformers-5 wrapper (`model.language_model.*`)."""
-    body = name.removeprefix("model.")
-    for candidate in (name, f"language_model.{name}", f"model.language_model.{body}"):
+    for candidate in _wrapper_forms(name):
         if candidate in checkpoint:
             return candidate
     raise CheckpointKeyError(f"'{name}' is not in the checkpoint at {checkpoint.directory}")
+
+
+def _wrapper_forms(name: str) -> tuple[str, str, str]:
+    """A text model's tensor name as a plain causal LM, the llava-style and the transformers-5 VLM wrapper store it."""
+    return name, f"language_model.{name}", f"model.language_model.{name.removeprefix('model.')}"
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:
@@ -302,10 +306,9 @@ def _find_source(
         if key is not None:
             return key, None
     for parts in expert_parts(model_type, name):
-        first = _find_key(parts.keys(0)[0], checkpoint)
-        if first is not None:  # the VLM wrapper's prefix, as the first expert's key has it
-            prefix = first.removesuffix(parts.keys(0)[0])
-            return first, parts.renamed(lambda key, prefix=prefix: prefix + key)
+        for form, first in enumerate(_wrapper_forms(parts.keys(0)[0])):
+            if first in checkpoint:  # every part in the wrapper form the first expert's key has
+                return first, parts.renamed(lambda key, form=form: _wrapper_forms(key)[form])
     return None
 
 

@@ -68,3 +68,24 @@ def test_preflight_names_every_missing_and_misfit_expert_tensor(tmp_path):
     with pytest.raises(ConfigError, match=r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' \(\[16, 32\] \+ "
                                           r"\[15, 32\] concatenated\) does not make expert 0"):  # fmt: skip
         check_weights_match(model, broken)
+
+
+def test_per_expert_keys_inside_a_vlm_wrapper_are_found(tmp_path):
+    """A transformers-5 vision+text wrapper stores the text model under `model.language_model.`: the per-expert
+    tensors are looked up in the same wrapper form as every other tensor."""
+    model_dir = make_tiny_moe("qwen3_moe", tmp_path / "plain")
+    wrapped = tmp_path / "wrapped"
+    shutil.copytree(model_dir, wrapped)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    moved = {
+        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v for k, v in tensors.items()
+    }
+    assert "model.language_model.layers.1.mlp.experts.3.up_proj.weight" in moved
+    save_file(moved, str(wrapped / "model.safetensors"))
+    model = empty_model(ModelConfig(model_name_or_path=str(model_dir), torch_dtype="float32"))
+    with buffers_kept(model):
+        model.to_empty(device=torch.device("cpu"))
+    load_sharded_(model, wrapped)
+    want = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
