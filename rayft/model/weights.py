@@ -3,7 +3,8 @@
 No rank ever holds the whole checkpoint: every parameter's local shard (dim-0 rows, FSDP2's `Shard(0)`) is read
 as exactly those bytes of the file, mapped from the checkpoint's key layout (the hub's per-expert tensors of a fused
 experts parameter: just the experts a rank holds, `rayft.model.hub_keys`), dequantised from FP8 when the
-checkpoint is quantised (static per-tensor or per-expert scales, applied per slice) and cast to the model dtype.
+checkpoint is quantised (static per-tensor or per-expert scales, or DeepSeek-V3's block-wise ones, applied per
+slice) and cast to the model dtype.
 Every read is planned and checked (key, shape, dtype, FP8 scale) before the first byte is copied, so a checkpoint
 that does not fit the model fails whole, naming the tensors, instead of half-filling it. Tied word embeddings
 (Llama-3.2, Qwen2.5, Gemma, SmolLM2: the head is the embedding matrix, stored once) are one parameter, read once.
