@@ -150,3 +150,19 @@ def test_block_scales_the_config_does_not_describe_are_refused_naming_the_key(bl
     )
     with pytest.raises(ConfigError, match=refused):
         check_weights_match(empty_model(ModelConfig(model_name_or_path=str(undescribed))), undescribed)
+
+
+def test_the_plan_counts_the_block_scales_fp8_storage_keeps(block_checkpoints):
+    """The planner's scale count (from the unswapped meta model) against the swapped model's scale parameters."""
+    from rayft.model.build import decoder_layers, empty_model
+    from rayft.model.fp8 import to_fp8_
+    from rayft.model.weights import weight_block
+    from rayft.plan import meta_structure
+
+    model_dir = block_checkpoints["16x16"]
+    cfg = Config.from_dict({"model": {"model_name_or_path": str(model_dir)}, "lora": {"target_modules": ["o_proj"]}})
+    model = empty_model(cfg.model)
+    to_fp8_(decoder_layers(model), torch.bfloat16, weight_block(model_dir)[1])
+    stored = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_scale"))
+    rows = sum(p.numel() // p.shape[-1] for p in model.parameters() if p.dtype == torch.uint8)
+    assert meta_structure(cfg).fp8_rows == stored > rows  # several column blocks per row: more scales than rows
