@@ -91,17 +91,19 @@ def _quantised_by_hand(weight: torch.Tensor) -> torch.Tensor:
 FP8_TYPES = (Fp8Linear, Fp8Experts)
 
 
-def _input_grads(model: nn.Module, names: set[str], ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Each named module's gradient w.r.t. its (first) input, through that module alone, and the embeddings'."""
+def _input_grads(model: nn.Module, names: set[str], ids: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Each named module's gradient w.r.t. its (first) input, through that module alone, the embeddings', and the
+    logits."""
     grads, hooks = {}, []
     for name, module in model.named_modules():
         if name in names:
             hooks.append(module.register_full_backward_hook(lambda m, gin, gout, n=name: grads.__setitem__(n, gin[0])))
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()  # so even layer 0 needs its dgrad
-    model(inputs_embeds=embeds, labels=ids).loss.backward()
+    out = model(inputs_embeds=embeds, labels=ids)
+    out.loss.backward()
     for hook in hooks:
         hook.remove()
-    return grads, embeds.grad
+    return grads, embeds.grad, out.logits.detach()
 
 
 @pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16", "gpt_oss"])
@@ -114,8 +116,9 @@ def test_every_frozen_fp8_layer_passes_the_input_gradient(arch):
     if arch.endswith("-block16"):  # blocks where the rows are wider than 16 (kv_b_proj's 16 columns: one scale)
         assert sum(m.weight_scale.ndim == 2 for m in fp8.modules() if isinstance(m, Fp8Linear)) == 14
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-    got, got_embeds = _input_grads(fp8, layers, ids)
-    want, want_embeds = _input_grads(reference, layers, ids)
+    got, got_embeds, got_logits = _input_grads(fp8, layers, ids)
+    want, want_embeds, want_logits = _input_grads(reference, layers, ids)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
     assert set(got) == layers
     for name in sorted(layers):
         assert got[name] is not None and got[name].abs().sum() > 0, f"{name} dropped its input gradient"
