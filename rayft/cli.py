@@ -522,7 +522,7 @@ def _storage(s, fp8: bool, torch_dtype: str) -> str:
     size = s.fp8 + 4 * s.fp8_rows
     shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     return (
-        f"FP8 E4M3 for {s.fp8:,} decoder-matrix params ({shown}: 1 byte each + {s.fp8_rows:,} fp32 row scales),"
+        f"FP8 E4M3 for {s.fp8:,} decoder-matrix params ({shown}: 1 byte each + {s.fp8_rows:,} fp32 scales),"
         f" the other {s.total - s.fp8:,} in {torch_dtype}"
     )
 

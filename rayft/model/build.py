@@ -76,19 +76,12 @@ def check_fp8_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) ->
 
 
 def _checkpoint_quantization(model_cfg: ModelConfig) -> dict:
-    """The checkpoint's quantization_config (top level or the text model's); block-wise FP8 is refused."""
+    """The checkpoint's quantization_config (top level or the text model's)."""
     config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
     quant = getattr(config, "quantization_config", None) or getattr(
         getattr(config, "text_config", None), "quantization_config", None
     )
-    quant = quant if isinstance(quant, dict) else (quant.to_dict() if quant is not None else {})
-    if quant.get("weight_block_size"):
-        raise ConfigError(
-            f"model.model_name_or_path: {model_cfg.model_name_or_path} has block-wise FP8 scales "
-            f"(quantization_config.weight_block_size={quant['weight_block_size']}); rayft reads static per-tensor "
-            "or per-expert scales only"
-        )
-    return quant
+    return quant if isinstance(quant, dict) else (quant.to_dict() if quant is not None else {})
 
 
 def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:

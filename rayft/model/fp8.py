@@ -9,8 +9,11 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
   by the mixed-precision policy (a `float8` one would be gathered as bf16/fp32), gloo moves `uint8`, and PEFT does
   not cast its LoRA weights to an integer base dtype.
 - Scales are per output row (`[out]` for a linear, `[E, out]` for fused experts), so they shard on dim 0 exactly
-  with their rows. They are stored as the int32 bit patterns of their fp32 values (`scales()` views them back)
-  for the same reason: a floating-point parameter would be rounded to `param_dtype` by every bf16 all-gather.
+  with their rows; a block-wise checkpoint (DeepSeek-V3: one scale per 128×128 block) keeps its scales losslessly
+  as one per row and column block (`[out, blocks]`, `[E, out, blocks]`: the row blocks spread over their rows, so
+  FSDP still cuts scales with their rows), the column block width held by the module (`block`). They are stored
+  as the int32 bit patterns of their fp32 values (`scales()` views them back) for the same reason: a
+  floating-point parameter would be rounded to `param_dtype` by every bf16 all-gather.
   The hub's static per-tensor / per-expert scales expand to rows losslessly; a bf16/fp32 weight is quantised per
   row (amax / 448).
 - The matmul is an autograd Function: forward dequantises into the compute dtype, backward dequantises again for
@@ -23,9 +26,11 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,21 +51,43 @@ DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
 EXPERT_DEQUANT_BUDGET = 2**28  # elements of routed-expert weights dequantised at once (512 MiB in bf16)
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 bytes and one fp32 scale per row (last dim reduced): `weight ≈ bytes.view(E4M3) * scale[..., None]`."""
+def storage_block(columns: int, block: int | None) -> int | None:
+    """The column block width FP8 storage of a `columns`-wide weight keeps: None (one scale per row) when there is
+    no block or it spans the row."""
+    return block if block and math.ceil(columns / block) > 1 else None
+
+
+def quantize_rows(weight: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 bytes and one fp32 scale per row (last dim reduced), or per row and `block`-wide column block
+    (`[..., ceil(columns / block)]`): `weight ≈ bytes.view(E4M3) * block_scales(scale, block, columns)`."""
     w = weight.detach().to(torch.float32)
-    scale = (w.abs().amax(dim=-1) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    data = (w / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    block = storage_block(w.shape[-1], block)
+    if block is None:
+        amax = w.abs().amax(dim=-1)
+    else:
+        padded = F.pad(w, (0, -w.shape[-1] % block))
+        amax = padded.unflatten(-1, (-1, block)).abs().amax(dim=-1)
+    scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    data = (w / block_scales(scale, block, w.shape[-1])).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return data.view(STORAGE), scale
 
 
-def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """E4M3 bytes × their row scales, multiplied in fp32 and rounded once to `dtype`: the elementwise core."""
-    return (data.view(E4M3).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+def block_scales(scale: torch.Tensor, block: int | None, columns: int) -> torch.Tensor:
+    """Row scales (`[..., rows]`) or row and column-block scales (`[..., rows, blocks]`) broadcast to a weight's
+    `[..., rows, columns]`."""
+    if block is None:
+        return scale.unsqueeze(-1)
+    return scale.repeat_interleave(block, dim=-1)[..., :columns]
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None) -> torch.Tensor:
+    """E4M3 bytes × their scales, multiplied in fp32 and rounded once to `dtype`: the elementwise core."""
+    scale = block_scales(scale.to(torch.float32), block, data.shape[-1])
+    return (data.view(E4M3).to(torch.float32) * scale).to(dtype)
 
 
 @functools.cache
-def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]:
+def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype, int | None], torch.Tensor]:
     """`_dequantize` compiled into one kernel; dynamic shapes, so every linear and expert stack shares it."""
     return torch.compile(_dequantize, dynamic=True, fullgraph=True)
 
@@ -90,23 +117,25 @@ def fused_dequantization(device_type: str, on: bool) -> Iterator[None]:
             _fusing[device_type] = before
 
 
-def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype`: E4M3 bytes × their row scales, multiplied in fp32 (exactly the checkpoint's value,
-    as a bf16 load rounds it). Compiled, in one pass (`fuses`); eager, a bounded block of rows at a time so the
-    fp32 temporaries stay small next to a 128-expert stack."""
+def dequantize_rows(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None = None
+) -> torch.Tensor:
+    """The weight in `dtype`: E4M3 bytes × their row (and `block`-wide column block) scales, multiplied in fp32
+    (exactly the checkpoint's value, as a bf16 load rounds it). Compiled, in one pass (`fuses`); eager, a bounded
+    block of rows at a time so the fp32 temporaries stay small next to a 128-expert stack."""
     if fuses(data.device):
         try:
             # Detached: dynamo keeps a parameter's shape static, one compile per weight shape (its limit is 8).
-            return _fused_dequantize()(data.detach(), scale.detach(), dtype)
+            return _fused_dequantize()(data.detach(), scale.detach(), dtype, block)
         except Exception as error:  # no compiler for this device (e.g. no Triton): the eager ops, from now on
             logging.getLogger(__name__).warning("FP8 dequantisation stays eager: compiling it failed (%s)", error)
             _fusing[data.device.type] = False
     if dtype == torch.float32 or data.numel() <= DEQUANT_BLOCK:
-        return _dequantize(data, scale, dtype)
+        return _dequantize(data, scale, dtype, block)
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
     step = max(1, DEQUANT_BLOCK // (data[0].numel()))
     for lo in range(0, data.shape[0], step):
-        out[lo : lo + step] = _dequantize(data[lo : lo + step], scale[lo : lo + step], torch.float32)
+        out[lo : lo + step] = _dequantize(data[lo : lo + step], scale[lo : lo + step], torch.float32, block)
     return out
 
 
@@ -137,21 +166,21 @@ class _FrozenLinear(torch.autograd.Function):
     """y = x · dequant(W)ᵀ with no weight gradient; saves only the E4M3 bytes and their scales."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int | None) -> torch.Tensor:
         dtype = _compute_dtype(x)
         ctx.save_for_backward(data, scale)
-        ctx.dtype, ctx.input_dtype = dtype, x.dtype
+        ctx.dtype, ctx.input_dtype, ctx.block = dtype, x.dtype, block
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(dtype), dequantize_rows(data, scale, dtype))
+            return F.linear(x.to(dtype), dequantize_rows(data, scale, dtype, block))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         data, scale = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            dx = grad.to(ctx.dtype) @ dequantize_rows(data, scale, ctx.dtype)
-        return dx.to(ctx.input_dtype), None, None
+            dx = grad.to(ctx.dtype) @ dequantize_rows(data, scale, ctx.dtype, ctx.block)
+        return dx.to(ctx.input_dtype), None, None, None
 
 
 class ExpertChunk(NamedTuple):
@@ -199,14 +228,19 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _grouped_chunks(
-    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, chunks: list[ExpertChunk], transpose: bool
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block: int | None,
+    chunks: list[ExpertChunk],
+    transpose: bool,
 ) -> torch.Tensor:
     """Σ over chunks of grouped_mm(x rows of the chunk, dequant(W of its experts)), one chunk dequantised at a
     time; `transpose` multiplies by Wᵀ (forward) rather than W (input gradient)."""
     out_dim = data.shape[1] if transpose else data.shape[2]
     parts = []
     for chunk in chunks:
-        weight = dequantize_rows(chunk.select(data), chunk.select(scale), x.dtype)
+        weight = dequantize_rows(chunk.select(data), chunk.select(scale), x.dtype, block)
         rhs = weight.transpose(-2, -1) if transpose else weight
         parts.append(F.grouped_mm(x[chunk.start : chunk.end].contiguous(), rhs, offs=chunk.offs))
         del weight, rhs
@@ -214,28 +248,41 @@ def _grouped_chunks(
 
 
 class _FrozenGroupedLinear(torch.autograd.Function):
-    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ (rows of x sorted by expert), dequantising the chunks'
+    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ, or x_g · dequant(W_g) for `[E, in, out]` weights (rows of x
+    sorted by expert), dequantising the chunks'
     experts a chunk at a time (`Fp8Experts._chunks`); no weight gradient; saves only the E4M3 bytes and their
     scales (and the chunks' small index tensors)."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, chunks: list[ExpertChunk]
+        ctx,
+        x: torch.Tensor,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        block: int | None,
+        chunks: list[ExpertChunk],
+        transposed: bool,
     ) -> torch.Tensor:
         dtype = _compute_dtype(x)
         ctx.save_for_backward(data, scale)
-        ctx.dtype, ctx.input_dtype, ctx.chunks = dtype, x.dtype, chunks
+        ctx.dtype, ctx.input_dtype, ctx.block, ctx.chunks, ctx.transposed = dtype, x.dtype, block, chunks, transposed
         with torch.autocast(x.device.type, enabled=False):
-            return _grouped_chunks(x.to(dtype), data, scale, chunks, transpose=True)
+            return _grouped_chunks(x.to(dtype), data, scale, block, chunks, transpose=not transposed)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None, None
         data, scale = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            dx = _grouped_chunks(grad.to(ctx.dtype), data, scale, ctx.chunks, transpose=False)
-        return dx.to(ctx.input_dtype), None, None, None
+            dx = _grouped_chunks(grad.to(ctx.dtype), data, scale, ctx.block, ctx.chunks, transpose=ctx.transposed)
+        return dx.to(ctx.input_dtype), None, None, None, None, None
+
+
+def _scale_shape(weight_shape: tuple[int, ...], block: int | None) -> tuple[int, ...]:
+    """A weight's scale storage: one per row, or per row and column block."""
+    rows = tuple(weight_shape[:-1])
+    return rows if block is None else (*rows, math.ceil(weight_shape[-1] / block))
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -244,27 +291,36 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
 
 class Fp8Linear(nn.Linear):
     """A frozen linear layer stored as E4M3 bytes (`weight`, uint8 `[out, in]`) + fp32 row scales (`weight_scale`,
-    `[out]`, held as int32 bits: `scales()`). It is an `nn.Linear` (`in_features`, `out_features`, `weight`,
-    `bias`) so PEFT wraps it with LoRA as usual; `compute_dtype` is the dtype its weight is dequantised to when no
-    autocast says otherwise (PEFT reads that attribute for quantised bases; `adopt_lora_` then keeps LoRA fp32)."""
+    `[out]`, or `[out, ceil(in / block)]` per `block`-wide column block, held as int32 bits: `scales()`). It is an
+    `nn.Linear` (`in_features`, `out_features`, `weight`, `bias`) so PEFT wraps it with LoRA as usual;
+    `compute_dtype` is the dtype its weight is dequantised to when no autocast says otherwise (PEFT reads that
+    attribute for quantised bases; `adopt_lora_` then keeps LoRA fp32)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        compute_dtype: torch.dtype,
+        device=None,
+        block: int | None = None,
     ) -> None:
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a float weight
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        self.block = storage_block(in_features, block)
         self.weight = _frozen((out_features, in_features), STORAGE, device)
-        self.weight_scale = _frozen((out_features,), SCALE_STORAGE, device)
+        self.weight_scale = _frozen(_scale_shape((out_features, in_features), self.block), SCALE_STORAGE, device)
         self.bias = _frozen((out_features,), compute_dtype, device) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype) -> Fp8Linear:
-        """The FP8 layer for `linear`; its values quantised per row unless it is on the meta device."""
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype, block: int | None = None) -> Fp8Linear:
+        """The FP8 layer for `linear`; its values quantised per row (and column block) unless it is on the meta
+        device."""
         device = linear.weight.device
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device, block)
         if device.type != "meta":
             with torch.no_grad():
-                data, scale = quantize_rows(linear.weight)
+                data, scale = quantize_rows(linear.weight, layer.block)
                 layer.weight.copy_(data)
                 scales(layer.weight_scale).copy_(scale)
                 if linear.bias is not None:
@@ -275,61 +331,66 @@ class Fp8Linear(nn.Linear):
         """Frozen storage is filled from a checkpoint, never initialised."""
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(self.weight, scales(self.weight_scale), dtype or self.compute_dtype)
+        return dequantize_rows(self.weight, scales(self.weight_scale), dtype or self.compute_dtype, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _FrozenLinear.apply(x, self.weight, scales(self.weight_scale))
+        out = _FrozenLinear.apply(x, self.weight, scales(self.weight_scale), self.block)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, storage=float8_e4m3fn+row_scales"
+        blocks = f"+{self.block}-column_block_scales" if self.block else "+row_scales"
+        return f"{super().extra_repr()}, storage=float8_e4m3fn{blocks}"
 
 
 class Fp8Experts(nn.Module):
-    """Fused routed experts (transformers' `@use_experts_implementation` layout: concatenated gate/up, not
-    transposed, no bias) stored in FP8: `gate_up_proj` uint8 `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`,
-    `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]`. The forward is transformers' `grouped_mm` one.
+    """Fused routed experts (transformers' `@use_experts_implementation` layouts) stored in FP8: `gate_up_proj` uint8
+    `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`, `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]`, or
+    GPT-OSS's transposed `[E, H, 2I]` / `[E, I, H]` (scales per row of dim 1 likewise) with its biases kept in the
+    compute dtype, as `Fp8Linear` keeps its bias. The forward is transformers' `grouped_mm` one; the gate is the
+    experts module's own `_apply_gate` (concatenated gate‖up with its activation, or GPT-OSS's interleaved, clamped
+    one), called on a weightless copy of that module.
 
     LoRA on the experts (PEFT `target_parameters`) arrives through `Fp8ParamWrapper`, which hands this module the
     low-rank factors: the update is applied as activations (x·Bᵀ·Aᵀ per expert group), never as a weight-sized
     delta — with an FP8 base PEFT's own path would fold the delta into the E4M3 weight."""
 
-    is_transposed = False  # PEFT reads it: the weights are [E, out, in]
-
-    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, block: int | None = None) -> None:
         super().__init__()
-        unsupported = [
-            flag
-            for flag, bad in (
-                ("has_bias", True),
-                ("is_transposed", True),
-                ("has_gate", False),
-                ("is_concatenated", False),
-                ("has_post_expert_norm", True),
-            )
-            if getattr(experts, flag, not bad) == bad
-        ]
+        unsupported = [flag for flag, bad in (("has_gate", False), ("has_post_expert_norm", True))
+                       if getattr(experts, flag, not bad) == bad]  # fmt: skip
         if unsupported:
             raise ValueError(f"{type(experts).__name__}: FP8 experts support no {', '.join(unsupported)} layout")
-        self.num_experts, self.act_fn, self.compute_dtype = experts.num_experts, experts.act_fn, compute_dtype
+        self.num_experts, self.compute_dtype = experts.num_experts, compute_dtype
+        self.is_transposed = bool(getattr(experts, "is_transposed", False))  # PEFT reads it: [E, in, out] when True
+        self._apply_gate = _weightless(experts)._apply_gate
         device = experts.gate_up_proj.device
+        self.blocks = {name: storage_block(getattr(experts, name).shape[-1], block) for name in EXPERT_WEIGHTS}
         for name in EXPERT_WEIGHTS:
-            shape = tuple(getattr(experts, name).shape)
-            self.register_parameter(name, _frozen(shape, STORAGE, device))
-            self.register_parameter(f"{name}_scale", _frozen(shape[:2], SCALE_STORAGE, device))
-            if device.type != "meta":
-                with torch.no_grad():
-                    data, scale = quantize_rows(getattr(experts, name))
-                    getattr(self, name).copy_(data)
-                    self.scale(name).copy_(scale)
+            self._store_(name, getattr(experts, name), self.blocks[name])
+            bias = getattr(experts, f"{name}_bias", None) if getattr(experts, "has_bias", False) else None
+            if bias is not None:
+                self.register_parameter(f"{name}_bias", _frozen(tuple(bias.shape), compute_dtype, device))
+                if device.type != "meta":
+                    getattr(self, f"{name}_bias").data.copy_(bias.detach())
         self.lora_factors: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
+
+    def _store_(self, name: str, weight: torch.Tensor, block: int | None) -> None:
+        """Register `name` as E4M3 storage + its scales, quantising `weight` unless it is on the meta device."""
+        shape = tuple(weight.shape)
+        self.register_parameter(name, _frozen(shape, STORAGE, weight.device))
+        self.register_parameter(f"{name}_scale", _frozen(_scale_shape(shape, block), SCALE_STORAGE, weight.device))
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                data, scale = quantize_rows(weight, block)
+                getattr(self, name).copy_(data)
+                self.scale(name).copy_(scale)
 
     def scale(self, name: str) -> torch.Tensor:
         """The fp32 row scales of expert weight `name` (`[E, out]`)."""
         return scales(getattr(self, f"{name}_scale"))
 
     def dequantized_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(getattr(self, name), self.scale(name), dtype or self.compute_dtype)
+        return dequantize_rows(getattr(self, name), self.scale(name), dtype or self.compute_dtype, self.blocks[name])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, top_k = top_k_index.shape
@@ -338,8 +399,8 @@ class Fp8Experts(nn.Module):
         counts = expert_counts(expert_ids, self.num_experts)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # every expert's group end, on the device
         chunks = self._chunks(counts, offs, routed.shape[0])
-        gate, up = self._project("gate_up_proj", routed, offs, chunks["gate_up_proj"]).chunk(2, dim=-1)
-        out = self._project("down_proj", self.act_fn(gate) * up, offs, chunks["down_proj"])
+        gate_up = self._project("gate_up_proj", routed, offs, chunks["gate_up_proj"], expert_ids)
+        out = self._project("down_proj", self._apply_gate(gate_up), offs, chunks["down_proj"], expert_ids)
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
         unsorted = torch.empty_like(out)
         unsorted[perm] = out
@@ -358,13 +419,19 @@ class Fp8Experts(nn.Module):
         host_counts = counts.tolist()
         return {name: expert_chunks(host_counts, n, offs.device) for name, n in per_expert.items()}
 
-    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk]) -> torch.Tensor:
-        out = _FrozenGroupedLinear.apply(x, getattr(self, name), self.scale(name), chunks)
+    def _project(
+        self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk], expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        weight, scale, block = getattr(self, name), self.scale(name), self.blocks[name]
+        out = _FrozenGroupedLinear.apply(x, weight, scale, block, chunks, self.is_transposed)
+        bias = getattr(self, f"{name}_bias", None)
+        if bias is not None:
+            out = out + bias[expert_ids].to(out.dtype)
         for lhs, rhs, scaling in self.lora_factors.get(name, ()):
-            # (x · (s·lhs·rhs)ᵀ) per group = s · (x · rhsᵀ) · lhsᵀ; lhs [E, out, r], rhs [E, r, in]
-            x_in = x.to(out.dtype).contiguous()
-            down = F.grouped_mm(x_in, rhs.to(out.dtype).transpose(-2, -1).contiguous(), offs=offs)
-            out = out + scaling * F.grouped_mm(down, lhs.to(out.dtype).transpose(-2, -1).contiguous(), offs=offs)
+            # ΔW = s·lhs·rhs in the weight's layout: x·ΔWᵀ = s·(x·rhsᵀ)·lhsᵀ, or transposed x·ΔW = s·(x·lhs)·rhs
+            first, second = (lhs, rhs) if self.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+            down = F.grouped_mm(x.to(out.dtype).contiguous(), first.to(out.dtype).contiguous(), offs=offs)
+            out = out + scaling * F.grouped_mm(down, second.to(out.dtype).contiguous(), offs=offs)
         return out
 
 
@@ -385,15 +452,27 @@ class Fp8ParamWrapper(ParamWrapper):
             base.lora_factors.pop(self.parameter_name, None)
 
     def lora_factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(lhs [E, out, in→r], rhs [E, r, in], scaling) with ΔW = scaling · lhs · rhs, in the adapter's dtype."""
+        """(lhs, rhs, scaling) with ΔW = scaling · lhs · rhs in the weight's own layout (PEFT's `get_delta_factors`
+        without its cast to the uint8 storage dtype), in the adapter's dtype: `[E, out, r]`·`[E, r, in]`, or for a
+        transposed `[E, in, out]` weight `[E, in, r]`·`[E, r, out]`."""
         e = self.num_experts
-        a = self.lora_A[adapter].weight.reshape(e, -1, self.lora_A[adapter].weight.shape[-1])  # [E, r, in]
+        a = self.lora_A[adapter].weight.reshape(e, -1, self.lora_A[adapter].weight.shape[-1])  # [E, r, A's in]
         b = self.lora_B[adapter].weight
-        b = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, out, r]
+        b = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, B's out, r]
+        if not self._did_swap_in_out_features:  # PEFT kept [E, in, out]: A reads dim 1, B writes dim 2
+            return a.transpose(-2, -1), b.transpose(-2, -1), self.scaling[adapter]
         return b, a, self.scaling[adapter]
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise NotImplementedError("FP8 expert weights cannot take a merged LoRA: merge into a dequantised model")
+
+
+def _weightless(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` without its parameters: its methods (an experts module's `_apply_gate`) and
+    settings (GPT-OSS's `alpha`, `limit`) without keeping its full-precision weights alive."""
+    shell = copy.copy(module)
+    shell._parameters = {}
+    return shell
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -413,19 +492,27 @@ def fp8_scale_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype) -> int:
+def fp8_block(model: nn.Module, name: str) -> int | None:
+    """The column block width of FP8 storage parameter `name` (a full name in `model`); None: one scale per row."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module.block if isinstance(module, Fp8Linear) else module.blocks[attr]
+
+
+def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | None = None) -> int:
     """Swap, inside each of `layers` (the decoder layers), every linear and fused-experts module for its FP8 form,
-    on the meta device (no memory) or quantising real weights. Call before LoRA and FSDP; returns the count."""
+    on the meta device (no memory) or quantising real weights; `block`: the column block width of the checkpoint's
+    block-wise scales, kept as they are. Call before LoRA and FSDP; returns the count."""
     swapped = 0
     for layer in layers:
         for parent in list(layer.modules()):
             for child_name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, child_name, Fp8Linear.from_linear(child, compute_dtype))
+                    setattr(parent, child_name, Fp8Linear.from_linear(child, compute_dtype, block))
                 elif all(isinstance(getattr(child, n, None), nn.Parameter) for n in EXPERT_WEIGHTS) and (
                     child.gate_up_proj.ndim == 3
                 ):
-                    setattr(parent, child_name, Fp8Experts(child, compute_dtype))
+                    setattr(parent, child_name, Fp8Experts(child, compute_dtype, block))
                 else:
                     continue
                 swapped += 1

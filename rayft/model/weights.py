@@ -1,8 +1,10 @@
 """Fill an FSDP2-sharded model from safetensors files: each rank reads only the rows it owns.
 
 No rank ever holds the whole checkpoint: every parameter's local shard (dim-0 rows, FSDP2's `Shard(0)`) is read
-as exactly those bytes of the file, mapped from the checkpoint's key layout, dequantised from FP8 when the
-checkpoint is quantised (static per-tensor or per-expert scales, applied per slice) and cast to the model dtype.
+as exactly those bytes of the file, mapped from the checkpoint's key layout (the hub's per-expert tensors of a fused
+experts parameter: just the experts a rank holds, `rayft.model.hub_keys`), dequantised from FP8 when the
+checkpoint is quantised (static per-tensor or per-expert scales, or DeepSeek-V3's block-wise ones, applied per
+slice) and cast to the model dtype.
 Every read is planned and checked (key, shape, dtype, FP8 scale) before the first byte is copied, so a checkpoint
 that does not fit the model fails whole, naming the tensors, instead of half-filling it. Tied word embeddings
 (Llama-3.2, Qwen2.5, Gemma, SmolLM2: the head is the embedding matrix, stored once) are one parameter, read once.
@@ -26,7 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rayft.model.fp8 import fp8_scale_params, quantize_rows, rows_scale, scales
+from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows, rows_scale, scales
+from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
@@ -67,6 +70,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
+        self.weight_block = weight_block(self.directory)
         self.entries: dict[str, _Entry] = {}
         for file in sorted(self.directory.glob("*.safetensors")):
             with open(file, "rb") as f:
@@ -120,14 +124,30 @@ class SafetensorsCheckpoint:
         self._files.clear()
 
 
+def weight_block(directory: Path) -> tuple[int, int] | None:
+    """(rows, columns) of each block of a block-wise FP8 checkpoint's scales: `quantization_config.weight_block_size`
+    in its config.json (top level, or its text model's for a VLM wrapper); None for static scales or no config."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
+
+
 def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
     """Where a text model's tensor lives in the checkpoint: plain causal LM, llava-style VLM wrapper
     (`language_model.model.*`, `language_model.lm_head.*`) or transformers-5 wrapper (`model.language_model.*`)."""
-    body = name.removeprefix("model.")
-    for candidate in (name, f"language_model.{name}", f"model.language_model.{body}"):
+    for candidate in _wrapper_forms(name):
         if candidate in checkpoint:
             return candidate
     raise CheckpointKeyError(f"'{name}' is not in the checkpoint at {checkpoint.directory}")
+
+
+def _wrapper_forms(name: str) -> tuple[str, str, str]:
+    """A text model's tensor name as a plain causal LM, the llava-style and the transformers-5 VLM wrapper store it."""
+    return name, f"language_model.{name}", f"model.language_model.{name.removeprefix('model.')}"
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:
@@ -190,38 +210,51 @@ def load_sharded_(model: nn.Module, directory: Path) -> None:
 
 @dataclass(frozen=True)
 class _Read:
-    """One parameter's local shard and where its rows come from."""
+    """One parameter's local shard and where its rows come from: one checkpoint tensor, or (a fused experts
+    parameter in the hub's per-expert layout) each of its experts' part tensors."""
 
-    key: str
+    key: str  # the tensor, or the first expert's first part (for messages)
     local: torch.Tensor
     start: int
     scale: tuple[torch.Tensor, int] | None = None  # FP8 storage (`rayft.model.fp8`): its row scales, filled with it
+    experts: ExpertParts | None = None
+    block: int | None = None  # FP8 storage: the column block width of its scales (None: one per row)
 
 
 def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Read]:
-    """Every base parameter's checkpoint key, checked against the checkpoint's shape and dtype; raises
+    """Every base parameter's checkpoint tensors, checked against the checkpoint's shape and dtype; raises
     `CheckpointKeyError` for missing tensors and `CheckpointShapeError` for ones that do not fit, naming them all."""
     partners = {}
     for head, embedding in tied_parameters(model).items():
         partners[head], partners[embedding] = embedding, head  # either name serves the one tied parameter
     fp8_scales = fp8_scale_params(model)
     filled_with_weight = {id(p) for p in fp8_scales.values()}
+    model_type = _model_type(model)
     reads, missing, misfits = [], [], []
     for name, param in model.named_parameters():
         if ".lora_" in name or id(param) in filled_with_weight:
             continue
         base_name = model_param_name(name)
-        key = _find_key(base_name, checkpoint) or _find_key(partners.get(base_name), checkpoint)
-        if key is None:
+        wanted, fp8_storage = _global_shape(model, name, param), name in fp8_scales
+        source = _find_source(model_type, base_name, checkpoint) or _find_source(
+            model_type, partners.get(base_name), checkpoint
+        )
+        if source is None:
             missing.append(base_name)
             continue
-        misfit = _misfit(base_name, _global_shape(model, name, param), key, checkpoint, fp8_storage=name in fp8_scales)
-        if misfit:
-            misfits.append(misfit)
+        key, parts = source
+        if parts is None:
+            problems = [p for p in [_misfit(base_name, wanted, key, checkpoint, fp8_storage)] if p]
+        else:
+            problems, absent = _expert_misfits(base_name, wanted, parts, checkpoint, fp8_storage)
+            missing += absent
+        if problems:
+            misfits += problems
             continue
         local, start = _rows(model, name, param)
-        scale = _rows(model, name, fp8_scales[name]) if name in fp8_scales else None
-        reads.append(_Read(key, local, start, scale))
+        scale = _rows(model, name, fp8_scales[name]) if fp8_storage else None
+        reads.append(_Read(key, local, start, scale, parts, fp8_block(model, name) if fp8_storage else None))
+    reads += _buffer_reads(model, model_type, checkpoint, misfits)
     if missing:
         raise CheckpointKeyError(
             f"the checkpoint at {checkpoint.directory} lacks {len(missing)} model tensors: {_first(missing)}"
@@ -232,6 +265,52 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
             f"{_first(misfits, shown=2)}; is model_name_or_path the checkpoint this config describes?"
         )
     return reads
+
+
+def _buffer_reads(
+    model: nn.Module, model_type: str, checkpoint: SafetensorsCheckpoint, misfits: list[str]
+) -> list[_Read]:
+    """The persistent buffers the checkpoint holds, read whole (FSDP does not shard buffers): DeepSeek-V3's routing
+    bias `mlp.gate.e_score_correction_bias` is a buffer, and a trained one. A buffer the file lacks keeps its
+    computed value, as `from_pretrained` keeps it."""
+    reads = []
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            base_name = model_param_name(f"{module_name}.{name}" if module_name else name)
+            source = _find_source(model_type, base_name, checkpoint)
+            if source is None or source[1] is not None:
+                continue
+            misfit = _misfit(base_name, (list(buffer.shape), buffer.dtype), source[0], checkpoint)
+            if misfit:
+                misfits.append(misfit)
+            else:
+                reads.append(_Read(source[0], buffer, 0))
+    return reads
+
+
+def _model_type(model: nn.Module) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
+    return getattr(getattr(base, "config", None), "model_type", "") or ""
+
+
+def _find_source(
+    model_type: str, name: str | None, checkpoint: SafetensorsCheckpoint
+) -> tuple[str, ExpertParts | None] | None:
+    """(key, None) for a parameter stored whole (under its own or its hub name); (its first expert's first part,
+    the part names) for a fused experts parameter stored per expert; None when the checkpoint has neither."""
+    if name is None:
+        return None
+    for candidate in checkpoint_names(model_type, name):
+        key = _find_key(candidate, checkpoint)
+        if key is not None:
+            return key, None
+    for parts in expert_parts(model_type, name):
+        for form, first in enumerate(_wrapper_forms(parts.keys(0)[0])):
+            if first in checkpoint:  # every part in the wrapper form the first expert's key has
+                return first, parts.renamed(lambda key, form=form: _wrapper_forms(key)[form])
+    return None
 
 
 def _find_key(name: str | None, checkpoint: SafetensorsCheckpoint) -> str | None:
@@ -256,6 +335,12 @@ def _misfit(
     (wanted, param_dtype), stored = param, checkpoint.shape(key)
     if stored != wanted:
         return f"'{key}' has shape {stored} in the checkpoint, the model's '{name}' has {wanted}"
+    return _dtype_misfit(name, param_dtype, key, checkpoint, fp8_storage)
+
+
+def _dtype_misfit(
+    name: str, param_dtype: torch.dtype, key: str, checkpoint: SafetensorsCheckpoint, fp8_storage: bool
+) -> str | None:
     dtype = checkpoint.dtype(key)
     wanted_float = fp8_storage or param_dtype.is_floating_point
     if wanted_float != dtype.is_floating_point or (not wanted_float and dtype != param_dtype):
@@ -268,80 +353,166 @@ def _misfit(
     return None
 
 
+def _expert_misfits(
+    name: str,
+    param: tuple[list[int], torch.dtype],
+    parts: ExpertParts,
+    checkpoint: SafetensorsCheckpoint,
+    fp8_storage: bool,
+) -> tuple[list[str], list[str]]:
+    """(misfits, missing keys) of a fused `[E, rows, ...]` parameter stored per expert: every expert's parts are
+    there, each `[part rows, ...]` with the parameter's trailing shape, and the parts' rows add up to `rows`."""
+    (wanted, param_dtype), misfits, missing = param, [], []
+    for expert in range(wanted[0]):
+        keys = list(parts.keys(expert))
+        absent = [key for key in keys if key not in checkpoint]
+        if absent:
+            missing += absent
+            continue
+        shapes = [checkpoint.shape(key) for key in keys]
+        if any(shape[1:] != wanted[2:] for shape in shapes) or sum(shape[0] for shape in shapes) != wanted[1]:
+            misfits.append(
+                f"'{keys[0]}' ({' + '.join(map(str, shapes))} concatenated) does not make expert {expert} of the "
+                f"model's '{name}' {wanted}"
+            )
+        misfits += [p for key in keys if (p := _dtype_misfit(name, param_dtype, key, checkpoint, fp8_storage))]
+    return misfits, missing
+
+
 def _first(items: list[str], shown: int = 5) -> str:
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def _copy_rows_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
-    """Fill a local shard in bounded chunks of rows: the temporaries (raw rows, their fp32 dequantisation) stay a
-    fixed size however large the tensor (a 128-expert fused weight is GBs)."""
+    """Fill a local shard piece by piece (`_pieces`): the temporaries (raw rows, their fp32 dequantisation) stay a
+    bounded size however large the tensor (a 128-expert fused weight is GBs)."""
+    if read.local.ndim == 0:
+        read.local.copy_(dequantize(checkpoint.rows(read.key, 0, 1), read.key, checkpoint, 0).reshape(()))
+        return
+    scale = None
     if read.scale is not None:
-        _load_fp8_(read.local, read.scale, read.start, read.key, checkpoint)
-        return
-    local = read.local
-    if local.ndim == 0:
-        local.copy_(dequantize(checkpoint.rows(read.key, 0, 1), read.key, checkpoint, 0).reshape(()))
-        return
-    step = max(1, CHUNK_BYTES // max(1, 4 * math.prod(local.shape[1:])))
-    for lo in range(0, local.shape[0], step):
-        hi = min(lo + step, local.shape[0])
-        rows = checkpoint.rows(read.key, read.start + lo, read.start + hi)
-        local[lo:hi].copy_(dequantize(rows, read.key, checkpoint, read.start + lo))
-
-
-def _load_fp8_(
-    data: torch.Tensor, scale: tuple[torch.Tensor, int], start: int, key: str, checkpoint: SafetensorsCheckpoint
-) -> None:
-    """Fill FP8 storage (E4M3 bytes + row scales, `rayft.model.fp8`) with rows [start, start + len): an E4M3
-    checkpoint's bytes as they are (its static scale spread over the rows), anything else quantised per row."""
-    scale_local, scale_start = scales(scale[0]), scale[1]  # fp32 view of the int32 scale storage
-    if scale_start != start or scale_local.shape[0] != data.shape[0]:
-        raise RuntimeError(f"'{key}': its FP8 row scales are sharded unlike its rows ({scale_start} vs {start})")
-    if not data.shape[0]:
-        return  # an uneven FSDP shard can be empty
-    step = max(1, CHUNK_BYTES // max(1, 4 * data[0].numel()))
-    for lo in range(0, data.shape[0], step):
-        hi = min(lo + step, data.shape[0])
-        rows = checkpoint.rows(key, start + lo, start + hi)
-        if rows.dtype == torch.float8_e4m3fn:
-            data[lo:hi].copy_(rows.view(data.dtype))
-            scale_local[lo:hi].copy_(rows_scale(fp8_scale(rows, key, checkpoint, start + lo), rows.shape))
+        scale = scales(read.scale[0])  # fp32 view of the int32 scale storage
+        if read.scale[1] != read.start or scale.shape[0] != read.local.shape[0]:
+            raise RuntimeError(f"'{read.key}': its FP8 row scales are sharded unlike its rows")
+    for index, key, lo, hi in _pieces(read, checkpoint):
+        rows = checkpoint.rows(key, lo, hi)
+        if scale is None:
+            read.local[index].copy_(dequantize(rows, key, checkpoint, lo))
         else:
-            q, s = quantize_rows(dequantize(rows, key, checkpoint, start + lo))
-            data[lo:hi].copy_(q)
-            scale_local[lo:hi].copy_(s)
+            _fill_fp8_(read.local[index], scale[index], rows, key, checkpoint, lo, read.block)
+
+
+def _pieces(read: _Read, checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[tuple, str, int, int]]:
+    """(index into the local shard, checkpoint key, first row, end row) of each read: bounded chunks of rows of one
+    tensor, or for a parameter stored per expert each held expert's parts (a global row is an expert)."""
+    local = read.local
+    if read.experts is None:
+        step = max(1, CHUNK_BYTES // max(1, 4 * math.prod(local.shape[1:])))
+        for lo in range(0, local.shape[0], step):
+            hi = min(lo + step, local.shape[0])
+            yield (slice(lo, hi),), read.key, read.start + lo, read.start + hi
+        return
+    for i in range(local.shape[0]):
+        offset = 0
+        for key in read.experts.keys(read.start + i):
+            rows = checkpoint.shape(key)[0]
+            yield (i, slice(offset, offset + rows)), key, 0, rows
+            offset += rows
+
+
+def _fill_fp8_(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    rows: torch.Tensor,
+    key: str,
+    checkpoint: SafetensorsCheckpoint,
+    start: int,
+    block: int | None,
+) -> None:
+    """Fill a piece of FP8 storage (E4M3 bytes + scales per row or `block`-wide column block, `rayft.model.fp8`) from
+    checkpoint rows (from row `start`): an E4M3 checkpoint's bytes and scales as they are, where the storage's
+    layout holds them losslessly; anything else quantised."""
+    stored = (
+        _stored_scale(rows, key, checkpoint, start, scale.shape, block) if rows.dtype == torch.float8_e4m3fn else None
+    )
+    if stored is not None:
+        data.copy_(rows.view(data.dtype))
+        scale.copy_(stored)
+    else:
+        q, s = quantize_rows(dequantize(rows, key, checkpoint, start), block)
+        data.copy_(q)
+        scale.copy_(s)
+
+
+def _stored_scale(
+    rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int, shape: torch.Size, block: int | None
+) -> torch.Tensor | None:
+    """The file's scales of E4M3 `rows` in the storage's layout (`shape`: per row, or per row and `block`-wide
+    column block), or None where that layout cannot hold them (block-wise scales of another width)."""
+    scale, kind = fp8_scale(rows, key, checkpoint, start), _scale_kind(key, checkpoint)[1]
+    if kind != "block":
+        per_row = rows_scale(scale, rows.shape)
+        return per_row if block is None else per_row.unsqueeze(-1).expand(shape)
+    if block is None:
+        return scale.squeeze(-1) if scale.shape[-1] == 1 else None
+    return scale if block == checkpoint.weight_block[1] and scale.shape == shape else None
 
 
 def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
-    """FP8 rows × their static scale: a 0-d per-tensor scale, or one per row of dim 0 ([E,1,1] for experts)."""
+    """FP8 rows × their static scale: a 0-d per-tensor scale, one per row of dim 0 ([E,1,1] for experts), or one per
+    block of a block-wise checkpoint."""
     if rows.dtype not in FP8_DTYPES:
         return rows
-    return rows.to(torch.float32) * fp8_scale(rows, key, checkpoint, start).to(torch.float32)
+    scale, kind = fp8_scale(rows, key, checkpoint, start).to(torch.float32), _scale_kind(key, checkpoint)[1]
+    if kind == "block":
+        scale = block_scales(scale, checkpoint.weight_block[1], rows.shape[-1])
+    elif kind == "row":
+        scale = scale.reshape(scale.shape[0], *[1] * (rows.ndim - 1))
+    return rows.to(torch.float32) * scale
 
 
 def fp8_scale(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int) -> torch.Tensor:
-    """The static scale of FP8 `rows` (from row `start`): 0-d per tensor, or the rows' own ([n,1,1] per expert)."""
-    scale_key = fp8_scale_key(key, checkpoint)
-    if math.prod(checkpoint.shape(scale_key)) == 1:
+    """The static scale of FP8 `rows` (from row `start`): 0-d per tensor, the rows' own ([n,1,1] per expert), or for
+    a block-wise checkpoint `[n, column blocks]`, each row given its row block's scales."""
+    scale_key, kind = _scale_kind(key, checkpoint)
+    if kind == "tensor":
         return checkpoint.rows(scale_key, 0, 1).reshape(())
-    return checkpoint.rows(scale_key, start, start + rows.shape[0])
+    if kind == "row":
+        return checkpoint.rows(scale_key, start, start + rows.shape[0])
+    row_block, n = checkpoint.weight_block[0], rows.shape[0]
+    first = start // row_block
+    blocks = checkpoint.rows(scale_key, first, max(first, (start + n - 1) // row_block + 1))
+    return blocks[torch.arange(start, start + n) // row_block - first]
 
 
 def fp8_scale_key(key: str, checkpoint: SafetensorsCheckpoint) -> str:
-    """The static scale of an FP8 tensor: per tensor (one value) or per row of dim 0 (per expert)."""
+    """The scale of an FP8 tensor: static per tensor (one value) or per row of dim 0 (per expert), or block-wise."""
+    return _scale_kind(key, checkpoint)[0]
+
+
+def _scale_kind(key: str, checkpoint: SafetensorsCheckpoint) -> tuple[str, str]:
+    """(scale key, `tensor` | `row` | `block`) of an FP8 tensor; raises naming the key when it has none that fits."""
     scale_key = next(
         (k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in checkpoint), None
     )
     if scale_key is None:
         raise CheckpointKeyError(f"FP8 tensor '{key}' has no '{key}_scale_inv' / 'weight_scale_inv' scale")
-    scale_shape = checkpoint.shape(scale_key)
-    per_row = bool(scale_shape) and scale_shape[0] == checkpoint.shape(key)[0] and math.prod(scale_shape[1:]) == 1
-    if math.prod(scale_shape) != 1 and not per_row:
-        raise CheckpointShapeError(
-            f"'{scale_key}' has shape {scale_shape}: only static per-tensor or per-expert FP8 scales are supported "
-            "(block-wise FP8 checkpoints are not)"
-        )
-    return scale_key
+    scale_shape, shape, block = checkpoint.shape(scale_key), checkpoint.shape(key), checkpoint.weight_block
+    if math.prod(scale_shape) == 1:
+        return scale_key, "tensor"
+    if scale_shape and scale_shape[0] == shape[0] and math.prod(scale_shape[1:]) == 1:
+        return scale_key, "row"
+    if (
+        block is not None
+        and len(shape) == 2
+        and scale_shape == [math.ceil(n / b) for n, b in zip(shape, block, strict=True)]
+    ):
+        return scale_key, "block"
+    raise CheckpointShapeError(
+        f"'{scale_key}' has shape {scale_shape}: neither a static per-tensor / per-row FP8 scale nor the block-wise "
+        f"scales of the config's quantization_config.weight_block_size ({list(block) if block else None}) for "
+        f"'{key}' {shape}; is config.json the one of these weights?"
+    )
 
 
 def _expert_rows(model: nn.Module, name: str) -> tuple[int, int, int] | None:

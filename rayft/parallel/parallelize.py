@@ -24,7 +24,7 @@ from rayft.config import Config, FsdpConfig
 from rayft.model.build import check_fp8_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
 from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import apply_lora
-from rayft.model.weights import buffers_kept, load_sharded_
+from rayft.model.weights import buffers_kept, load_sharded_, weight_block
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
 
@@ -40,7 +40,8 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     fp8 = frozen_fp8(cfg.model)
     check_fp8_storage(cfg, model, fp8)
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
-        swapped = to_fp8_(decoder_layers(model), model.dtype)
+        block = weight_block(Path(cfg.model.model_name_or_path))  # block-wise scales are kept as they are
+        swapped = to_fp8_(decoder_layers(model), model.dtype, block[1] if block else None)
         log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
                  swapped, cfg.model.frozen_dtype)  # fmt: skip
     if cfg.recomputes_activations:

@@ -3,12 +3,15 @@ meta device (no weights, no memory)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from rayft.config import Config
-from rayft.model.fp8 import EXPERT_WEIGHTS
+from rayft.model.fp8 import EXPERT_WEIGHTS, storage_block
+from rayft.model.weights import weight_block
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class Structure:
     top_k: int
     moe_intermediate: int
     fp8: int = 0  # frozen decoder matrices (linears, routed experts) that FP8 storage holds
-    fp8_rows: int = 0  # their rows: one fp32 scale each
+    fp8_rows: int = 0  # their fp32 scales: one per row (per row and column block for a block-wise checkpoint)
     fp8_layer: int = 0  # of those, in the largest layer
     fp8_layer_rows: int = 0
     fp8_largest: int = 0  # the largest single such tensor
@@ -58,6 +61,7 @@ def structure(model: nn.Module, config) -> Structure:
     from rayft.model.flops import flop_model
 
     layers = decoder_layers(model)
+    block = weight_block(Path(getattr(config, "name_or_path", "") or "."))  # block-wise FP8 scales, kept as filed
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(model.parameters())
     fp8_per_layer = [fp8_matrices(layer) for layer in layers]
@@ -76,9 +80,9 @@ def structure(model: nn.Module, config) -> Structure:
         top_k=getattr(config, "num_experts_per_tok", 0) or 0,
         moe_intermediate=getattr(config, "moe_intermediate_size", 0) or 0,
         fp8=sum(p.numel() for ps in fp8_per_layer for p in ps),
-        fp8_rows=sum(_rows(p) for ps in fp8_per_layer for p in ps),
+        fp8_rows=sum(_scales(p, block) for ps in fp8_per_layer for p in ps),
         fp8_layer=sum(p.numel() for p in fp8_per_layer[largest]),
-        fp8_layer_rows=sum(_rows(p) for p in fp8_per_layer[largest]),
+        fp8_layer_rows=sum(_scales(p, block) for p in fp8_per_layer[largest]),
         fp8_largest=max((p.numel() for ps in fp8_per_layer for p in ps), default=0),
         fp8_linear_largest=max((p.numel() for ps in fp8_per_layer for p in ps if p.ndim == 2), default=0),
         fp8_expert_numel=max((p[0].numel() for ps in fp8_per_layer for p in ps if p.ndim == 3), default=0),
@@ -96,6 +100,12 @@ def structure(model: nn.Module, config) -> Structure:
 
 def _rows(p: nn.Parameter) -> int:
     return p.numel() // p.shape[-1]
+
+
+def _scales(p: nn.Parameter, block: tuple[int, int] | None) -> int:
+    """The fp32 scales FP8 storage keeps for matrix `p` (`rayft.model.fp8`: per row, or per row and column block)."""
+    width = storage_block(p.shape[-1], block[1] if block else None)
+    return _rows(p) * (math.ceil(p.shape[-1] / width) if width else 1)
 
 
 def expert_stacks(layer: nn.Module) -> list[nn.Parameter]:

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.devices import DEVICES
 from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.moe_families import tiny_moe_config
 from fixtures.ranks import spawn_ranks
 from fixtures.work import WorkCounter
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import GptOssForCausalLM, Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
 
 from rayft.config import Config, ConfigError
 from rayft.model import fp8 as fp8_module
@@ -41,15 +42,21 @@ def _tiny(arch: str) -> nn.Module:
             num_key_value_heads=2, head_dim=16,
         )  # fmt: skip
         return MistralForCausalLM(config).float()
+    if arch == "gpt_oss":  # transposed, biased experts, interleaved gate/up; a limit low enough that it clamps
+        config = tiny_moe_config("gpt_oss", hidden_size=64, intermediate_size=32, vocab_size=512, swiglu_limit=0.05)
+        return GptOssForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
     config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 512})
     return Mistral4ForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
 
 
 def _fp8_and_reference(arch: str) -> tuple[nn.Module, nn.Module]:
-    """(the model with its decoder in FP8, the same model in fp32 holding the dequantised weights)."""
+    """(the model with its decoder in FP8, the same model in fp32 holding the dequantised weights); `<arch>-block16`:
+    scales per row and 16-wide column block (as a block-wise checkpoint's are kept)."""
+    arch, _, blocks = arch.partition("-block")
+    block = int(blocks) if blocks else None
     reference = _tiny(arch)
     fp8 = copy.deepcopy(reference)
-    assert to_fp8_(list(fp8.model.layers), torch.float32) > 0
+    assert to_fp8_(list(fp8.model.layers), torch.float32, block) > 0
     swapped = dict(fp8.named_modules())
     with torch.no_grad():
         for name, module in reference.named_modules():
@@ -63,9 +70,16 @@ def _fp8_and_reference(arch: str) -> tuple[nn.Module, nn.Module]:
 
 
 def _dequantised(data: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes × their row scales, read from the int32 parameter that holds the scales' fp32 bit patterns."""
+    """E4M3 bytes × their row scales, read from the int32 parameter that holds the scales' fp32 bit patterns; with
+    a scale per column block (one more dim), each column takes its block's (`columns` blocks of equal width)."""
     assert data.dtype == torch.uint8 and scale_bits.dtype == torch.int32
-    return data.view(torch.float8_e4m3fn).float() * scale_bits.view(torch.float32).unsqueeze(-1)
+    scale = scale_bits.view(torch.float32)
+    if scale.ndim < data.ndim:
+        return data.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+    columns, blocks = data.shape[-1], scale.shape[-1]
+    width = -(-columns // blocks)  # the widths the tests use divide the columns
+    assert width * blocks == columns and width < columns
+    return data.view(torch.float8_e4m3fn).float() * scale[..., torch.arange(columns) // width]
 
 
 def _quantised_by_hand(weight: torch.Tensor) -> torch.Tensor:
@@ -77,29 +91,34 @@ def _quantised_by_hand(weight: torch.Tensor) -> torch.Tensor:
 FP8_TYPES = (Fp8Linear, Fp8Experts)
 
 
-def _input_grads(model: nn.Module, names: set[str], ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Each named module's gradient w.r.t. its (first) input, through that module alone, and the embeddings'."""
+def _input_grads(model: nn.Module, names: set[str], ids: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Each named module's gradient w.r.t. its (first) input, through that module alone, the embeddings', and the
+    logits."""
     grads, hooks = {}, []
     for name, module in model.named_modules():
         if name in names:
             hooks.append(module.register_full_backward_hook(lambda m, gin, gout, n=name: grads.__setitem__(n, gin[0])))
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()  # so even layer 0 needs its dgrad
-    model(inputs_embeds=embeds, labels=ids).loss.backward()
+    out = model(inputs_embeds=embeds, labels=ids)
+    out.loss.backward()
     for hook in hooks:
         hook.remove()
-    return grads, embeds.grad
+    return grads, embeds.grad, out.logits.detach()
 
 
-@pytest.mark.parametrize("arch", ["dense", "mistral4"])
+@pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16", "gpt_oss"])
 def test_every_frozen_fp8_layer_passes_the_input_gradient(arch):
     """Fails if any FP8 layer drops (or changes) its input gradient: each one's dgrad is compared with the fp32
     dequantised layer's, and no FP8 storage gets a weight gradient."""
     fp8, reference = _fp8_and_reference(arch)
     layers = {name for name, m in fp8.named_modules() if isinstance(m, FP8_TYPES)}
-    assert len(layers) == (14 if arch == "dense" else 18)  # 7 linears/layer; MLA 5 + shared 3 + experts
+    assert len(layers) == {"dense": 14, "gpt_oss": 10}.get(arch, 18)  # 7 linears/layer; MLA 5 + shared 3 + experts
+    if arch.endswith("-block16"):  # blocks where the rows are wider than 16 (kv_b_proj's 16 columns: one scale)
+        assert sum(m.weight_scale.ndim == 2 for m in fp8.modules() if isinstance(m, Fp8Linear)) == 14
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-    got, got_embeds = _input_grads(fp8, layers, ids)
-    want, want_embeds = _input_grads(reference, layers, ids)
+    got, got_embeds, got_logits = _input_grads(fp8, layers, ids)
+    want, want_embeds, want_logits = _input_grads(reference, layers, ids)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
     assert set(got) == layers
     for name in sorted(layers):
         assert got[name] is not None and got[name].abs().sum() > 0, f"{name} dropped its input gradient"
@@ -168,15 +187,16 @@ def test_under_cpu_bf16_autocast_the_fp8_linear_is_the_dequantised_linear():
 
 def _lora(model: nn.Module, arch: str) -> peft.PeftModel:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    experts = None
-    if arch == "mistral4":
+    experts = None if arch == "dense" else ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    if arch.startswith("mistral4"):
         targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]
-        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    elif arch == "gpt_oss":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, target_parameters=experts)
     return peft.get_peft_model(model, config)
 
 
-@pytest.mark.parametrize("arch", ["dense", "mistral4"])
+@pytest.mark.parametrize("arch", ["dense", "mistral4", "mistral4-block16", "gpt_oss"])
 def test_peft_lora_on_the_fp8_base_trains_like_the_dequantised_reference(arch):
     fp8, reference = _fp8_and_reference(arch)
     fp8, reference = _lora(fp8, arch), _lora(reference, arch)
@@ -216,19 +236,6 @@ def test_frozen_dtype_is_checked_with_the_key_named():
         Config.from_dict({"model": {"frozen_dtype": "float8_e5m2"}})
     with pytest.raises(ConfigError, match=r"model\.frozen_dtype float32 disagrees with model\.torch_dtype bfloat16"):
         Config.from_dict({"model": {"frozen_dtype": "float32", "torch_dtype": "bfloat16"}})
-
-
-def test_block_wise_fp8_checkpoints_are_refused_naming_the_key(mistral4_hub, tmp_path):
-    from rayft.model.build import frozen_fp8
-
-    blocky = tmp_path / "blocky"
-    shutil.copytree(mistral4_hub, blocky, ignore=shutil.ignore_patterns("*.safetensors"))
-    config = json.loads((blocky / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [128, 128]
-    (blocky / "config.json").write_text(json.dumps(config))
-    cfg = Config.from_dict({"model": {"model_name_or_path": str(blocky)}})
-    with pytest.raises(ConfigError, match=r"weight_block_size=\[128, 128\]"):
-        frozen_fp8(cfg.model)
 
 
 def test_the_plan_counts_exactly_the_bytes_fp8_storage_holds(mistral4_hub):
@@ -547,12 +554,13 @@ def _logits_and_input_grad(model: nn.Module, ids: torch.Tensor, fused: bool, dty
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["mistral4", "mistral4-block16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_dequantisation_gives_the_eager_ops_values_bit_for_bit(dtype, device):
+def test_the_compiled_dequantisation_gives_the_eager_ops_values_bit_for_bit(dtype, arch, device):
     """On CUDA the FP8 weights are dequantised by one compiled kernel (`rayft.model.fp8.fuses`); on either device
     the same FP8 model (linears and routed experts, forward and input gradient) gives exactly the eager ops' logits
     and input gradients, the CPU compiling its own kernel here."""
-    model, _ = _fp8_and_reference("mistral4")
+    model, _ = _fp8_and_reference(arch)
     model.to(device)
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     eager = _logits_and_input_grad(model, ids, fused=False, dtype=dtype)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.families import FAMILIES, make_tiny_family
+from fixtures.fp8_bytes import decode_e4m3, raw_tensor_bytes
 from fixtures.ranks import spawn_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -83,25 +83,6 @@ def _fp8_checkpoint(tmp_path) -> tuple[SafetensorsCheckpoint, dict[str, torch.Te
     return SafetensorsCheckpoint(tmp_path), tensors
 
 
-def _raw_tensor_bytes(path: Path, key: str) -> tuple[dict, bytes]:
-    """A tensor's header entry and data bytes, read from the safetensors file by its format (8-byte header length,
-    JSON header, data) — not through rayft's reader or the safetensors library."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    info = json.loads(data[8 : 8 + length])[key]
-    begin, end = info["data_offsets"]
-    return info, data[8 + length + begin : 8 + length + end]
-
-
-def decode_e4m3(raw: bytes, shape: list[int]) -> np.ndarray:
-    """float8 E4M3 (fn) by its bit layout: sign · 1.mmm · 2^(eeee − 7), subnormals 0.mmm · 2^−6, S.1111.111 = NaN."""
-    bits = np.frombuffer(raw, dtype=np.uint8).reshape(shape).astype(np.int64)
-    sign = np.where(bits >> 7, -1.0, 1.0)
-    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
-    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
-    return np.where((exponent == 15) & (mantissa == 7), np.nan, sign * magnitude)
-
-
 def test_the_e4m3_decoder_knows_the_format():
     """Values from the OCP FP8 spec: max normal 448, min normal 2^-6, min subnormal 2^-9, NaN, signed zero."""
     got = decode_e4m3(bytes([0x7E, 0x08, 0x01, 0x38, 0xC0, 0x80, 0x7F]), [7])
@@ -110,9 +91,9 @@ def test_the_e4m3_decoder_knows_the_format():
 
 def _fp8_reference(path: Path, key: str, scale_key: str) -> np.ndarray:
     """The dequantised tensor from the file's bytes: decoded E4M3 × its fp32 scale (broadcast per tensor or expert)."""
-    info, raw = _raw_tensor_bytes(path, key)
+    info, raw = raw_tensor_bytes(path, key)
     assert info["dtype"] == "F8_E4M3", key
-    scale_info, scale_raw = _raw_tensor_bytes(path, scale_key)
+    scale_info, scale_raw = raw_tensor_bytes(path, scale_key)
     assert scale_info["dtype"] == "F32", scale_key
     scale = np.frombuffer(scale_raw, dtype="<f4").reshape(scale_info["shape"]).astype(np.float64)
     return (decode_e4m3(raw, info["shape"]) * scale).astype(np.float32)  # fp64 product of fp32s: exact, then rounded
