@@ -146,7 +146,7 @@ def test_block_scales_the_config_does_not_describe_are_refused_naming_the_key(bl
     del config["quantization_config"]["weight_block_size"]
     (undescribed / "config.json").write_text(json.dumps(config))
     refused = (
-        r"'model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv' has shape \[2, 2\]: .*weight_block_size \(None\)"
+        r"'model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv' has shape \[1, 2\]: .*weight_block_size \(None\)"
     )
     with pytest.raises(ConfigError, match=refused):
         check_weights_match(empty_model(ModelConfig(model_name_or_path=str(undescribed))), undescribed)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.hub_layout import TINY_MISTRAL4, make_tiny_mistral_small4
 from fixtures.moe_families import EXPERTS as FAMILY_EXPERTS
-from fixtures.moe_families import MOE_FAMILIES, make_tiny_moe
+from fixtures.moe_families import MOE_FAMILIES, make_hub_moe
 from fixtures.ranks import spawn_ranks
 from safetensors.torch import load_file, save_file
 
@@ -201,7 +201,7 @@ def test_expert_parallel_matches_fsdp_for_each_family(fixtures: Fixtures, tmp_pa
     """Each MoE family's block under k=2 (4 of 8 experts a rank) against FSDP2 alone, LoRA on the attention and the
     routed experts: the same losses, gradient norms and adapter over 5 steps. Mixtral's training-time jitter is on,
     GPT-OSS's experts are transposed with biases, DeepSeek-V3's first layer is dense."""
-    model = make_tiny_moe(model_type, tmp_path / "model")
+    model = make_hub_moe(model_type, tmp_path / "model")  # the hub layout: each rank reads its experts
     ep = _run(_raw(fixtures, model, tmp_path, 2, "float32"), tmp_path / "ep")
     fsdp = _run(_raw(fixtures, model, tmp_path, 1, "float32"), tmp_path / "fsdp")
 

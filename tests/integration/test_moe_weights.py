@@ -106,6 +106,7 @@ def _check_family(cfg: Config, rank: int) -> list[str]:
     if experts != 2 - (cfg.model.model_name_or_path.endswith("deepseek_v3")):
         problems.append(f"{experts} fused expert layers")
     ids = torch.tensor([[1, 17, 200, 42, 5, 77, 2]])
+    model.eval()  # as from_pretrained's: no training-time router jitter (Mixtral)
     with torch.no_grad():
         logits = model(input_ids=ids).logits  # LoRA B = 0: the base model's logits
         if rank == 0 and (reference(input_ids=ids).logits - logits).abs().max() > 1e-5:
