@@ -729,7 +729,7 @@ class Config:
         if self.fsdp.shard_size is not None:
             _problem(
                 "fsdp.shard_size cannot be combined with parallel.expert_parallel > 1 (the non-expert part is then "
-                "sharded over the workers that hold the same experts); remove fsdp.shard_size"
+                "sharded within each node, over its ray.workers_per_node workers); remove fsdp.shard_size"
             )
         if self.model.load_mode != "sharded":
             _problem(
