@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rayft.config import Config, FsdpConfig
@@ -64,6 +65,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
         # The rest: HSDP within each node (`rayft.parallel.expert` says why), whatever k is.
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu",
                    cfg.ray.workers_per_node, ignored)  # fmt: skip
+    log.info("layout: %s", layout_line(model, ep))
     if sharded:
         with buffers_kept(model):
             model.to_empty(device=materialization_device(cfg.fsdp, device))
@@ -78,6 +80,15 @@ def _expert_parallel(cfg: Config, model: PreTrainedModel, on_gpu: bool) -> Exper
     if k == 1:
         return None
     return expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
+
+
+def layout_line(model: nn.Module, ep: ExpertParallel | None) -> str:
+    """The ranks of every FSDP shard group and expert-parallel group, read from the meshes the model was built on
+    (a shard group: a row along the mesh's last dimension; every rank for FSDP without a mesh)."""
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    shards = param.device_mesh.mesh.reshape(-1, param.device_mesh.mesh.shape[-1]).tolist() if param is not None else []
+    experts = f", expert-parallel groups {ep.mesh.mesh.tolist()}" if ep is not None else ""
+    return f"FSDP shard groups {shards}{experts}"
 
 
 def materialization_device(fsdp: FsdpConfig, device: torch.device | None) -> torch.device:
