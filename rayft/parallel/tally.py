@@ -9,10 +9,9 @@ as a ring or pairwise algorithm moves them:
 
 Of those, `inter_node` is what crosses the network between nodes, by the planner's model (`rayft.plan.comm`): a
 group of g ranks on n nodes, each rank with its own NIC, moves (n−1)/(g−1) of a ring collective's bytes over the
-network (T·(n−1)/g of a T-byte all-gather, whatever the ranks' order in the ring: the hierarchical algorithms
-NCCL picks send each byte between two nodes once); an all-to-all, the rows that came from ranks on other nodes
-(counted, not modelled). Nodes are where Ray placed the ranks (`rayft.parallel.topology`); a group within one
-node moves nothing over the network.
+network (T·(n−1)/g of a T-byte all-gather: what the other nodes hold, shared by the node's NICs); an all-to-all,
+the rows that came from ranks on other nodes (counted, not modelled). Nodes are where Ray placed the ranks
+(`rayft.parallel.topology`); a group within one node moves nothing over the network.
 """
 
 from __future__ import annotations
