@@ -332,6 +332,9 @@ class RayConfig:
     # Cluster to join; None = the one `ray job submit` runs us in (RAY_ADDRESS), else a new local one.
     address: str | None = None
     num_workers: int = 2
+    # Workers (GPUs) on each node; num_workers = nodes × workers_per_node. 1: one worker per node
+    # (placement_strategy STRICT_SPREAD). More: each node's workers placed together (PACK), exactly this many a node.
+    workers_per_node: int = 1
     # None = use GPUs when the cluster has any.
     use_gpu: bool | None = None
     resources_per_worker: dict[str, float] | None = None
@@ -350,6 +353,19 @@ class RayConfig:
     # Seconds to wait, before training starts, for a cluster that cannot place the workers yet to grow (nodes
     # joining, an autoscaler); then the run is refused. A cluster that can never place them is refused at once.
     placement_timeout_s: int = 600
+
+    @property
+    def nodes(self) -> int:
+        return self.num_workers // self.workers_per_node
+
+    def ray_placement_strategy(self) -> str:
+        """The placement group's strategy. Several workers a node: STRICT_SPREAD (one node each) becomes PACK, which
+        fills a node before the next; a bundle holds one worker's resources, so a node whose resources hold exactly
+        `workers_per_node` of them (a GPU each on nodes of that many GPUs) gets exactly that many. The workers check
+        the outcome at set-up (`rayft.parallel.topology`), as Ray offers no strategy that counts workers per node."""
+        if self.workers_per_node > 1 and self.placement_strategy == "STRICT_SPREAD":
+            return "PACK"
+        return self.placement_strategy
 
 
 @dataclass
@@ -678,6 +694,16 @@ class Config:
         _at_least("ray.placement_timeout_s", r.placement_timeout_s, 0)
         _one_of("ray.checkpoint_upload", r.checkpoint_upload, ("async", "sync"))
         _one_of("ray.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
+        if _at_least("ray.workers_per_node", r.workers_per_node, 1) and r.num_workers % r.workers_per_node:
+            _problem(
+                f"ray.num_workers {r.num_workers} must be nodes × ray.workers_per_node {r.workers_per_node}; set "
+                f"ray.num_workers to a multiple of {r.workers_per_node}"
+            )
+        if r.workers_per_node > 1 and r.placement_strategy in ("SPREAD", "STRICT_PACK") and r.nodes > 1:
+            _problem(
+                f"ray.placement_strategy {r.placement_strategy} cannot keep ray.workers_per_node "
+                f"{r.workers_per_node} workers on each of {r.nodes} nodes; use STRICT_SPREAD (the default) or PACK"
+            )
         if not r.name or "/" in r.name:
             _problem(f"ray.name must be a non-empty directory name, got {r.name!r}")
         for key, amount in (r.resources_per_worker or {}).items():
@@ -703,7 +729,7 @@ class Config:
         if self.fsdp.shard_size is not None:
             _problem(
                 "fsdp.shard_size cannot be combined with parallel.expert_parallel > 1 (the non-expert part is then "
-                "sharded over the workers that hold the same experts); remove fsdp.shard_size"
+                "sharded within each node, over its ray.workers_per_node workers); remove fsdp.shard_size"
             )
         if self.model.load_mode != "sharded":
             _problem(

@@ -286,7 +286,7 @@ def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
         num_workers=cfg.ray.num_workers,
         use_gpu=use_gpu,
         resources_per_worker=cfg.ray.resources_per_worker,
-        placement_strategy=cfg.ray.placement_strategy,
+        placement_strategy=cfg.ray.ray_placement_strategy(),
     )
 
 

@@ -31,7 +31,7 @@ def wait_for_placement(ray_cfg: RayConfig, bundle: dict[str, float], started_loc
     and rescheduling forever. A cluster that cannot ever fit it is refused at once: the local one, or one whose
     autoscaler's declared maximum is too small. Otherwise (nodes may still join) this waits, at most
     `ray.placement_timeout_s`, saying what for; Ctrl-C stops the wait."""
-    request = Request(ray_cfg.num_workers, bundle, ray_cfg.placement_strategy)
+    request = Request(ray_cfg.num_workers, bundle, ray_cfg.ray_placement_strategy(), ray_cfg.workers_per_node)
     nodes = node_totals()
     if request.fits(nodes):
         return
@@ -53,15 +53,19 @@ def wait_for_placement(ray_cfg: RayConfig, bundle: dict[str, float], started_loc
 
 @dataclass(frozen=True)
 class Request:
-    """The workers' placement group: `workers` bundles of `bundle`, placed by a Ray placement strategy."""
+    """The workers' placement group: `workers` bundles of `bundle`, placed by a Ray placement strategy;
+    `per_node` > 1: exactly that many on each node they use (`ray.workers_per_node`)."""
 
     workers: int
     bundle: dict[str, float]
     strategy: str
+    per_node: int = 1
 
     def fits(self, nodes: list[dict[str, float]]) -> bool:
         """Whether some placement exists on nodes with these resource totals."""
         per_node = [self._bundles_on(node) for node in nodes]
+        if self.per_node > 1:  # whole groups: nodes that each hold a node's workers
+            return sum(1 for n in per_node if n >= self.per_node) >= self.workers // self.per_node
         if self.strategy == "STRICT_PACK":
             return any(n >= self.workers for n in per_node)
         if self.strategy == "STRICT_SPREAD":
@@ -75,9 +79,16 @@ class Request:
     def describe(self) -> str:
         each = ", ".join(f"{r} {_amount(a)}" for r, a in sorted(self.bundle.items()))
         total = ", ".join(f"{r} {_amount(a * self.workers)}" for r, a in sorted(self.bundle.items()))
-        return f"{self.workers} workers × {{{each}}} = {{{total}}} ({self.strategy})"
+        grouped = f", {self.per_node} on each of {self.workers // self.per_node} nodes" if self.per_node > 1 else ""
+        return f"{self.workers} workers × {{{each}}} = {{{total}}} ({self.strategy}{grouped})"
 
     def refusal(self, nodes: list[dict[str, float]], where: str) -> str:
+        if self.per_node > 1 and Request(self.workers, self.bundle, "PACK").fits(nodes):
+            return (
+                f"ray.workers_per_node: {where} cannot place {self.describe()}: it offers {describe_nodes(nodes)}, "
+                f"and fewer than {self.workers // self.per_node} of its nodes hold {self.per_node} workers each; "
+                "lower ray.workers_per_node or ray.resources_per_worker, or add nodes"
+            )
         if self.strategy == "STRICT_SPREAD" and Request(self.workers, self.bundle, "PACK").fits(nodes):
             return (
                 f"ray.placement_strategy: STRICT_SPREAD puts each of the {self.workers} workers on its own node, but "

@@ -309,16 +309,12 @@ def _check_writable(key: str, path: Path) -> None:
 
 def planned_expert_parallel(cfg: Config, s: Structure, fp8: bool) -> int:
     """`parallel.expert_parallel: auto`: the planner's fastest layout that fits (`rayft plan` prints the table).
-    The cluster is read from the config as the launcher places it: one worker per node under STRICT_SPREAD (the
-    default), else up to 8 workers a node; the GPU is an H200 (the target; `rayft plan --gpu` compares others)."""
+    The cluster is the config's: `ray.workers_per_node` workers on each of `ray.nodes` nodes; the GPU is an H200
+    (the target; `rayft plan --gpu` compares others)."""
     from rayft.plan.comm import Cluster
     from rayft.plan.steptime import Hardware, choose_expert_parallel
 
-    workers = cfg.ray.num_workers
-    per_node = 1 if cfg.ray.placement_strategy == "STRICT_SPREAD" else next(
-        g for g in (8, 4, 2, 1) if workers % g == 0
-    )  # fmt: skip
-    cluster = Cluster(nodes=workers // per_node, gpus_per_node=per_node)
+    cluster = Cluster(nodes=cfg.ray.nodes, gpus_per_node=cfg.ray.workers_per_node)
     k = choose_expert_parallel(cfg, s, cluster, Hardware("h200"), fp8)
     log.info("parallel.expert_parallel: auto → %d (the planner's fastest layout that fits %d x %d H200)", k,
              cluster.nodes, cluster.gpus_per_node)  # fmt: skip

@@ -59,10 +59,11 @@ PANELS = (
     Panel("Optimizer step", "Optimizer steps done.", (("step", "step"),)),
     Panel("Bytes received per step", "What the collectives moved into each worker per optimizer step, by kind "
           "(mean over workers): FSDP's all-gathers and reduce-scatters, all-reduces, expert parallelism's "
-          "all-to-all. `rayft plan` predicts the same numbers.",
+          "all-to-all; and of the total, what crossed the network between nodes. `rayft plan` predicts the same "
+          "numbers.",
           (("comm_all_gather_bytes", "all-gather"), ("comm_reduce_scatter_bytes", "reduce-scatter"),
            ("comm_all_reduce_bytes", "all-reduce"), ("comm_all_to_all_bytes", "all-to-all"),
-           ("comm_bytes", "total")), "bytes"),
+           ("comm_bytes", "total"), ("comm_inter_node_bytes", "between nodes")), "bytes"),
 )  # fmt: skip
 
 

@@ -1,14 +1,23 @@
 """Expert parallelism: every worker keeps E/k routed experts of each MoE layer resident, tokens travel to them.
 
 A frozen MoE under FSDP alone re-gathers every expert's weights in every forward and backward although each token
-uses top_k of E of them. Here the world is a (ep, dp) device mesh (k × W/k workers, ep-groups strided by W/k):
+uses top_k of E of them. Here the world is a (dp, ep) device mesh of W/k × k workers built from where Ray placed
+them (`rayft.parallel.topology`): each ep-group is k workers of one node (whole nodes when k exceeds a node's
+workers), so the all-to-all stays on the node's links:
 - the routed experts (frozen base, FP8 or not, and their LoRA) are split over `ep`: worker i of a group holds
-  experts [i·E/k, (i+1)·E/k) whole and never gathers them; the k groups along `dp` hold the same experts;
-- everything else (attention, shared expert, router, norms, embeddings, head) is FSDP2 on the same mesh as HSDP:
-  replicated over `ep`, sharded over `dp` (replicated outright when W = k); FSDP averages its LoRA gradients;
+  experts [i·E/k, (i+1)·E/k) whole and never gathers them; the W/k groups along `dp` hold the same experts;
+- everything else (attention, shared expert, router, norms, embeddings, head) is FSDP2 as HSDP within a node:
+  sharded over each node's workers, replicated across nodes (whole on each worker with one worker a node);
+  FSDP averages its LoRA gradients;
 - each MoE layer sends every (token, expert) pair's hidden state to the worker holding the expert (all-to-all with
   the per-expert counts exchanged first, dropless), runs the local experts through their usual grouped-GEMM path
   and sends the outputs back, where the router's weights combine them.
+
+Why the rest is sharded within the node, not over this mesh: FSDP gathers it layer by layer in every forward and
+backward, while its gradients cross the replicas once per step, so its shard group belongs where the fast links
+are, whatever k is. Sharding over `dp` (the layout of strided ep-groups) would put every gather on the network, as
+`dp` takes one worker of every ep-group; sharding over the ep-group would shard it only k ways when k is below a
+node's workers, and over the network when k is above. The price: with one worker a node, the rest is whole on each.
 
 The expert LoRA's gradients arrive through the all-to-all's backward already summed over the ep-group's tokens;
 `clip_gradients_` averages them as FSDP averages the rest (sum over `dp`, divide by W) and takes the global norm.
@@ -24,12 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rayft.config import ConfigError
 from rayft.model.families import MOE_BLOCKS, MoeBlock, block_of, moe_blocks, num_routed_experts, unsupported_moe
 from rayft.model.fp8 import expert_counts
+from rayft.parallel import topology
 from rayft.parallel.alltoall import exchange, exchange_counts
 from rayft.parallel.tally import TALLY
 
@@ -42,7 +52,7 @@ class ExpertParallel:
 
     k: int
     num_experts: int
-    mesh: DeviceMesh  # (ep, dp): FSDP's HSDP mesh for the non-expert part, and the checkpoint's
+    mesh: DeviceMesh  # (dp, ep): the expert LoRA's in checkpoints
     group: dist.ProcessGroup  # this worker's ep-group (all-to-all)
     dp_group: dist.ProcessGroup | None  # workers holding the same experts; None when W = k
 
@@ -119,7 +129,7 @@ class ExpertParallel:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         w = dist.get_world_size(self.dp_group)
-        TALLY.add("all_reduce", flat.numel() * flat.element_size() * 2 * (w - 1) // w)
+        TALLY.add("all_reduce", flat.numel() * flat.element_size() * 2 * (w - 1) // w, self.dp_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
 
@@ -151,7 +161,7 @@ class ExpertParallel:
         whole = self.full(name, local)
         chunks = whole.chunk(self.k)  # DTensor's Shard(0) split: ceil-sized chunks, the last ones short or empty
         rows = chunks[self.rank] if self.rank < len(chunks) else whole[:0]
-        placements = (Shard(0), Replicate())
+        placements = (Replicate(), Shard(0))
         return DTensor.from_local(rows.contiguous(), self.mesh, placements, shape=whole.shape, stride=whole.stride())
 
     def to_checkpoint(self, state: dict) -> None:
@@ -227,14 +237,17 @@ def check_experts(k: int, num_experts: int, world: int) -> None:
 
 
 def expert_parallel(k: int, config, device_type: str) -> ExpertParallel:
-    """The (ep, dp) mesh and this worker's groups; raises ConfigError when k does not fit."""
+    """The (dp, ep) mesh and this worker's groups; raises ConfigError when k does not fit. Each row of the mesh is
+    an ep-group: k consecutive ranks of the node-ordered topology, so within one node whenever k divides its
+    workers."""
     world = dist.get_world_size()
     experts = num_routed_experts(config)
     if not experts:
         raise ConfigError(f"parallel.expert_parallel {k}: the model ({config.model_type}) has no routed experts")
     check_experts(k, experts, world)
-    mesh = init_device_mesh(device_type, (k, world // k), mesh_dim_names=("ep", "dp"))
-    group = _own_groups(mesh.mesh.t())  # its own groups: the all-to-all never queues behind FSDP's collectives
+    groups = topology.current().groups(k)
+    mesh = DeviceMesh(device_type, groups, mesh_dim_names=("dp", "ep"))
+    group = _own_groups(groups)  # its own groups: the all-to-all never queues behind FSDP's collectives
     dp_group = mesh.get_group("dp") if world > k else None
     return ExpertParallel(k, experts, mesh, group, dp_group)
 

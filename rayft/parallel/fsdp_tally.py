@@ -38,7 +38,7 @@ class CountedAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, async_op: bool = False):
         ranks = group.size()
-        TALLY.add("all_gather", _nbytes(output_tensor) * (ranks - 1) // ranks)
+        TALLY.add("all_gather", _nbytes(output_tensor) * (ranks - 1) // ranks, group)
         return self.inner(output_tensor, input_tensor, group, async_op)
 
 
@@ -51,34 +51,37 @@ class CountedReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, op, async_op: bool = False):
         ranks = group.size()
-        TALLY.add("reduce_scatter", _nbytes(input_tensor) * (ranks - 1) // ranks)
+        TALLY.add("reduce_scatter", _nbytes(input_tensor) * (ranks - 1) // ranks, group)
         return self.inner(output_tensor, input_tensor, group, op, async_op)
 
 
 def count_fsdp_collectives(model: nn.Module) -> int:
     """Count every FSDP unit's all-gathers and reduce-scatters (and HSDP all-reduces) of `model` into `TALLY`;
     returns the number of units counted."""
-    replicas = _replicas(model)
+    replicas = _replica_group(model)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_custom_all_gather(CountedAllGather())
         unit.set_custom_reduce_scatter(CountedReduceScatter())
-        if replicas > 1:
+        if replicas is not None:
             unit.set_all_reduce_hook(_all_reduce_counter(replicas))
     return len(units)
 
 
-def _replicas(model: nn.Module) -> int:
-    """Replicas of each shard: the first dimension of a 2-D (replicate, shard) mesh, else 1."""
+def _replica_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """This rank's group of replicas of its shard: the first dimension of a 2-D (replicate, shard) mesh; None
+    without replicas."""
     param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
-    if param is None or param.device_mesh.ndim < 2:
-        return 1
-    return param.device_mesh.size(0)
+    if param is None or param.device_mesh.ndim < 2 or param.device_mesh.size(0) == 1:
+        return None
+    return param.device_mesh.get_group(0)
 
 
-def _all_reduce_counter(replicas: int):
+def _all_reduce_counter(group: dist.ProcessGroup):
+    replicas = group.size()
+
     def counted(reduce_output: torch.Tensor) -> None:
         """Runs after FSDP2's HSDP all-reduce of the reduce-scattered gradients (it issues that one itself)."""
-        TALLY.add("all_reduce", 2 * _nbytes(reduce_output) * (replicas - 1) // replicas)
+        TALLY.add("all_reduce", 2 * _nbytes(reduce_output) * (replicas - 1) // replicas, group)
 
     return counted

@@ -16,8 +16,9 @@ import peft
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rayft.config import Config, FsdpConfig
@@ -25,6 +26,7 @@ from rayft.model.build import check_fp8_storage, decoder_layers, empty_model, fr
 from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.lora import apply_lora
 from rayft.model.weights import buffers_kept, load_sharded_, weight_block
+from rayft.parallel import topology
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
 
@@ -35,6 +37,7 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
     `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
     sharded = cfg.model.load_mode == "sharded"
+    topology.current()  # where each rank runs, gathered now: the meshes and the tally's inter-node share read it
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
     ep = _expert_parallel(cfg, model, on_gpu)
     fp8 = frozen_fp8(cfg.model)
@@ -60,7 +63,10 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
                  blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, ep.k)  # fmt: skip
         model.expert_parallel = ep  # checkpoints, the adapter and the gradient step read the layout from here
         ignored = set(expert_params(model))
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu", ep.mesh, ignored)
+        # The rest: HSDP within each node (`rayft.parallel.expert` says why), whatever k is.
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu",
+                   cfg.ray.workers_per_node, ignored)  # fmt: skip
+    log.info("layout: %s", layout_line(model, ep))
     if sharded:
         with buffers_kept(model):
             model.to_empty(device=materialization_device(cfg.fsdp, device))
@@ -75,6 +81,15 @@ def _expert_parallel(cfg: Config, model: PreTrainedModel, on_gpu: bool) -> Exper
     if k == 1:
         return None
     return expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
+
+
+def layout_line(model: nn.Module, ep: ExpertParallel | None) -> str:
+    """The ranks of every FSDP shard group and expert-parallel group, read from the meshes the model was built on
+    (a shard group: a row along the mesh's last dimension; every rank for FSDP without a mesh)."""
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    shards = param.device_mesh.mesh.reshape(-1, param.device_mesh.mesh.shape[-1]).tolist() if param is not None else []
+    experts = f", expert-parallel groups {ep.mesh.mesh.tolist()}" if ep is not None else ""
+    return f"FSDP shard groups {shards}{experts}"
 
 
 def materialization_device(fsdp: FsdpConfig, device: torch.device | None) -> torch.device:
@@ -94,13 +109,16 @@ def mixed_precision(cfg: Config, on_gpu: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.fsdp.reduce_dtype))
 
 
-def fsdp_mesh(fsdp: FsdpConfig, device_type: str) -> DeviceMesh | None:
-    """None (fully_shard's default: shard over every rank), or a (replicate, shard) mesh for `fsdp.shard_size`."""
+def fsdp_mesh(fsdp: FsdpConfig, device_type: str, shards: int | None = None) -> DeviceMesh | None:
+    """None (fully_shard's default: shard over every rank), or a (replicate, shard) mesh for `shards` (default
+    `fsdp.shard_size`) whose shard groups are consecutive node-ordered ranks (`rayft.parallel.topology`): with
+    `ray.workers_per_node` of them, each node's workers hold one copy between them (gathers on the node's links)
+    and the copies on different nodes are the replicas (one gradient all-reduce a step over the network)."""
     world = dist.get_world_size()
-    shards = fsdp.shard_group(world)
+    shards = shards or fsdp.shard_group(world)
     if shards == world:
         return None
-    return init_device_mesh(device_type, (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh(device_type, topology.current().groups(shards), mesh_dim_names=("replicate", "shard"))
 
 
 def apply_fsdp(
@@ -108,19 +126,17 @@ def apply_fsdp(
     fsdp: FsdpConfig,
     mp_policy: MixedPrecisionPolicy,
     device_type: str = "cpu",
-    mesh: DeviceMesh | None = None,
+    shards: int | None = None,
     ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head).
-    `mesh`/`ignored`: expert parallelism's (ep, dp) mesh (HSDP: replicated over ep) and its experts, which
+    `shards`/`ignored`: under expert parallelism, the rest's shard group (a node's workers) and the experts, which
     FSDP leaves alone."""
     # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
     offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
-    if mesh is None:
-        mesh, reshard = fsdp_mesh(fsdp, device_type), fsdp.reshards(dist.get_world_size())
-    else:
-        shards = mesh.size(1)
-        reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shards > 1
+    mesh = fsdp_mesh(fsdp, device_type, shards)
+    sharded_over = dist.get_world_size() if mesh is None else mesh.size(1)
+    reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else sharded_over > 1
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         fully_shard(

@@ -6,13 +6,25 @@ as a ring or pairwise algorithm moves them:
   reduce_scatter  input bytes · (W−1)/W
   all_reduce      bytes · 2(W−1)/W
   all_to_all      output bytes less the part this rank sent itself
+
+Of those, `inter_node` is what crosses the network between nodes, by the planner's model (`rayft.plan.comm`): a
+group of g ranks on n nodes, each rank with its own NIC, moves (n−1)/(g−1) of a ring collective's bytes over the
+network (T·(n−1)/g of a T-byte all-gather: what the other nodes hold, shared by the node's NICs); an all-to-all,
+the rows that came from ranks on other nodes (counted, not modelled). Nodes are where Ray placed the ranks
+(`rayft.parallel.topology`); a group within one node moves nothing over the network.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import torch.distributed as dist
+
+from rayft.parallel import topology
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+INTER_NODE = "inter_node"
+TALLIED = (*KINDS, INTER_NODE)  # what `take()` returns: bytes by kind, then their inter-node part
 
 
 class CollectiveTally:
@@ -20,15 +32,30 @@ class CollectiveTally:
 
     def __init__(self) -> None:
         self._bytes: Counter[str] = Counter()
+        self._spans: dict[dist.ProcessGroup, tuple[int, int]] = {}  # → (ranks, nodes)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, group: dist.ProcessGroup | None = None, inter_node: int | None = None):
+        """`nbytes` received by a collective of `kind` on `group` (None: every rank); `inter_node`: how many of
+        them came over the network, when counted rather than modelled (the all-to-all's rows)."""
         if kind not in KINDS:
             raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(KINDS)}")
         self._bytes[kind] += int(nbytes)
+        if inter_node is None:
+            ranks, nodes = self.spans(group)
+            inter_node = int(nbytes) * (nodes - 1) // (ranks - 1) if ranks > 1 else 0
+        self._bytes[INTER_NODE] += int(inter_node)
+
+    def spans(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
+        """(ranks, nodes) of a process group, from the topology gathered at set-up."""
+        group = group or dist.group.WORLD
+        if group not in self._spans:
+            ranks = dist.get_process_group_ranks(group)
+            self._spans[group] = (len(ranks), topology.current().nodes_spanned(ranks))
+        return self._spans[group]
 
     def take(self) -> dict[str, int]:
         """The tally since the last call, every kind present (0 where none moved), then start afresh."""
-        taken = {kind: self._bytes.get(kind, 0) for kind in KINDS}
+        taken = {kind: self._bytes.get(kind, 0) for kind in TALLIED}
         self._bytes.clear()
         return taken
 

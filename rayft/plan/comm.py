@@ -20,14 +20,15 @@ Layouts:
               micro-batch. Per step: LoRA gradients reduce-scattered, LoRA·r·(S−1)/S (on the last micro-batch).
   HSDP        S = GPUs per node (gathers stay on NVLink), R = nodes: as FSDP within the node, then the
               reduce-scattered LoRA gradients (LoRA·r/S) all-reduced across the R replicas.
-  EP k        rayft.parallel.expert's (ep, dp) mesh of k × W/k workers: every MoE layer's E routed experts split
-              over each ep-group of k workers (ranks W/k apart), E/k whole experts each, never gathered; the W/k
-              workers of a dp-group (consecutive ranks) hold the same experts and all-reduce their LoRA gradients
-              (expert_LoRA·r/k). Tokens travel instead: per MoE layer per micro-batch each rank sends s·top_k·h·c
-              bytes to dispatch and as much to combine, forward and backward: 4·s·top_k·h·c·(k−1)/k received,
-              activation checkpointing included (its recompute reuses the saved exchanges); uniform routing.
-              The rest (attention, shared expert, norms, router, embeddings, head) is HSDP on the same mesh:
-              sharded over dp (S = W/k), replicated over ep (R = k); held whole when W = k.
+  EP k        rayft.parallel.expert's (dp, ep) mesh of W/k × k workers: every MoE layer's E routed experts split
+              over each ep-group of k consecutive workers (within a node when k divides the GPUs of a node, whole
+              nodes when those divide k), E/k whole experts each, never gathered; the W/k workers of a dp-group
+              (ranks k apart) hold the same experts and all-reduce their LoRA gradients (expert_LoRA·r/k). Tokens
+              travel instead: per MoE layer per micro-batch each rank sends s·top_k·h·c bytes to dispatch and as
+              much to combine, forward and backward: 4·s·top_k·h·c·(k−1)/k received, activation checkpointing
+              included (its recompute reuses the saved exchanges); uniform routing. The rest (attention, shared
+              expert, norms, router, embeddings, head) is HSDP within a node: S = GPUs per node, R = nodes (held
+              whole with one GPU a node).
 Plus one 8-byte all-reduce per step (the step's target-token count). Scalar reductions inside gradient clipping
 are neither counted here nor tallied.
 
@@ -65,10 +66,16 @@ class Cluster:
 @dataclass(frozen=True)
 class Layout:
     """How the model is spread: the (non-expert) weights sharded over groups of `shard` consecutive workers and
-    replicated across the groups; routed experts split over `expert_parallel` workers (then shard = W / k)."""
+    replicated across the groups; routed experts split over `expert_parallel` consecutive workers (then the rest
+    is sharded within a node: `expert`)."""
 
     shard: int
     expert_parallel: int = 1
+
+    @classmethod
+    def expert(cls, k: int, cluster: Cluster) -> Layout:
+        """Expert parallelism over k workers as rayft.parallel.expert lays it out: the rest HSDP within a node."""
+        return cls(shard=cluster.gpus_per_node, expert_parallel=k)
 
     def name(self, cluster: Cluster) -> str:
         if self.expert_parallel > 1:
@@ -117,7 +124,7 @@ def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     if s.num_experts:
         for k in range(2, w + 1):
             if w % k == 0 and s.num_experts % k == 0:
-                out.append(Layout(shard=w // k, expert_parallel=k))
+                out.append(Layout.expert(k, cluster))
     return out
 
 
@@ -130,11 +137,11 @@ def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gp
     expert_lora = s.expert_lora if k > 1 else 0
     layers = _gathered_layers(s, c, fp8) - experts_as_gathered - expert_lora * c
     plan.transfers += _sharded(cfg, s, layout, cluster, layers, s.lora - expert_lora, c, r)
-    if k > 1:  # ep-groups: k ranks W/k apart; dp-groups: W/k consecutive ranks holding the same experts
+    if k > 1:  # ep-groups: k consecutive ranks; dp-groups: W/k ranks k apart holding the same experts
         dp = w // k
         plan.transfers += _all_reduce("LoRA gradients, routed experts", expert_lora * r / k, dp,
-                                      cluster.nodes_spanned(dp))  # fmt: skip
-        plan.transfers.append(_all_to_all(cfg, s, k, cluster.nodes_spanned(k, stride=dp), c))
+                                      cluster.nodes_spanned(dp, stride=k))  # fmt: skip
+        plan.transfers.append(_all_to_all(cfg, s, k, cluster.nodes_spanned(k), c))
     plan.transfers += _all_reduce("step's target-token count", TARGET_COUNT_BYTES, w, cluster.nodes_spanned(w))
     plan.transfers = [t for t in plan.transfers if t.received > 0]
     return plan

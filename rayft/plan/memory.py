@@ -16,9 +16,10 @@ With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (line
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
 for its matmul: + D · c + its fp32 block (≤ 256 MiB) + D bytes (experts gathered when not one range), D =
 the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `fp8_dequantised`).
-Expert parallelism over k workers (rayft.parallel.expert's (ep, dp) mesh): the routed experts E/k whole per GPU
-(P_experts · p / k, FP8: 1 byte + row scales), the rest sharded over the W/k workers of a dp-group (whole when W = k;
-its layers and root gathered as above when sharded), LoRA (P_lora_rest / (W/k) + P_lora_experts / k) · 16, the
+Expert parallelism over k workers (rayft.parallel.expert): the routed experts E/k whole per GPU (P_experts · p / k,
+FP8: 1 byte + row scales), the rest sharded over the S GPUs of a node (`fsdp.shard_size` as the planner sets it;
+whole with one GPU a node; its layers and root gathered as above when sharded), LoRA (P_lora_rest / S +
+P_lora_experts / k) · 16, the
 largest dequantised FP8 tensor / k, + the tokens' all-to-all buffers 2 · s · top_k · h · c (send and receive).
 """
 
@@ -79,7 +80,7 @@ def plan_memory(
     """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8.
 
     With `expert_parallel` k > 1 each GPU holds E/k routed experts of every MoE layer whole (never gathered) and the
-    rest of the model is sharded over W/k workers (rayft.parallel.expert's (ep, dp) mesh), whole when W = k."""
+    rest of the model over the `fsdp.shard_size` workers of a node (rayft.parallel.expert), whole with one."""
     c, p, tokens = compute_bytes(cfg, on_gpu), stored_bytes(cfg), tokens_per_micro_batch(cfg)
     shards = cfg.fsdp.shard_group(world_size)
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
@@ -90,7 +91,7 @@ def plan_memory(
     else:
         stored, layer = s.total * p, s.largest_layer * c
     if expert_parallel > 1:
-        weights = _expert_parallel_weights(cfg, s, world_size, c, p, fp8, stored, layer, expert_parallel)
+        weights = _expert_parallel_weights(cfg, s, shards, c, p, fp8, stored, layer, expert_parallel)
     else:
         gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards(world_size) else s.layers
         weights = [
@@ -121,15 +122,14 @@ def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, f
 
 
 def _expert_parallel_weights(
-    cfg: Config, s: Structure, world: int, c: int, p: int, fp8: bool, stored: float, layer: float, k: int
+    cfg: Config, s: Structure, dense_shards: int, c: int, p: int, fp8: bool, stored: float, layer: float, k: int
 ) -> list[tuple[str, float]]:
-    """Weight rows of expert parallelism: E/k experts whole, the rest sharded over W/k workers (whole if W = k)."""
+    """Weight rows of expert parallelism: E/k experts whole, the rest sharded over `dense_shards` workers."""
     if fp8:
         experts = s.experts + 4 * s.expert_rows
         experts_layer = s.experts_layer + 4 * s.expert_rows // max(s.moe_layers, 1)
     else:
         experts, experts_layer = s.experts * p, s.experts_layer * c
-    dense_shards = world // k
     expert_lora = s.expert_lora
     rows = [
         (f"non-expert weights (/{dense_shards})", (stored - experts) / dense_shards),

@@ -23,6 +23,7 @@ from rayft.logs import quiet_worker_rank, verbose
 from rayft.model.build import cpu_autocast, cpu_bf16, decoder_layers, fused_loss
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
+from rayft.parallel import topology
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
@@ -53,6 +54,7 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: EvalJob = loop_config["job"]
     cfg, rank, device = job.config, ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
     _setup_logging(rank)
+    topology.establish(cfg.ray.workers_per_node)
     model = build_model(cfg, device.type == "cuda", device)
     fused_loss(model, cfg)
     objective = Objective(cfg, model, device)
@@ -220,6 +222,7 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
     """The sharded LoRA model, its optimizer and schedule at step 0, the autocast context for CPU bf16, and the
     logging window that measures it (FLOPs per token, the device's peak)."""
     on_gpu = device.type == "cuda"
+    topology.establish(cfg.ray.workers_per_node)
     model = build_model(cfg, on_gpu, device)
     count_fsdp_collectives(model)  # one Python call per collective: always on
     not_fused = fused_loss(model, cfg)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.model.flops import FlopModel, mfu
-from rayft.parallel.tally import KINDS
+from rayft.parallel.tally import KINDS, TALLIED
 from rayft.train.sinks import Gauges, Trackers
 
 GIB = 2**30
@@ -122,7 +122,7 @@ class LossWindow:
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.one, self.zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
         self.clock, self.steps = Stopwatch(), 0
-        self.moved = dict.fromkeys(KINDS, 0)  # this rank's collective bytes in the window (host ints, no sync)
+        self.moved = dict.fromkeys(TALLIED, 0)  # this rank's collective bytes in the window (host ints, no sync)
 
     def run(self) -> None:
         """A training step begins: the first one starts the clock, and the first window's memory peaks."""
@@ -156,7 +156,7 @@ class LossWindow:
         seconds per step, the share of the window the slowest rank spent waiting for data, the bytes collectives
         moved into a rank per step by kind), the hardware's metrics; then a new window."""
         elapsed = self.clock.take()
-        moved = torch.tensor([self.moved[kind] for kind in KINDS], dtype=torch.float64, device=self.device)
+        moved = torch.tensor([self.moved[kind] for kind in TALLIED], dtype=torch.float64, device=self.device)
         totals = torch.cat([self.sums, moved])
         dist.all_reduce(totals)
         waits = self.sums.new_tensor([data_wait_s])
@@ -165,7 +165,7 @@ class LossWindow:
         steps = self.steps
         self.sums.zero_()
         self.steps = 0
-        self.moved = dict.fromkeys(KINDS, 0)
+        self.moved = dict.fromkeys(TALLIED, 0)
         metrics = {
             "loss": totals[0].item() / max(totals[1].item(), 1),
             "learning_rate": scheduler.get_last_lr()[0],
@@ -183,9 +183,12 @@ class LossWindow:
 
 
 def moved_per_step(summed: list[float], world: int, steps: int) -> dict[str, float]:
-    """Bytes each worker received per optimizer step by collective kind, from the window's sums over all workers."""
-    per_step = {f"comm_{kind}_bytes": total / world / max(steps, 1) for kind, total in zip(KINDS, summed, strict=True)}
-    return {**per_step, "comm_bytes": sum(per_step.values())}
+    """Bytes each worker received per optimizer step by collective kind, in all and over the network between
+    nodes, from the window's sums over all workers (`TALLIED` order)."""
+    per_step = {
+        f"comm_{kind}_bytes": total / world / max(steps, 1) for kind, total in zip(TALLIED, summed, strict=True)
+    }
+    return {**per_step, "comm_bytes": sum(per_step[f"comm_{kind}_bytes"] for kind in KINDS)}
 
 
 def hardware_metrics(tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device,

@@ -33,6 +33,7 @@ GAUGES = {
         )
     },
     "comm_bytes": "bytes all collectives moved into each worker per optimizer step (mean over workers)",
+    "comm_inter_node_bytes": "of comm_bytes, what crossed the network between nodes (mean over workers)",
     "step": "optimizer steps done",
 }
 

@@ -136,7 +136,7 @@ def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:
     gradients over them); one small all-reduce per step, no host sync."""
     count = sum(targets(batch) for batch in group).double()
     dist.all_reduce(count)
-    TALLY.add("all_reduce", 2 * count.element_size() * (world_size - 1) // world_size)
+    TALLY.add("all_reduce", 2 * count.element_size() * (world_size - 1) // world_size, dist.group.WORLD)
     return (count / world_size).clamp_min(1.0)
 
 

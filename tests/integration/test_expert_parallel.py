@@ -302,13 +302,15 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
         dist.destroy_process_group()
 
 
-def test_expert_parallel_over_a_sharded_dp_dimension_matches_fsdp(fixtures: Fixtures, skewed_hub: Path, tmp_path: Path):
-    """4 ranks, k=2: a (ep 2 × dp 2) mesh, the non-expert part sharded over dp, expert gradients summed over dp:
-    the first step's gradients equal FSDP2's over all 4 ranks."""
+def test_expert_parallel_with_the_rest_sharded_within_a_node_matches_fsdp(
+    fixtures: Fixtures, skewed_hub: Path, tmp_path: Path
+):
+    """4 ranks as 2 workers a node, k=2: a (dp 2 × ep 2) mesh, the non-expert part sharded over a node's 2 workers
+    and replicated across, expert gradients summed over dp: the first step's gradients equal FSDP2's over all 4."""
     grads = {}
     for k in (1, 2):
         raw = _raw(fixtures, skewed_hub, tmp_path, k, "auto")
-        raw["ray"]["num_workers"] = 4
+        raw["ray"].update(num_workers=4, workers_per_node=2)
         spawn_ranks(_gradients_rank, args=(4, free_port(), raw, str(tmp_path / f"k{k}.pt")), nprocs=4)
         grads[k] = torch.load(tmp_path / f"k{k}.pt")
     assert grads[1].keys() == grads[2].keys()

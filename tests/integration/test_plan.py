@@ -123,22 +123,25 @@ def test_comm_model_against_hand_computed_bytes():
     assert hsdp.per_step("all_gather") == 2 * (1.5 * 18_400 / 2 + 2_200 / 2) == 29_800
     assert hsdp.per_step("reduce_scatter") == 1_200 / 2 == 600
     assert hsdp.per_step("all_reduce") == 2 * (1_200 / 2) / 2 + 12 == 612
-    # EP 2 on the (ep, dp) = 2 x 2 mesh: experts (6,000 x 2 B) and their LoRA (100 x 2 B) are never gathered; the
-    # rest is sharded within the node (dp: ranks 0-1, 2-3) and replicated across (ep: ranks 0 and 2).
-    ep = plan(Layout(shard=2, expert_parallel=2))
+    # EP 2 on 2 nodes of 2: experts (6,000 x 2 B) and their LoRA (100 x 2 B) are never gathered; each ep-group is
+    # one node's pair (ranks 0-1, 2-3); the rest is sharded within the node and replicated across
+    ep = plan(Layout.expert(2, two_by_two))
+    assert ep.layout == Layout(shard=2, expert_parallel=2)
     assert ep.per_step("all_gather") == 2 * (1.5 * 6_200 / 2 + 2_200 / 2) == 11_500
     assert ep.per_step("reduce_scatter") == 200 * 4 / 2 == 400
-    # the non-expert LoRA shards (800 B / 2) across the 2 nodes, the expert LoRA (400 B / 2) within the node
+    # the non-expert LoRA shards (800 B / 2) across the 2 nodes, the expert LoRA (400 B / 2) over the dp pair of
+    # ranks holding the same experts (0 and 2: one on each node)
     assert ep.per_step("all_reduce") == 2 * 400 / 2 + 2 * 200 / 2 + 12 == 612
     # 2 MoE layers x 4 passes x 32 tokens x top-2 x 16 hidden x 2 B = 16,384 B sent, half to the other EP rank,
-    # which sits on the other node
+    # which sits on the same node: none of it over the network
     assert ep.per_step("all_to_all") == 2 * 16_384 / 2 == 16_384
-    assert ep.per_step(inter_node=True) == 400 + 4 + 2 * 16_384 / 2 == 16_788
-    # EP 4 = W: the rest held whole on every worker, its LoRA gradients all-reduced over all 4
-    whole = plan(Layout(shard=1, expert_parallel=4))
-    assert whole.per_step("all_gather") == whole.per_step("reduce_scatter") == 0
-    assert whole.per_step("all_reduce") == 2 * 800 * 3 / 4 + 12 == 1_212
+    assert ep.per_step(inter_node=True) == 400 + 200 + 4 == 604
+    # EP 4 = W: the ep-group spans both nodes (half of what is sent crosses), the rest still sharded within a node
+    whole = plan(Layout.expert(4, two_by_two))
+    assert whole.per_step("all_gather") == 11_500 and whole.per_step("reduce_scatter") == 400
+    assert whole.per_step("all_reduce") == 2 * 400 / 2 + 12 == 412  # no dp pair: no expert LoRA all-reduce
     assert whole.per_step("all_to_all") == 2 * 16_384 * 3 / 4 == 24_576
+    assert whole.per_step(inter_node=True) == 400 + 4 + 2 * 16_384 / 2 == 16_788
     cfg.fsdp.activation_checkpointing = True  # the recompute reuses the saved exchanges: still 4 passes
     assert plan(Layout(shard=2, expert_parallel=2)).per_step("all_to_all") == 2 * 16_384 / 2 == 16_384
 
@@ -155,11 +158,12 @@ def test_step_time_and_the_layout_auto_picks():
     assert math.isclose(fsdp.predicted_s, fsdp.overlapped_comm_s) and fsdp.comm_bound
     assert math.isclose(fsdp.serial_s, compute + fsdp.overlapped_comm_s)
     ep = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(2, 2), cluster, True, False), hw)
-    assert math.isclose(ep.all_to_all_s, 16_384 / 1e9)  # the EP pair spans the two nodes: all of it over the network
-    assert math.isclose(ep.predicted_s, 404 / 1e9 + (12_512 - 404) / 2e9 + 16_384 / 1e9)
-    # EP 4: 1,212 B of all-reduce (404 B over the network) + 24,576 B of all-to-all (16,384 B over the network):
-    # 2.13e-5 s against EP 2's 2.28e-5 s and FSDP's 3.04e-5 s; everything fits (the toy is KiB): `auto` takes 4
-    assert choose_expert_parallel(cfg, TOY, cluster, hw, fp8=False) == 4
+    assert math.isclose(ep.all_to_all_s, 16_384 / 2e9)  # the EP pair is one node's: all of it over NVLink
+    assert math.isclose(ep.predicted_s, 604 / 1e9 + (12_512 - 604) / 2e9 + 16_384 / 2e9)
+    # EP 4: 12,312 B of gathers and reductions (404 B over the network) + 24,576 B of all-to-all (16,384 B over the
+    # network): 2.68e-5 s against EP 2's 1.47e-5 s and FSDP's 3.04e-5 s; everything fits (the toy is KiB): `auto`
+    # takes the node-local 2
+    assert choose_expert_parallel(cfg, TOY, cluster, hw, fp8=False) == 2
     # and a GPU fast enough to hide FSDP's bytes behind compute makes the layout compute-bound
     slow = Hardware("h200", mfu=1e-9, inter_gbits=8, intra_gbytes=4)
     assert not step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), slow).comm_bound
@@ -190,11 +194,13 @@ def test_an_fp8_base_adds_its_dequantisation_at_memory_bandwidth_to_compute():
 
 def test_expert_parallel_memory_holds_e_over_k_experts_whole():
     cfg = _toy_cfg()
+    cfg.fsdp.shard_size = 2  # as the planner sets it for 2 GPUs a node: the rest is sharded within the node
     rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=2).rows)
-    # bf16 storage: 6,000 expert weights x 2 B over 2 ranks; the other 4,000 frozen x 2 B sharded over W/k = 2
+    # bf16 storage: 6,000 expert weights x 2 B over 2 ranks; the other 4,000 frozen x 2 B sharded over the node's 2
     assert rows["routed experts (2 of 4 whole)"] * 2**30 == 6_000
     assert rows["non-expert weights (/2)"] * 2**30 == 4_000
     assert rows["LoRA params+grads+AdamW"] * 2**30 == (200 / 2 + 100 / 2) * 16
+    cfg.fsdp.shard_size = 1  # one GPU a node: the rest whole on each
     rows = dict(plan_memory(cfg, TOY, 4, on_gpu=True, expert_parallel=4).rows)
     assert rows["non-expert weights (/1)"] * 2**30 == 8_000
     assert "gathered root (embeddings, head)" not in rows

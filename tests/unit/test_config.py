@@ -79,6 +79,8 @@ def test_round_trips_through_a_plain_dict():
         ),
         ({"train": {"metric_for_best_model": "accuracy"}}, ["train.metric_for_best_model", "eval_loss"]),
         ({"ray": {"checkpoint_upload": "lazy"}}, ["ray.checkpoint_upload", "async"]),
+        ({"ray": {"num_workers": 6, "workers_per_node": 4}}, ["ray.num_workers 6", "multiple of 4"]),
+        ({"ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "SPREAD"}}, ["STRICT_SPREAD"]),
     ],
 )
 def test_bad_values_name_the_key(raw, needles):

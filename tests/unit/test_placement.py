@@ -20,6 +20,12 @@ PLACEMENT = [  # (workers, bundle, strategy, nodes, fits) — worked out by hand
     (1, {"GPU": 1}, "PACK", [NODE], False),
     (9, {"CPU": 1, "GPU": 1}, "PACK", [NODE, GPU_NODE], False),  # only the GPU node holds these: 8
 ]
+PER_NODE = [  # (workers, bundle, workers per node, nodes, key a refusal names): whole groups on nodes that hold them
+    (16, {"GPU": 1}, 8, [GPU_NODE, GPU_NODE], None),
+    (8, {"CPU": 3}, 4, [NODE, NODE, NODE], "ray.num_workers"),  # one 3-CPU bundle a node: 3 workers in all
+    (6, {"CPU": 1}, 3, [NODE, {"CPU": 2.0}, NODE], None),  # the small node is left out
+    (6, {"CPU": 1}, 3, [NODE, {"CPU": 2.0}, {"CPU": 2.0}], "ray.workers_per_node"),  # room for 8, a group of 3 on one
+]
 
 
 @pytest.mark.parametrize(("workers", "bundle", "strategy", "nodes", "fits"), PLACEMENT)
@@ -27,3 +33,13 @@ def test_placement_feasibility(workers, bundle, strategy, nodes, fits):
     from rayft.placement import Request
 
     assert Request(workers, bundle, strategy).fits(nodes) is fits
+
+
+@pytest.mark.parametrize(("workers", "bundle", "per_node", "nodes", "refused_by"), PER_NODE)
+def test_placement_feasibility_with_several_workers_per_node(workers, bundle, per_node, nodes, refused_by):
+    from rayft.placement import Request
+
+    request = Request(workers, bundle, "PACK", per_node)
+    assert request.fits(nodes) is (refused_by is None)
+    if refused_by:
+        assert request.refusal(nodes, "the cluster").startswith(refused_by)
