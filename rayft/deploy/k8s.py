@@ -229,10 +229,11 @@ def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> i
             f"GPU count mismatch: ray.num_workers={r.num_workers} is not a whole number of pods with "
             f"--gpus-per-pod={dep.gpus_per_pod}; make ray.num_workers a multiple of it"
         )
-    if dep.gpus_per_pod > 1 and r.placement_strategy == "STRICT_SPREAD":
+    if r.workers_per_node != dep.gpus_per_pod:
+        # The pod is the node: its workers must be one node to the meshes (HSDP, expert-parallel groups) too.
         raise ConfigError(
-            f"ray.placement_strategy: STRICT_SPREAD puts every worker on its own node, but --gpus-per-pod="
-            f"{dep.gpus_per_pod} means {dep.gpus_per_pod} workers per pod; set ray.placement_strategy: PACK"
+            f"ray.workers_per_node: {r.workers_per_node}, but --gpus-per-pod={dep.gpus_per_pod} puts "
+            f"{dep.gpus_per_pod} workers on each pod; set ray.workers_per_node: {dep.gpus_per_pod}"
         )
     mount = PurePosixPath(dep.mount_path)
     for key, path in (("ray.storage_path", cfg.ray.storage_path or cfg.train.output_dir),

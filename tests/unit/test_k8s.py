@@ -65,7 +65,7 @@ def in_image(path: str) -> Path | None:
 
 VARIANTS = [
     [],
-    ["--gpus-per-pod", "3", "--override", "ray.placement_strategy=PACK"],
+    ["--gpus-per-pod", "3", "--override", "ray.workers_per_node=3"],
     ["--network", "none", "--ib-resource", "none"],
     ["--ib-resource", "nvidia.com/hostdev", "--ib-hca", "mlx5_0,mlx5_1", "--socket-ifname", "ib0"],
     ["--ib-resource", "openshift.io/mellanoxnics", "--network", "ssa", "--namespace", "ml", "--name", "ft-3"],
@@ -189,7 +189,7 @@ def test_config_on_the_pvc(capsys, tmp_path):
         (["--override", "ray.num_workers=0"], "ray.num_workers"),
         (["--gpus-per-pod", "2"], "GPU count mismatch: ray.num_workers=3"),
         (["--gpus-per-pod", "0"], "--gpus-per-pod"),
-        (["--gpus-per-pod", "3"], "ray.placement_strategy: STRICT_SPREAD"),
+        (["--gpus-per-pod", "3"], "ray.workers_per_node: 1, but --gpus-per-pod=3"),
         (["--override", "ray.resources_per_worker={GPU: 2}"], "ray.resources_per_worker.GPU"),
         (["--override", "ray.storage_path=/scratch/ckpt"], "ray.storage_path: /scratch/ckpt is not on the PVC"),
         (["--override", "train.output_dir=/home/me/out"], "is not on the PVC mounted at /data"),
