@@ -368,6 +368,11 @@ class RayConfig:
         return self.placement_strategy
 
 
+def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
+    """Whether groups of k consecutive node-ordered workers keep to node boundaries."""
+    return workers_per_node % k == 0 or k % workers_per_node == 0
+
+
 @dataclass
 class ParallelConfig:
     # Expert parallelism: the routed experts of every MoE layer split over groups of k workers, each holding E/k
@@ -726,6 +731,14 @@ class Config:
         if workers % k:
             valid = [d for d in range(1, workers + 1) if workers % d == 0]
             _problem(f"parallel.expert_parallel {k} must divide ray.num_workers {workers}; valid: {valid}")
+        elif not expert_groups_follow_nodes(k, self.ray.workers_per_node):
+            per_node = self.ray.workers_per_node
+            valid = [d for d in range(1, workers + 1) if workers % d == 0 and expert_groups_follow_nodes(d, per_node)]
+            _problem(
+                f"parallel.expert_parallel {k} with ray.workers_per_node {per_node}: each expert-parallel group must "
+                f"lie within a node (k divides the node's workers) or span whole nodes (they divide k), or its "
+                f"all-to-all straddles the network; valid: {valid}"
+            )
         if self.fsdp.shard_size is not None:
             _problem(
                 "fsdp.shard_size cannot be combined with parallel.expert_parallel > 1 (the non-expert part is then "

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayft.config import Config
+from rayft.config import Config, expert_groups_follow_nodes
 from rayft.plan.memory import compute_bytes, tokens_per_micro_batch
 from rayft.plan.structure import Structure
 
@@ -116,14 +116,15 @@ class CommPlan:
 
 def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     """FSDP over all workers; HSDP (shard within a node, replicate across) on several multi-GPU nodes, or full
-    replication on single-GPU nodes; EP k for every k > 1 dividing W and the experts."""
+    replication on single-GPU nodes; EP k for every k > 1 dividing W and the experts whose groups keep to node
+    boundaries (what the config accepts)."""
     w, g = cluster.world, cluster.gpus_per_node
     out = [Layout(shard=w)]
     if cluster.nodes > 1:
         out.append(Layout(shard=g))
     if s.num_experts:
         for k in range(2, w + 1):
-            if w % k == 0 and s.num_experts % k == 0:
+            if w % k == 0 and s.num_experts % k == 0 and expert_groups_follow_nodes(k, g):
                 out.append(Layout.expert(k, cluster))
     return out
 

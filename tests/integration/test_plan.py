@@ -220,3 +220,17 @@ def test_fp8_transient_is_one_chunk_of_experts_not_a_whole_stack():
     assert fp8_dequantised(huge) == 2**29
     dense = Structure(**{**s.__dict__, "num_experts": 0, "fp8_expert_numel": 0})
     assert fp8_dequantised(dense) == 4096 * 1024
+
+
+def test_the_planner_offers_only_expert_parallel_groups_that_keep_to_nodes():
+    """On 3 nodes of 4 GPUs with 12 experts, k = 3 and 6 would cut a node's workers between groups (their all-to-all
+    straddling the network), and the config refuses them: the planner must not offer them either."""
+    from dataclasses import replace
+
+    from rayft.plan.comm import layouts
+
+    twelve = replace(TOY, num_experts=12)
+    offered = sorted({layout.expert_parallel for layout in layouts(Cluster(nodes=3, gpus_per_node=4), twelve)})
+    assert offered == [1, 2, 4, 12]  # the divisors of 12 that divide 4 or that 4 divides
+    assert sorted({lay.expert_parallel for lay in layouts(Cluster(nodes=12, gpus_per_node=1), twelve)}) == [
+        1, 2, 3, 4, 6, 12]  # fmt: skip

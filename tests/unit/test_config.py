@@ -81,6 +81,10 @@ def test_round_trips_through_a_plain_dict():
         ({"ray": {"checkpoint_upload": "lazy"}}, ["ray.checkpoint_upload", "async"]),
         ({"ray": {"num_workers": 6, "workers_per_node": 4}}, ["ray.num_workers 6", "multiple of 4"]),
         ({"ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "SPREAD"}}, ["STRICT_SPREAD"]),
+        (
+            {"ray": {"num_workers": 12, "workers_per_node": 4}, "parallel": {"expert_parallel": 6}},
+            ["parallel.expert_parallel 6", "ray.workers_per_node 4", "valid: [1, 2, 4, 12]"],
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw, needles):
