@@ -59,9 +59,9 @@ def _count_calls(calls: Counter) -> None:
 
     add = TALLY.add
 
-    def counted(kind: str, nbytes: int) -> None:
+    def counted(kind: str, nbytes: int, *where, **counted_over) -> None:  # the tally's own (group, inter_node)
         calls[kind] += 1
-        add(kind, nbytes)
+        add(kind, nbytes, *where, **counted_over)
 
     TALLY.add = counted
 
@@ -287,10 +287,10 @@ def dequant_traffic(experts: int = 8, rows: int = 256, cols: int = 128) -> dict:
     data, scale = fp8.quantize_rows(torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0)))
     weights = data.numel()
     with OpBytes() as eager:
-        want = fp8._dequantize(data, scale, torch.bfloat16)
+        want = fp8._dequantize(data, scale, torch.bfloat16, None)  # per-row scales
     metrics.reset()
     with inductor.patch({"force_disable_caches": True}):  # a cached kernel is not generated, so not counted
-        got = torch.compile(fp8._dequantize, fullgraph=True)(data, scale, torch.bfloat16)
+        got = torch.compile(fp8._dequantize, fullgraph=True)(data, scale, torch.bfloat16, None)
     assert torch.equal(got, want)
     moved = sum(t.numel() * t.element_size() for t in (data, scale, got))
     return {
