@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from rayft.parallel import topology
 from rayft.parallel.tally import TALLY
 
 
@@ -39,9 +38,7 @@ def _tally(received: torch.Tensor, out_splits: list[int], group: dist.ProcessGro
     crossed the network."""
     row_bytes = received[0].numel() * received.element_size() if received.shape[0] else 0
     own = out_splits[dist.get_rank(group)]
-    nodes = topology.current().node_ids
-    here, sources = nodes[dist.get_rank()], dist.get_process_group_ranks(group)
-    remote = sum(rows for source, rows in zip(sources, out_splits, strict=True) if nodes[source] != here)
+    remote = sum(rows for rows, far in zip(out_splits, TALLY.remote(group), strict=True) if far)
     TALLY.add("all_to_all", (sum(out_splits) - own) * row_bytes, group, inter_node=remote * row_bytes)
 
 

@@ -33,6 +33,7 @@ class CollectiveTally:
     def __init__(self) -> None:
         self._bytes: Counter[str] = Counter()
         self._spans: dict[dist.ProcessGroup, tuple[int, int]] = {}  # → (ranks, nodes)
+        self._remote: dict[dist.ProcessGroup, tuple[bool, ...]] = {}  # → per group rank: on another node
 
     def add(self, kind: str, nbytes: int, group: dist.ProcessGroup | None = None, inter_node: int | None = None):
         """`nbytes` received by a collective of `kind` on `group` (None: every rank); `inter_node`: how many of
@@ -52,6 +53,15 @@ class CollectiveTally:
             ranks = dist.get_process_group_ranks(group)
             self._spans[group] = (len(ranks), topology.current().nodes_spanned(ranks))
         return self._spans[group]
+
+    def remote(self, group: dist.ProcessGroup) -> tuple[bool, ...]:
+        """For each rank of `group`, in the group's order, whether it runs on another node than this rank: worked
+        out once per group, since the all-to-all asks in every MoE layer."""
+        if group not in self._remote:
+            nodes = topology.current().node_ids
+            here = nodes[dist.get_rank()]
+            self._remote[group] = tuple(nodes[r] != here for r in dist.get_process_group_ranks(group))
+        return self._remote[group]
 
     def take(self) -> dict[str, int]:
         """The tally since the last call, every kind present (0 where none moved), then start afresh."""
