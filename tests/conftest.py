@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
 STEPS = 6  # of the checkpointing reference run
 # The preflight tests' shared fixtures (a base config, a real adapter, another base), for each command's file.
-pytest_plugins = ["fixtures.preflight"]
+pytest_plugins = ["fixtures.preflight", "fixtures.timings"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -228,16 +229,40 @@ def write_yaml(path: Path, data: dict) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
-    """Head + one worker node (`fixtures.cluster.two_node_cluster`), for the whole session of this xdist worker."""
-    with two_node_cluster() as cluster:
+def ray_cluster(request) -> Iterator[RayCluster]:
+    """Head + one worker node (`fixtures.cluster.two_node_cluster`), for this xdist worker's Ray tests: stopped
+    once it is past them (`pytest_runtest_setup`), not idling beside the in-process tests until the session ends."""
+    with ExitStack() as stack:
+        cluster = stack.enter_context(two_node_cluster())
+        request.session.stash.setdefault(EARLY_STOP, {})["ray_cluster"] = stack.close
         yield cluster
 
 
+EARLY_STOP = pytest.StashKey[dict]()  # fixture name -> its stop(), for servers that end with their last reader
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The test cluster stops once this worker is past its tests (`ray_group.past_cluster_tests`): its daemons
+    would otherwise take CPU from the other tests until the session ends."""
+    stops = item.session.stash.get(EARLY_STOP, {})
+    if "ray_cluster" in stops and ray_group.past_cluster_tests(item):
+        stops.pop("prometheus", lambda: None)()
+        stops.pop("ray_cluster")()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Prometheus ends with the last collected test that reads it, not with the session: scraping every second
+    keeps both test nodes' agents rendering metrics, a sixth of a core, for as long as it runs. (Its readers are
+    one Ray group, so the last of them runs on the worker that started it.)"""
+    stops = item.session.stash.get(EARLY_STOP, {})
+    if "prometheus" in stops and item == [i for i in item.session.items if "prometheus" in i.fixturenames][-1]:
+        stops.pop("prometheus")()
+
+
 @pytest.fixture(scope="session")
-def prometheus(ray_cluster: RayCluster, tmp_path_factory):
+def prometheus(ray_cluster: RayCluster, tmp_path_factory, request):
     """A real Prometheus scraping the test cluster through Ray's service-discovery file (the documented set-up),
-    every second; installed where missing (never skipped), stopped by PID at the end of the session."""
+    every second; installed where missing (never skipped), stopped by PID after the last test reading it."""
     from fixtures import prometheus as prom
 
     sd_file = ray_cluster.temp_dir / "session_latest" / prom.SD_FILE
@@ -248,6 +273,7 @@ def prometheus(ray_cluster: RayCluster, tmp_path_factory):
     server = prom.start(prom.ensure_binary(), sd_file, tmp_path_factory.mktemp("prometheus"), free_port())
     try:
         prom.wait_for_targets(server, len(ray_cluster.metrics_ports))
+        request.session.stash.setdefault(EARLY_STOP, {})["prometheus"] = server.stop
         yield server
     finally:
         server.stop()

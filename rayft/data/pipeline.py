@@ -171,9 +171,29 @@ def in_driver(*sources: SplitSource | None) -> bool:
 def driver_datasets(
     cfg: Config, train_src: SplitSource, val_src: SplitSource | None, fmt: RecordFormat, tokenizer: TokenizerFacts
 ) -> Datasets:
-    """The small-source path: the same Tokenize and finish stages as the tokenizer actors run, over the same
-    256-record batches, here in the driver; the finished rows go to the object store (`from_arrow`), so the row
-    count is exact, nothing is counted twice and epochs only reshuffle."""
+    """The small-source path: the rows `driver_rows` makes go to the object store, so the row count is exact,
+    nothing is counted twice and epochs only reshuffle."""
+    rows = driver_rows(cfg, train_src, val_src, fmt, tokenizer)
+    validation_rows = rows.validation.num_rows if rows.validation is not None else 0
+    return Datasets(train=_to_object_store(rows.train), train_stats=rows.train_stats,
+                    validation=_to_object_store(rows.validation) if validation_rows else None,
+                    validation_rows=validation_rows)  # fmt: skip
+
+
+@dataclass
+class Rows:
+    """Both splits tokenized and finished in this process: the rows the workers iterate."""
+
+    train: pa.Table
+    train_stats: SplitStats
+    validation: pa.Table | None
+
+
+def driver_rows(
+    cfg: Config, train_src: SplitSource, val_src: SplitSource | None, fmt: RecordFormat, tokenizer: TokenizerFacts
+) -> Rows:
+    """The same Tokenize and finish stages as the tokenizer actors run, over the same 256-record batches, in this
+    process: the hold-out, the training rows with their counts, and the validation rows evaluation scores."""
     d, mpl = cfg.data, cfg.dpo.max_prompt_length
     train_records = read_records(train_src)
     val_records = read_records(val_src) if val_src else None
@@ -186,16 +206,13 @@ def driver_datasets(
     log.info("data: %s: %s → %d %s", train_src.what, stats.describe(), stats.rows,
              f"blocks of {d.max_length} tokens" if d.packing else "examples")  # fmt: skip
     _check_usable(stats, train_src.what, d)
-    validation, validation_rows = None, 0
+    validation = None
     if val_records is not None:
         val_rows, _ = tokenize_in_process(val_records, val_format, fmt, cfg.model, d, tokenizer, mpl)
-        val_rows = val_rows.slice(0, d.max_eval_samples)
-        validation_rows = val_rows.num_rows
-        validation = _to_object_store(val_rows) if validation_rows else None
-    if validation_rows == 0 and val_src is not None:
+        validation = val_rows.slice(0, d.max_eval_samples)
+    if (validation is None or validation.num_rows == 0) and val_src is not None:
         raise ConfigError(f"data: {val_src.what} has no usable records; fix it or set data.val_split: null")
-    return Datasets(train=_to_object_store(train_rows), train_stats=stats, validation=validation,
-                    validation_rows=validation_rows)  # fmt: skip
+    return Rows(train=train_rows, train_stats=stats, validation=validation)
 
 
 def read_records(source: SplitSource) -> pa.Table:

@@ -28,7 +28,6 @@ import ray.train
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ray.train import CheckpointUploadMode
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,6 +42,7 @@ from rayft.parallel.expert import ExpertParallel, is_expert_lora
 from rayft.train import safe_dcp
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
 from rayft.train.rundir import RunDir, checkpoint_dir_name
+from rayft.train.runtime import Runtime
 from rayft.train.safe_dcp import CheckpointFormatError
 from rayft.train.spool import checkpoint_spool
 
@@ -267,8 +267,9 @@ class CheckpointManager:
     deletes nothing.
     """
 
-    def __init__(self, run: RunDir, run_id: str | None, run_name: str, upload: str, rank: int):
-        self.run, self.run_id, self.rank, self.upload = run, run_id, rank, upload
+    def __init__(self, run: RunDir, run_id: str | None, run_name: str, upload: str, runtime: Runtime):
+        self.run, self.run_id, self.upload, self.runtime = run, run_id, upload, runtime
+        self.rank = runtime.rank
         self.spool = checkpoint_spool(run_name, run_id)
         self.stall_s = 0.0  # what saving cost this attempt: seconds training stood still
         self.last_saved = -1
@@ -276,7 +277,7 @@ class CheckpointManager:
     def restore(self, explicit: str | None, state: TrainState, plan, accum: int) -> bool:
         """Continue from this run's latest registered checkpoint (a restart after a failure, or the same job run
         again), else from `train.resume_from_checkpoint`, else start fresh. True when something was loaded."""
-        own = ray.train.get_checkpoint()
+        own = self.runtime.own_checkpoint()
         checkpoint = own or (ray.train.Checkpoint(explicit) if explicit else None)
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
@@ -295,11 +296,8 @@ class CheckpointManager:
         return checkpoint is not None
 
     def save(self, state: TrainState, metrics: dict[str, Any]) -> None:
-        """Every rank writes its shards to local disk, then Ray copies them into one step-named dir on storage.
-
-        Ray registers the checkpoint (for retention and resume) only once every rank's copy finished, so a crash
-        mid-save leaves the previous checkpoint in charge. With async upload training goes on during the copy.
-        """
+        """Every rank writes its shards to local disk, then the runtime (Ray) copies them into one step-named dir
+        on storage and registers it (`Runtime.report`)."""
         started = time.perf_counter()
         name = checkpoint_dir_name(state.progress.step)
         local = self.spool / name
@@ -307,13 +305,7 @@ class CheckpointManager:
         local.mkdir(parents=True)
         save_checkpoint(local, state.model, state.optimizer, state.scheduler, state.progress, metrics, self.run_id)
         written = time.perf_counter() - started
-        ray.train.report(
-            dict(metrics),
-            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
-            checkpoint_dir_name=name,
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC if self.upload == "async" else CheckpointUploadMode.SYNC,
-            delete_local_checkpoint_after_upload=True,
-        )
+        self.runtime.report(metrics, local, name, self.upload)
         stalled = time.perf_counter() - started
         log.info("%s: training paused %.2f s (state written in %.2f s, %s upload)", name, stalled, written, self.upload)
         self.stall_s += stalled

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import ray.train
-import ray.train.torch
 import torch
 
 from rayft.config import Config, TrainConfig
@@ -33,6 +32,7 @@ from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load
 from rayft.train.job import EvalJob, Job
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
 from rayft.train.rundir import EVAL_RESULT, RunDir
+from rayft.train.runtime import RayRuntime, Runtime
 from rayft.train.schedule import Plan, build_optimizer, build_scheduler
 from rayft.train.step import NEXT_TOKEN, DataWait, StepLoss, evaluate, step_groups, train_step
 
@@ -40,11 +40,17 @@ log = logging.getLogger("rayft")
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """One worker's run, the story in three lines: set up from the job, train, save what is left and publish."""
+    """One Ray Train worker's run: set up from the job with what Ray provides, train, save what is left, publish."""
     entered = time.time()
-    trainer = Trainer(loop_config["job"], entered)
+    run(loop_config["job"], RayRuntime(), entered)
+
+
+def run(job: Job, runtime: Runtime, entered: float | None = None) -> Trainer:
+    """A worker's run, the story in three lines, whoever launched it (Ray Train, or gloo ranks in the tests)."""
+    trainer = Trainer(job, runtime, entered if entered is not None else time.time())
     trainer.train()
     trainer.close()
+    return trainer
 
 
 def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -52,14 +58,15 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model is built with the adapter's LoRA shape at its zero-delta init, which is the base exactly: `with_base`
     scores it before the adapter's weights are loaded."""
     job: EvalJob = loop_config["job"]
-    cfg, rank, device = job.config, ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
+    runtime = RayRuntime()
+    cfg, rank, device = job.config, runtime.rank, runtime.device
     _setup_logging(rank)
     topology.establish(cfg.ray.workers_per_node)
     model = build_model(cfg, device.type == "cuda", device)
     fused_loss(model, cfg)
     objective = Objective(cfg, model, device)
     collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id, pairs=objective.dpo)
-    shard = ray.train.get_dataset_shard("validation")
+    shard = runtime.shard("validation")
     autocast = cpu_autocast(cfg, device)
 
     def score() -> dict[str, Any]:
@@ -80,24 +87,25 @@ class Trainer:
     """A worker's run: the sharded model and its optimizer, the data shards, checkpoints, metrics and when each is
     due, held together from set-up (`__init__`) through the steps (`train`) to the final adapter (`close`)."""
 
-    def __init__(self, job: Job, entered: float):
+    def __init__(self, job: Job, runtime: Runtime, entered: float):
         self.job, self.cfg, self.plan = job, job.config, job.plan
-        self.rank, self.device = ray.train.get_context().get_world_rank(), ray.train.torch.get_device()
+        self.rank, self.device = runtime.rank, runtime.device
         _setup_logging(self.rank)
         self.profile: Profile | None = _worker_profile(job, entered)
         torch.manual_seed(self.cfg.train.seed)
         # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
-        self.train_shard = ray.train.get_dataset_shard("train")
-        self.val_shard = ray.train.get_dataset_shard("validation") if self.plan.has_validation else None
+        self.train_shard = runtime.shard("train")
+        self.val_shard = runtime.shard("validation") if self.plan.has_validation else None
         self.state, self.autocast, self.window, self.tokenizer = self._build()
         run = RunDir(self.cfg.run_uri)
         ray_cfg, accum = self.cfg.ray, self.cfg.train.gradient_accumulation_steps
-        self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, self.rank)
+        self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime)
         with self.profile.stage("resume"):
             resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
         self.progress_log = (
-            _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params) if self.rank == 0 else None
-        )
+            _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params, runtime) if self.rank == 0
+            else None
+        )  # fmt: skip
         self.objective = Objective(self.cfg, self.state.model, self.device)
         self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
         self.cadence = Cadence(self.cfg.train, self.plan)
@@ -238,11 +246,13 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
     return state, cpu_autocast(cfg, device), LossWindow(device, plan.world_size, flops, peak)
 
 
-def _progress_log(cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params) -> ProgressLog:
+def _progress_log(
+    cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params, runtime: Runtime
+) -> ProgressLog:
     """Rank 0's logger, gauges and trackers."""
     trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
     dpo_run = cfg.train.objective == "dpo"
-    gauges = sinks.Gauges(cfg.ray.name, sinks.PREFERENCE_GAUGES if dpo_run else None)
+    gauges = runtime.gauges(cfg.ray.name, sinks.PREFERENCE_GAUGES if dpo_run else None)
     return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers)
 
 

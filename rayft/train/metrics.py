@@ -237,7 +237,7 @@ class ProgressLog:
     run, cut back to the resume point), the Prometheus gauges and the trackers."""
 
     def __init__(self, run, total_steps: int, first_step: int, resumed: bool, params: dict[str, Any],
-                 gauges: Gauges, trackers: Trackers | None):  # fmt: skip
+                 gauges: Gauges | None, trackers: Trackers | None):  # fmt: skip
         self.run, self.total_steps, self.first_step, self.params = run, total_steps, first_step, params
         self.gauges, self.trackers = gauges, trackers
         self.history = [r for r in run.read_metrics() if r.get("step", 0) <= first_step] if resumed else []
@@ -256,7 +256,8 @@ class ProgressLog:
             row["startup"], self.startup = self.startup, None
         self.history.append(row)
         self.run.write_metrics(self.history)
-        self.gauges.set(row)
+        if self.gauges is not None:
+            self.gauges.set(row)
         if self.trackers is not None:
             self.trackers.log(row, metrics["step"])
 

@@ -82,7 +82,7 @@ def gpu_cluster(request) -> Head:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         if not wait_for_dashboard(dashboard, head, log):
             pytest.fail(f"ray start --head exited with {head.returncode}; its output:\n{log.read_text()[-3000:]}")
-        wait_for_nodes(f"127.0.0.1:{gcs_port}", env, 1)
+        wait_for_nodes(dashboard, 1)
         yield Head(RayCluster(address=f"127.0.0.1:{gcs_port}", dashboard=dashboard, env=env), cuda)
     finally:
         stop_group(head)

@@ -1,0 +1,106 @@
+"""rayft's Trainer driven by plain gloo ranks (tests/fixtures/local_run.py): the launcher-agnostic core the Ray
+workers run. A run stopped dead while saving a checkpoint and continued from the one before ends exactly where
+the uninterrupted run ends (what Ray's restarts rely on), on the checkpointing job the Ray recovery tests use."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import STEPS, Fixtures, checkpointing_config
+from fixtures.local_run import LocalRun, train_locally
+from fixtures.moe_families import make_tiny_moe
+from safetensors.torch import load_file
+from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
+
+EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
+TOLERANCE = 1e-6  # exact resume: the same sums in the same order
+RESUMED = re.compile(r"resumed from \S+/checkpoint-(\d+): step (\d+)")
+TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(fixtures: Fixtures, tmp_path_factory) -> Path:
+    """Tiny Qwen3-MoE, fused expert keys, fp32 weights (FP8 storage is `model.frozen_dtype`'s)."""
+    directory = tmp_path_factory.mktemp("qwen3-moe") / "m"
+    return make_tiny_moe("qwen3_moe", directory, vocab_size=TOKENIZER_IDS, tokenizer_from=fixtures.model)
+
+
+def resumes(log: str) -> list[int]:
+    """Steps of rank 0's `resumed from .../checkpoint-N: step N` lines."""
+    found = [(int(m[1]), int(m[2])) for m in RESUMED.finditer(log)]
+    assert all(a == b for a, b in found), found
+    return [step for _, step in found]
+
+
+def _assert_same_training(got: LocalRun, want: LocalRun, steps: range) -> None:
+    mine, theirs = {r["step"]: r for r in got.metrics()}, {r["step"]: r for r in want.metrics()}
+    for step in steps:
+        for key in EXACT:
+            assert abs(mine[step][key] - theirs[step][key]) < TOLERANCE, f"step {step} {key}"
+    a = load_file(got.out / "final" / "adapter_model.safetensors")
+    b = load_file(want.out / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a
+    gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert gap < TOLERANCE, f"adapter gap {gap}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fixtures: Fixtures, tmp_path_factory) -> LocalRun:
+    out = tmp_path_factory.mktemp("local-reference")
+    run = train_locally(checkpointing_config(fixtures, out), 2)
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
+    return run
+
+
+def test_a_run_stopped_after_a_checkpoint_continues_to_the_uninterrupted_result(
+    fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
+):
+    cfg = checkpointing_config(fixtures, tmp_path)
+    stopped = train_locally(cfg, 2, crash_saving=3)
+    assert [r["step"] for r in stopped.metrics()] == [1, 2] and not (stopped.out / "final").exists()
+    assert not stopped.checkpoint(3).exists()
+    resumed = train_locally(cfg, 2, resume=stopped.checkpoint(2))
+    assert [r["step"] for r in resumed.metrics()] == list(range(1, STEPS + 1))
+    _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
+
+
+def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path):
+    """The comparison above can fail: another seed (other dropout draws, another shuffle) trains otherwise."""
+    losses = [r["loss"] for r in uninterrupted.metrics()]
+    assert losses[-1] < losses[0], losses
+    other = train_locally(checkpointing_config(fixtures, tmp_path, train__seed=7), 2)
+    with pytest.raises(AssertionError):
+        _assert_same_training(other, uninterrupted, range(1, STEPS + 1))
+
+
+def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(
+    fixtures: Fixtures, qwen3_moe: Path, tmp_path: Path
+):
+    """A tiny Qwen3-MoE (fused expert keys, stored as FP8 by `model.frozen_dtype`, LoRA on attention and the routed
+    experts) with `parallel.expert_parallel: 2`, stopped while saving its second checkpoint and continued from the
+    first, ends where its uninterrupted FSDP-only run (k = 1) ends; a k = 1 run from the k = 2 run's checkpoint
+    does too. (The same on the Ray cluster, with a killed worker: test_expert_parallel_job.py, Mistral-Small-4.)"""
+    frozen = FROZEN["qwen3_moe"]
+    reference = train_locally(ep_config(fixtures, qwen3_moe, tmp_path / "fsdp", 1, frozen), 2)
+    cfg = ep_config(fixtures, qwen3_moe, tmp_path / "ep", 2, frozen)
+    stopped = train_locally(cfg, 2, crash_saving=2)
+    assert [r["step"] for r in stopped.metrics()] == [1]
+    run = train_locally(cfg, 2, resume=stopped.checkpoint(1))
+    text = run.text()
+    assert resumes(text) == [1] and "expert parallel: 2 MoE layers, 4 of 8 experts" in text, text[-6000:]
+    assert "stored as FP8 E4M3" in text, text[-6000:]
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
+    assert_close_losses(run, reference, range(1, STEPS + 1))
+    assert_close_adapters(run.out / "final", reference.out / "final")
+
+    source = run.checkpoint(STEPS - 2)
+    again = train_locally(
+        ep_config(fixtures, qwen3_moe, tmp_path / "k1-from-k2", 1, frozen, train__resume_from_checkpoint=str(source)),
+        2,
+    )
+    assert resumes(again.text()) == [STEPS - 2], again.text()[-6000:]
+    assert [r["step"] for r in again.metrics()] == [STEPS - 1, STEPS]
+    assert_close_losses(again, reference, range(STEPS - 1, STEPS + 1))
+    assert_close_adapters(again.out / "final", reference.out / "final")
