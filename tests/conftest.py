@@ -16,6 +16,7 @@ from fixtures.cluster import (  # noqa: F401  the tests import these from confte
     AGENT_NOT_READY,
     RAY_BIN,
     REPO,
+    STATE_TRACKED,
     TEST_RAY_ENV,
     MetricsScraper,
     RayCluster,
@@ -292,7 +293,7 @@ def reference_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory,
     scraper = MetricsScraper(ray_cluster.metrics_ports)
     scraper.start()
     try:
-        job = submit_job(ray_cluster, "--config", str(config))
+        job = submit_job(ray_cluster, "--config", str(config), env=STATE_TRACKED)  # the e2e test reads the state API
     finally:
         scraper.stop.set()
         scraper.join()

@@ -22,15 +22,12 @@ from conftest import (
     Fixtures,
     RayCluster,
     Run,
-    Submitted,
     submit_job,
-    submit_no_wait,
     tiny_config,
-    wait_for_jobs,
-    working_dir,
     write_yaml,
 )
 from fixtures.families import make_tiny_family
+from fixtures.local_run import train_locally
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -282,29 +279,30 @@ def test_tied_embedding_models_of_three_families_fine_tune_with_sharded_loading(
     ray_cluster: RayCluster, fixtures: Fixtures, smollm2: Path, tmp_path
 ):
     """What a new user does with a small real model: `ray job submit` with the defaults (`load_mode: sharded`, LoRA
-    targets `auto`) on models whose head is the tied embedding — the real pretrained SmolLM2-135M (Llama) and tiny
-    Qwen2 and Gemma3 — then `PeftModel.from_pretrained` of `final/` on `from_pretrained` of the same checkpoint."""
+    targets `auto`) on the real pretrained SmolLM2-135M (Llama), whose head is the tied embedding; the same job for
+    tiny Qwen2 and Gemma3 on gloo ranks without Ray (`fixtures.local_run`: the same worker code, and what Ray adds is
+    the same for every family); then `PeftModel.from_pretrained` of `final/` on `from_pretrained` of each checkpoint."""
     models = {
         "llama": smollm2,
         "qwen2": make_tiny_family("qwen2", tmp_path / "qwen2", tied=True, tokenizer_from=fixtures.model),
         "gemma3_text": make_tiny_family("gemma3_text", tmp_path / "gemma3", tied=True, tokenizer_from=fixtures.model),
     }
-    jobs = {}
-    for family, model_dir in models.items():  # submitted at once: their start-ups overlap on the test cluster
+    configs = {}
+    for family, model_dir in models.items():
         out = tmp_path / f"{family}-out"
         cfg = tiny_config(fixtures, out, max_steps=3, logging_steps=1, eval_strategy="no", save_strategy="no",
                           per_device_train_batch_size=2, gradient_accumulation_steps=1)  # fmt: skip
         cfg["model"]["model_name_or_path"] = str(model_dir)
         cfg["lora"]["target_modules"] = ["auto"]
         out.mkdir()
-        config = write_yaml(out / "config.yaml", cfg)
-        jobs[family] = Submitted(submit_no_wait(ray_cluster, config, working_dir(out)), Run(out, out / "driver.log"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "disabled")  # the job client talks to the test cluster
-        wait_for_jobs(ray_cluster, list(jobs.values()))
+        configs[family] = cfg
+    job = submit_job(ray_cluster, "--config", str(write_yaml(tmp_path / "llama-out" / "config.yaml", configs["llama"])))
+    texts = {"llama": _assert_succeeded(job)}
+    for family in ("qwen2", "gemma3_text"):
+        texts[family] = train_locally(configs[family], 2).text()
     for family, model_dir in models.items():
-        out = jobs[family].run.out
-        logs = jobs[family].run.text()
+        out = tmp_path / f"{family}-out"
+        logs = texts[family]
         losses = [loss for _, loss, _ in _progress(logs)]
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (family, logs[-4000:])
         if family == "llama":  # pretrained weights, head included: far below a random model's ln(49152) = 10.8
