@@ -273,6 +273,7 @@ class CheckpointManager:
         self.spool = checkpoint_spool(run_name, run_id)
         self.stall_s = 0.0  # what saving cost this attempt: seconds training stood still
         self.last_saved = -1
+        self.resumed_metrics: dict[str, Any] | None = None  # what this run reported with the checkpoint it resumes
 
     def restore(self, explicit: str | None, state: TrainState, plan, accum: int) -> bool:
         """Continue from this run's latest registered checkpoint (a restart after a failure, or the same job run
@@ -282,6 +283,8 @@ class CheckpointManager:
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
                 progress = load_checkpoint(Path(d), state.model, state.optimizer, state.scheduler)
+                if own is not None and self.rank == 0:
+                    self.resumed_metrics = reported_metrics(Path(d))
             log.info(
                 "resumed from %s: step %d, epoch %d, %d batches into the epoch (written by %d workers)",
                 checkpoint.path, progress.step, progress.epoch, progress.batches_in_epoch, progress.world_size,
@@ -318,6 +321,15 @@ class CheckpointManager:
                 empty.rmdir()
             except OSError:
                 return
+
+
+def reported_metrics(directory: Path) -> dict[str, Any] | None:
+    """The metrics a checkpoint was reported with (its trainer_state.json); None when it has none."""
+    try:
+        metrics = json.loads((directory / TRAINER_STATE).read_text()).get("metrics")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
 
 
 def remap_position(progress: Progress, plan, accum: int) -> Progress:

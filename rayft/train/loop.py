@@ -103,8 +103,8 @@ class Trainer:
         with self.profile.stage("resume"):
             resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
         self.progress_log = (
-            _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params, runtime) if self.rank == 0
-            else None
+            _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params, runtime,
+                          self.checkpoints.resumed_metrics) if self.rank == 0 else None
         )  # fmt: skip
         self.objective = Objective(self.cfg, self.state.model, self.device)
         self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
@@ -247,13 +247,14 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
 
 
 def _progress_log(
-    cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params, runtime: Runtime
-) -> ProgressLog:
+    cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params, runtime: Runtime,
+    resumed_row: dict[str, Any] | None,
+) -> ProgressLog:  # fmt: skip
     """Rank 0's logger, gauges and trackers."""
     trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
     dpo_run = cfg.train.objective == "dpo"
     gauges = runtime.gauges(cfg.ray.name, sinks.PREFERENCE_GAUGES if dpo_run else None)
-    return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers)
+    return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers, resumed_row)
 
 
 class Objective:

@@ -237,10 +237,17 @@ class ProgressLog:
     run, cut back to the resume point), the Prometheus gauges and the trackers."""
 
     def __init__(self, run, total_steps: int, first_step: int, resumed: bool, params: dict[str, Any],
-                 gauges: Gauges | None, trackers: Trackers | None):  # fmt: skip
+                 gauges: Gauges | None, trackers: Trackers | None,
+                 resumed_row: dict[str, Any] | None = None):  # fmt: skip
+        """`resumed_row`: the metrics this run reported with the checkpoint it continues from. A worker stopped
+        after that checkpoint was registered but before its row reached metrics.jsonl would otherwise leave the
+        step out of the history for good."""
         self.run, self.total_steps, self.first_step, self.params = run, total_steps, first_step, params
         self.gauges, self.trackers = gauges, trackers
         self.history = [r for r in run.read_metrics() if r.get("step", 0) <= first_step] if resumed else []
+        written = {r.get("step") for r in self.history}
+        if resumed_row is not None and resumed_row.get("step") == first_step and first_step not in written:
+            self.history.append(resumed_row)
         self.started = time.perf_counter()
         self.startup: dict[str, float] | None = None  # the start-up profile: goes into the next row written
 

@@ -66,6 +66,19 @@ def test_a_run_stopped_after_a_checkpoint_continues_to_the_uninterrupted_result(
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metrics(
+    fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
+):
+    """Stopped between registering checkpoint 2 and writing step 2's row: the row the checkpoint was reported with
+    is the history's, so the continued run's metrics.jsonl has every step."""
+    cfg = checkpointing_config(fixtures, tmp_path)
+    stopped = train_locally(cfg, 2, crash_saved=2)
+    assert [r["step"] for r in stopped.metrics()] == [1] and stopped.checkpoint(2).exists()
+    resumed = train_locally(cfg, 2, resume=stopped.checkpoint(2))
+    assert [r["step"] for r in resumed.metrics()] == list(range(1, STEPS + 1))
+    _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
+
+
 def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path):
     """The comparison above can fail: another seed (other dropout draws, another shuffle) trains otherwise."""
     losses = [r["loss"] for r in uninterrupted.metrics()]

@@ -314,7 +314,8 @@ def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
 ):
     """The finished reference run, trained 2 steps further, after a kill tore the last line of its metrics.jsonl
     and with two checkpoint dirs Ray never registered: one this run wrote (removed on resume), one nobody can
-    prove was its (kept). The history keeps every complete row and goes on."""
+    prove was its (kept). The history keeps every complete row, takes the torn one back from what the resumed
+    checkpoint was reported with, and goes on."""
     cfg, copy = copy_of(reference_run, tmp_path / "out", max_steps=STEPS + 2)
     metrics = copy.run_dir / "metrics.jsonl"
     text = metrics.read_bytes()
@@ -333,6 +334,10 @@ def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
     assert not ours.exists() and (unknown / "state" / ".metadata").is_file()
     want = reference_run.metrics()[: STEPS - 1]
     got = run.metrics()
-    assert [r["step"] for r in got] == [*range(1, STEPS), STEPS + 1, STEPS + 2]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 3))
     assert got[: STEPS - 1] == want, "the complete rows of the history changed"
+    torn = reference_run.metrics()[STEPS - 1]
+    assert {k: got[STEPS - 1][k] for k in ("loss", "eval_loss", "grad_norm")} == {
+        k: torn[k] for k in ("loss", "eval_loss", "grad_norm")
+    }, got[STEPS - 1]
     assert f"checkpoint-{STEPS + 2:06d}" in run.registered()  # the latest: Ray keeps it whatever its score
