@@ -29,6 +29,7 @@ from rayft.model.weights import buffers_kept, load_sharded_, weight_block
 from rayft.parallel import topology
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
+from rayft.parallel.torch_compat import allow_integer_parameters
 
 log = logging.getLogger("rayft")
 
@@ -134,6 +135,7 @@ def apply_fsdp(
     FSDP leaves alone."""
     # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
     offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
+    allow_integer_parameters()  # the FP8 base's bytes, on a torch whose FSDP2 cannot hold them yet
     mesh = fsdp_mesh(fsdp, device_type, shards)
     sharded_over = dist.get_world_size() if mesh is None else mesh.size(1)
     reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else sharded_over > 1

@@ -395,6 +395,9 @@ def _bf16_gather_rank(rank: int, world: int, port: int, out: str) -> None:
     forward, where FSDP has gathered them, record their scales and bf16 weights against the unsharded originals."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from rayft.parallel.torch_compat import allow_integer_parameters
+
+    allow_integer_parameters()  # as rayft's own wrapping does
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
