@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 
 STAGE ?= tests
 
-.PHONY: install demo test lint prometheus gpu-check
+.PHONY: install demo test test-torch-floor lint prometheus gpu-check
 
 install: $(VENV)/.installed
 
@@ -30,7 +30,29 @@ prometheus:
 	sh tests/tools/ensure-prometheus.sh
 
 test: lint prometheus
-	$(PY) -m pytest -v -p no:cacheprovider --durations=25 -n 2
+	$(PY) -m pytest -v -p no:cacheprovider --durations=25 -n 2 -m "not torch_floor"
+	$(MAKE) test-torch-floor
+
+# The second leg: the oldest torch rayft runs on (FLOOR in rayft/parallel/torch_compat.py; many GPU images ship it)
+# under the FSDP2, FP8, expert-parallel and DPO tests, and its losses against the pinned torch's. Its venv holds only
+# that torch: every other package is .venv's, added behind it by a .pth file.
+FLOOR_VENV ?= .venv-torch-floor
+FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.py tests/integration/test_block_fp8.py \
+	tests/integration/test_local_trainer.py tests/integration/test_expert_parallel.py \
+	tests/integration/test_moe_weights.py tests/integration/test_peft_options.py tests/integration/test_checkpoint.py \
+	tests/integration/test_lora.py tests/unit/test_dpo.py
+
+$(FLOOR_VENV)/.installed: $(VENV)/.installed rayft/parallel/torch_compat.py
+	python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$$($(PY) -c 'from rayft.parallel.torch_compat import FLOOR; print("%d.%d.*" % FLOOR)')"
+	$(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $(FLOOR_VENV)/.site
+	$(PY) -c "import sysconfig; print(f\"import site; site.addsitedir('{sysconfig.get_paths()['purelib']}')\")" \
+		> "$$(cat $(FLOOR_VENV)/.site)/rayft_pinned_packages.pth"
+	touch $@
+
+test-torch-floor: $(FLOOR_VENV)/.installed
+	RAYFT_PINNED_PYTHON=$(abspath $(PY)) $(FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 $(FLOOR_TESTS)
 
 # On one CUDA GPU, never in CI: STAGE=tests|job|bench|plan|all (README: GPU check). On the device there is no .venv:
 #   source .gpu-kit/activate.sh && make gpu-check STAGE=tests PY=python3

@@ -300,7 +300,8 @@ class DpoConfig:
 @dataclass
 class FsdpConfig:
     # Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward (ZeRO-2), and across
-    # the micro-batches of a step. None: True when weights are sharded over several workers, else False.
+    # the micro-batches of a step. None: True, even over a shard group of one worker, where FSDP2's "gathered" copy is
+    # a second copy of the weights: kept, the whole base would be held twice for the step.
     reshard_after_forward: bool | None = None
     # Compute dtype of gathered weights; "auto" = bfloat16 on GPU when train.bf16, float32 on CPU.
     param_dtype: str = "auto"
@@ -320,11 +321,10 @@ class FsdpConfig:
         """Workers that together hold one copy of the weights."""
         return self.shard_size or world_size
 
-    def reshards(self, world_size: int) -> bool:
-        """`reshard_after_forward` resolved: freeing gathered weights saves memory only when they are sharded."""
-        if self.reshard_after_forward is not None:
-            return self.reshard_after_forward
-        return self.shard_group(world_size) > 1
+    def reshards(self) -> bool:
+        """`reshard_after_forward` resolved: a layer's gathered weights freed after its forward (re-gathered for its
+        backward: over one worker that is a device-local copy, far cheaper than holding every layer twice)."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else True
 
 
 @dataclass

@@ -29,6 +29,7 @@ from rayft.limits import check_max_length, local_placement_problem, lora_rank_wa
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
 from rayft.parallel.backend import prefix_matched_hca
+from rayft.parallel.torch_compat import check_torch
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
@@ -62,6 +63,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     def timed(name: str) -> AbstractContextManager:
         return profile.stage(name) if profile is not None else nullcontext()
 
+    check_torch()  # everything below builds on it
     with timed("preflight_model"):  # hub names become cache snapshots here, once: the workers are handed paths
         resolve_names(cfg)
     model_dir = Path(cfg.model.model_name_or_path).expanduser()

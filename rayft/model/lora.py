@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 import peft
+import torch
 from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 from peft.utils import get_peft_model_state_dict
 from torch import nn
@@ -173,7 +174,18 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:
     peft_model, targets = wrap(model, lora)
     if targets.warning:
         log.warning(targets.warning)
+    trainable_in_fp32_(peft_model)
     return peft_model
+
+
+def trainable_in_fp32_(model: nn.Module) -> None:
+    """Every trained parameter kept in fp32, whatever the base's dtype. PEFT upcasts the LoRA factors of a bf16 base
+    but leaves `modules_to_save` copies in it: AdamW on bf16 master weights loses most small updates, and one FSDP
+    unit holding both fp32 factors and a bf16 copy is refused (its gradients must share one dtype). The mixed-
+    precision policy still casts them to the compute dtype for each forward."""
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def adapter_file_keys(model: peft.PeftModel) -> dict[str, str]:

@@ -29,7 +29,7 @@ from rayft.model.weights import buffers_kept, load_sharded_, weight_block
 from rayft.parallel import topology
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
-from rayft.parallel.torch_compat import allow_integer_parameters
+from rayft.parallel.torch_compat import allow_integer_parameters, check_torch
 
 log = logging.getLogger("rayft")
 
@@ -37,6 +37,7 @@ log = logging.getLogger("rayft")
 def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
     """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
     `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
+    check_torch()  # a worker's torch is its node image's, which the driver's validation never saw
     sharded = cfg.model.load_mode == "sharded"
     topology.current()  # where each rank runs, gathered now: the meshes and the tally's inter-node share read it
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
@@ -137,8 +138,7 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
     allow_integer_parameters()  # the FP8 base's bytes, on a torch whose FSDP2 cannot hold them yet
     mesh = fsdp_mesh(fsdp, device_type, shards)
-    sharded_over = dist.get_world_size() if mesh is None else mesh.size(1)
-    reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else sharded_over > 1
+    reshard = fsdp.reshards()
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         fully_shard(

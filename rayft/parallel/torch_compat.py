@@ -19,12 +19,30 @@ import torch
 from torch import nn
 
 INTEGER_PARAMETERS = (2, 12)  # the first torch whose FSDP2 holds integer parameters itself
+# The oldest torch rayft runs on, the oldest its CI trains on: FSDP2 over the FP8 base (with the patch below),
+# `fully_shard(ignored_params=...)` for expert parallelism, `F.grouped_mm` for MoE experts, FSDP2's collective
+# classes the per-step tally wraps.
+FLOOR = (2, 11)
 
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of a torch version string (`torch.__version__` by default): '2.11.0+cu130' -> (2, 11)."""
     major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def check_torch(version: str | None = None) -> None:
+    """Refuse a torch below `FLOOR` in one line, before anything is built on it."""
+    from rayft.config import ConfigError
+
+    found = version or torch.__version__
+    if torch_release(found) < FLOOR:
+        floor = ".".join(map(str, FLOOR))
+        raise ConfigError(
+            f"torch {found} is older than {floor}, the oldest release rayft runs on (FSDP2 over the FP8 frozen "
+            f"base, fully_shard's ignored_params for expert parallelism, F.grouped_mm for MoE experts); install "
+            f"torch {floor} or later: pip install 'torch>={floor}'"
+        )
 
 
 def needs_integer_parameter_patch(version: str | None = None) -> bool:

@@ -11,7 +11,7 @@ which each rank sends D bytes spread evenly delivers D·(g−1)/g.
 
 Layouts:
   FSDP        S = W. Each decoder layer is gathered in forward and again in backward (reshard_after_forward, the
-              default when sharded; the last layer stays gathered from its forward to its backward, and the
+              default; the last layer stays gathered from its forward to its backward, and the
               recompute of activation checkpointing reuses the backward gather): per micro-batch
               (2 − 1/L)·G_layers·(S−1)/S, L = decoder layers, G_layers = frozen layer weights as gathered (c bytes
               each; FP8 storage: 1 byte + a 4-byte row scale per row) + layer LoRA·c. Without
@@ -165,8 +165,7 @@ def _sharded(
     shard, replicas = layout.shard, cluster.world // layout.shard
     nodes = cluster.nodes_spanned(shard)
     out = []
-    reshards = cfg.fsdp.reshard_after_forward if cfg.fsdp.reshard_after_forward is not None else shard > 1
-    if reshards:  # the last layer stays gathered from its forward to its backward
+    if cfg.fsdp.reshards():  # the last layer stays gathered from its forward to its backward
         out.append(_collective("all_gather", "decoder layers, forward + backward but the last's", MICRO_BATCH,
                                (2 - 1 / s.layers) * layers, shard, nodes))  # fmt: skip
     else:

@@ -93,7 +93,7 @@ def plan_memory(
     if expert_parallel > 1:
         weights = _expert_parallel_weights(cfg, s, shards, c, p, fp8, stored, layer, expert_parallel)
     else:
-        gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards(world_size) else s.layers
+        gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards() else s.layers
         weights = [
             (f"sharded weights (/{shards})", stored / shards),
             (f"gathered layers ({gathered_layers} x {_count(s.largest_layer)})", gathered_layers * layer),

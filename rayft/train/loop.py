@@ -110,7 +110,7 @@ class Trainer:
         self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
         self.cadence = Cadence(self.cfg.train, self.plan)
         self.waited = DataWait()
-        self.kept_layers = [] if self.cfg.fsdp.reshards(self.plan.world_size) else decoder_layers(self.state.model)
+        self.kept_layers = [] if self.cfg.fsdp.reshards() else decoder_layers(self.state.model)
         self.train_collate = self._train_collate(run)
 
     def _build(self) -> tuple[TrainState, Any, LossWindow, Any]:

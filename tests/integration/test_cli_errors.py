@@ -94,6 +94,20 @@ def test_a_good_config_validates(good_config, capsys):
     assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.out), result.out
 
 
+@pytest.mark.parametrize("command", [_validate, _job])
+def test_a_torch_older_than_the_floor_is_refused_in_one_line(command, good_config, capsys, monkeypatch):
+    """A cluster image's own torch below the oldest release rayft runs on (faked here): refused before anything is
+    built, naming the version found and the install that fixes it."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    result = command(capsys, good_config)
+    assert result.rc == 2 and result.err.strip().count("\n") == 0, result.err
+    assert "torch 2.10.0+cu128 is older than 2.11" in result.err and "pip install 'torch>=2.11'" in result.err
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")  # the floor itself passes
+    assert _validate(capsys, good_config).rc == 0
+
+
 @pytest.mark.parametrize("flag", [["--num-nodes", "2", "0"], ["--gpus-per-node", "0"]], ids=["nodes", "gpus"])
 def test_plan_refuses_zero_nodes_or_gpus(flag, capsys):
     result = run_cli(capsys, "plan", "--preset", "mistral-small-4", *flag)

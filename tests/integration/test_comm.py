@@ -78,7 +78,7 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
             window = LossWindow(torch.device("cpu"), world, FlopModel(0, 0, 0.0), None)
-            kept = [] if cfg.fsdp.reshards(world) else decoder_layers(model)
+            kept = [] if cfg.fsdp.reshards() else decoder_layers(model)
             objective = Objective(cfg, model, torch.device("cpu"))  # the loop's: SFT or DPO by train.objective
             group = [_micro_batch(cfg, rank, objective.dpo) for _ in range(ACCUM)]
             tallied, witnessed, dequantised = [], [], []

@@ -108,6 +108,37 @@ def test_option_trains_and_saves_as_peft_does(option, fixtures: Fixtures, tmp_pa
     assert set(configs[0]["target_modules"]) == set(configs[1]["target_modules"])
 
 
+def test_modules_to_save_on_a_bf16_base_train_fp32_copies_as_peft_does_on_its_values(
+    fixtures: Fixtures, tmp_path, process_group
+):
+    """A bf16 base (a GPU's) with whole modules trained inside a decoder layer (`down_proj`) and at the root
+    (`lm_head`): every trained parameter is an fp32 master weight (the copies start from the checkpoint's own fp32
+    values), and one AdamW step through FSDP2 (compute in fp32 here) equals PEFT's own model whose frozen weights
+    are rounded to bf16."""
+    raw = _raw(fixtures, tmp_path, "modules_to_save")
+    raw["model"]["torch_dtype"] = "bfloat16"
+    raw["lora"]["modules_to_save"] = ["down_proj", "lm_head"]
+    torch.manual_seed(0)
+    ours = build_model(Config.from_dict(raw), on_gpu=False)
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    assert sum(".modules_to_save." in n for n in trained) == 3  # down_proj of both layers, the head
+    assert {p.dtype for p in trained.values()} == {torch.float32}, {n: p.dtype for n, p in trained.items()}
+    reference = _reference(fixtures, raw)
+    with torch.no_grad():
+        for param in reference.parameters():
+            if not param.requires_grad:
+                param.copy_(param.bfloat16().float())
+        theirs = dict(reference.named_parameters())
+        for name, value in _trainable(ours).items():
+            if ".lora_A." in name:
+                theirs[name].copy_(value)
+    assert _step(ours) == pytest.approx(_step(reference), rel=1e-5)
+    mine = _trainable(ours)
+    for name, param in reference.named_parameters():
+        if ".modules_to_save." in name:
+            torch.testing.assert_close(mine[name], param.detach(), rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_all_linear_is_every_linear_layer_but_the_head(fixtures: Fixtures):
     targets = resolve_targets(empty_model(ModelConfig(model_name_or_path=str(fixtures.model))),
                               LoraConfig(target_modules=["all-linear"]))  # fmt: skip

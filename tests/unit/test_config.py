@@ -20,15 +20,16 @@ def test_seed_yaml_loads_unchanged_with_its_values():
         and cfg.trackers == []
     )
     assert cfg.model.model_name_or_path == "/data/input/Models/Mistral-Small-4-119B-2603"  # seed dataclass default
-    assert cfg.ray.placement_strategy == "STRICT_SPREAD" and cfg.fsdp.reshards(cfg.ray.num_workers) is True
+    assert cfg.ray.placement_strategy == "STRICT_SPREAD" and cfg.fsdp.reshards() is True
 
 
 def test_shard_size_groups_workers_and_decides_resharding():
     fsdp = Config.from_dict({"ray": {"num_workers": 4}, "fsdp": {"shard_size": 2}}).fsdp
-    assert (fsdp.shard_group(4), fsdp.reshards(4)) == (2, True)  # HSDP: sharded in pairs, freed after forward
+    assert (fsdp.shard_group(4), fsdp.reshards()) == (2, True)  # HSDP: sharded in pairs, freed after forward
     fsdp = Config.from_dict({"ray": {"num_workers": 4}, "fsdp": {"shard_size": 1}}).fsdp
-    assert (fsdp.shard_group(4), fsdp.reshards(4)) == (1, False)  # replicated: nothing to free, nothing to gather
-    assert Config.from_dict({"fsdp": {"shard_size": 1, "reshard_after_forward": True}}).fsdp.reshards(2) is True
+    # replicated: FSDP2's gathered copy is still a second copy of the weights; freed after forward all the same
+    assert (fsdp.shard_group(4), fsdp.reshards()) == (1, True)
+    assert Config.from_dict({"fsdp": {"shard_size": 1, "reshard_after_forward": False}}).fsdp.reshards() is False
     with pytest.raises(ConfigError, match=r"fsdp\.shard_size 3 must divide ray\.num_workers 4"):
         Config.from_dict({"ray": {"num_workers": 4}, "fsdp": {"shard_size": 3}})
     with pytest.raises(ConfigError, match=r"fsdp\.shard_size"):

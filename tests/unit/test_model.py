@@ -154,7 +154,7 @@ def _train_two_ways(rank: int, world: int, port: int, raw: dict, out: str) -> No
             losses = []
             for step in range(3):
                 for micro in range(2):
-                    kept = [] if cfg.fsdp.reshards(world) else decoder_layers(model)
+                    kept = [] if cfg.fsdp.reshards() else decoder_layers(model)
                     set_gradient_sync(model, sync=micro == 1, kept_layers=kept)
                     ids = batches[2 * step + micro]
                     loss = model(input_ids=ids, labels=ids).loss
