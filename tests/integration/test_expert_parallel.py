@@ -410,3 +410,18 @@ def test_the_memory_plan_counts_the_all_to_all_outputs_checkpointing_keeps(one_f
         print(label, "all-to-all outputs kept per rank", kept, "planned", planned)
         assert sum(kept) / len(kept) == planned, (label, kept, planned)
         assert kept == ([r["made"] for r in ranks] if cfg.recomputes_activations else [0, 0]), (label, ranks)
+
+
+def test_flops_per_token_are_the_same_with_the_experts_split(one_forward_each: dict):
+    """A worker holding 4 of 8 experts a layer (and their LoRA) counts the FLOPs per token of the whole model: what
+    the weightless model with every expert counts."""
+    from rayft.model.build import weightless_lora_model
+    from rayft.model.flops import flop_model
+
+    for label, (raw, ranks) in one_forward_each.items():
+        cfg = Config.from_dict(raw)
+        model, _ = weightless_lora_model(cfg)
+        whole = flop_model(model, model.config, cfg.data.max_length)
+        print(label, "whole", whole, "per rank", ranks)
+        for r in ranks:
+            assert (r["base"], r["lora"]) == (whole.base_params, whole.lora_params), (label, r, whole)
