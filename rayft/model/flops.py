@@ -5,7 +5,8 @@ MFU counts the FLOPs the model needs per token, not what the kernels did (activa
   6N      6 · (N_base + N_lora) + 3 · A       the usual formula: forward 2N, backward 4N (input and weight grads)
   LoRA    4 · N_base + 6 · N_lora + 3 · A     a frozen base needs no weight gradients: its backward is 2N
 where N_base counts the frozen matrix weights a token is multiplied by (embeddings are lookups and are left out;
-routed experts count top_k / num_experts of theirs), N_lora the trainable ones, and A = 2 · L · H · (d_qk + d_v) · k
+a token visits top_k of a layer's E routed experts, so their weight stacks count top_k / E of theirs), N_lora the
+trainable ones (the routed experts' LoRA factors likewise top_k / E), and A = 2 · L · H · (d_qk + d_v) · k
 the forward FLOPs of attention scores and values per token attending k keys (backward: 2A). Attention is causal
 and never crosses documents (packed rows restart at each one), so a document of n tokens attends n (n + 1) / 2
 keys in all: the window counts them from the batches it trained on, not from `max_length`; the start-up line's
@@ -20,6 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from rayft.model.families import block_of, moe_blocks, num_routed_experts
+from rayft.model.fp8 import EXPERT_WEIGHTS
 
 # Dense (no sparsity) bf16 peak per GPU, vendor figures; matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
@@ -54,10 +58,10 @@ class FlopModel:
 
 
 def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
-    """Counts from the (possibly FSDP-sharded: DTensor numel is the global one) PEFT model and its config."""
+    """Counts from the PEFT model and its config. The figures are the whole model's per token however it is laid
+    out: a DTensor's numel is the global one under FSDP, and a worker holding E/k routed experts a layer (expert
+    parallelism) counts top_k of them per token all the same."""
     text = getattr(config, "text_config", None) or config
-    top_k = getattr(text, "num_experts_per_tok", None) or 0
-    experts = getattr(text, "n_routed_experts", None) or getattr(text, "num_local_experts", None) or 0
     base = lora = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -68,17 +72,43 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
     head_weight = getattr(head, "weight", None)
     if head_weight is not None and id(head_weight) in seen and not head_weight.requires_grad:
         base += head_weight.numel()  # a tied head is the embedding matrix, yet a matmul every token goes through
+    routed = routed_expert_counts(model, text)
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
+        if id(p) in routed:
+            count = routed[id(p)]
+        elif p.requires_grad or p.dim() == 2:
+            count = p.numel()
+        else:
+            continue
         if p.requires_grad:
-            lora += p.numel()
-        elif p.dim() == 2:
-            base += p.numel()
-        elif p.dim() == 3 and experts:  # fused routed experts [E, out, in]: a token visits top_k of E
-            base += p.numel() * top_k // experts
+            lora += count
+        else:
+            base += count
     return FlopModel(base, lora, attention_flops(text, 1), seq_len)
+
+
+def routed_expert_counts(model: nn.Module, text: Any) -> dict[int, int]:
+    """The elements a token is multiplied by, by `id`, of every parameter of the MoE blocks' routed experts: top_k of
+    the experts each fused weight stack (`[E, out, in]`, bf16 or FP8 storage) and each LoRA factor (PEFT's
+    `[E·r, in]`, `[out, r·E]`) holds, and nothing of their biases and FP8 scales (no matmul). A layer has E experts
+    (the family's own config key); under expert parallelism this worker's tensors hold E/k of them. Only the blocks of
+    the families rayft knows: it refuses the others before a run."""
+    blocks = [m for m in moe_blocks(model) if block_of(m) is not None]
+    if not blocks:
+        return {}
+    ep = getattr(model, "expert_parallel", None)
+    held = num_routed_experts(text) // (ep.k if ep is not None else 1)
+    top_k = text.num_experts_per_tok
+    counts = {}
+    for block in blocks:
+        for module in block.experts.modules():
+            for name, p in module.named_parameters(recurse=False):
+                matrix = p.requires_grad or name in EXPERT_WEIGHTS
+                counts[id(p)] = p.numel() * top_k // held if matrix else 0
+    return counts
 
 
 def attention_flops(text: Any, seq_len: int) -> float:

@@ -20,7 +20,10 @@ Expert parallelism over k workers (rayft.parallel.expert): the routed experts E/
 FP8: 1 byte + row scales), the rest sharded over the S GPUs of a node (`fsdp.shard_size` as the planner sets it;
 whole with one GPU a node; its layers and root gathered as above when sharded), LoRA (P_lora_rest / S +
 P_lora_experts / k) · 16, the
-largest dequantised FP8 tensor / k, + the tokens' all-to-all buffers 2 · s · top_k · h · c (send and receive).
+largest dequantised FP8 tensor / k, + one exchange's token buffers 2 · s · top_k · h · c (send and receive), and with
+AC on + L_moe · 2 · s · top_k · h · c: the outputs of both exchanges (dispatch and combine) of every one of the L_moe
+MoE layers, which the selective checkpoint policy keeps until the backward so that the recompute does not exchange
+again (`rayft.parallel.alltoall.checkpoint_context`).
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def plan_memory(
         ]
     rows = [*weights, _activations(cfg, s, tokens, c), ("logits + loss", logit_rows * s.vocab * (c + 8))]
     if expert_parallel > 1:
-        rows.append(("token all-to-all buffers (send + receive)", 2 * tokens * s.top_k * s.hidden * c))
+        rows += _all_to_all(cfg, s, tokens, c)
     if fp8:
         dequantised = fp8_dequantised(s, expert_parallel)
         # its compute-dtype copy, the fp32 block it is made in, and (experts not in one range) their bytes gathered
@@ -119,6 +122,19 @@ def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, f
     if cfg.recomputes_activations:
         return "activations (AC on)", s.layers * tokens * s.hidden * c + layer_working_set
     return "activations (AC off)", s.layers * layer_working_set
+
+
+def _all_to_all(cfg: Config, s: Structure, tokens: int, c: int) -> list[tuple[str, float]]:
+    """Expert parallelism's token rows: one exchange in flight, and with AC the outputs every MoE layer's dispatch
+    and combine keep for the backward. Each exchange moves a row per (token, expert) pair: the dispatch receives
+    s · top_k rows under uniform routing, the combine exactly its own s · top_k back."""
+    exchange = tokens * s.top_k * s.hidden * c
+    rows = [("token all-to-all buffers (send + receive)", 2 * exchange)]
+    if cfg.recomputes_activations:
+        rows.append(
+            (f"all-to-all outputs kept for backward ({s.moe_layers} MoE layers x 2)", s.moe_layers * 2 * exchange)
+        )
+    return rows
 
 
 def _expert_parallel_weights(

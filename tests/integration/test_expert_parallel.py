@@ -4,11 +4,14 @@ The reference is the same run with `parallel.expert_parallel: 1` (every expert F
 transformers' own grouped-GEMM path): per-step losses, gradient norms and the gathered adapter must agree. The
 router is skewed (a few experts' router rows scaled up) so the experts get very uneven token counts, one rank's
 experts far more than the other's. The all-to-all byte tally is checked against a count made from the router's
-own choices, read by forward hooks on the router (not by the code under test).
+own choices, read by forward hooks on the router (not by the code under test). One forward of the k=2 layout as the
+job builds it is held against two figures from the weightless model: the bytes of all-to-all outputs activation
+checkpointing keeps (the memory plan's row) and the FLOPs per token (MFU), which the split must not change.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -22,6 +25,8 @@ from fixtures.moe_families import EXPERTS as FAMILY_EXPERTS
 from fixtures.moe_families import MOE_FAMILIES, make_hub_moe
 from fixtures.ranks import spawn_ranks
 from safetensors.torch import load_file, save_file
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rayft.config import Config, ConfigError
 
@@ -317,3 +322,106 @@ def test_expert_parallel_with_the_rest_sharded_within_a_node_matches_fsdp(
     assert any(".experts." in n and g.abs().sum() > 0 for n, g in grads[2].items())
     for name, grad in grads[1].items():
         torch.testing.assert_close(grads[2][name], grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
+class ExchangeOutputs(TorchDispatchMode):
+    """Weak references to the storage of every `rayft::all_to_all` output dispatched while active (the rows an
+    exchange received): how many of their bytes something still holds once the forward has returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[StorageWeakRef, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.rayft.all_to_all.default:
+            self.outputs.append((StorageWeakRef(out.untyped_storage()), out.untyped_storage().nbytes()))
+        return out
+
+    def made(self) -> int:
+        return sum(nbytes for _, nbytes in self.outputs)
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(nbytes for ref, nbytes in self.outputs if not ref.expired())
+
+
+def _one_forward_rank(rank: int, world: int, port: int, runs: dict[str, dict], out: str) -> None:
+    """For each run: the model as the job builds it, the FLOP counts the loop would log, and one forward and
+    backward of this rank's own batch, with the bytes of the all-to-all outputs made in the forward and of those
+    still held when it returns (what waits for the backward)."""
+    from rayft.model.flops import flop_model
+    from rayft.parallel.parallelize import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for label, raw in runs.items():
+            torch.manual_seed(42)
+            cfg = Config.from_dict(raw)
+            model = build_model(cfg, on_gpu=False)
+            model.train()
+            flops = flop_model(model, model.config, cfg.data.max_length)
+            shape = (cfg.train.per_device_train_batch_size, cfg.data.max_length)
+            ids = torch.randint(3, 1000, shape, generator=torch.Generator().manual_seed(rank))
+            with ExchangeOutputs() as exchanges:
+                loss = model(input_ids=ids, labels=ids).loss
+            kept = exchanges.alive()
+            loss.backward()
+            results[label] = {"made": exchanges.made(), "kept": kept, "base": flops.base_params,
+                              "lora": flops.lora_params}  # fmt: skip
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_forward_each(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict[str, tuple[dict, list]]:
+    """k=2 on the tiny hub Mistral-Small-4, 2 x 24 tokens a rank: with activation checkpointing (LoRA on the routed
+    experts too, FP8 base), and without (no expert LoRA: it needs checkpointing). Label → (config, each rank's
+    results)."""
+    out = tmp_path_factory.mktemp("one-forward")
+    runs = {}
+    for label, checkpointing in (("checkpointed", True), ("not checkpointed", False)):
+        raw = _raw(fixtures, mistral4_hub, out, 2, "auto", experts=checkpointing)
+        raw["data"]["max_length"] = 24
+        raw["train"]["per_device_train_batch_size"] = 2
+        runs[label] = raw
+    spawn_ranks(_one_forward_rank, args=(2, free_port(), runs, str(out)), nprocs=2)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {label: (raw, [r[label] for r in ranks]) for label, raw in runs.items()}
+
+
+def test_the_memory_plan_counts_the_all_to_all_outputs_checkpointing_keeps(one_forward_each: dict):
+    """Activation checkpointing keeps both exchanges' outputs of every MoE layer until the backward (its recompute
+    reuses them): the planner's row for them equals the bytes still held after a real forward. A rank receives
+    its pairs back from the combine, and the two ranks' dispatches receive every pair once between them, so the
+    mean over the ranks is the planner's uniform routing exactly, however skewed the router. Without
+    checkpointing nothing holds them."""
+    from rayft.model.build import frozen_fp8
+    from rayft.plan import meta_structure, plan_memory
+
+    for label, (raw, ranks) in one_forward_each.items():
+        cfg = Config.from_dict(raw)
+        plan = plan_memory(cfg, meta_structure(cfg), 2, on_gpu=False, fp8=frozen_fp8(cfg.model), expert_parallel=2)
+        planned = sum(gib for name, gib in plan.rows if name.startswith("all-to-all outputs kept")) * 2**30
+        kept = [r["kept"] for r in ranks]
+        print(label, "all-to-all outputs kept per rank", kept, "planned", planned)
+        assert sum(kept) / len(kept) == planned, (label, kept, planned)
+        assert kept == ([r["made"] for r in ranks] if cfg.recomputes_activations else [0, 0]), (label, ranks)
+
+
+def test_flops_per_token_are_the_same_with_the_experts_split(one_forward_each: dict):
+    """A worker holding 4 of 8 experts a layer (and their LoRA) counts the FLOPs per token of the whole model: what
+    the weightless model with every expert counts."""
+    from rayft.model.build import weightless_lora_model
+    from rayft.model.flops import flop_model
+
+    for label, (raw, ranks) in one_forward_each.items():
+        cfg = Config.from_dict(raw)
+        model, _ = weightless_lora_model(cfg)
+        whole = flop_model(model, model.config, cfg.data.max_length)
+        print(label, "whole", whole, "per rank", ranks)
+        for r in ranks:
+            assert (r["base"], r["lora"]) == (whole.base_params, whole.lora_params), (label, r, whole)

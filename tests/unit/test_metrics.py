@@ -8,9 +8,13 @@ import struct
 
 import pytest
 import torch
+from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.moe_families import tiny_moe_config
 from peft import LoraConfig, get_peft_model
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Mistral4Config, MistralConfig, MistralForCausalLM
 
+from rayft.config import Config
+from rayft.model.build import weightless_lora_model
 from rayft.model.flops import PEAK_BF16_FLOPS, flop_model, mfu, peak_flops
 from rayft.train.metrics import memory
 from rayft.train.sinks import plot_losses
@@ -143,3 +147,40 @@ def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
     assert "mfu_lora" not in rows[0]  # None is not a number: left out, as for TensorBoard
     assert b"train.learning_rate" in log.read_bytes()  # the run's config
     assert records[-1].WhichOneof("record_type") == "exit"  # finished
+
+
+# Tiny MoE configs' dims (tests/fixtures): per layer and token, the frozen matrices a token is multiplied by and the
+# LoRA (r = 4, on two attention projections and on the routed experts) it goes through, counted by hand. Each
+# routed expert is gate‖up [2·I, H] + down [H, I]; a token visits 2 of the 8, and only their LoRA.
+R = 4
+# Qwen3-MoE and Mixtral: H 32, 4 heads and 2 KV heads of 8, I 16, router [8, 32], vocab 1024, 2 layers.
+GQA_ATTENTION = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32  # q, k, v, o
+GQA_EXPERT = 2 * 16 * 32 + 32 * 16
+GQA_LAYER = GQA_ATTENTION + 8 * 32 + 2 * GQA_EXPERT
+GQA_LORA = R * (32 + 32) + R * (32 + 16) + 2 * (R * (32 + 2 * 16) + R * (16 + 32))  # q, v; 2 experts' gate_up, down
+# Mistral-Small-4 (TINY_MISTRAL4): H 64, MLA (q 64→32→4·16, kv 64→16+8, 16→4·(8+16), o 4·16→64), router [8, 64],
+# a shared expert of I 32 (gate, up, down), routed experts of I 32, vocab 131072, 2 layers.
+MLA_ATTENTION = 64 * 32 + 32 * 64 + 64 * 24 + 16 * 96 + 64 * 64
+MLA_EXPERT = 2 * 32 * 64 + 64 * 32
+MLA_LAYER = MLA_ATTENTION + 8 * 64 + 3 * 64 * 32 + 2 * MLA_EXPERT
+MLA_LORA = R * (32 + 64) + R * (64 + 64) + 2 * (R * (64 + 2 * 32) + R * (32 + 64))  # q_b, o; 2 experts' gate_up, down
+HAND_COUNTS = {  # model_type: (LoRA targets, frozen per token, LoRA per token, attention 2·L·H·(d_qk + d_v))
+    "qwen3_moe": (["q_proj", "v_proj"], 2 * GQA_LAYER + 1024 * 32, 2 * GQA_LORA, 2 * 2 * 4 * (8 + 8)),
+    "mixtral": (["q_proj", "v_proj"], 2 * GQA_LAYER + 1024 * 32, 2 * GQA_LORA, 2 * 2 * 4 * (8 + 8)),
+    "mistral4": (["q_b_proj", "o_proj"], 2 * MLA_LAYER + 131072 * 64, 2 * MLA_LORA, 2 * 2 * 4 * (16 + 16)),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HAND_COUNTS))
+def test_moe_flops_count_the_top_k_experts_and_their_lora(model_type: str):
+    """Each MoE family's tiny model with LoRA on its routed experts: the hand count of 6N-style FLOPs per token."""
+    targets, base, lora, attention = HAND_COUNTS[model_type]
+    config = Mistral4Config(**TINY_MISTRAL4) if model_type == "mistral4" else tiny_moe_config(model_type)
+    cfg = Config.from_dict({"lora": {"r": R, "target_modules": targets, "target_experts": True, "lora_dropout": 0.0},
+                            "fsdp": {"activation_checkpointing": True}})  # fmt: skip
+    model, _ = weightless_lora_model(cfg, config)
+    flops = flop_model(model, config, seq_len=16)
+    assert (flops.base_params, flops.lora_params, flops.attention) == (base, lora, attention)
+    keys = (16 + 1) / 2  # a full-length causal document's mean
+    assert flops.per_token_6n == 6 * (base + lora) + 3 * attention * keys
+    assert flops.per_token_lora == 4 * base + 6 * lora + 3 * attention * keys
