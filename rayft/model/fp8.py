@@ -21,7 +21,8 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
 - On CUDA the dequantisation is one compiled kernel (`torch.compile` of `_dequantize`): it reads each byte and row
   scale once and writes the compute dtype, where the eager ops write and read fp32 temporaries between them (about
   six times the memory traffic). The values are the same: both multiply in fp32 and round once. Elsewhere, or with
-  RAYFT_FP8_FUSED=0, or where compiling fails, the eager ops run, in bounded blocks of rows.
+  RAYFT_FP8_FUSED=0, or where compiling fails, or under a torch dispatch mode (selective activation
+  checkpointing's, where dynamo compiles nothing), the eager ops run; either way a bounded block of rows at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -121,22 +123,30 @@ def dequantize_rows(
     data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None = None
 ) -> torch.Tensor:
     """The weight in `dtype`: E4M3 bytes × their row (and `block`-wide column block) scales, multiplied in fp32
-    (exactly the checkpoint's value, as a bf16 load rounds it). Compiled, in one pass (`fuses`); eager, a bounded
-    block of rows at a time so the fp32 temporaries stay small next to a 128-expert stack."""
-    if fuses(data.device):
+    (exactly the checkpoint's value, as a bf16 load rounds it), a bounded block of rows at a time: compiled, each
+    block is one kernel; eager, the fp32 temporaries stay those of one block next to a 128-expert stack, wherever
+    the eager ops run instead of the kernel."""
+    if dtype == torch.float32 or data.numel() <= DEQUANT_BLOCK:
+        return _dequantize_block(data, scale, dtype, block)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    step = max(1, DEQUANT_BLOCK // (data[0].numel()))
+    for lo in range(0, data.shape[0], step):
+        out[lo : lo + step] = _dequantize_block(data[lo : lo + step], scale[lo : lo + step], dtype, block)
+    return out
+
+
+def _dequantize_block(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None) -> torch.Tensor:
+    """The compiled kernel where it is used (`fuses`), else the eager ops. Under a torch dispatch mode (selective
+    activation checkpointing runs each layer's forward and recompute in one) dynamo compiles nothing: the eager ops
+    run there, and the kernel stays on for every other call."""
+    if fuses(data.device) and _get_current_dispatch_mode() is None:
         try:
             # Detached: dynamo keeps a parameter's shape static, one compile per weight shape (its limit is 8).
             return _fused_dequantize()(data.detach(), scale.detach(), dtype, block)
         except Exception as error:  # no compiler for this device (e.g. no Triton): the eager ops, from now on
             logging.getLogger(__name__).warning("FP8 dequantisation stays eager: compiling it failed (%s)", error)
             _fusing[data.device.type] = False
-    if dtype == torch.float32 or data.numel() <= DEQUANT_BLOCK:
-        return _dequantize(data, scale, dtype, block)
-    out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    step = max(1, DEQUANT_BLOCK // (data[0].numel()))
-    for lo in range(0, data.shape[0], step):
-        out[lo : lo + step] = _dequantize(data[lo : lo + step], scale[lo : lo + step], torch.float32, block)
-    return out
+    return _dequantize(data, scale, dtype, block)
 
 
 def scales(storage: torch.Tensor) -> torch.Tensor:
@@ -201,23 +211,29 @@ def expert_chunks(counts: list[int], per_expert: int, device: torch.device) -> l
     """The experts that received rows in this micro-batch (`counts`: rows per expert, in expert order), in chunks
     of at most `EXPERT_DEQUANT_BUDGET // per_expert` experts (`per_expert`: elements of one expert's weight), so
     the dequantised weights alive at once are those of one chunk: an expert with no rows is never dequantised, and
-    a 128-expert layer never holds its whole stack in the compute dtype."""
+    a 128-expert layer never holds its whole stack in the compute dtype. Every chunk's expert ids and group ends
+    reach the device in one copy (from pinned memory, without the host waiting, on a GPU), not two per chunk."""
     per_chunk = max(1, EXPERT_DEQUANT_BUDGET // per_expert)
     active = [e for e, n in enumerate(counts) if n]
-    chunks, row = [], 0
-    for i in range(0, len(active), per_chunk):
-        ids = active[i : i + per_chunk]
-        ends = list(itertools.accumulate(counts[e] for e in ids))
+    groups = [active[i : i + per_chunk] for i in range(0, len(active), per_chunk)]
+    ends = [list(itertools.accumulate(counts[e] for e in ids)) for ids in groups]
+    host = torch.tensor([*active, *itertools.chain.from_iterable(ends)], dtype=torch.long,
+                        pin_memory=device.type == "cuda")  # fmt: skip
+    on_device = host.to(device, non_blocking=True)
+    ids_of, ends_of = on_device[: len(active)], on_device[len(active) :].to(torch.int32)
+    chunks, row, first = [], 0, 0
+    for ids, chunk_ends in zip(groups, ends, strict=True):
+        last = first + len(ids)
         chunks.append(
             ExpertChunk(
-                experts=torch.tensor(ids, dtype=torch.long, device=device),
+                experts=ids_of[first:last],
                 span=(ids[0], ids[-1] + 1) if ids[-1] - ids[0] == len(ids) - 1 else None,
                 start=row,
-                end=row + ends[-1],
-                offs=torch.tensor(ends, dtype=torch.int32, device=device),
+                end=row + chunk_ends[-1],
+                offs=ends_of[first:last],
             )
         )
-        row += ends[-1]
+        row, first = row + chunk_ends[-1], last
     return chunks
 
 

@@ -146,8 +146,9 @@ class PreferenceSums:
         margins = s.chosen_rewards - s.rejected_rewards
         parts = (s.losses.detach(), s.chosen_rewards, s.rejected_rewards, (margins > 0).to(margins.dtype), margins,
                  s.chosen_logps, s.rejected_logps)  # fmt: skip
-        self.sums += torch.stack([torch.tensor(float(len(s.losses)), device=self.sums.device, dtype=torch.float64),
-                                  *(p.double().sum() for p in parts)])  # fmt: skip
+        # the pair count filled on the device: a tensor built from a host number would be a copy the host waits for
+        pairs = torch.full((), len(s.losses), dtype=torch.float64, device=self.sums.device)
+        self.sums += torch.stack([pairs, *(p.double().sum() for p in parts)])
 
     def take(self, prefix: str = "") -> dict[str, float]:
         """Means over every pair of every rank since the last take: `loss` and TRL's metrics (with `prefix`)."""

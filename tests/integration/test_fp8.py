@@ -521,7 +521,8 @@ def test_a_layer_within_one_chunk_runs_its_experts_without_a_host_sync(monkeypat
 
 def test_active_experts_are_dequantised_a_bounded_chunk_at_a_time(monkeypatch):
     """With a budget of two experts' weights, no single dequantisation is larger than that, and the result (output
-    and input gradient) is the one-chunk result, bit for bit."""
+    and input gradient) is the one-chunk result, bit for bit. The four chunks of each weight cost one host sync for
+    the layer (which experts have rows) and one host-to-device copy a weight (every chunk's ids and group ends)."""
     from rayft.model import fp8 as fp8_module
 
     fp8, _ = _experts_and_reference()
@@ -529,20 +530,22 @@ def test_active_experts_are_dequantised_a_bounded_chunk_at_a_time(monkeypatch):
     weights = torch.rand(7, 2, generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(1))
 
-    def run() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def run() -> tuple[torch.Tensor, torch.Tensor, WorkCounter]:
         x = hidden.clone().requires_grad_()
-        seen = _Dequantised()
-        with seen:
+        with WorkCounter() as work:
             out = fp8(x, top_k, weights)
             out.square().sum().backward()
-        return out.detach(), x.grad, seen.sizes
+        return out.detach(), x.grad, work
 
-    whole_out, whole_grad, whole_sizes = run()
-    assert max(whole_sizes) == 8 * fp8.gate_up_proj[0].numel()  # default budget: all 8 experts at once
+    whole_out, whole_grad, whole = run()
+    assert max(whole.dequantised) == 8 * fp8.gate_up_proj[0].numel()  # default budget: all 8 experts at once
+    assert whole.total_syncs() == whole.total_host_copies() == 0, (whole.syncs, whole.host_copies)
     monkeypatch.setattr(fp8_module, "EXPERT_DEQUANT_BUDGET", 2 * fp8.gate_up_proj[0].numel())
-    out, grad, sizes = run()
-    assert max(sizes) <= 2 * fp8.gate_up_proj[0].numel() and len(sizes) > len(whole_sizes)
-    assert sum(sizes) == sum(whole_sizes)
+    out, grad, chunked = run()
+    sizes = chunked.dequantised
+    assert max(sizes) <= 2 * fp8.gate_up_proj[0].numel() and len(sizes) > len(whole.dequantised)
+    assert sum(sizes) == sum(whole.dequantised)
+    assert chunked.total_syncs() == 1 and chunked.total_host_copies() == 2, (chunked.syncs, chunked.host_copies)
     assert torch.equal(out, whole_out) and torch.equal(grad, whole_grad)
 
 
@@ -577,6 +580,37 @@ def test_the_compiled_dequantisation_gives_the_eager_ops_values_bit_for_bit(dtyp
     assert eager[0].dtype == dtype and eager[1].abs().sum() > 0
     for got, want in zip(fused, eager, strict=True):
         assert torch.equal(got, want)
+
+
+def test_fused_dequantisation_under_selective_checkpointing_runs_eager_blocks_and_stays_on(monkeypatch, caplog):
+    """Expert parallelism's selective activation checkpointing runs each layer's forward and recompute under torch
+    dispatch modes, where dynamo compiles nothing. There the eager ops run a block of rows at a time (never the whole
+    stack at once in fp32), with the compiled kernel's values, and the kernel stays on for the calls outside."""
+    from rayft.parallel.alltoall import checkpoint_context
+
+    model, _ = _fp8_and_reference("mistral4")
+    model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": checkpoint_context})
+    model.train()
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    eager = _logits_and_input_grad(model, ids, fused=False, dtype=torch.bfloat16)
+    one_expert = model.model.layers[0].mlp.experts.gate_up_proj[0].numel()
+    monkeypatch.setattr(fp8_module, "DEQUANT_BLOCK", one_expert)
+    torch._dynamo.reset()
+    fp8_module._fused_dequantize.cache_clear()
+    seen = _Dequantised()
+    with seen:
+        fused = _logits_and_input_grad(model, ids, fused=True, dtype=torch.bfloat16)
+    assert seen.sizes and max(seen.sizes) <= one_expert, sorted(set(seen.sizes))
+    for got, want in zip(fused, eager, strict=True):
+        assert torch.equal(got, want)
+    assert "stays eager" not in caplog.text, caplog.text
+    data, scale = fp8_module.quantize_rows(torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(2)))
+    with fused_dequantization("cpu", True):  # outside the modes: one compiled kernel a block
+        got = fp8_module.dequantize_rows(data, scale, torch.bfloat16)
+        assert fp8_module.fuses(torch.device("cpu")) and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(got, fp8_module.dequantize_rows(data, scale, torch.bfloat16))
+    torch._dynamo.reset()
+    fp8_module._fused_dequantize.cache_clear()
 
 
 def test_a_dequantisation_that_cannot_compile_runs_the_eager_ops_from_then_on(caplog):
