@@ -32,8 +32,9 @@ prometheus:
 test: lint prometheus
 	$(PY) -m pytest -v -p no:cacheprovider --durations=25 -n 2
 
-# On one CUDA GPU, never in CI: STAGE=tests|job|bench|plan|all (README: GPU check). On the device there is no .venv:
-#   source .gpu-kit/activate.sh && make gpu-check STAGE=tests PY=python3
+# On one CUDA GPU, never in CI: STAGE=all (at most 8 minutes) or one of tests|job|bench-moe|bench-dense|plan
+# (docs/gpu-check.md). On the device there is no .venv:
+#   source .gpu-kit/activate.sh && make gpu-check STAGE=all PY=python3
 # No install prerequisite, so it runs on whatever PY is (the kit's site). GPU_CHECK_ARGS=--dry-run runs anywhere.
 gpu-check:
 	$(PY) bench/gpu_check.py --stage $(STAGE) $(GPU_CHECK_ARGS)
