@@ -54,8 +54,9 @@ $(FLOOR_VENV)/.installed: $(VENV)/.installed rayft/parallel/torch_compat.py
 test-torch-floor: $(FLOOR_VENV)/.installed
 	RAYFT_PINNED_PYTHON=$(abspath $(PY)) $(FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 $(FLOOR_TESTS)
 
-# On one CUDA GPU, never in CI: STAGE=tests|job|bench|plan|all (README: GPU check). On the device there is no .venv:
-#   source .gpu-kit/activate.sh && make gpu-check STAGE=tests PY=python3
+# On one CUDA GPU, never in CI: STAGE=all (at most 8 minutes) or one of tests|job|bench-moe|bench-dense|plan
+# (docs/gpu-check.md). On the device there is no .venv:
+#   source .gpu-kit/activate.sh && make gpu-check STAGE=all PY=python3
 # No install prerequisite, so it runs on whatever PY is (the kit's site). GPU_CHECK_ARGS=--dry-run runs anywhere.
 gpu-check:
 	$(PY) bench/gpu_check.py --stage $(STAGE) $(GPU_CHECK_ARGS)

@@ -1,37 +1,46 @@
-"""`make gpu-check STAGE=tests|job|bench|plan`: what rayft must show on one CUDA GPU, as stages that each fit one
-device command (<= 10 minutes; all four <= 20). Never runs in CI; `--dry-run` is the part that runs anywhere.
+"""`make gpu-check STAGE=all`: what rayft must show on one CUDA GPU, as stages that together take at most 8 minutes
+of device commands on one H100 (`all` runs them in order as one command). Never runs in CI; `--dry-run` is the part
+that runs anywhere.
 
-  tests  `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral and the
-         hub-layout Mistral-Small-4 through grouped_mm), the fused loss's two branches, sharded loading onto the
-         GPU, checkpoint save + exact resume, MFU/memory metrics          → bench/results/gpu_tests_gpu.json
-  job    `pytest -m "gpu and ray"`: a real `ray job submit` on a local Ray head with one GPU, NCCL, a checkpoint
-         every step, then the same job stopped and run again (continues), final/ present
-                                                                          → bench/results/gpu_job_gpu.json
-  bench  bench/train_vs_trl.py --size gpu: dense 8B rayft vs TRL SFTTrainer (alternating) + the scaled
-         Mistral-Small-4 through rayft; then `plan`                       → bench/results/train_vs_trl_gpu.json
-  plan   `rayft plan` for the bench's two configs against the peak GPU memory the bench measured
-                                                                          → bench/results/plan_gpu.json
+  tests        `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral
+               and the hub-layout Mistral-Small-4 through grouped_mm), expert LoRA in bf16, the compiled FP8
+               dequantisation, the fused loss's two branches, sharded loading onto the GPU, checkpoint save + exact
+               resume, MFU/memory metrics                        → bench/results/gpu_tests_gpu.json
+  job          `pytest -m "gpu and ray"`: one real `ray job submit` on a local Ray head with one GPU, NCCL, a
+               checkpoint and an eval every step, final/ present  → bench/results/gpu_job_gpu.json
+  bench-moe    bench/train_vs_trl.py --size gpu, MoE part: Mistral-Small-4's shapes (2 of its layers, FP8 base)
+               through rayft                                      → bench/results/train_vs_trl_gpu.json
+  bench-dense  the dense part: Ministral-8B's shapes (12 of its layers), rayft vs TRL SFTTrainer
+                                                                  → bench/results/train_vs_trl_gpu.json (merged)
+  plan         `rayft plan` for the bench's two configs against the peak GPU memory the bench measured (CPU only)
+                                                                  → bench/results/plan_gpu.json
 
-Every result file also lands in $OUT when that is set (the device tool brings back only what is under $OUT).
+Each stage is cut at its deadline (with `all`: the sum of the budgets so far, so time one stage leaves is the next
+one's) and writes its result file as it ends, cut or not; bench/results/gpu_check_gpu.json says after every stage
+which stages finished, which was cut and which was running, so a device command cut short still reports what
+finished. Every result file also lands in $OUT when that is set (the device tool brings back only what is under $OUT).
 
-    python bench/gpu_check.py --stage tests|job|bench|plan|all [--bench-parts dense,moe]
-    python bench/gpu_check.py --dry-run [--toy]   # anywhere: commands, settings, configs, planner, the kit;
+    python bench/gpu_check.py --stage tests|job|bench-moe|bench-dense|plan|all [--no-cut]
+    python bench/gpu_check.py --dry-run [--toy]   # anywhere: the plan (budgets, commands), configs, planner, kit;
                                                   # --toy also runs the bench and the plan at toy size on CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -42,26 +51,34 @@ PLAN_TOLERANCE = 0.10  # acceptance: the planner within 10% of the measured peak
 # The device has no network: libraries that would ask the hub first must not wait for a timeout.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+TOTAL_BUDGET_S = 8 * 60  # all stages, so that one device loan (machine start included) holds the whole check
+COMMAND_LIMIT_S = 10 * 60  # what the device allows one command
+CUT_GRACE_S = 15  # between the interrupt at a deadline and the kill: pytest writes its report, fixtures stop Ray
+SUMMARY = "gpu_check_gpu.json"
+BENCH_RESULT = "train_vs_trl_gpu.json"  # both bench parts' numbers, merged
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
-    budget_s: int  # what the stage may take on one H100/H200 (the device allows 600 s per command)
+    budget_s: int  # what the stage may take on one H100; a stage on the GPU is cut there
     result: str
     what: str
+    bench_part: str | None = None  # the bench stages: which part of bench/train_vs_trl.py --size gpu
 
 
 STAGES = {
     s.name: s
     for s in (
-        Stage("tests", 240, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
-        Stage("job", 300, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (ray job submit on a 1-GPU local Ray head)"),
-        Stage("bench", 570, "train_vs_trl_gpu.json", "dense 8B rayft vs TRL + scaled Mistral-Small-4, then plan"),
-        Stage("plan", 60, "plan_gpu.json", "rayft plan for the bench configs vs the measured peak GPU memory"),
+        Stage("tests", 150, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
+        Stage("job", 90, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (one ray job submit, 1-GPU local Ray head)"),
+        Stage("bench-moe", 100, BENCH_RESULT, "scaled Mistral-Small-4, FP8 base, through rayft", "moe"),
+        Stage("bench-dense", 110, BENCH_RESULT, "dense Mistral, 8B shapes: rayft vs TRL", "dense"),
+        Stage("plan", 30, "plan_gpu.json", "rayft plan for the bench configs vs the measured peak GPU memory"),
     )
 }
-assert sum(s.budget_s for s in STAGES.values()) <= 20 * 60 and all(s.budget_s <= 600 for s in STAGES.values())
+assert sum(s.budget_s for s in STAGES.values()) <= TOTAL_BUDGET_S
+assert all(s.budget_s <= COMMAND_LIMIT_S for s in STAGES.values())
 
 
 def pytest_command(marker: str, junit: Path) -> list[str]:
@@ -91,8 +108,9 @@ def commands(stage: str, toy: bool = False) -> list[list[str]]:
         return [pytest_command("gpu and not ray", RESULTS / "gpu_tests_gpu.xml")]
     if stage == "job":
         return [pytest_command("gpu and ray", RESULTS / "gpu_job_gpu.xml")]
-    if stage == "bench":
-        return [bench_command("gpu-toy" if toy else "gpu", RESULTS / STAGES["bench"].result)]
+    if STAGES[stage].bench_part:
+        directory = TOY_RESULTS if toy else RESULTS
+        return [bench_command("gpu-toy" if toy else "gpu", part_file(directory, STAGES[stage].bench_part))]
     return [
         [
             sys.executable,
@@ -107,6 +125,59 @@ def commands(stage: str, toy: bool = False) -> list[list[str]]:
             "<h100|h200>",
         ]
     ]
+
+
+def part_file(directory: Path, part: str) -> Path:
+    """Where one bench part writes its numbers alone, before they are merged into `BENCH_RESULT`."""
+    return directory / BENCH_RESULT.replace(".json", f"-{part}.json")
+
+
+def deadlines(stages: list[str], start: float) -> dict[str, float]:
+    """When each stage is cut (`time.monotonic()`): at the sum of the budgets up to and including its own, so a
+    stage may use what the ones before it left, and the whole never runs past its total."""
+    out, end = {}, start
+    for name in stages:
+        end += STAGES[name].budget_s
+        out[name] = end
+    return out
+
+
+class Ended(NamedTuple):
+    rc: int
+    cut: bool  # it ran into its deadline
+
+
+def run_until(command: list[str], deadline: float | None, env: dict | None = None, quiet: bool = False) -> Ended:
+    """`command` in its own process group; if it runs into `deadline`, interrupted `CUT_GRACE_S` before it (SIGINT:
+    pytest still writes its JUnit report, fixtures stop their Ray head, the bench's runs end) and killed at it. A
+    Ctrl-C here is passed on to the group the same way."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL if quiet else None)  # fmt: skip
+    try:
+        if deadline is None:
+            return Ended(proc.wait(), cut=False)
+        try:
+            return Ended(proc.wait(timeout=max(0.0, deadline - CUT_GRACE_S - time.monotonic())), cut=False)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGINT, command)
+        try:
+            return Ended(proc.wait(timeout=max(0.0, deadline - time.monotonic())), cut=True)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL, command)
+        return Ended(proc.wait(), cut=True)
+    except KeyboardInterrupt:
+        _signal_group(proc, signal.SIGINT, command)
+        try:
+            proc.wait(timeout=CUT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL, command)
+        raise
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals, command: list[str]) -> None:
+    print(f"gpu-check: {sig.name} to `{shlex.join(command[1:4])} …`", file=sys.stderr)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -173,53 +244,59 @@ def stage_outcome(rc: int, summary: dict) -> tuple[int, str | None]:
     return rc, None
 
 
-def run_pytest_stage(stage: str) -> int:
+def run_pytest_stage(stage: str, deadline: float | None = None) -> Ended:
     (command,) = commands(stage)
     junit = Path(command[-2].removeprefix("--junitxml="))
     junit.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    rc = subprocess.run(command, cwd=REPO).returncode
+    ended = run_until(command, deadline)
     summary = junit_summary(junit)
     report = {
         **facts(),
         "stage": stage,
         "command": " ".join(command),
-        "exit_code": rc,
+        "budget_s": STAGES[stage].budget_s,
+        "cut_at_deadline": ended.cut,
         "wall_s": round(time.time() - started, 1),
         **summary,
     }
-    rc, note = stage_outcome(rc, summary)
+    rc, note = stage_outcome(ended.rc, summary)
     report["exit_code"] = rc
-    if note:
-        report["note"] = note
+    if note or ended.cut:
+        report["note"] = "cut at its deadline: the tests after the last one reported did not run" if ended.cut else note
     junit.unlink(missing_ok=True)
     path = save(STAGES[stage].result, report)
     print(
         f"gpu-check {stage}: {summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
-        f"{summary.get('error', 0)} errors, {summary.get('skipped', 0)} skipped in {report['wall_s']} s → {path}"
+        f"{summary.get('error', 0)} errors, {summary.get('skipped', 0)} skipped in {report['wall_s']} s"
+        f"{' (cut at its deadline)' if ended.cut else ''} → {path}"
     )
-    return rc
+    return Ended(rc, ended.cut)
 
 
-def run_bench(toy: bool, parts: str) -> int:
-    """The bench (toy: on CPU, results to a temp dir, never to bench/results), then the plan against it."""
-    out = (TOY_RESULTS if toy else RESULTS) / STAGES["bench"].result
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (command,) = commands("bench", toy)
-    command[-1] = str(out)
-    env = {**os.environ, "RAYFT_BENCH_PARTS": parts, "RAYFT_BENCH_PARTIAL": str(out)}
-    earlier = json.loads(out.read_text()) if out.exists() else {}
-    rc = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL if toy else None).returncode
-    if out.exists():
-        report = merge_parts(json.loads(out.read_text()), earlier)
+def run_bench_part(stage: str, deadline: float | None = None, toy: bool = False) -> Ended:
+    """One part of the bench in its own process, merged into the bench's report beside the other part's numbers
+    (toy: on CPU, results to a temp dir, never to bench/results)."""
+    part = STAGES[stage].bench_part
+    report_file = (TOY_RESULTS if toy else RESULTS) / BENCH_RESULT
+    fresh = part_file(report_file.parent, part)
+    fresh.parent.mkdir(parents=True, exist_ok=True)
+    fresh.unlink(missing_ok=True)
+    (command,) = commands(stage, toy)
+    ended = run_until(command, deadline, {**os.environ, "RAYFT_BENCH_PARTS": part}, quiet=toy)
+    if fresh.exists():
+        earlier = json.loads(report_file.read_text()) if report_file.exists() else {}
+        report = merge_parts(json.loads(fresh.read_text()), earlier)
         report.setdefault("versions", {}).update(facts()["versions"])
-        save(out.name, report, out.parent)
+        save(report_file.name, report, report_file.parent)
+        fresh.unlink()
         print_bench(report)
-    return rc or run_plan(out)
+    return ended
 
 
 def merge_parts(report: dict, earlier: dict) -> dict:
-    """A bench split over two device commands (`--bench-parts dense`, then `moe`): one report with both parts."""
+    """The bench's parts run as stages of their own: one report with both (the other part's numbers taken from
+    the report so far, when they were measured on the same GPU)."""
     from train_vs_trl import acceptance
 
     same_gpu = (earlier.get("gpu") or {}).get("name") == (report.get("gpu") or {}).get("name")
@@ -239,10 +316,10 @@ def print_bench(report: dict) -> None:
         for system in ("rayft", "baseline"):
             d = dense[system]
             lines.append(
-                f"  dense 8B {system:8s} {d['tokens_per_s']:>10,.0f} tok/s  MFU(LoRA) {_pct(d['mfu_lora'])}  "
+                f"  dense {system:8s} {d['tokens_per_s']:>10,.0f} tok/s  MFU(LoRA) {_pct(d['mfu_lora'])}  "
                 f"MFU(6N) {_pct(d['mfu_6n'])}  peak GPU {d.get('peak_gpu_reserved_gib', '-')} GiB reserved"
             )
-        lines.append(f"  dense 8B rayft / TRL tokens/s: {dense['ratio_tokens_per_s']:.2f}x")
+        lines.append(f"  dense rayft / TRL tokens/s: {dense['ratio_tokens_per_s']:.2f}x")
     if moe:
         m = moe["rayft"]
         lines.append(
@@ -292,7 +369,7 @@ def run_plan(bench_file: Path) -> int:
     from rayft.plan import meta_structure, plan_memory
 
     if not bench_file.exists():
-        print(f"gpu-check plan: no {bench_file}: run STAGE=bench first (or carry its result)", file=sys.stderr)
+        print(f"gpu-check plan: no {bench_file}: run the bench stages first (or carry its result)", file=sys.stderr)
         return 2
     bench = json.loads(bench_file.read_text())
     gpu_name = (bench.get("gpu") or {}).get("name", "")
@@ -365,8 +442,9 @@ def kit_status() -> dict:
 
 
 def dry_run(toy: bool) -> int:
-    """Commands, budgets and settings of every stage; the bench configs built and validated; the planner's
-    estimates for them on H100 and H200; the kit. With --toy, the bench and plan code at toy size on CPU."""
+    """The plan (every stage's budget, deadline and commands, and the total); the bench configs built and
+    validated; the planner's estimates for them on H100 and H200; the kit. With --toy, the bench and plan code at
+    toy size on CPU."""
     import torch
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -376,13 +454,20 @@ def dry_run(toy: bool) -> int:
     from rayft.plan import meta_structure, plan_memory
 
     print(f"gpu-check dry run: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    for stage in STAGES.values():
-        print(f"stage {stage.name} (budget {stage.budget_s / 60:.1f} min): {stage.what}")
-        for command in commands(stage.name):
-            print("   $ " + shlex.join(command).replace(sys.executable, "python").replace(str(REPO) + "/", ""))
-        print(f"   → bench/results/{stage.result}")
+    print("plan on one H100 (`--stage all`: one command, these stages in this order; a stage on the GPU still")
+    print("running when its time is up is cut, and every stage writes its result as it ends):")
+    for stage, deadline in deadlines(list(STAGES), 0.0).items():
+        budget = STAGES[stage].budget_s
+        print(f"stage {stage} (budget {budget} s, done by {deadline / 60:.1f} min): {STAGES[stage].what}")
+        for command in commands(stage):
+            env = f"RAYFT_BENCH_PARTS={STAGES[stage].bench_part} " if STAGES[stage].bench_part else ""
+            print("   $ " + env + shlex.join(command).replace(sys.executable, "python").replace(str(REPO) + "/", ""))
+        print(f"   → bench/results/{STAGES[stage].result}")
     total = sum(s.budget_s for s in STAGES.values())
-    print(f"total budget {total / 60:.1f} min (device: 10 min per command)")
+    print(
+        f"total budget {total} s = {total / 60:.1f} min (at most {TOTAL_BUDGET_S / 60:.0f}; the device: "
+        f"{COMMAND_LIMIT_S / 60:.0f} min per command); progress after every stage → bench/results/{SUMMARY}"
+    )
     s = GPU_SIZES["gpu"]
     root = Path("/tmp/rayft-gpu-bench")
     for kind in ("dense", "moe"):
@@ -403,7 +488,40 @@ def dry_run(toy: bool) -> int:
     if not toy:
         return 0
     print("toy bench on CPU (bench/train_vs_trl.py --size gpu-toy) ...")
-    return run_bench(toy=True, parts="dense,moe")
+    ended = [run_bench_part(stage, toy=True) for stage in STAGES if STAGES[stage].bench_part]
+    if any(e.rc for e in ended):
+        return 1
+    return run_plan(TOY_RESULTS / BENCH_RESULT)
+
+
+def run_stage(stage: str, deadline: float | None) -> Ended:
+    if stage in ("tests", "job"):
+        return run_pytest_stage(stage, deadline)
+    if STAGES[stage].bench_part:
+        return run_bench_part(stage, deadline)
+    return Ended(run_plan(RESULTS / BENCH_RESULT), cut=False)  # on the CPU, in seconds: never cut
+
+
+def run_stages(stages: list[str], cut: bool) -> int:
+    """The stages in turn, each cut at its deadline unless `cut` is off. bench/results/gpu_check_gpu.json is
+    rewritten as each stage starts and ends (which finished, cut or not, and which is running), so a device command
+    cut short still says how far it got."""
+    started = time.monotonic()
+    until = deadlines(stages, started) if cut else dict.fromkeys(stages)
+    progress = {**facts(), "stages": {s: {"budget_s": STAGES[s].budget_s} for s in stages},
+                "total_budget_s": sum(STAGES[s].budget_s for s in stages), "running": None}  # fmt: skip
+    failed = False
+    for stage in stages:
+        progress["running"] = stage
+        save(SUMMARY, progress)
+        began = time.monotonic()
+        ended = run_stage(stage, until[stage])
+        progress["stages"][stage].update(exit_code=ended.rc, cut_at_deadline=ended.cut,
+                                         wall_s=round(time.monotonic() - began, 1))  # fmt: skip
+        failed = failed or ended.rc != 0 or ended.cut
+    progress.update(running=None, wall_s=round(time.monotonic() - started, 1))
+    save(SUMMARY, progress)
+    return int(failed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="tests")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: print and check what the stages would run")
     parser.add_argument("--toy", action="store_true", help="with --dry-run: run the bench and plan at toy size on CPU")
-    parser.add_argument("--bench-parts", default="dense,moe", help="bench: dense, moe or both (split if over time)")
+    parser.add_argument("--no-cut", action="store_true", help="let each stage run past its budget (one stage alone)")
     args = parser.parse_args(argv)
     os.environ.update(OFFLINE)  # inherited by every stage's processes
     if args.dry_run:
@@ -421,18 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU here; run it on the device (README: GPU check) or use --dry-run", file=sys.stderr)
         return 2
-    stages = list(STAGES) if args.stage == "all" else [args.stage]
-    if "bench" in stages and "plan" in stages:
-        stages.remove("plan")  # the bench stage ends with the plan
-    rc = 0
-    for stage in stages:
-        if stage in ("tests", "job"):
-            rc = run_pytest_stage(stage) or rc
-        elif stage == "bench":
-            rc = run_bench(toy=False, parts=args.bench_parts) or rc
-        else:
-            rc = run_plan(RESULTS / STAGES["bench"].result) or rc
-    return rc
+    return run_stages(list(STAGES) if args.stage == "all" else [args.stage], cut=not args.no_cut)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
 EXPERT_DEQUANT_BUDGET = 2**28  # elements of routed-expert weights dequantised at once (512 MiB in bf16)
+GROUPED_MM_ALIGNMENT = 16  # bytes: grouped_mm needs every operand's strides a multiple of this
 
 
 def storage_block(columns: int, block: int | None) -> int | None:
@@ -446,9 +447,22 @@ class Fp8Experts(nn.Module):
         for lhs, rhs, scaling in self.lora_factors.get(name, ()):
             # ΔW = s·lhs·rhs in the weight's layout: x·ΔWᵀ = s·(x·rhsᵀ)·lhsᵀ, or transposed x·ΔW = s·(x·lhs)·rhs
             first, second = (lhs, rhs) if self.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-            down = F.grouped_mm(x.to(out.dtype).contiguous(), first.to(out.dtype).contiguous(), offs=offs)
-            out = out + scaling * F.grouped_mm(down, second.to(out.dtype).contiguous(), offs=offs)
+            first, second = _rank_aligned(first.to(out.dtype), second.to(out.dtype))
+            down = F.grouped_mm(x.to(out.dtype).contiguous(), first.contiguous(), offs=offs)
+            out = out + scaling * F.grouped_mm(down, second.contiguous(), offs=offs)
         return out
+
+
+def _rank_aligned(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LoRA factors `first` `[E, in, r]` and `second` `[E, r, out]` with the rank padded with zeros to a
+    multiple of `GROUPED_MM_ALIGNMENT` bytes: the low-rank activations x·first are `r` wide, and grouped_mm refuses
+    rows whose stride is not aligned (a bf16 row of rank 4 is 8 bytes). The padded columns of `first` and rows of
+    `second` are zero, so they add exact zeros to every sum; the pad's backward slices the gradient back to the
+    factors' own shape, so only the real factors are trained."""
+    pad = -first.shape[-1] % (GROUPED_MM_ALIGNMENT // first.element_size())
+    if not pad:
+        return first, second
+    return F.pad(first, (0, pad)), F.pad(second, (0, 0, 0, pad))
 
 
 class Fp8ParamWrapper(ParamWrapper):

@@ -6,8 +6,11 @@ import importlib.util
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO
@@ -138,23 +141,35 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     assert startup["ratio_ok"] == (startup["ratio_rayft_over_trl"] <= 1.5)
 
 
+GPU_CHECK_MAX_MIN = 8  # what one device loan leaves for the check's commands once the machine has started
+
+
+def dry_run_budgets(out: str) -> dict[str, float]:
+    """Each stage's budget in minutes, read from the dry run's `stage NAME (budget N s|min` lines."""
+    found = re.findall(r"^stage (\S+) \(budget ([\d.]+) (s|min)\b", out, re.M)
+    return {name: float(value) / (60 if unit == "s" else 1) for name, value, unit in found}
+
+
 def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
     """`make gpu-check GPU_CHECK_ARGS=--dry-run` (what runs without a GPU, through the Makefile target the device
-    runs): each stage with its command and budget within the device's limits, both bench configs accepted by
-    rayft's config and planned on the meta device; without --dry-run on a machine with no GPU it refuses with
-    exit 2 instead of reporting empty results."""
+    runs): the plan, each stage with its command and budget, all of them together within the minutes a device loan
+    leaves (summed here from the stage lines); both bench configs accepted by rayft's config and planned on the meta
+    device; without --dry-run on a machine with no GPU it refuses with exit 2 instead of reporting empty results."""
     result = subprocess.run(
         ["make", "--no-print-directory", "gpu-check", "GPU_CHECK_ARGS=--dry-run", f"PY={sys.executable}"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    for stage in ("tests", "job", "bench", "plan"):
-        assert f"stage {stage} (budget" in out, out
+    budgets = dry_run_budgets(out)
+    total = sum(budgets.values())
+    assert budgets and total <= GPU_CHECK_MAX_MIN, f"the stages' budgets add up to {total:.1f} min: {budgets}"
+    assert list(budgets) == ["tests", "job", "bench-moe", "bench-dense", "plan"], out
+    assert f"total budget {round(total * 60)} s" in out, out
     assert "-m 'gpu and not ray'" in out and "-m 'gpu and ray'" in out and "--size gpu" in out
-    assert "total budget 19.5 min" in out
-    assert "bench config dense: MistralForCausalLM, 8.02B params" in out, out
-    assert "bench config moe: Mistral4ForCausalLM" in out and "gpu kit: {" in out, out
+    assert "RAYFT_BENCH_PARTS=moe" in out and "RAYFT_BENCH_PARTS=dense" in out
+    assert "bench config dense: MistralForCausalLM, 3.39B params" in out, out
+    assert "bench config moe: Mistral4ForCausalLM, 7.62B params" in out and "gpu kit: {" in out, out
 
     import torch
 
@@ -162,6 +177,32 @@ def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
         refused = subprocess.run([sys.executable, "bench/gpu_check.py", "--stage", "tests"], capture_output=True,
                                  text=True, timeout=120, cwd=REPO)  # fmt: skip
         assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr, refused.stderr
+
+
+def test_gpu_check_cuts_a_stage_at_its_deadline(tmp_path, monkeypatch):
+    """Each stage ends by the sum of the budgets up to its own. A command still running at its deadline is
+    interrupted in time to write what it has (SIGINT, as pytest writes its JUnit report) and reported as cut; one
+    that ignores the interrupt is killed at the deadline; one that ends in time is not cut."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+    from gpu_check import STAGES, deadlines, run_until
+
+    tests, job = STAGES["tests"].budget_s, STAGES["job"].budget_s
+    assert deadlines(["tests", "job"], 100.0) == {"tests": 100.0 + tests, "job": 100.0 + tests + job}
+    monkeypatch.setattr(gpu_check, "CUT_GRACE_S", 1.0)
+    wrote = tmp_path / "interrupted"
+    interrupted = (
+        "import sys, time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+        f"    open({str(wrote)!r}, 'w').write('partial result')\n    sys.exit(2)"
+    )
+    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    started = time.monotonic()
+    assert run_until([sys.executable, "-c", interrupted], started + 3) == (2, True)
+    assert wrote.read_text() == "partial result" and time.monotonic() - started < 3
+    started = time.monotonic()
+    assert run_until([sys.executable, "-c", stubborn], started + 3) == (-signal.SIGKILL, True)
+    assert 3 <= time.monotonic() - started < 10
+    assert run_until([sys.executable, "-c", "pass"], time.monotonic() + 30) == (0, False)
 
 
 def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):

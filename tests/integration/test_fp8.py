@@ -26,15 +26,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import GptOssForCausalLM, Mistral4Config, Mistral4ForCausalLM, MistralConfig, MistralForCausalLM
 
-from rayft.config import Config, ConfigError
+from rayft.config import Config, ConfigError, LoraConfig
 from rayft.model import fp8 as fp8_module
 from rayft.model.fp8 import Fp8Experts, Fp8Linear, adopt_lora_, fused_dequantization, to_fp8_
+from rayft.model.lora import wrap
 
 STEPS = 5
 E4M3_MAX = 448.0
 
 
-def _tiny(arch: str) -> nn.Module:
+def _tiny(arch: str, **overrides) -> nn.Module:
+    """A 2-layer model of `arch` in fp32; `overrides`: config fields of an MoE one."""
     torch.manual_seed(0)
     if arch == "dense":
         config = MistralConfig(
@@ -43,18 +45,19 @@ def _tiny(arch: str) -> nn.Module:
         )  # fmt: skip
         return MistralForCausalLM(config).float()
     if arch == "gpt_oss":  # transposed, biased experts, interleaved gate/up; a limit low enough that it clamps
-        config = tiny_moe_config("gpt_oss", hidden_size=64, intermediate_size=32, vocab_size=512, swiglu_limit=0.05)
+        fields = {"hidden_size": 64, "intermediate_size": 32, "vocab_size": 512, "swiglu_limit": 0.05, **overrides}
+        config = tiny_moe_config("gpt_oss", **fields)
         return GptOssForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
-    config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 512})
+    config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 512, **overrides})
     return Mistral4ForCausalLM._from_config(config, dtype=torch.float32, experts_implementation="grouped_mm")
 
 
-def _fp8_and_reference(arch: str) -> tuple[nn.Module, nn.Module]:
+def _fp8_and_reference(arch: str, **overrides) -> tuple[nn.Module, nn.Module]:
     """(the model with its decoder in FP8, the same model in fp32 holding the dequantised weights); `<arch>-block16`:
-    scales per row and 16-wide column block (as a block-wise checkpoint's are kept)."""
+    scales per row and 16-wide column block (as a block-wise checkpoint's are kept); `overrides`: `_tiny`'s."""
     arch, _, blocks = arch.partition("-block")
     block = int(blocks) if blocks else None
-    reference = _tiny(arch)
+    reference = _tiny(arch, **overrides)
     fp8 = copy.deepcopy(reference)
     assert to_fp8_(list(fp8.model.layers), torch.float32, block) > 0
     swapped = dict(fp8.named_modules())
@@ -229,6 +232,52 @@ def test_peft_lora_on_the_fp8_base_trains_like_the_dequantised_reference(arch):
     for got, want in zip(runs["fp8_grads"], runs["reference_grads"], strict=True):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest deviation relative to the reference's largest magnitude: bf16's rounding shows as a few 1e-3."""
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["mistral4", "gpt_oss"])
+@pytest.mark.parametrize("rank", [4, 6])
+def test_expert_lora_of_any_rank_runs_in_bf16_like_the_fp32_per_expert_loop(rank, arch, device):
+    """`lora.target_experts` with a rank whose bf16 rows are not 16 bytes wide (grouped_mm's stride alignment) on
+    the FP8 experts in bf16: output and the expert LoRA factors' gradients are those of transformers' eager experts
+    (one dense matmul per expert) in fp32 on the dequantised weights, PEFT adding the same factors to them. The
+    dequantisation stays eager: compiling it is another test's subject."""
+    # GPT-OSS's own clamp (7): the tests' 0.05 clamps most gate values, and a bf16 rounding across it flips whether
+    # a gradient passes, which says nothing about the LoRA.
+    fp8, reference = _fp8_and_reference(arch, **({"swiglu_limit": 7.0} if arch == "gpt_oss" else {}))
+    reference.set_experts_implementation("eager")
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_experts=True)
+    (fp8, _), (reference, _) = wrap(fp8, lora), wrap(reference, lora)
+    adopt_lora_(fp8)
+    experts, experts_ref = (m.base_model.model.model.layers[0].mlp.experts for m in (fp8, reference))
+    factors = [(n, p) for n, p in experts.named_parameters() if p.requires_grad]
+    factors_ref = [(n, p) for n, p in experts_ref.named_parameters() if p.requires_grad]
+    assert [n for n, _ in factors] == [n for n, _ in factors_ref] and len(factors) == 4  # A and B of both weights
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(factors, factors_ref, strict=True):
+            q.normal_(std=0.5) if "lora_B" in name else None  # B = 0 would hide A's gradient and the update
+            p.copy_(q)
+    experts.to(device), experts_ref.to(device)
+    generator = torch.Generator().manual_seed(0)
+    top_k = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [0, 7], [1, 6], [3, 4], [1, 2], [5, 0]], device=device)
+    weights = torch.rand(9, 2, generator=generator).to(device)
+    hidden = torch.randn(9, 64, generator=generator).to(device, torch.bfloat16)
+    probe = torch.randn(9, 64, generator=generator).to(device)
+    with fused_dequantization(device, False):
+        out = experts(hidden, top_k, weights.bfloat16())
+        assert out.dtype == torch.bfloat16
+        (out.float() * probe).sum().backward()
+    want = experts_ref(hidden.float(), top_k, weights)
+    (want * probe).sum().backward()
+    assert _relative_error(out, want.detach()) < 2e-2
+    for (name, p), (_, q) in zip(factors, factors_ref, strict=True):
+        assert p.grad.shape == q.grad.shape and q.grad.abs().sum() > 0, name
+        assert _relative_error(p.grad, q.grad) < 2e-2, name
 
 
 def test_frozen_dtype_is_checked_with_the_key_named():

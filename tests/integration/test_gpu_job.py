@@ -1,8 +1,10 @@
-"""The tiny job through a real `ray job submit` on one GPU (`make gpu-check STAGE=job`): a local Ray head with
-`--num-gpus 1`, `ray.use_gpu: true`, one worker on NCCL, FSDP2 in bf16, a checkpoint every step. Then the same
-job stopped after 3 steps and run again (same `ray.name`): it continues from its checkpoint, kill-free, and ends
-with the uninterrupted run's losses and adapter. The CUDA case is marked `gpu` (skipped with "needs CUDA" where
-there is no GPU); the same test runs on a CPU-only head in CI, so its fixtures and job settings cannot rot.
+"""The tiny job through one real `ray job submit` on one GPU (`make gpu-check STAGE=job`): a local Ray head with
+`--num-gpus 1`, `ray.use_gpu: true`, one worker on NCCL, FSDP2 in bf16, a checkpoint and an eval every step, the GPU's
+fields in every metrics row, the final adapter. One job, so that the stage fits the GPU check's minutes: a rerun
+continuing from its checkpoint is the same code on either device (`test_recovery.py` kills and reruns jobs on CPU
+heads), and resuming exactly on the GPU is `test_gpu.py`'s checkpoint test. The CUDA case is marked `gpu` (skipped
+with "needs CUDA" where there is no GPU); the same test runs on a CPU-only head in CI, so its fixtures and job
+settings cannot rot.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import torch
 from conftest import (
     RAY_BIN,
     STEPS,
@@ -31,12 +32,10 @@ from conftest import (
 )
 from fixtures.cluster import stop_group, wait_for_dashboard, wait_for_nodes
 from fixtures.devices import DEVICES
-from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.ray]
 
-RUN_NAME = "gpu_run"  # the same for the stopped job and its rerun: that is what makes the rerun continue
-TOLERANCE = 1e-5  # eager attention, fixed shapes: the GPU run repeats itself to float rounding
+RUN_NAME = "gpu_run"
 
 
 def ray_cli() -> str:
@@ -91,16 +90,13 @@ def gpu_cluster(request) -> Head:
         log.unlink(missing_ok=True)
 
 
-def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, cuda: bool, **overrides) -> dict:
+def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, cuda: bool) -> dict:
     """The test suite's checkpointing job (6 steps, save + eval every step, dropout on) on one GPU worker (or one
-    CPU worker), bf16; a constant LR, so a run stopped early by max_steps trains its steps exactly as the full run
-    does."""
-    cfg = checkpointing_config(
+    CPU worker), bf16."""
+    return checkpointing_config(
         fixtures, out, ray__use_gpu=cuda, ray__num_workers=1, ray__placement_strategy="PACK", ray__max_failures=0,
-        ray__name=RUN_NAME, ray__storage_path=str(storage), train__bf16=True, train__lr_scheduler_type="constant",
-        train__warmup_ratio=0.0, model__attn_implementation="eager", **overrides,
+        ray__name=RUN_NAME, ray__storage_path=str(storage), train__bf16=True,
     )  # fmt: skip
-    return cfg
 
 
 def submit(cluster: RayCluster, cfg: dict, out: Path, log: str) -> tuple[Run, str]:
@@ -119,14 +115,14 @@ def metrics(storage: Path) -> list[dict]:
     return [r for r in map(json.loads, rows) if "loss" in r]
 
 
-def test_gpu_job_checkpoints_every_step_and_a_rerun_continues_exactly(gpu_cluster, fixtures: Fixtures, tmp_path):
+def test_gpu_job_checkpoints_and_evaluates_every_step(gpu_cluster, fixtures: Fixtures, tmp_path):
     cluster, cuda = gpu_cluster
-    ref_out, ref_storage = tmp_path / "reference", tmp_path / "reference-storage"
-    _, text = submit(cluster, gpu_job_config(fixtures, ref_out, ref_storage, cuda), ref_out, "reference")
+    out, storage = tmp_path / "out", tmp_path / "storage"
+    _, text = submit(cluster, gpu_job_config(fixtures, out, storage, cuda), out, "job")
     assert f"1 workers ({'GPU' if cuda else 'CPU'})" in text, text[-6000:]
-    reference = metrics(ref_storage)
-    assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
-    for row in reference:  # what the GPU adds to every metrics row (on CPU: no peak, no device memory)
+    rows = metrics(storage)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:  # what the GPU adds to every metrics row (on CPU: no peak, no device memory)
         assert row["eval_loss"] is not None, row
         if not cuda:
             assert row["mfu_lora"] is None and row["memory_allocated_gib"] is None, row
@@ -134,25 +130,7 @@ def test_gpu_job_checkpoints_every_step_and_a_rerun_continues_exactly(gpu_cluste
         assert row["mfu_lora"] is not None and 0 < row["mfu_lora"] < row["mfu_6n"] < 1, row
         assert 0 < row["memory_allocated_gib"] <= row["memory_reserved_gib"], row
         assert row["peak_tflops"], row
-    snapshot = json.loads((ref_storage / RUN_NAME / "checkpoint_manager_snapshot.json").read_text())
+    snapshot = json.loads((storage / RUN_NAME / "checkpoint_manager_snapshot.json").read_text())
     kept = {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
     assert f"checkpoint-{STEPS:06d}" in kept and len(kept) <= 3, kept  # 2 best + the latest
-    assert (ref_out / "final" / "adapter_model.safetensors").is_file()
-    if not cuda:  # a stopped and rerun job continuing exactly on CPU: test_recovery's killed-job test, every CI run
-        return
-
-    out, storage = tmp_path / "split", tmp_path / "split-storage"
-    submit(cluster, gpu_job_config(fixtures, out, storage, cuda, train__max_steps=3), out, "first")
-    assert [r["step"] for r in metrics(storage)] == [1, 2, 3]
-    _, text = submit(cluster, gpu_job_config(fixtures, out, storage, cuda), out, "rerun")  # same ray.name
-    assert "has checkpoints: continuing that run from its latest one" in text, text[-6000:]
-    assert "resumed from" in text and "step 3" in text, text[-6000:]
-    resumed = metrics(storage)
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    for got, want in zip(resumed, reference, strict=True):
-        for key in ("loss", "eval_loss", "grad_norm", "learning_rate"):
-            assert got[key] == pytest.approx(want[key], rel=TOLERANCE, abs=TOLERANCE), (got["step"], key)
-    final, ref_final = (load_file(d / "final" / "adapter_model.safetensors") for d in (out, ref_out))
-    assert final.keys() == ref_final.keys()
-    for name, tensor in final.items():
-        assert torch.allclose(tensor, ref_final[name], rtol=TOLERANCE, atol=TOLERANCE), name
+    assert (out / "final" / "adapter_model.safetensors").is_file()
