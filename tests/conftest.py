@@ -34,8 +34,9 @@ from fixtures.cluster import (  # noqa: F401  the tests import these from confte
 
 from rayft import demo
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # two xdist workers share the cores: one thread each (before torch loads)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One thread per test process (two xdist workers share the cores), with or without xdist: comparisons of two layouts
+# (expert parallel against FSDP) then sum in the order CI sums them. Set before torch starts its thread pool.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray starts its workers at nice 15 so that its own daemons stay responsive on a busy node. In a test run the other
 # xdist worker's torch processes and every test Ray's daemons (all at nice 0) are that load: a niced job got a few
 # percent of a core, and a recovery test waited minutes for one actor notification. Every Ray a test starts, and every
