@@ -61,11 +61,17 @@ def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
     # hidden x 2 B, half to the other node
     assert float(ep[5]) == round(36 * 4 * 4096 * 4 * 4096 * 2 / 2 / 1e9, 2) == 9.66, ep
     assert ep[2] == "0.00" and ep[-1] == "comp" and float(ep[9]) < float(fsdp[9]) / 2, (ep, fsdp)
-    assert rows[("replicated", "fp8")][1] == "OOM"  # 119B params in FP8 on one H200
+    # 119B params in FP8 whole on each H200: it fits (each layer's gathered copy freed after its forward), and holds
+    # the half of the base FSDP's GPU leaves to the other
+    replicated = rows[("replicated", "fp8")]
+    assert replicated[1] == "yes" and rows[("replicated", "bf16")][1] == "OOM", replicated
+    assert abs(float(replicated[0]) - float(fsdp[0]) - 118.97e9 / 2 / 2**30) < 1.5, (replicated, fsdp)
     assert "* fastest that fits: EP 2" in two
-    # 3 nodes: no k > 1 divides both 3 workers and 128 experts, so FSDP it is, and communication-bound
+    # 3 nodes: no k > 1 divides both 3 workers and 128 experts, so no EP; FSDP is communication-bound, and the FP8
+    # base whole on each GPU (fitting as on 2 nodes) only all-reduces the LoRA gradients
     assert "EP " not in three.split("* fastest")[0]
-    assert re.search(r"^\*FSDP\s+fp8 .* comm$", three, re.M), three
+    assert re.search(r"^ FSDP\s+fp8 .* comm$", three, re.M), three
+    assert re.search(r"^\*replicated\s+fp8 .* comp$", three, re.M), three
 
 
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
