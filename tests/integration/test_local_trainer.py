@@ -4,14 +4,19 @@ the uninterrupted run ends (what Ray's restarts rely on), on the checkpointing j
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
 from conftest import STEPS, Fixtures, checkpointing_config
+from fixtures.chat import chatml_expected
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import make_tiny_moe
+from fixtures.preference import write_preference_data
 from safetensors.torch import load_file
+from test_chat_job import TRAIN, assert_adapter_saved, chat_config
+from test_dpo_job import dpo_config
 from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
 
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
@@ -117,3 +122,52 @@ def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(
     assert [r["step"] for r in again.metrics()] == [STEPS - 1, STEPS]
     assert_close_losses(again, reference, range(STEPS - 1, STEPS + 1))
     assert_close_adapters(again.out / "final", reference.out / "final")
+
+
+def test_dpo_with_a_precomputed_reference_stopped_and_continued_ends_at_the_live_reference_run(
+    fixtures: Fixtures, tmp_path: Path
+):
+    """`dpo.reference: precomputed` scores the reference log-probs in one pass and keeps them in the run; stopped dead
+    while saving its step-4 checkpoint and continued from step 2, the run reads that table back instead of scoring
+    again, and still lands on the run that scored the reference live (adapter off) every step: equal within float
+    rounding of the two passes. (That Ray restarts a killed group from its checkpoint: test_recovery.py.)"""
+    data = write_preference_data(tmp_path / "pairs", train=96, validation=16)
+    live = train_locally(dpo_config(fixtures, data, tmp_path / "live"), 2)
+    cfg = dpo_config(fixtures, data, tmp_path / "precomputed")
+    cfg["dpo"]["reference"] = "precomputed"
+    stopped = train_locally(cfg, 2, crash_saving=4)
+    assert [r["step"] for r in stopped.metrics() if "loss" in r] == [1, 2, 3] and not stopped.checkpoint(4).exists()
+    run = train_locally(cfg, 2, resume=stopped.checkpoint(2))
+    text = run.text()
+    assert resumes(text) == [2], text[-6000:]
+    assert re.search(r"reference log-probs of 96 pairs scored in [\d.]+ s", text), text[-6000:]
+    assert "reference log-probs of 96 pairs read from reference_logps.npz" in text, text[-6000:]
+    assert "scores the reference live" not in text and "reference log-probs of" not in live.text()
+    got, want = run.metrics(), live.metrics()
+    assert [r["step"] for r in got] == [r["step"] for r in want] and [r["step"] for r in got][-1] == 6
+    gaps = {
+        f"{g['step']} {key}": abs(g[key] - w[key])
+        for g, w in zip(got, want, strict=True)
+        for key in ("loss", "rewards/margins", "eval_loss")
+        if key in w
+    }
+    print("largest gap to the live reference's run:", max(gaps.items(), key=lambda kv: kv[1]))
+    assert gaps and max(gaps.values()) < 1e-5, gaps
+    a = load_file(run.out / "final" / "adapter_model.safetensors")
+    b = load_file(live.out / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_chat_template_job_uses_every_record_and_saves_the_adapter(
+    fixtures: Fixtures, smollm2: Path, tmp_path: Path, caplog
+):
+    """SmolLM2's `tokenizer.json` + chat template: the job's record pipeline (here in this process, as the driver runs
+    it) keeps every conversation with the ids an independent encoding gives, and the two ranks train and save the
+    adapter. (The tekken chat job runs through `ray job submit`: test_chat_job.py.)"""
+    caplog.set_level(logging.INFO, logger="rayft")
+    run = train_locally(chat_config(fixtures, smollm2, tmp_path, torch_dtype="float32"), 2)
+    ids, _ = chatml_expected(smollm2)
+    logs = caplog.text + run.text()
+    assert f"{TRAIN} records, {TRAIN} examples, {TRAIN * len(ids):,} tokens" in logs, logs[-6000:]
+    assert [r["step"] for r in run.metrics() if "loss" in r] == [1, 2], run.metrics()
+    assert_adapter_saved(run.out, logs)
