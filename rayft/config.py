@@ -270,6 +270,10 @@ class TrainConfig:
     # Start from a checkpoint directory (also another run's), or "latest" = insist on continuing this run.
     # A run whose storage already has checkpoints always continues from its own latest one.
     resume_from_checkpoint: str | None = None
+    # Continuing a run whose recorded settings differ from this config (rayft/train/run_settings.py): auto refuses
+    # it before anything starts; continue goes on with the new data/schedule settings (a changed model or LoRA
+    # shape is refused either way).
+    resume: str = "auto"
     # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow |
     # wandb (output_dir/wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads them).
     report_to: list[str] | None = None
@@ -623,6 +627,7 @@ class Config:
         if t.resume_from_checkpoint is not None and not t.resume_from_checkpoint.strip():
             _problem("train.resume_from_checkpoint must be a checkpoint directory, 'latest' or null")
         _one_of("train.objective", t.objective, OBJECTIVES)
+        _one_of("train.resume", t.resume, ("auto", "continue"))
 
     def check_data(self) -> None:
         d = self.data

@@ -29,6 +29,7 @@ from rayft.train.atomic import replace_dir, staging_dir
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
 from rayft.train.job import EvalJob, Job
 from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
+from rayft.train.run_settings import check_continuation, run_settings
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
 from rayft.train.schedule import Plan, make_plan
 
@@ -177,10 +178,11 @@ def _resume_source(cfg: Config, run: RunDir) -> tuple[str | None, str]:
     refuses to start over them rather than guess whether they were registered."""
     wanted = cfg.train.resume_from_checkpoint
     if run.has_registered_checkpoints():
+        check_continuation(cfg, run.settings(), run.uri)
         log.info("%s has checkpoints: continuing that run from its latest one", run.uri)
         if wanted not in (None, "latest"):
             log.warning("train.resume_from_checkpoint=%s ignored: the run continues from its own checkpoints", wanted)
-        return None, run.run_id() or run.new_run_id()
+        return None, run.run_id() or run.new_run_id(run_settings(cfg))
     if wanted == "latest":
         raise ConfigError(
             f"train.resume_from_checkpoint: latest, but {run.uri} has no checkpoint to continue from "
@@ -190,7 +192,7 @@ def _resume_source(cfg: Config, run: RunDir) -> tuple[str | None, str]:
     if wanted is not None:
         _check_checkpoint(wanted)
         log.info("starting from checkpoint %s", wanted)
-    return wanted, run.new_run_id()
+    return wanted, run.new_run_id(run_settings(cfg))
 
 
 def _refuse_unregistered(run: RunDir, wanted: str | None) -> None:

@@ -33,6 +33,8 @@ from rayft.parallel.torch_compat import check_torch
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
+from rayft.train.run_settings import check_continuation
+from rayft.train.rundir import RunDir
 
 log = logging.getLogger(__name__)
 CHAT_SAMPLE = 64  # records of each split encoded by `rayft validate` (about a second with a chat template)
@@ -79,6 +81,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
             _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
         _check_resume_source(cfg.train.resume_from_checkpoint)
+        _check_continuation(cfg)
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
         from rayft.model.build import check_fp8_storage
@@ -98,6 +101,16 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         said = (lora_rank_warning(cfg, model), _local_placement(cfg), prefix_matched_hca(cfg.nccl))
         warnings = [w for w in said if w]
     return Preflight(train, validation, records, tokenizer, targets, counts, warnings)
+
+
+def _check_continuation(cfg: Config) -> None:
+    """A local run directory holding a run this config would continue: the same model, adapter and settings (a
+    remote one is checked by the job itself, where its storage is reachable)."""
+    if is_uri(cfg.run_uri):
+        return
+    run = RunDir(cfg.run_uri)
+    if run.has_registered_checkpoints():
+        check_continuation(cfg, run.settings(), run.uri)
 
 
 def _local_placement(cfg: Config) -> str | None:

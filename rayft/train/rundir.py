@@ -72,11 +72,20 @@ class RunDir:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def new_run_id(self) -> str:
-        """Record a fresh identity for a run starting in this directory."""
+    def new_run_id(self, settings: dict[str, Any] | None = None) -> str:
+        """Record a fresh identity for a run starting in this directory, with the settings it is compared by when
+        continued (`rayft.train.run_settings`)."""
         run_id = uuid.uuid4().hex
-        self.write_file(IDENTITY, json.dumps({"run_id": run_id}).encode())
+        self.write_file(IDENTITY, json.dumps({"run_id": run_id, "settings": settings}).encode())
         return run_id
+
+    def settings(self) -> dict[str, Any] | None:
+        """The settings the run recorded as it started; None where it recorded none (an older rayft)."""
+        try:
+            settings = json.loads(self.read_file(IDENTITY)).get("settings")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return settings if isinstance(settings, dict) else None
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """The rows of metrics.jsonl; a line that does not parse (a write cut short by a crash, on a filesystem

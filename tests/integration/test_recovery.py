@@ -26,6 +26,7 @@ from conftest import (
     Run,
     checkpointing_config,
     free_port,
+    run_cli,
     write_yaml,
 )
 from safetensors.torch import load_file
@@ -309,6 +310,26 @@ def test_rerun_without_rays_registry_deletes_nothing_and_refuses(ray_cluster: Ra
     assert after == before, "a file of the run was changed or deleted"
 
 
+def test_a_changed_config_over_a_run_is_refused_before_anything_starts(reference_run: Run, tmp_path, capsys):
+    """The finished reference run's directory under a config that changed. Another learning rate would continue the
+    run from its last checkpoint with the new schedule: `rayft validate` refuses it (exit 2, one line naming the
+    change and both ways on) unless `train.resume: continue` asks for it. Another LoRA rank cannot load that
+    checkpoint at all: refused either way. The same config validates, and continues as before (the other tests)."""
+    cfg, copy = copy_of(reference_run, tmp_path / "out")
+    config = str(write_yaml(copy.out / "config.yaml", cfg))
+    assert run_cli(capsys, "validate", "--config", config).rc == 0
+    lr, rank = cfg["train"]["learning_rate"], cfg["lora"]["r"]
+    faster = ("--override", f"train.learning_rate={lr * 2}")
+    refused = run_cli(capsys, "validate", "--config", config, *faster)
+    assert refused.rc == 2 and refused.err.strip().count("\n") == 0, refused.err
+    assert f"train.learning_rate {lr!r} → {lr * 2!r}" in refused.err and "train.resume: continue" in refused.err
+    assert run_cli(capsys, "validate", "--config", config, *faster, "--override", "train.resume=continue").rc == 0
+    other_shape = run_cli(capsys, "validate", "--config", config, "--override", f"lora.r={rank * 2}",
+                          "--override", "train.resume=continue")  # fmt: skip
+    assert other_shape.rc == 2 and f"lora.r {rank} → {rank * 2}" in other_shape.err, other_shape.err
+    assert "cannot be loaded" in other_shape.err
+
+
 def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
     ray_cluster: RayCluster, reference_run: Run, tmp_path
 ):
@@ -316,7 +337,7 @@ def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
     and with two checkpoint dirs Ray never registered: one this run wrote (removed on resume), one nobody can
     prove was its (kept). The history keeps every complete row, takes the torn one back from what the resumed
     checkpoint was reported with, and goes on."""
-    cfg, copy = copy_of(reference_run, tmp_path / "out", max_steps=STEPS + 2)
+    cfg, copy = copy_of(reference_run, tmp_path / "out", max_steps=STEPS + 2, resume="continue")
     metrics = copy.run_dir / "metrics.jsonl"
     text = metrics.read_bytes()
     metrics.write_bytes(text[: text.rstrip(b"\n").rfind(b"\n") + 40])  # the step-6 row cut 40 bytes in
@@ -330,6 +351,7 @@ def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
     text = finish(run, driver)
 
     assert resumes(text) == [STEPS], text[-6000:]
+    assert f"goes on with changed settings: train.max_steps {STEPS} → {STEPS + 2}" in text, text[-6000:]
     assert f"removed {copy.run_dir}/checkpoint-000010" in text and f"kept {copy.run_dir}/checkpoint-000011" in text
     assert not ours.exists() and (unknown / "state" / ".metadata").is_file()
     want = reference_run.metrics()[: STEPS - 1]
