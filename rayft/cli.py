@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from rayft.config import Config, ConfigError, load_config
+from rayft.config import Config, ConfigError, K8sConfig, load_config
 from rayft.logs import LEVEL_ENV, verbose
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -215,7 +215,7 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     g.add_argument("--hf-home", help="k8s.hf_home: the pods' shared Hugging Face cache (default <mount>/hf-cache)")
     g.add_argument("--hf-offline", action="store_const", const=True,
                    help="k8s.hf_offline: HF_HUB_OFFLINE=1 (hub names from the pre-seeded cache only)")  # fmt: skip
-    g.add_argument("--kuberay-version", help="the operator's version (>= 1.5: deletionStrategy rules)")
+    _kuberay_flags(g)
     g.add_argument("--config-delivery", choices=["path", "inline", "working_dir"],
                    help="k8s.config_delivery: inline carries the config in the RayJob (no image rebuild)")  # fmt: skip
     g.add_argument("--working-dir", help="k8s.working_dir: runtime_env working_dir URI holding the config")
@@ -224,6 +224,17 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
     p = actions.add_parser("validate", help=about, description=about, parents=[common])
     p.add_argument("files", nargs="+", type=Path)
+    _kuberay_flags(p)
+
+
+def _kuberay_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The operator that `rayft k8s render` renders for and both subcommands validate against."""
+    p.add_argument("--kuberay-version", help="k8s.kuberay_version: the operator's version, 1.4 to 1.7 (default: the "
+                   "form every supported release accepts); the manifests use its fields and are checked against "
+                   "its CRDs")  # fmt: skip
+    p.add_argument("--kuberay-feature-gate", dest="kuberay_feature_gates", action="append", default=[],
+                   metavar="GATE", help="k8s.kuberay_feature_gates: one the operator runs with beyond its "
+                   "release's defaults (RayJobDeletionPolicy: deletion rules on KubeRay 1.5)")  # fmt: skip
 
 
 # `rayft k8s render` flags, one per field of rayft.deploy.k8s.Deployment (its default shown in the help).
@@ -323,20 +334,23 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
-    from rayft.deploy.k8s import to_yaml
+    from rayft.deploy.k8s import notes, operator, to_yaml
 
     if args.action == "validate":
+        plat = K8sConfig(kuberay_version=args.kuberay_version, kuberay_feature_gates=args.kuberay_feature_gates)
+        plat.check()
         try:
-            problems = [p for f in args.files for p in validate_file(f)]
+            problems = [p for f in args.files for p in validate_file(f, operator(plat))]
         except ManifestError as e:
             raise ConfigError(str(e)) from e
         for problem in problems:
             print(problem, file=sys.stderr)
         print(f"rayft: {len(args.files)} file(s): {'invalid' if problems else 'valid'}")
         return EXIT_CONFIG if problems else EXIT_OK
-    manifests = render_manifests(args)
+    manifests, plat = render_manifests(args)
+    kuberay = operator(plat)
     try:
-        problems = [f"{kind}: {p}" for kind, doc in manifests.items() for p in validate(doc, crd_dir())]
+        problems = [f"{kind}: {p}" for kind, doc in manifests.items() for p in validate(doc, kuberay, crd_dir(kuberay))]
     except ManifestError as e:  # a manifest not checked is not written: no silent skip
         raise ConfigError(str(e)) from e
     if problems:  # the k8s: section's objects and the patches are checked here too
@@ -344,19 +358,22 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
             "rendered manifests fail validation (check k8s.tolerations, k8s.affinity, k8s.volumes and the "
             "patches):\n  " + "\n  ".join(problems)
         )
-    header = _render_header(argv)
+    for note in notes(plat):
+        print(f"rayft: note: {note}", file=sys.stderr)
     if args.out is None:
-        print(header + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
+        print(_render_header(argv, notes(plat)) + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
         return EXIT_OK
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for kind, doc in manifests.items():
-        (out / f"{kind}.yaml").write_text(header + to_yaml(doc))
+    for kind, doc in manifests.items():  # the notes are the RayJob's
+        (out / f"{kind}.yaml").write_text(_render_header(argv, notes(plat) if kind == "rayjob" else []) + to_yaml(doc))
         print(f"rayft: wrote {out / f'{kind}.yaml'}")
     return EXIT_OK
 
 
-def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
+def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConfig]:
+    """The manifests `rayft k8s render` writes, and the platform settings (the config's plus the flags) they are
+    rendered for."""
     from rayft.deploy import patch, platform
     from rayft.deploy.k8s import JobSource, config_in_cluster, deployment_from_flags, render
 
@@ -384,6 +401,7 @@ def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
                 "run_as_group",
                 "fs_group",
                 "kuberay_version",
+                "kuberay_feature_gates",
                 "hf_home",
                 "hf_offline",
                 "config_delivery",
@@ -408,7 +426,7 @@ def render_manifests(args: argparse.Namespace) -> dict[str, dict]:
     manifests = render(cfg, job, dep, plat)
     for path in plat.patches:
         manifests = patch.apply_file(manifests, Path(path))
-    return manifests
+    return manifests, plat
 
 
 def _deployment_fields() -> set[str]:
@@ -419,7 +437,7 @@ def _deployment_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(Deployment)}
 
 
-def _render_header(argv: list[str]) -> str:
+def _render_header(argv: list[str], notes: list[str]) -> str:
     shown = []
     skip = False
     for arg in argv:  # the command that reproduces the file, minus where it was written
@@ -431,6 +449,7 @@ def _render_header(argv: list[str]) -> str:
     return (
         f"# Rendered by: rayft {' '.join(shlex.quote(a) for a in shown)}\n"
         "# Change the config or the flags and render again; do not edit by hand.\n"
+        + "".join(f"# Note: {note}\n" for note in notes)
     )
 
 

@@ -455,10 +455,15 @@ class K8sConfig:
     # <mount path>/hf-cache on the PVC. hf_offline sets HF_HUB_OFFLINE=1: names resolve from a pre-seeded cache only.
     hf_home: str | None = None
     hf_offline: bool = False
-    # The KubeRay operator's version: from 1.5 the RayJob's deletionStrategy rules (workers deleted at once on
-    # failure, the cluster after the TTL; the operator's RayJobDeletionPolicy feature gate on); else, or unknown
-    # (null), the legacy shutdownAfterJobFinishes + ttlSecondsAfterFinished.
+    # The KubeRay operator's version, 1.4 to 1.7 (any patch release): the manifests use what it has and are
+    # checked against its CRDs. From 1.6, preRunningDeadlineSeconds, and deletion rules (on failure the GPU
+    # workers go at once, the cluster after the TTL; not for Kueue's suspended jobs); 1.5 has the rules only
+    # with its RayJobDeletionPolicy feature gate on, named in kuberay_feature_gates. Older, or unknown (null):
+    # the form every supported operator accepts (1.4's), shutdownAfterJobFinishes + ttlSecondsAfterFinished,
+    # and the time to Running bounded by the active deadline only.
     kuberay_version: str | None = None
+    # Feature gates the operator runs with beyond its release's defaults; rayft reads RayJobDeletionPolicy.
+    kuberay_feature_gates: list[str] = field(default_factory=list)
     # How the job finds this config: path (in the image under jobs/, or on the PVC), inline (the config's YAML
     # carried in the RayJob's runtimeEnvYAML), working_dir (a runtime_env working_dir URI holding it).
     config_delivery: str = "path"
@@ -474,8 +479,7 @@ class K8sConfig:
             _problem(f"k8s.queue: k8s.queueing: {self.queueing} needs the queue's name")
         if self.queueing == "none" and self.queue:
             _problem("k8s.queue: given without k8s.queueing; set k8s.queueing: kueue, volcano or runai")
-        if self.kuberay_version is not None and not re.fullmatch(r"v?\d+\.\d+(\.\d+)?", self.kuberay_version):
-            _problem(f"k8s.kuberay_version: '{self.kuberay_version}' is not a version such as 1.7.0")
+        self._check_kuberay()
         if (self.config_delivery == "working_dir") != bool(self.working_dir):
             _problem("k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then")
         if self.hf_home is not None and not self.hf_home.startswith("/"):
@@ -484,6 +488,19 @@ class K8sConfig:
         for i, m in enumerate(self.volume_mounts):
             if m.get("name") not in names:
                 _problem(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes")
+
+    def _check_kuberay(self) -> None:
+        from rayft.deploy import kuberay
+
+        try:
+            release = kuberay.minor(self.kuberay_version) or kuberay.OLDEST
+        except ValueError as e:
+            _problem(f"k8s.kuberay_version: {e}")
+            return
+        for gate in self.kuberay_feature_gates:
+            problem = kuberay.gate_problem(gate, release)
+            if problem:
+                _problem(f"k8s.kuberay_feature_gates: {problem}")
 
 
 REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")

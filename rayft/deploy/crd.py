@@ -2,13 +2,15 @@
 
 Strict: the CRDs' OpenAPI schemas with every declared object closed to unknown fields. The API server prunes
 unknown fields silently, so a misspelled `template.metdata` would drop the InfiniBand annotation without a word;
-here it is an error. Then the operator's own rules, which the schema cannot express (KubeRay v1.7's validation).
+here it is an error. Then the operator's own rules, which the schema cannot express (its RayJob and RayCluster
+validation), for the operator release and feature gates the manifests are meant for.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import gzip
 import os
 import re
 from pathlib import Path
@@ -16,11 +18,13 @@ from typing import Any
 
 import yaml
 
+from rayft.deploy.kuberay import DELETION_GATE, Operator
+
 CRD_DIR_ENV = "RAYFT_KUBERAY_CRDS"
-# The KubeRay v1.7.0 CRDs (RayJob, RayCluster) ship as package data, so an installed wheel validates with nothing
-# beside it; RAYFT_KUBERAY_CRDS points at another operator version's CRDs.
+# The CRDs (RayJob, RayCluster) of every supported KubeRay release ship as package data, gzipped, one directory per
+# release (crds/v1.7.0/…), so an installed wheel validates with nothing beside it; RAYFT_KUBERAY_CRDS points at
+# other CRDs (ray.io_*.yaml, gzipped or not), used whatever the operator's release.
 PACKAGED_CRD_DIR = Path(__file__).resolve().parent / "crds"
-KUBERAY_CRD_VERSION = "1.7.0"
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = {"RayCluster": 53, "RayJob": 47}  # KubeRay derives service names from these
 RESOURCE_PARAMS = ("num-cpus", "num-gpus", "memory", "resources")
@@ -42,23 +46,25 @@ class ManifestError(ValueError):
     """A manifest the API server or the KubeRay operator would refuse (or silently alter)."""
 
 
-def crd_dir() -> Path:
-    """The CRDs to validate against; never absent without an error (an unchecked manifest is not a valid one)."""
+def crd_dir(operator: Operator | None = None) -> Path:
+    """The CRDs to validate against (the operator's release; by default the oldest supported); never absent
+    without an error (an unchecked manifest is not a valid one)."""
     given = os.environ.get(CRD_DIR_ENV)
-    directory = Path(given) if given else PACKAGED_CRD_DIR
+    directory = Path(given) if given else PACKAGED_CRD_DIR / f"v{(operator or Operator()).crd_release}"
     if not directory.is_dir():
-        fix = (f"set {CRD_DIR_ENV} to the directory with ray.io_*.yaml" if given else
+        fix = (f"set {CRD_DIR_ENV} to the directory with ray.io_*.yaml (or .yaml.gz)" if given else
                "this rayft install lacks its package data (rayft/deploy/crds); reinstall it")  # fmt: skip
         raise ManifestError(f"no KubeRay CRDs at {directory}: {fix}")
     return directory
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)  # each supported release, and a directory of $RAYFT_KUBERAY_CRDS
 def schemas(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) → strict JSON schema, for every served version of every CRD in `directory`."""
     found = {}
-    for path in sorted(directory.glob("*.yaml")):
-        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    for path in sorted([*directory.glob("*.yaml"), *directory.glob("*.yaml.gz")]):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        crd = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         if not isinstance(crd, dict) or crd.get("kind") != "CustomResourceDefinition":
             continue
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
@@ -68,7 +74,7 @@ def schemas(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
             schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
             found[(f"{group}/{version['name']}", kind)] = schema
     if not found:
-        raise ManifestError(f"{directory} holds no CustomResourceDefinition YAML files")
+        raise ManifestError(f"{directory} holds no CustomResourceDefinition YAML files (*.yaml, *.yaml.gz)")
     return found
 
 
@@ -93,8 +99,9 @@ def strict(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def validate(doc: Any, directory: Path | None = None) -> list[str]:
-    """Every problem with one manifest, each naming its field path; empty when the operator would accept it."""
+def validate(doc: Any, operator: Operator | None = None, directory: Path | None = None) -> list[str]:
+    """Every problem with one manifest, each naming its field path; empty when `operator` (by default the oldest
+    supported release, without feature gates) would accept it. `directory`: its CRDs, if not the packaged ones."""
     from jsonschema import Draft7Validator
 
     if not isinstance(doc, dict):
@@ -104,23 +111,24 @@ def validate(doc: Any, directory: Path | None = None) -> list[str]:
     shape = monitoring.problems(doc)
     if shape is not None:  # PodMonitor, ConfigMap: rayft's own shape check, no CRD
         return shape
-    schema = schemas(directory or crd_dir()).get((doc.get("apiVersion"), doc.get("kind")))
+    operator = operator or Operator()
+    schema = schemas(directory or crd_dir(operator)).get((doc.get("apiVersion"), doc.get("kind")))
     if schema is None:
-        return [f"unknown apiVersion/kind {doc.get('apiVersion')}/{doc.get('kind')} (no CRD for it)"]
+        return [f"unknown apiVersion/kind {doc.get('apiVersion')}/{doc.get('kind')} (no CRD for it in {operator})"]
     problems = [
         f"{_path(e.absolute_path)}: {e.message}"
         for e in sorted(Draft7Validator(schema).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
     ]
     if problems:
         return problems  # the operator rules assume the shape is right
-    return operator_rules(doc)
+    return operator_rules(doc, operator)
 
 
-def operator_rules(doc: dict[str, Any]) -> list[str]:
+def operator_rules(doc: dict[str, Any], operator: Operator) -> list[str]:
     kind, spec = doc["kind"], doc["spec"]
     problems = name_problems(kind, doc["metadata"].get("name", ""))
     if kind == "RayJob":
-        problems += _rayjob_rules(spec)
+        problems += _rayjob_rules(spec, operator)
         if "rayClusterSpec" in spec:
             problems += _cluster_rules(spec["rayClusterSpec"], "spec.rayClusterSpec")
     elif kind == "RayCluster":
@@ -135,8 +143,12 @@ def name_problems(kind: str, name: str) -> list[str]:
     return []
 
 
-def _rayjob_rules(spec: dict[str, Any]) -> list[str]:
+def _rayjob_rules(spec: dict[str, Any], operator: Operator) -> list[str]:
     problems = []
+    for field in ("deletionStrategy", "deletionPolicy"):
+        if field in spec and not operator.gate_on(DELETION_GATE):
+            problems.append(f"spec.{field}: {operator} refuses it without the {DELETION_GATE} feature gate "
+                            "(k8s.kuberay_feature_gates, when the operator runs with it)")  # fmt: skip
     shutdown = spec.get("shutdownAfterJobFinishes", False)
     ttl = spec.get("ttlSecondsAfterFinished", 0)
     if ttl < 0:
@@ -216,7 +228,7 @@ def _path(parts: Any) -> str:
     return out.lstrip(".") or "(document)"
 
 
-def validate_file(path: Path, directory: Path | None = None) -> list[str]:
+def validate_file(path: Path, operator: Operator | None = None, directory: Path | None = None) -> list[str]:
     """Problems of every document in a YAML file, prefixed with the file and the document's kind/name."""
     try:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
@@ -227,5 +239,5 @@ def validate_file(path: Path, directory: Path | None = None) -> list[str]:
     out = []
     for doc in docs:
         label = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}" if isinstance(doc, dict) else "?"
-        out += [f"{path}: {label}: {problem}" for problem in validate(doc, directory)]
+        out += [f"{path}: {label}: {problem}" for problem in validate(doc, operator, directory)]
     return out

@@ -19,6 +19,14 @@ import yaml
 from rayft.config import Config, ConfigError, K8sConfig, NcclConfig, is_uri
 from rayft.deploy import platform
 from rayft.deploy.crd import MAX_NAME, name_problems
+from rayft.deploy.kuberay import (
+    DELETION_GATE,
+    DELETION_STRATEGY_SINCE,
+    GATES_ON_BY_DEFAULT_SINCE,
+    PRE_RUNNING_DEADLINE_SINCE,
+    Operator,
+    dotted,
+)
 from rayft.hub import is_hub_name
 from rayft.parallel.backend import nccl_env
 
@@ -26,7 +34,6 @@ RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
 IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
 DASHBOARD_PORT = 8265
-DELETION_RULES_SINCE = (1, 5)  # KubeRay release that brought spec.deletionStrategy.deletionRules
 CONFIG_ENV = "RAYFT_CONFIG_YAML"  # the inlined config, read by `--config env:RAYFT_CONFIG_YAML`
 
 
@@ -136,13 +143,14 @@ def render(cfg: Config, job: JobSource, dep: Deployment, plat: K8sConfig | None 
         + [f"--override {shlex.quote(o)}" for o in job.overrides]
     )
     queued = plat.queueing == "kueue"
+    kuberay = operator(plat)
     job_spec: dict[str, Any] = {
         "entrypoint": entrypoint,
         "submissionMode": "K8sJobMode",
         **({"suspend": True} if queued else {}),  # Kueue admits (unsuspends) it when the queue has room
         **lifetime(dep, plat),
         "activeDeadlineSeconds": dep.active_deadline_s,
-        "preRunningDeadlineSeconds": dep.pre_running_deadline_s,
+        **({"preRunningDeadlineSeconds": dep.pre_running_deadline_s} if kuberay.pre_running_deadline else {}),
         "backoffLimit": backoff_limit(cfg, dep),
         **runtime_env(job, plat),
         "submitterPodTemplate": platform.submitter_template(dep.image, _labels(dep), plat),
@@ -164,11 +172,11 @@ def render(cfg: Config, job: JobSource, dep: Deployment, plat: K8sConfig | None 
 
 
 def lifetime(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
-    """What happens to the cluster once the job ends. From KubeRay 1.5, deletion rules: on failure the GPU
-    workers go at once (the head stays for its logs) and the whole cluster after the TTL; on success the cluster
-    after the TTL. Older operators, an unknown version, and suspended (Kueue) jobs, which KubeRay requires to have
-    shutdownAfterJobFinishes, get the legacy pair: the whole cluster after the TTL either way."""
-    if operator_version(plat) >= DELETION_RULES_SINCE and plat.queueing != "kueue":
+    """What happens to the cluster once the job ends. Where the operator accepts a deletion strategy, deletion
+    rules: on failure the GPU workers go at once (the head stays for its logs) and the whole cluster after the
+    TTL; on success the cluster after the TTL. Other operators, and suspended (Kueue) jobs, which KubeRay requires
+    to have shutdownAfterJobFinishes, get the pair every release accepts: the whole cluster after the TTL."""
+    if uses_deletion_rules(plat):
         ttl = dep.ttl_after_finished_s
         rules = [
             {"condition": {"jobStatus": "FAILED", "ttlSeconds": 0}, "policy": "DeleteWorkers"},
@@ -179,11 +187,29 @@ def lifetime(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
     return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": dep.ttl_after_finished_s}
 
 
-def operator_version(plat: K8sConfig) -> tuple[int, ...]:
-    """k8s.kuberay_version as a tuple; (0,) when unknown, which selects what every operator understands."""
+def operator(plat: K8sConfig) -> Operator:
+    """The KubeRay operator these settings render for (`k8s.kuberay_version`, `k8s.kuberay_feature_gates`)."""
+    return Operator.of(plat.kuberay_version, plat.kuberay_feature_gates)
+
+
+def uses_deletion_rules(plat: K8sConfig) -> bool:
+    return operator(plat).deletion_strategy and plat.queueing != "kueue"
+
+
+def notes(plat: K8sConfig) -> list[str]:
+    """What the rendered RayJob cannot ask of this operator, for the user to read beside the manifests."""
+    kuberay = operator(plat)
+    out = []
     if plat.kuberay_version is None:
-        return (0,)
-    return tuple(int(x) for x in plat.kuberay_version.lstrip("v").split("."))
+        out.append(f"k8s.kuberay_version unset: rendered for {kuberay}, which every supported operator accepts")
+    if not kuberay.pre_running_deadline:
+        since = dotted(PRE_RUNNING_DEADLINE_SINCE)
+        out.append(f"{kuberay}: no preRunningDeadlineSeconds (from {since}); activeDeadlineSeconds bounds the wait")
+    if plat.queueing != "kueue" and not uses_deletion_rules(plat):
+        since, gated = dotted(GATES_ON_BY_DEFAULT_SINCE[DELETION_GATE]), dotted(DELETION_STRATEGY_SINCE)
+        out.append(f"{kuberay}: no deletion rules (from {since}; {gated} with the {DELETION_GATE} gate): a failed "
+                   "job holds its GPUs until the TTL")  # fmt: skip
+    return out
 
 
 def runtime_env(job: JobSource, plat: K8sConfig) -> dict[str, str]:

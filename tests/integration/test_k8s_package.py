@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -12,18 +13,23 @@ import pytest
 import yaml
 
 from rayft.deploy.crd import CRD_DIR_ENV, PACKAGED_CRD_DIR, ManifestError, crd_dir, schemas
+from rayft.deploy.kuberay import RELEASES, Operator
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_default_crds_are_the_packaged_v1_7_0_copies(monkeypatch):
+def test_default_crds_are_the_packaged_copies_of_the_chosen_release(monkeypatch):
     monkeypatch.delenv(CRD_DIR_ENV, raising=False)
-    assert crd_dir() == PACKAGED_CRD_DIR and PACKAGED_CRD_DIR.parent == REPO / "rayft" / "deploy"
-    assert {("ray.io/v1", "RayJob"), ("ray.io/v1", "RayCluster")} <= set(schemas(crd_dir()))
+    assert crd_dir() == PACKAGED_CRD_DIR / "v1.4.2" and PACKAGED_CRD_DIR.parent == REPO / "rayft" / "deploy"
+    for minor, release in RELEASES.items():
+        assert crd_dir(Operator(minor)) == PACKAGED_CRD_DIR / f"v{release}"
+        assert {("ray.io/v1", "RayJob"), ("ray.io/v1", "RayCluster")} <= set(schemas(crd_dir(Operator(minor))))
     shared = REPO.parent / "shared" / "kuberay" / "crds"
-    if shared.is_dir():  # the packaged copies are the CRDs the project was given, byte for byte
-        for packaged in PACKAGED_CRD_DIR.glob("*.yaml"):
-            assert packaged.read_bytes() == (shared / packaged.name).read_bytes(), packaged.name
+    if shared.is_dir():  # the packaged v1.7.0 copies are the CRDs the project was given, byte for byte
+        packaged = sorted((PACKAGED_CRD_DIR / "v1.7.0").glob("*.yaml.gz"))
+        assert [p.name.removesuffix(".gz") for p in packaged] == sorted(p.name for p in shared.glob("*.yaml"))
+        for path in packaged:
+            assert gzip.decompress(path.read_bytes()) == (shared / path.name.removesuffix(".gz")).read_bytes()
 
 
 def test_a_missing_schema_is_an_error_never_a_skip(monkeypatch, tmp_path, capsys):
@@ -53,9 +59,9 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
-        assert {"rayft/deploy/crds/ray.io_rayjobs.yaml", "rayft/deploy/crds/ray.io_rayclusters.yaml"} <= set(
-            z.namelist()
-        )
+        crds = {n for n in z.namelist() if n.startswith("rayft/deploy/crds/")}
+        assert crds == {f"rayft/deploy/crds/v{r}/ray.io_{k}.yaml.gz" for r in RELEASES.values()
+                        for k in ("rayjobs", "rayclusters")}  # fmt: skip
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     config = elsewhere / "job.yaml"
@@ -71,11 +77,14 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import rayft.deploy.crd as c; print(c.crd_dir())"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, check=True)  # fmt: skip
     assert Path(probe.stdout.strip()).is_relative_to(site), probe.stdout
-    done = rayft("k8s", "render", "--config", str(config), "--config-in-cluster", "/data/job.yaml", "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    files = sorted(out.glob("*.yaml"))
-    assert [p.name for p in files] == ["raycluster.yaml", "rayjob.yaml"]
-    checked = rayft("k8s", "validate", *map(str, files))
-    assert checked.returncode == 0 and "valid" in checked.stdout, checked.stderr
-    job = yaml.safe_load((out / "rayjob.yaml").read_text())
-    assert job["kind"] == "RayJob" and "--config /data/job.yaml" in job["spec"]["entrypoint"]
+    for version in [None, *(".".join(map(str, minor)) for minor in RELEASES)]:
+        named = ["--kuberay-version", version] if version else []
+        done = rayft("k8s", "render", "--config", str(config), "--config-in-cluster", "/data/job.yaml", *named,
+                     "--out", str(out / str(version)))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        files = sorted((out / str(version)).glob("*.yaml"))
+        assert [p.name for p in files] == ["raycluster.yaml", "rayjob.yaml"]
+        checked = rayft("k8s", "validate", *map(str, files), *named)
+        assert checked.returncode == 0 and "valid" in checked.stdout, (version, checked.stderr)
+        job = yaml.safe_load((out / str(version) / "rayjob.yaml").read_text())
+        assert job["kind"] == "RayJob" and "--config /data/job.yaml" in job["spec"]["entrypoint"]

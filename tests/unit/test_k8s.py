@@ -1,4 +1,4 @@
-"""KubeRay manifests: strict validation against the v1.7.0 CRDs, agreement with the config, renderer errors."""
+"""KubeRay manifests: strict validation against the KubeRay CRDs, agreement with the config, renderer errors."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, schemas, validate, validate_file
 from rayft.deploy.k8s import IMAGE_ROOT, RAY_VERSION
+from rayft.deploy.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = sorted((REPO / "cluster").glob("*.yaml"))
@@ -87,7 +88,7 @@ def test_crd_dir_is_configurable(monkeypatch, tmp_path):
     monkeypatch.setenv(CRD_DIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(ManifestError, match=CRD_DIR_ENV):
         crd_dir()
-    for crd in real.glob("*.yaml"):
+    for crd in real.glob("ray.io_*"):
         (tmp_path / crd.name).symlink_to(crd)
     monkeypatch.setenv(CRD_DIR_ENV, str(tmp_path))
     assert crd_dir() == tmp_path
@@ -170,7 +171,7 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
     assert config is not None and config.resolve() == (REPO / EXAMPLE).resolve()  # the image holds this config
     assert [entry[i + 1] for i, a in enumerate(entry) if a == "--override"] == overrides
     assert job["shutdownAfterJobFinishes"] and job["ttlSecondsAfterFinished"] > 0
-    assert job["activeDeadlineSeconds"] > 0 and job["preRunningDeadlineSeconds"] > 0
+    assert job["activeDeadlineSeconds"] > 0
     assert job["backoffLimit"] == (0 if cfg.ray.max_failures == -1 else 1)
 
 
@@ -210,10 +211,10 @@ def _job() -> dict:
     return copy.deepcopy(yaml.safe_load((REPO / "cluster" / "rayjob.yaml").read_text()))
 
 
-def _breaks(change, says: str) -> None:
+def _breaks(change, says: str, operator: Operator | None = None) -> None:
     doc = _job()
     change(doc)
-    problems = validate(doc)
+    problems = validate(doc, operator)
     assert any(says in p for p in problems), problems
 
 
@@ -233,13 +234,15 @@ def test_operator_rules_the_schema_cannot_express():
     _breaks(lambda d: d["spec"].update(shutdownAfterJobFinishes=False), "needs spec.shutdownAfterJobFinishes")
     _breaks(lambda d: d["spec"].update(backoffLimit=-1), "spec.backoffLimit")
     _breaks(lambda d: d["spec"].update(activeDeadlineSeconds=0), "spec.activeDeadlineSeconds")
-    _breaks(lambda d: d["spec"].update(preRunningDeadlineSeconds=0), "spec.preRunningDeadlineSeconds")
+    _breaks(
+        lambda d: d["spec"].update(preRunningDeadlineSeconds=0), "spec.preRunningDeadlineSeconds", Operator.of("1.7")
+    )
     _breaks(lambda d: d["spec"].update(entrypoint=" "), "spec.entrypoint")
     _breaks(lambda d: d["spec"].update(runtimeEnvYAML="a: [b"), "spec.runtimeEnvYAML")
     _breaks(lambda d: d["spec"].pop("rayClusterSpec"), "needs rayClusterSpec")
     _breaks(lambda d: d["metadata"].update(name="x" * 48), "at most 47")
     _breaks(lambda d: worker(d).update(resources={"GPU": "1"}) or worker(d)["rayStartParams"].update({"num-gpus": "1"}),
-            "num-gpus set in both rayStartParams and resources")  # fmt: skip
+            "num-gpus set in both rayStartParams and resources", Operator.of("1.7"))  # fmt: skip
     _breaks(lambda d: worker(d).update(minReplicas=4), "minReplicas 4 > maxReplicas 3")
     _breaks(lambda d: worker(d).update(replicas=5), "outside [minReplicas, maxReplicas]")
     _breaks(

@@ -1,8 +1,9 @@
 """Platform settings (the config's k8s: section and render flags), patches and config delivery, each checked at
-the field path KubeRay reads and against the strict v1.7.0 CRD validation."""
+the field path KubeRay reads and against the strict CRD validation of the KubeRay release rendered for."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import validate
+from rayft.deploy.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"
@@ -56,8 +58,10 @@ def render(capsys, *args: str) -> dict[str, dict]:
     capsys.readouterr()
     assert cli.main(["k8s", "render", *args]) == cli.EXIT_OK, capsys.readouterr().err
     docs = {doc["kind"]: doc for doc in yaml.safe_load_all(capsys.readouterr().out)}
+    flags = dict(itertools.pairwise(args))
+    gates = [g for flag, g in itertools.pairwise(args) if flag == "--kuberay-feature-gate"]
     for doc in docs.values():
-        assert validate(doc) == [], doc["kind"]
+        assert validate(doc, Operator.of(flags.get("--kuberay-version"), gates)) == [], doc["kind"]
     return docs
 
 
@@ -145,9 +149,14 @@ def test_volcano_is_named_where_kuberay_reads_it(capsys):
         assert doc["metadata"]["labels"]["volcano.sh/queue-name"] == "q1"
 
 
-@pytest.mark.parametrize(("version", "rules"), [("1.7.0", True), ("1.5", True), ("1.4.2", False), (None, False)])
-def test_deletion_rules_where_the_operator_has_them(capsys, version, rules):
+@pytest.mark.parametrize(
+    ("version", "gates", "rules"),
+    [("1.7.0", [], True), ("1.6", [], True), ("1.5", ["RayJobDeletionPolicy"], True), ("1.5", [], False),
+     ("1.4.2", [], False), (None, [], False)],
+)  # fmt: skip
+def test_deletion_rules_where_the_operator_has_them(capsys, version, gates, rules):
     args = ["--kuberay-version", version] if version else []
+    args += [a for g in gates for a in ("--kuberay-feature-gate", g)]
     spec = render(capsys, "--config", str(EXAMPLE), *args)["RayJob"]["spec"]
     if rules:
         assert "shutdownAfterJobFinishes" not in spec and "ttlSecondsAfterFinished" not in spec
