@@ -500,9 +500,10 @@ def eval_summary(result: dict, adapter: bool) -> str:
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
     from rayft.model.build import frozen_fp8
     from rayft.plan import plan_memory
-    from rayft.preflight import preflight
+    from rayft.preflight import check_continued_run, preflight
 
     checked = preflight(cfg)
+    check_continued_run(cfg)
     val = checked.validation.describe() if checked.validation else f"none (holding out {cfg.data.hold_out:.0%})"
     records = checked.records
     kind = records.kind + (", loss on completions only" if records.completion_only else "")

@@ -81,7 +81,6 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
             _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
         _check_resume_source(cfg.train.resume_from_checkpoint)
-        _check_continuation(cfg)
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
         from rayft.model.build import check_fp8_storage
@@ -103,9 +102,10 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     return Preflight(train, validation, records, tokenizer, targets, counts, warnings)
 
 
-def _check_continuation(cfg: Config) -> None:
-    """A local run directory holding a run this config would continue: the same model, adapter and settings (a
-    remote one is checked by the job itself, where its storage is reachable)."""
+def check_continued_run(cfg: Config) -> None:
+    """`rayft validate`: a local run directory holding a run this config would train on: the same model, adapter
+    and settings (a remote one is checked by the job itself, where its storage is reachable). Not part of
+    `preflight`, which `rayft eval` shares: an evaluation reads a run, it does not continue it."""
     if is_uri(cfg.run_uri):
         return
     run = RunDir(cfg.run_uri)
