@@ -358,15 +358,16 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
             "rendered manifests fail validation (check k8s.tolerations, k8s.affinity, k8s.volumes and the "
             "patches):\n  " + "\n  ".join(problems)
         )
-    for note in notes(plat):
+    said = notes(plat)
+    for note in said:
         print(f"rayft: note: {note}", file=sys.stderr)
     if args.out is None:
-        print(_render_header(argv, notes(plat)) + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
+        print(_render_header(argv, said) + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
         return EXIT_OK
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for kind, doc in manifests.items():  # the notes are the RayJob's
-        (out / f"{kind}.yaml").write_text(_render_header(argv, notes(plat) if kind == "rayjob" else []) + to_yaml(doc))
+        (out / f"{kind}.yaml").write_text(_render_header(argv, said if kind == "rayjob" else []) + to_yaml(doc))
         print(f"rayft: wrote {out / f'{kind}.yaml'}")
     return EXIT_OK
 
