@@ -103,16 +103,32 @@ def test_prometheus_answers_every_panel_for_the_run(prometheus, reference_run, r
         else:
             assert not series, f"{expr}: series for a value the run reported as null: {series}"
 
-    # The loss Prometheus holds is the loss the run wrote to metrics.jsonl (rank 0 sets the gauge from that row).
-    raw = prometheus.api("query_range", query=f'ray_rayft_loss{{run="{RUN}"}}', start=start, end=end, step=1)
-    samples = {float(v) for s in raw["result"] for _, v in s["values"]}
-    assert samples, raw
-    logged = [r["loss"] for r in rows if _finite(r.get("loss"))]
-    for value in samples:
-        assert any(value == pytest.approx(loss, rel=1e-6) for loss in logged), (value, logged)
-    steps = prometheus.api("query_range", query=f'ray_rayft_step{{run="{RUN}"}}', start=start, end=end, step=1)
-    seen = {float(v) for s in steps["result"] for _, v in s["values"]}
-    assert len(seen) >= 2 and seen <= {float(r["step"]) for r in rows}, (seen, [r["step"] for r in rows])
+    # The loss Prometheus holds is the loss the run wrote to metrics.jsonl (rank 0 sets the gauges from that row), at
+    # the step the step gauge shows at the same instant. How many steps Prometheus sees depends on Ray's export
+    # period against the length of the run, so the check pairs the two gauges instead of counting distinct steps.
+    loss_at = _by_instant(
+        prometheus.api("query_range", query=f'ray_rayft_loss{{run="{RUN}"}}', start=start, end=end, step=1)
+    )
+    step_at = _by_instant(
+        prometheus.api("query_range", query=f'ray_rayft_step{{run="{RUN}"}}', start=start, end=end, step=1)
+    )
+    assert loss_at and step_at, (loss_at, step_at)
+    logged = {float(r["step"]): r["loss"] for r in rows if _finite(r.get("loss"))}
+    assert set(step_at.values()) <= set(logged), (step_at, sorted(logged))
+    paired = set(loss_at) & set(step_at)
+    assert paired, (loss_at, step_at)
+    for instant in paired:
+        assert loss_at[instant] == pytest.approx(logged[step_at[instant]], rel=1e-6), (instant, loss_at, step_at)
+
+
+def _by_instant(answer: dict) -> dict[tuple, float]:
+    """A range query's samples keyed by series (its labels but the metric name: rank 0's worker) and evaluation
+    time, so that two gauges set from one row pair up."""
+    return {(_series(s["metric"]), float(t)): float(v) for s in answer["result"] for t, v in s["values"]}
+
+
+def _series(labels: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in labels.items() if k != "__name__"))
 
 
 def _finite(value) -> bool:

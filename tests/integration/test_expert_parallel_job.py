@@ -1,9 +1,11 @@
 """Expert parallelism end to end on the test Ray cluster: the tiny hub-layout Mistral-Small-4 (FP8 experts, LoRA on
 attention, shared expert and routed experts) with `parallel.expert_parallel: 2` loses a worker after the first
-checkpoint, Ray restarts the group and it resumes; it must end where its uninterrupted FSDP-only run (k = 1, one
-`ray job submit`) ends. A k = 1 run resuming from the k = 2 run's checkpoint must end there too. The same numeric
-properties for a second family (Qwen3-MoE, FP8 by `model.frozen_dtype`) are checked on gloo ranks without Ray
-(test_local_trainer.py): what Ray adds, the restart of an expert-parallel group, is model-independent."""
+checkpoint, Ray restarts the group and it resumes; it must end where its uninterrupted FSDP-only run (k = 1) ends.
+A k = 1 run resuming from the Ray run's checkpoint must end there too. Only the expert-parallel run needs Ray (the
+restart of an expert-parallel group, Ray Data's split): the FSDP-only reference and the k = 1 continuation run on
+gloo ranks (tests/fixtures/local_run.py), so the comparison also holds the Ray workers to the launcher-agnostic
+core. The same numeric properties for a second family (Qwen3-MoE, FP8 by `model.frozen_dtype`) are checked on gloo
+ranks alone (test_local_trainer.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEPS, Fixtures, RayCluster, Run, checkpointing_config, submit_job, write_yaml
+from conftest import STEPS, Fixtures, RayCluster, checkpointing_config
+from fixtures.local_run import train_locally
 from safetensors.torch import load_file
 from test_recovery import finish, resumes, start, train_workers, wait_until
 
@@ -51,19 +54,12 @@ def assert_close_losses(got, want, steps: range) -> None:
 
 
 def test_expert_parallel_job_survives_a_killed_worker_and_resumes_with_another_k(
-    ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path, monkeypatch
+    ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path
 ):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     hub, frozen = mistral4_hub, FROZEN["mistral4_hub"]
-    # The uninterrupted reference: FSDP only, through `ray job submit`.
-    ref_out = tmp_path / "fsdp"
-    ref_out.mkdir()
-    config = write_yaml(ref_out / "config.yaml", ep_config(fixtures, hub, ref_out, 1, frozen))
-    job = submit_job(ray_cluster, "--config", str(config))
-    assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, (job.stdout + job.stderr)[-6000:]
-    reference = Run(ref_out, ref_out / "driver.log")
+    reference = train_locally(ep_config(fixtures, hub, tmp_path / "fsdp", 1, frozen), 2)  # uninterrupted, k = 1
 
-    # k = 2, a worker killed after the first checkpoint: Ray restarts the group, which resumes.
+    # k = 2 on Ray, a worker killed after the first checkpoint: Ray restarts the group, which resumes.
     out = tmp_path / "ep"
     run, driver = start(ray_cluster, ep_config(fixtures, hub, out, 2, frozen), out)
     try:
@@ -79,15 +75,14 @@ def test_expert_parallel_job_survives_a_killed_worker_and_resumes_with_another_k
     assert "stored as FP8 E4M3" in text, text[-6000:]
     assert [r["step"] for r in run.metrics()][-1] == STEPS
     assert_close_losses(run, reference, range(1, STEPS + 1))
-    assert_close_adapters(out / "final", ref_out / "final")
+    assert_close_adapters(out / "final", reference.out / "final")
 
-    # The k = 2 run's checkpoint resumed with k = 1.
+    # The Ray run's k = 2 checkpoint continued with k = 1.
     source = run.run_dir / f"checkpoint-{STEPS - 2:06d}"
-    out1 = tmp_path / "k1-from-k2"
-    again, driver = start(
-        ray_cluster, ep_config(fixtures, hub, out1, 1, frozen, train__resume_from_checkpoint=str(source)), out1
+    again = train_locally(
+        ep_config(fixtures, hub, tmp_path / "k1-from-k2", 1, frozen, train__resume_from_checkpoint=str(source)), 2
     )
-    finish(again, driver)
-    assert resumes(again.text()) == [STEPS - 2], again.text()[-6000:]
+    assert again.resumes() == [STEPS - 2], again.text()[-6000:]
+    assert [r["step"] for r in again.metrics()] == [STEPS - 1, STEPS]
     assert_close_losses(again, reference, range(STEPS - 1, STEPS + 1))
-    assert_close_adapters(out1 / "final", ref_out / "final")
+    assert_close_adapters(again.out / "final", reference.out / "final")

@@ -21,7 +21,6 @@ from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close
 
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
 TOLERANCE = 1e-6  # exact resume: the same sums in the same order
-RESUMED = re.compile(r"resumed from \S+/checkpoint-(\d+): step (\d+)")
 TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
 
 
@@ -30,13 +29,6 @@ def qwen3_moe(fixtures: Fixtures, tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE, fused expert keys, fp32 weights (FP8 storage is `model.frozen_dtype`'s)."""
     directory = tmp_path_factory.mktemp("qwen3-moe") / "m"
     return make_tiny_moe("qwen3_moe", directory, vocab_size=TOKENIZER_IDS, tokenizer_from=fixtures.model)
-
-
-def resumes(log: str) -> list[int]:
-    """Steps of rank 0's `resumed from .../checkpoint-N: step N` lines."""
-    found = [(int(m[1]), int(m[2])) for m in RESUMED.finditer(log)]
-    assert all(a == b for a, b in found), found
-    return [step for _, step in found]
 
 
 def _assert_same_training(got: LocalRun, want: LocalRun, steps: range) -> None:
@@ -107,7 +99,7 @@ def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(
     assert [r["step"] for r in stopped.metrics()] == [1]
     run = train_locally(cfg, 2, resume=stopped.checkpoint(1))
     text = run.text()
-    assert resumes(text) == [1] and "expert parallel: 2 MoE layers, 4 of 8 experts" in text, text[-6000:]
+    assert run.resumes() == [1] and "expert parallel: 2 MoE layers, 4 of 8 experts" in text, text[-6000:]
     assert "stored as FP8 E4M3" in text, text[-6000:]
     assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
     assert_close_losses(run, reference, range(1, STEPS + 1))
@@ -118,7 +110,7 @@ def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(
         ep_config(fixtures, qwen3_moe, tmp_path / "k1-from-k2", 1, frozen, train__resume_from_checkpoint=str(source)),
         2,
     )
-    assert resumes(again.text()) == [STEPS - 2], again.text()[-6000:]
+    assert again.resumes() == [STEPS - 2], again.text()[-6000:]
     assert [r["step"] for r in again.metrics()] == [STEPS - 1, STEPS]
     assert_close_losses(again, reference, range(STEPS - 1, STEPS + 1))
     assert_close_adapters(again.out / "final", reference.out / "final")
@@ -139,7 +131,7 @@ def test_dpo_with_a_precomputed_reference_stopped_and_continued_ends_at_the_live
     assert [r["step"] for r in stopped.metrics() if "loss" in r] == [1, 2, 3] and not stopped.checkpoint(4).exists()
     run = train_locally(cfg, 2, resume=stopped.checkpoint(2))
     text = run.text()
-    assert resumes(text) == [2], text[-6000:]
+    assert run.resumes() == [2], text[-6000:]
     assert re.search(r"reference log-probs of 96 pairs scored in [\d.]+ s", text), text[-6000:]
     assert "reference log-probs of 96 pairs read from reference_logps.npz" in text, text[-6000:]
     assert "scores the reference live" not in text and "reference log-probs of" not in live.text()

@@ -1,7 +1,8 @@
 """Several workers a node on a real local 2-node Ray cluster: 2 workers on each node (`ray.workers_per_node`),
 expert parallelism 2 on the tiny hub-layout Mistral-Small-4. Each expert-parallel group and each FSDP shard group
 lies within one node (by the Ray node id each worker reports), what crossed between nodes is what `rayft plan`
-predicts for that layout, and the run ends where the same global batch on one worker a node ends."""
+predicts for that layout, and the run ends where the same global batch on two workers ends (one worker a node's
+layout: the same job on two gloo ranks, tests/fixtures/local_run.py; only the four-worker run needs the cluster)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TEST_RAY_ENV, Fixtures, RayCluster, checkpointing_config, free_port
+from fixtures.local_run import train_locally
 from test_comm import PLANNER_TOLERANCE
 from test_recovery import EXACT, assert_same_adapter, finish, start
 
@@ -83,19 +85,17 @@ def test_two_workers_a_node_keep_expert_groups_and_shards_on_their_node(
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         test_cluster = RayCluster(address=cluster.address, dashboard="", env=env)
         data = _dataset(tmp_path / "data")
-        runs = {}
-        for per_node in (2, 1):
-            out = tmp_path / f"2x{per_node}"
-            run, driver = start(test_cluster, _config(fixtures, mistral4_hub, data, out, 2, per_node), out)
-            try:
-                runs[per_node] = (run, finish(run, driver))
-            finally:
-                if driver.proc.poll() is None:
-                    driver.kill()
+        out = tmp_path / "2x2"
+        run, driver = start(test_cluster, _config(fixtures, mistral4_hub, data, out, 2, 2), out)
+        try:
+            text = finish(run, driver)
+        finally:
+            if driver.proc.poll() is None:
+                driver.kill()
     finally:
         cluster.shutdown()
+    reference = train_locally(_config(fixtures, mistral4_hub, data, tmp_path / "2x1", 2, 1), 2)
 
-    (run, text), (reference, _) = runs[2], runs[1]
     node_of_rank = ast.literal_eval(NODE_OF_RANK.search(text)[1])
     trainer_ids = {n.node_id for n in trainers}
     assert sorted(node_of_rank) == sorted([*trainer_ids, *trainer_ids]), (node_of_rank, trainer_ids)
