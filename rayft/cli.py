@@ -511,6 +511,8 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     packing = f"packed into {cfg.data.max_length}-token blocks" if cfg.data.packing else "padded per batch"
     print(f"config ok\n  train data: {checked.train.describe()}\n  validation: {val}")
     print(f"  records: {kind}; {packing}")
+    for sample in checked.samples:
+        print(f"  checked with the job's pipeline: {sample.describe()}")
     lora = checked.lora
     print(f"  model: {lora.architecture}, {checked.total_params:,} params")
     print(

@@ -210,6 +210,12 @@ class DataConfig:
     bad_records: str = "skip"
     # Examples longer than max_length without packing: truncate or skip them (counted either way).
     overlong: str = "truncate"
+    # Before any cluster resource, the job (and `rayft validate`) runs its record pipeline over the first 1,000
+    # records of each split. A split where more than this share would be skipped is refused; fewer are a warning.
+    max_skipped_share: float = 0.5
+    # Likewise for records that would train on nothing: a chat whose assistant replies are all empty, a preference
+    # pair whose chosen and rejected tokenize alike. Any is a warning with the count; more than this share refused.
+    max_no_signal_share: float = 0.1
     # Share of the training records held out for evaluation when there is no validation split. null = 0.05 where
     # the dataset has no named splits (a single file, a glob); where it has named splits, a `val_split` it lacks
     # is an error unless this is set (a typo must not silently hold out training data).
@@ -658,6 +664,9 @@ class Config:
         _one_of("data.format", d.format, DATA_FORMATS)
         _one_of("data.bad_records", d.bad_records, ("skip", "error"))
         _one_of("data.overlong", d.overlong, ("truncate", "skip"))
+        for key in ("max_skipped_share", "max_no_signal_share"):
+            if not 0 <= getattr(d, key) <= 1:
+                _problem(f"data.{key} must be in [0, 1], got {getattr(d, key)}")
         if d.prompt_template is not None:
             try:
                 template_fields(d.prompt_template)

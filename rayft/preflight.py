@@ -22,6 +22,7 @@ from torch import nn
 from rayft.config import Config, ConfigError, DataConfig, is_uri
 from rayft.data.files import DecodeBudget
 from rayft.data.records import RecordFormat, record_fields, record_format
+from rayft.data.sample import SampleReport, check_sample, sample_report
 from rayft.data.sources import SplitSource, check_link, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
 from rayft.hub import resolve_names
@@ -48,6 +49,7 @@ class Preflight:
     tokenizer: TokenizerFacts
     lora: LoraTargets
     structure: Structure  # parameter counts, for the memory plan
+    samples: list[SampleReport]  # what the job's record pipeline made of each split's first records
     warnings: list[str]  # settings that run but are likely a mistake (validate prints them)
 
     @property
@@ -77,6 +79,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     with timed("preflight_data"):
         train, validation = resolve_splits(cfg.data)
         records = _check_data(cfg, train, validation)
+        samples, data_warnings = _check_samples(cfg, records, tokenizer, [s for s in (train, validation) if s])
         _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
         if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
             _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
@@ -98,8 +101,8 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
         check_max_length(cfg, model.config.get_text_config())
         said = (lora_rank_warning(cfg, model), _local_placement(cfg), prefix_matched_hca(cfg.nccl))
-        warnings = [w for w in said if w]
-    return Preflight(train, validation, records, tokenizer, targets, counts, warnings)
+        warnings = [*data_warnings, *(w for w in said if w)]
+    return Preflight(train, validation, records, tokenizer, targets, counts, samples, warnings)
 
 
 def check_continued_run(cfg: Config) -> None:
@@ -167,6 +170,15 @@ def _check_data(cfg: Config, train: SplitSource, validation: SplitSource | None)
     elif cfg.train.eval_strategy != "no":
         _check_hold_out(d, train)
     return records
+
+
+def _check_samples(
+    cfg: Config, records: RecordFormat, tokenizer: TokenizerFacts, sources: list[SplitSource]
+) -> tuple[list[SampleReport], list[str]]:
+    """Each split's first records through the job's own pipeline (rayft/data/sample.py): the reports, and the
+    warnings for records it would leave out or train on without a signal."""
+    reports = [sample_report(cfg, source, records, tokenizer) for source in sources]
+    return reports, [w for report in reports for w in check_sample(cfg, report, records)]
 
 
 def _check_chat_sample(cfg: Config, records: RecordFormat, sources: list[SplitSource]) -> None:

@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 PARQUET_DECODE_BUDGET = 512 * 2**20
 SNIFF_BYTES = 64 * 2**10
 SAMPLE_RECORDS = 20  # records whose keys are listed when a field is missing
+COMPRESSED = (  # magic number, format, the command that writes its content to stdout (the file name follows)
+    (b"\x1f\x8b", "gzip", "gzip -dc <"),
+    (b"(\xb5/\xfd", "zstd", "zstd -dc <"),
+    (b"BZh", "bzip2", "bzip2 -dc <"),
+    (b"\xfd7zXZ\x00", "xz", "xz -dc <"),
+    (b"PK\x03\x04", "zip", "unzip -p"),
+)
 BOMS = (  # UTF-32 first: the UTF-32-LE mark begins with the UTF-16-LE one
     (codecs.BOM_UTF32_LE, "UTF-32LE"),
     (codecs.BOM_UTF32_BE, "UTF-32BE"),
@@ -103,9 +110,16 @@ def parquet_columns(path: Path) -> list[str]:
 
 
 def check_encoding(path: Path) -> None:
-    """UTF-8 (with or without its BOM) passes; UTF-16/32 is refused by its BOM or, without one, by its NUL bytes."""
+    """UTF-8 (with or without its BOM) passes; compressed data is refused by its magic number, UTF-16/32 by its BOM
+    or, without one, by its NUL bytes."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
+    for magic, name, tool in COMPRESSED:
+        if head.startswith(magic):
+            raise ConfigError(
+                f"{path} is {name}-compressed data, not text: rayft reads {path.suffix or 'text'} files uncompressed; "
+                f"decompress it first: {tool} {path.name} > {path.stem}.plain{path.suffix}"
+            )
     for bom, name in BOMS:
         if head.startswith(bom):
             raise ConfigError(
@@ -128,6 +142,48 @@ def line_count(path: Path) -> int:
             lines += chunk.count(b"\n")
             last = chunk[-1:]
     return lines + (last != b"\n")
+
+
+def split_lines(content: bytes, json_array_ok: bool) -> list[bytes]:
+    """A text or JSON file's records as the readers split them: its lines (no BOM, no line ends, the final newline
+    ending the last line), or for a JSON file holding one top-level array, its elements, one JSON line each."""
+    content = content.removeprefix(codecs.BOM_UTF8)  # Windows editors write one; it is not part of the text
+    if json_array_ok and content.lstrip().startswith(b"["):
+        return json_array_records(content)
+    lines = [line.rstrip(b"\r") for line in content.split(b"\n")]
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def first_lines(path: Path, json_array_ok: bool, n: int) -> list[bytes]:
+    """`split_lines` of the file's first `n` records, reading only as far as they go (a JSON array is read whole:
+    its elements are not lines)."""
+    with open(path, "rb") as f:
+        if json_array_ok and starts_json_array(f.read(SNIFF_BYTES)):
+            return split_lines(path.read_bytes(), json_array_ok)[:n]
+        f.seek(0)
+        lines = []
+        for line in f:
+            if len(lines) >= n:
+                break
+            lines.append(line.removesuffix(b"\n").rstrip(b"\r").removeprefix(codecs.BOM_UTF8 if not lines else b""))
+        return lines
+
+
+def json_array_records(content: bytes) -> list[bytes]:
+    """The elements of a top-level JSON array, one JSON line each; content that does not parse is one record (the
+    tokenizer counts it as bad_json)."""
+    try:
+        records = json.loads(content)
+    except ValueError:
+        return [content]
+    return [json.dumps(r).encode() for r in records] if isinstance(records, list) else [content]
+
+
+def starts_json_array(head: bytes) -> bool:
+    """Whether a JSON file's first bytes open a top-level array (else it is JSON Lines)."""
+    return head.lstrip().removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
 
 
 def json_fields(paths: Iterable[Path], wanted: Iterable[str]) -> list[str]:

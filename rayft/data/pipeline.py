@@ -9,9 +9,7 @@ tokenized in the object store, so that pass is not repeated by every epoch.
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,7 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
 from rayft.data.encoder import RecordEncoder
+from rayft.data.files import split_lines
 from rayft.data.preference import PAIR_COLUMNS, PairLimits, PreferenceCollate, PreferenceTokenize
 from rayft.data.records import (
     SKIPS,
@@ -243,7 +242,7 @@ def tokenize_in_process(
 ) -> tuple[pa.Table, SplitStats]:  # fmt: skip
     """Tokenize in TOKENIZE_BATCH-record batches and finish (pack or keep) PACK_BATCH examples at a time, as the
     actor pipeline batches them; returns the rows the workers iterate and what was counted."""
-    encoder, kwargs = _encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
+    encoder, kwargs = record_encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
     encode = encoder(**kwargs)
     tokens = [encode(records.slice(i, TOKENIZE_BATCH)) for i in range(0, records.num_rows, TOKENIZE_BATCH)]
     tokens = pa.concat_tables([t for t in tokens if t.num_rows]) if any(t.num_rows for t in tokens) else None
@@ -350,27 +349,11 @@ def read_split(source: SplitSource) -> ray.data.Dataset:
 
 
 def _split_lines(batch: pa.Table, json_array_ok: bool) -> pa.Table:
-    lines: list[bytes] = []
-    for content in batch.column("bytes").to_pylist():
-        content = content.removeprefix(codecs.BOM_UTF8)  # Windows editors write one; it is not part of the text
-        if json_array_ok and content.lstrip().startswith(b"["):
-            lines += _json_array_records(content)
-            continue
-        lines += [line.rstrip(b"\r") for line in content.split(b"\n")]
-        if lines and lines[-1] == b"":  # the file's final newline
-            lines.pop()
+    lines = [line for content in batch.column("bytes").to_pylist() for line in split_lines(content, json_array_ok)]
     return pa.table({"_raw": pa.array(lines, type=pa.binary())})
 
 
-def _json_array_records(content: bytes) -> list[bytes]:
-    try:
-        records = json.loads(content)
-    except ValueError:
-        return [content]  # counted as one bad_json record
-    return [json.dumps(r).encode() for r in records] if isinstance(records, list) else [content]
-
-
-def _encoder(
+def record_encoder(
     source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig, tokenizer: TokenizerFacts,
     max_prompt_length: int | None,
 ) -> tuple[type, dict[str, Any]]:  # fmt: skip
@@ -393,7 +376,7 @@ def tokenized(
     starts with `actors_at_start` (their start is most of a small split's time) and grows to
     data.tokenize_workers as CPUs allow; min 1, so that a split of one block does not warn. Preference records
     become one row per pair (`rayft.data.preference`); `max_prompt_length` applies to those."""
-    actor, kwargs = _encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
+    actor, kwargs = record_encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
     return raw.map_batches(
         actor,
         fn_constructor_kwargs=kwargs,

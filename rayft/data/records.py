@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,20 +49,34 @@ def record_fields(data: DataConfig) -> list[str]:
     return list(dict.fromkeys(fields))
 
 
+def auto_kind(fields: Collection[str], data: DataConfig) -> str:
+    """`data.format: auto`: the record kind the fields make (a dataset's columns, or one record's keys)."""
+    if all(name in fields for name in PREFERENCE_FIELDS):
+        return "preference"
+    if data.prompt_template is not None:
+        return "prompt_completion"
+    if data.messages_field in fields:
+        return "messages"
+    if "prompt" in fields and data.completion_field in fields:
+        return "prompt_completion"
+    return "text"
+
+
+def kind_of_record(record: Any, data: DataConfig) -> str | None:
+    """The kind one record would be read as on its own (its non-null fields), or None where it has none of the
+    fields any kind reads: how the sample check finds a split mixing kinds."""
+    if not isinstance(record, dict):
+        return None
+    fields = {name for name, value in record.items() if value is not None}
+    kind = auto_kind(fields, data)
+    if kind == "prompt_completion" and data.prompt_template is not None:
+        return kind if set(template_fields(data.prompt_template)) <= fields else None
+    return kind if kind != "text" or data.text_field in fields else None
+
+
 def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFormat:
     """Pick the record kind (`data.format: auto` looks at the fields) and check the fields it needs exist."""
-    kind = data.format
-    if kind == "auto":
-        if all(name in columns for name in PREFERENCE_FIELDS):
-            kind = "preference"
-        elif data.prompt_template is not None:
-            kind = "prompt_completion"
-        elif data.messages_field in columns:
-            kind = "messages"
-        elif "prompt" in columns and data.completion_field in columns:
-            kind = "prompt_completion"
-        else:
-            kind = "text"
+    kind = data.format if data.format != "auto" else auto_kind(columns, data)
     if kind == "text":
         needed = {data.text_field: "data.text_field"}
     elif kind == "preference":

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rayft.config import ConfigError, DataConfig
 from rayft.data.files import (
@@ -26,11 +26,16 @@ from rayft.data.files import (
     DecodeBudget,
     check_encoding,
     check_parquet,
+    first_lines,
     json_fields,
     line_count,
     parquet_columns,
+    starts_json_array,
 )
 from rayft.data.records import decode_line
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 # Names that make a file a split's: a folder holding any is never read whole as the training split.
@@ -77,17 +82,34 @@ class SplitSource:
             elif self.format in ("text", "json"):
                 check_encoding(path)
 
+    def head(self, n: int) -> tuple[pa.Table, list[tuple[str, int]]]:
+        """The first `n` records as the job's readers hand them to its tokenizer (columns, or `_raw` lines for JSON
+        and text: rayft.data.pipeline.read_records), each with its file and index in that file."""
+        import pyarrow as pa
+
+        if self.format == "hf":
+            count = min(n, len(self.dataset))
+            return self.dataset.with_format("arrow")[0:count], [(self.what, i) for i in range(count)]
+        tables, where = [], []
+        for path in self.paths:
+            table = _head_of_file(Path(path), self.format, n - len(where))
+            tables.append(table)
+            where += [(path, i) for i in range(table.num_rows)]
+            if len(where) >= n:
+                break
+        return pa.concat_tables(tables, promote_options="default"), where
+
     def sample(self, n: int) -> list[tuple[str, int, Any]]:
         """The first `n` records as (file, index in that file, record or None where the line is not a JSON
-        object): what `rayft validate` checks against the tokenizer, cheaply, before any cluster resource."""
-        if self.format == "hf":
-            return [(self.what, i, r) for i, r in enumerate(self.dataset.select(range(min(n, len(self.dataset)))))]
-        out: list[tuple[str, int, Any]] = []
-        for path in self.paths:
-            out += [(path, i, r) for i, r in enumerate(_first_records(Path(path), self.format, n - len(out)))]
-            if len(out) >= n:
-                break
-        return out
+        object): what `rayft validate` checks against the tokenizer's chat format (plain text has none)."""
+        if self.format == "text":
+            return []
+        table, where = self.head(n)
+        if "_raw" in table.column_names:
+            records = [decode_line(raw, self.format)[0] for raw in table.column("_raw").to_pylist()]
+        else:
+            records = table.to_pylist()
+        return [(file, index, record) for (file, index), record in zip(where, records, strict=True)]
 
     def rows(self) -> int:
         """Records before tokenization, as the reader yields them (what a hold-out split divides)."""
@@ -263,33 +285,23 @@ def _split_names(base: Path) -> list[str]:
     return sorted(names)
 
 
-def _first_records(path: Path, file_format: str, n: int) -> list[Any]:
+def _head_of_file(path: Path, file_format: str, n: int) -> pa.Table:
+    import pyarrow as pa
+
     if file_format == "parquet":
         import pyarrow.parquet as pq
 
-        batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
-        return batch.to_pylist() if batch is not None else []
-    if file_format == "text":
-        return []  # plain text: nothing a tokenizer's chat format could refuse
-    with path.open("rb") as f:
-        starts_array = f.read(SNIFF_BYTES).lstrip().removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
-        f.seek(0)
-        if starts_array:
-            records = json.loads(f.read().removeprefix(codecs.BOM_UTF8))
-            return records[:n] if isinstance(records, list) else [records]
-        out = []
-        for line in f:
-            if len(out) >= n:
-                break
-            record, _ = decode_line(line.rstrip(b"\r\n").removeprefix(codecs.BOM_UTF8), "json")
-            out.append(record)
-        return out
+        parquet = pq.ParquetFile(path)
+        batch = next(parquet.iter_batches(batch_size=n), None)
+        return pa.Table.from_batches([batch]) if batch is not None else parquet.schema_arrow.empty_table()
+    lines = first_lines(path, json_array_ok=file_format == "json", n=n)
+    return pa.table({"_raw": pa.array(lines, type=pa.binary())})
 
 
 def _json_array_length(path: Path) -> int:
     """Records of a JSON file: the elements of a top-level array, else its lines (JSON Lines)."""
     with path.open("rb") as f:
-        starts_array = f.read(SNIFF_BYTES).lstrip().removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
+        starts_array = starts_json_array(f.read(SNIFF_BYTES))
     if not starts_array:
         return line_count(path)
     try:

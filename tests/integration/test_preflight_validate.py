@@ -275,10 +275,13 @@ def test_records_lacking_the_field_anywhere_are_skipped_not_fatal(base, tmp_path
     late.write_text("\n".join([json.dumps({"id": i}) for i in range(500)] + [json.dumps({"text": t}) for t in LINES]))
     huge = tmp_path / "huge.jsonl"
     huge.write_text("\n".join([json.dumps({"text": "word " * 400_000})] + [json.dumps({"text": t}) for t in LINES]))
-    for path in (late, huge):
-        config = config_file(tmp_path, base, data={"dataset_name_or_path": str(path)})
-        result = run_cli(capsys, "validate", "--config", str(config))
-        assert result.rc == 0, result.err
+    said = {}
+    for path in (late, huge):  # 500 of the 540 records in `late` are skips: allowed here, and said
+        config = config_file(tmp_path, base, data={"dataset_name_or_path": str(path), "max_skipped_share": 1.0})
+        said[path.name] = run_cli(capsys, "validate", "--config", str(config))
+        assert said[path.name].rc == 0, said[path.name].err
+    pattern = r"late\.jsonl: 500 of all 540 records \(93%\) would be skipped \(missing_field 500\)"
+    assert re.search(pattern, said["late.jsonl"].err), said["late.jsonl"].err
 
     from rayft.config import DataConfig
     from rayft.data.sources import resolve_splits
@@ -383,6 +386,121 @@ def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(tok
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert "records: messages, loss on completions only" in result.out
+
+
+# --- what the job's record pipeline makes of each split's first records ---------------------------------------------
+
+QA = [{"question": f"What is {i} plus {i}?", "answer": f" {2 * i}"} for i in range(30)]
+REPLY = [CONVERSATION[1], {"role": "assistant", "content": ""}]  # a chat whose only reply is empty
+DPO = {"packing": False}  # preference pairs are never packed
+
+
+def _jsonl(tmp: Path, records: list, name: str = "train.jsonl") -> Path:
+    path = tmp / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def _gzip_named_jsonl(tmp: Path) -> Path:
+    import gzip
+
+    path = tmp / "train.jsonl"
+    path.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in LINES * 20).encode()))
+    return path
+
+
+def _wrong_type_parquet(tmp: Path) -> Path:
+    path = tmp / "train.parquet"
+    pq.write_table(pa.table({"text": list(range(40))}), path)
+    return path
+
+
+# (records or a file builder, data settings, train settings, the refusal): each was "config ok" before, and the job
+# found out after Ray started, or trained on nothing.
+SAMPLE_CASES = {
+    "empty assistant replies": (
+        [{"messages": CONVERSATION}] + [{"messages": REPLY}] * 9, {}, {},
+        r"train\.jsonl: 9 of all 10 records \(90%\) trains on nothing \(assistant replies .*over "
+        r"data\.max_no_signal_share 0\.1; first: .*train\.jsonl: record 1 ",
+    ),
+    "identical preference pairs": (
+        [{"prompt": f"Q{i}?", "chosen": " yes", "rejected": " yes"} for i in range(8)], DPO, {"objective": "dpo"},
+        r"8 of all 8 records \(100%\) trains on nothing .*chosen and rejected tokenize alike.*record 0 ",
+    ),
+    "text and chat records in one file": (
+        [{"text": t} for t in LINES[:6]] + [{"messages": CONVERSATION}] * 4, {}, {},
+        r"train\.jsonl mixes record kinds in all 10 records: text 6 \(first: .*train\.jsonl: record 0\), messages 4 "
+        r"\(first: .*record 6\).*Set data\.format to the kind to train on",
+    ),
+    "prompt/completion and chat records in one file": (
+        [{"prompt": "Say hi.", "completion": " hi"}] * 5 + [{"messages": CONVERSATION}] * 5, {}, {},
+        r"mixes record kinds in all 10 records: prompt_completion 5 .*messages 5 ",
+    ),
+    "messages stored as a string": (
+        [{"messages": json.dumps(CONVERSATION)}] * 6, {}, {},
+        r"none of all 6 records would train \(not_text 6\); first: .*train\.jsonl: record 0 holds the field in "
+        r"another type .*a chat needs a list of \{role, content\} messages",
+    ),
+    "chat prompts with string completions": (
+        [{"prompt": CONVERSATION[:2], "chosen": "Hello!", "rejected": "Go away."}] * 6, DPO, {"objective": "dpo"},
+        r"none of all 6 records would train \(not_text 6\)",
+    ),
+    "list and string sides of one pair": (
+        [{"prompt": "Hi", "chosen": [CONVERSATION[2]], "rejected": "Go away."}] * 6, DPO, {"objective": "dpo"},
+        r"none of all 6 records would train \(not_text 6\)",
+    ),
+    "parquet column of numbers": (_wrong_type_parquet, {}, {}, r"none of all 40 records would train \(not_text 40\)"),
+    "bad_records: error and one undecodable line": (
+        [{"text": t} for t in LINES[:5]] + ['{"text": "cut off'] + [{"text": t} for t in LINES[5:9]],
+        {"bad_records": "error"}, {},
+        r"1 of all 10 records would be skipped \(bad_json 1\) and data\.bad_records is error; first: "
+        r".*train\.jsonl: record 5 is not one JSON object",
+    ),
+    "most records without the field": (
+        [{"body": t} for t in LINES[:30]] + [{"text": t} for t in LINES[30:]], {}, {},
+        r"30 of all 40 records \(75%\) would be skipped \(missing_field 30\), over data\.max_skipped_share 0\.5; "
+        r"first: .*train\.jsonl: record 0 lacks a field",
+    ),
+    "gzip data named .jsonl": (
+        _gzip_named_jsonl, {}, {},
+        r"train\.jsonl is gzip-compressed data, not text: .*decompress it first: gzip -dc < train\.jsonl > ",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SAMPLE_CASES))
+def test_validate_runs_the_jobs_record_pipeline_over_each_split(case, smollm2, base, tmp_path, capsys):
+    records, data, train, pattern = SAMPLE_CASES[case]
+    path = records(tmp_path) if callable(records) else _jsonl(tmp_path, records)
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(smollm2)}, train=train,
+                         data={"dataset_name_or_path": str(path), "dataset_config_name": None, "val_ratio": 0.0,
+                               **data})  # fmt: skip
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert_refused(result, pattern)
+
+
+def test_a_few_bad_or_empty_records_are_warned_with_counts_and_the_sample_is_named(smollm2, base, tmp_path, capsys):
+    """Under the thresholds the run is fine, and validate says what the job will leave out or train on nothing, with
+    the first record; a split larger than the sample says it was checked by its first records."""
+    chats = [{"messages": CONVERSATION}] * 30 + [{"messages": REPLY}] + ["not json"] * 2
+    path = _jsonl(tmp_path, chats)
+    data = {"dataset_name_or_path": str(path), "dataset_config_name": None, "val_ratio": 0.0}
+    config = config_file(tmp_path, base, model={"model_name_or_path": str(smollm2)}, data=data)
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert f"checked with the job's pipeline: {path}: all 33 records checked, 31 kept; bad_json 2, no_signal 1" in (
+        result.out
+    ), result.out
+    assert re.search(r"warning: data: .*: 2 of all 33 records \(6%\) would be skipped \(bad_json 2, no_signal 1\); "
+                     r"first: .*train\.jsonl: record 31 is not one JSON object", result.err), result.err  # fmt: skip
+    assert re.search(r"warning: data: .*: 1 of all 33 records \(3%\) trains on nothing .*record 30 ", result.err)
+
+    big = _jsonl(tmp_path, [{"text": LINES[i % 40]} for i in range(1500)], "big.jsonl")
+    config = config_file(tmp_path, base, data={"dataset_name_or_path": str(big), "dataset_config_name": None,
+                                               "val_ratio": 0.0})  # fmt: skip
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert f"{big}: the first 1,000 records checked, 1,000 kept" in result.out, result.out
 
 
 def _split_layouts(tmp: Path) -> dict[str, tuple[dict, str]]:

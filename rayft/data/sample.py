@@ -1,0 +1,193 @@
+"""What the job's own record pipeline makes of the first records of each split, found before any cluster resource
+(by `rayft validate` and by the job's preflight alike): records kept and skipped by reason with the first offending
+record's file and index, a split mixing record kinds, and records that would train on nothing.
+
+The records go through the same encoder class the tokenizer actors run (`rayft.data.pipeline.record_encoder`), one
+record at a time so that every verdict has its record. A split of at most `SAMPLE_RECORDS` records is checked
+whole; a larger one by its first `SAMPLE_RECORDS`, and the report says which.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayft.config import Config, ConfigError
+from rayft.data.records import SKIPS, RecordFormat, chat_conversation, decode_line, kind_of_record
+from rayft.data.sources import SplitSource
+from rayft.data.tokenizer import TokenizerFacts
+
+SAMPLE_RECORDS = 1000
+NO_SIGNAL = "no_signal"  # kept, but nothing in it trains (not a skip: the job would train on it)
+
+# What each skip reason means for a record, and what to change.
+REASONS = {
+    "empty": ("is empty (no text, or an empty completion)", "drop such records or fill them"),
+    "missing_field": (
+        "lacks a field the record format reads",
+        "point data.text_field / data.messages_field / data.completion_field at a field the records have, or set "
+        "data.format",
+    ),
+    "not_text": (
+        "holds the field in another type than the format reads (a chat needs a list of {role, content} messages, "
+        "text fields need strings)",
+        "store the field in that type, or set data.format to the kind the records are",
+    ),
+    "not_utf8": ("is not UTF-8 text", "decompress the file, or convert it to UTF-8 (a gzip file needs gunzip first)"),
+    "bad_json": ("is not one JSON object on one line", "fix or drop the line"),
+    "chat_template": (
+        "is refused by the tokenizer's chat template",
+        "fix the record, or point model.tokenizer_name_or_path at a tokenizer whose chat format fits",
+    ),
+    "too_long": ("is longer than data.max_length", "raise data.max_length, or set data.overlong: truncate"),
+    "no_completion": ("has a prompt that fills data.max_length", "raise data.max_length or shorten the prompts"),
+    NO_SIGNAL: (
+        "trains on nothing (assistant replies that are all empty, or a preference pair whose chosen and rejected "
+        "tokenize alike)",
+        "fix or drop such records",
+    ),
+}
+
+
+@dataclass
+class SampleReport:
+    """One split's checked records: counts by verdict, the first record of each, and the record kinds seen."""
+
+    what: str
+    checked: int = 0
+    whole: bool = True  # every record of the split was checked
+    kept: int = 0
+    counts: Counter = field(default_factory=Counter)  # skip reason or NO_SIGNAL → records
+    first: dict[str, tuple[str, int]] = field(default_factory=dict)  # same keys → (file, index)
+    kinds: Counter = field(default_factory=Counter)  # record kind → records
+    first_of_kind: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> int:
+        return sum(n for reason, n in self.counts.items() if reason != NO_SIGNAL)
+
+    def scope(self) -> str:
+        return f"all {self.checked:,} records" if self.whole else f"the first {self.checked:,} records"
+
+    def describe(self) -> str:
+        text = f"{self.what}: {self.scope()} checked, {self.kept:,} kept"
+        return text + f"; {self.tally()}" if self.counts else text
+
+    def tally(self) -> str:
+        """The counts by verdict, skip reasons in the order the job reports them, then records without a signal."""
+        return ", ".join(f"{v} {self.counts[v]:,}" for v in (*SKIPS, NO_SIGNAL) if self.counts[v])
+
+    def note(self, verdict: str, where: tuple[str, int]) -> None:
+        self.counts[verdict] += 1
+        self.first.setdefault(verdict, where)
+
+    def first_record(self, verdict: str) -> str:
+        file, index = self.first[verdict]
+        meaning, fix = REASONS[verdict]
+        return f"{file}: record {index} {meaning}; {fix}"
+
+
+def sample_report(
+    cfg: Config, source: SplitSource, fmt: RecordFormat, tokenizer: TokenizerFacts, limit: int = SAMPLE_RECORDS
+) -> SampleReport:
+    """The first `limit` records of `source` through the job's encoder, one verdict per record."""
+    from rayft.data.pipeline import record_encoder
+
+    actor, kwargs = record_encoder(source.format, fmt, cfg.model, cfg.data, tokenizer, cfg.dpo.max_prompt_length)
+    encode = actor(**kwargs)
+    table, where = source.head(limit + 1)  # one more tells whether the split goes on
+    report = SampleReport(what=source.what, whole=len(where) <= limit)
+    table, where = table.slice(0, limit), where[:limit]
+    raw = table.column("_raw").to_pylist() if "_raw" in table.column_names else None
+    for i, place in enumerate(where):
+        record = decode_line(raw[i], source.format)[0] if raw is not None else table.slice(i, 1).to_pylist()[0]
+        kind = kind_of_record(record, cfg.data)
+        if kind is not None:
+            report.kinds[kind] += 1
+            report.first_of_kind.setdefault(kind, place)
+        row = encode(table.slice(i, 1)).to_pylist()[0]
+        report.checked += 1
+        if row["skip"]:
+            report.note(row["skip"], place)
+            continue
+        report.kept += 1
+        if not _trains(row, record, fmt):
+            report.note(NO_SIGNAL, place)
+    return report
+
+
+def check_sample(cfg: Config, report: SampleReport, fmt: RecordFormat) -> list[str]:
+    """Refuse what the job would train wrongly or not at all (ConfigError); the warnings for what it would train
+    with records left out or empty."""
+    d = cfg.data
+    if d.format == "auto" and len(report.kinds) > 1:
+        kinds = ", ".join(
+            f"{kind} {n:,} (first: {report.first_of_kind[kind][0]}: record {report.first_of_kind[kind][1]})"
+            for kind, n in report.kinds.most_common()
+        )
+        raise ConfigError(
+            f"data: {report.what} mixes record kinds in {report.scope()}: {kinds}; the job would read them all as "
+            f"{fmt.kind} and skip the others. Set data.format to the kind to train on (the rest are skipped and "
+            "counted), or split the file by kind"
+        )
+    if report.checked == 0:
+        return []
+    if report.kept == 0:
+        reason = max((r for r in report.counts if r != NO_SIGNAL), key=report.counts.__getitem__)
+        raise ConfigError(
+            f"data: {report.what}: none of {report.scope()} would train ({report.tally()}); first: "
+            f"{report.first_record(reason)}"
+        )
+    if report.skipped and d.bad_records == "error":
+        reason = next(r for r in report.first if r != NO_SIGNAL)  # in record order
+        raise ConfigError(
+            f"data: {report.what}: {report.skipped:,} of {report.scope()} would be skipped ({report.tally()}) and "
+            f"data.bad_records is error; first: {report.first_record(reason)}; or set data.bad_records: skip"
+        )
+    # Blank lines of plain text (a third of wikitext's) hold nothing that is lost: counted, never warned about.
+    blank = report.counts["empty"] if fmt.kind == "text" else 0
+    skips = [r for r in report.counts if r != NO_SIGNAL and not (blank and r == "empty")]
+    warnings = []
+    if skips:
+        n = sum(report.counts[r] for r in skips)
+        warnings.append(_within_share(report, n, blank, d.max_skipped_share, "data.max_skipped_share", skips))
+    if report.counts[NO_SIGNAL]:
+        n = report.counts[NO_SIGNAL]
+        warnings.append(_within_share(report, n, 0, d.max_no_signal_share, "data.max_no_signal_share", [NO_SIGNAL]))
+    return warnings
+
+
+def _within_share(report: SampleReport, n: int, blank: int, limit: float, key: str, verdicts: list[str]) -> str:
+    """The warning for `n` records of these verdicts, or ConfigError where their share of the records that are not
+    `blank` is over `key`'s limit."""
+    reason = max(verdicts, key=report.counts.__getitem__)
+    share = n / (report.checked - blank)
+    what = REASONS[NO_SIGNAL][0] if verdicts == [NO_SIGNAL] else "would be skipped"
+    of = report.scope() if not blank else f"the {report.checked - blank:,} non-blank of {report.scope()}"
+    said = f"data: {report.what}: {n:,} of {of} ({share:.0%}) {what} ({report.tally()})"
+    if share > limit:
+        raise ConfigError(f"{said}, over {key} {limit:g}; first: {report.first_record(reason)}; or raise {key}")
+    return f"{said}; first: {report.first_record(reason)}"
+
+
+def _trains(row: dict[str, Any], record: Any, fmt: RecordFormat) -> bool:
+    """Whether a kept record carries a training signal: a preference pair whose two sides differ; a chat with an
+    assistant reply to learn (its end-of-turn token alone teaches the model to say nothing)."""
+    if fmt.kind == "preference":
+        return row["chosen_ids"] != row["rejected_ids"]
+    conversation = chat_conversation(record, fmt)
+    if conversation is None:
+        return True
+    messages, first_trained = conversation
+    replies = [m for m in messages[first_trained:] if m.get("role") == "assistant"]
+    return any(_text_of(m.get("content")).strip() for m in replies) or not replies
+
+
+def _text_of(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
