@@ -504,7 +504,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     from rayft.preflight import check_continued_run, preflight
 
     checked = preflight(cfg)
-    check_continued_run(cfg)
+    finished = check_continued_run(cfg)
     val = checked.validation.describe() if checked.validation else f"none (holding out {cfg.data.hold_out:.0%})"
     records = checked.records
     kind = records.kind + (", loss on completions only" if records.completion_only else "")
@@ -524,7 +524,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8)
     print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
     print(f"  memory plan: {_memory_verdict(plan, world, on_gpu, args.gpu)} (rayft plan for details)")
-    for warning in [lora.warning, *checked.warnings]:
+    for warning in [lora.warning, *checked.warnings, finished]:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK

@@ -73,9 +73,32 @@ def resolve(key: str, repo_id: str, repo_type: str = "model", revision: str | No
     return Path(found)
 
 
+def check_repo_id(key: str, spec: str | None) -> None:
+    """A value shaped like `org/name` that is neither on disk nor a valid hub id (a space, a stray character) is
+    refused with the hub's own rule, rather than reported as a path that does not exist."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not spec or spec.count("/") != 1 or spec.startswith((".", "/", "~")) or "://" in spec:
+        return
+    if is_hub_name(spec) or Path(spec).expanduser().exists():
+        return
+    try:
+        validate_repo_id(spec)
+    except HFValidationError as e:
+        raise ConfigError(
+            f"{key}: '{spec}' is no local path, and not a hub repo id either ({e}); fix the name, or give an "
+            "existing directory"
+        ) from None
+
+
 def resolve_names(cfg: Config) -> None:
     """Replace hub names in the config by their snapshot directories, in place (before any path is read)."""
     m, d = cfg.model, cfg.data
+    for key, spec in (("model.model_name_or_path", m.model_name_or_path),
+                      ("model.tokenizer_name_or_path", m.tokenizer_name_or_path),
+                      ("data.dataset_name_or_path", d.dataset_name_or_path)):  # fmt: skip
+        check_repo_id(key, spec)
     if is_hub_name(m.model_name_or_path):
         m.model_name_or_path = str(resolve("model.model_name_or_path", m.model_name_or_path, "model", m.revision))
     elif m.revision is not None:

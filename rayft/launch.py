@@ -29,7 +29,7 @@ from rayft.train.atomic import replace_dir, staging_dir
 from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
 from rayft.train.job import EvalJob, Job
 from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
-from rayft.train.run_settings import check_continuation, run_settings
+from rayft.train.run_settings import check_continuation, finished_run, last_step, run_settings
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
 from rayft.train.schedule import Plan, make_plan
 
@@ -72,6 +72,8 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
     log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
+    if resume_from is None and run.has_registered_checkpoints() and last_step(run) >= plan.total_steps:
+        log.warning("%s", finished_run(run.uri, last_step(run), plan.total_steps))
     splits = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation

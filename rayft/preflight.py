@@ -27,6 +27,7 @@ from rayft.data.sources import SplitSource, check_link, resolve_splits
 from rayft.data.tokenizer import TOKENIZER_FILES, TokenizerFacts, has_tokenizer, tokenizer_facts, tokenizer_path
 from rayft.hub import resolve_names
 from rayft.limits import check_max_length, local_placement_problem, lora_rank_warning
+from rayft.model.attention import check_attention
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
 from rayft.model.lora import LoraTargets
 from rayft.parallel.backend import prefix_matched_hca
@@ -34,7 +35,7 @@ from rayft.parallel.torch_compat import check_torch
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
 from rayft.train.checkpoint import STATE_DIR, missing_state_files
-from rayft.train.run_settings import check_continuation
+from rayft.train.run_settings import check_checkpoint_shape, check_continuation, finished_run, last_step
 from rayft.train.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
         if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
             _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
-        _check_resume_source(cfg.train.resume_from_checkpoint)
+        _check_resume_source(cfg)
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
         from rayft.model.build import check_fp8_storage
@@ -100,20 +101,30 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
         check_max_length(cfg, model.config.get_text_config())
-        said = (lora_rank_warning(cfg, model), _local_placement(cfg), prefix_matched_hca(cfg.nccl))
+        said = (check_attention(cfg, model), lora_rank_warning(cfg, model), _local_placement(cfg),
+                prefix_matched_hca(cfg.nccl))  # fmt: skip
         warnings = [*data_warnings, *(w for w in said if w)]
     return Preflight(train, validation, records, tokenizer, targets, counts, samples, warnings)
 
 
-def check_continued_run(cfg: Config) -> None:
+def check_continued_run(cfg: Config) -> str | None:
     """`rayft validate`: a local run directory holding a run this config would train on: the same model, adapter
-    and settings (a remote one is checked by the job itself, where its storage is reachable). Not part of
-    `preflight`, which `rayft eval` shares: an evaluation reads a run, it does not continue it."""
+    and settings (a remote one is checked by the job itself, where its storage is reachable); and a warning where
+    that run has finished. Not part of `preflight`, which `rayft eval` shares: an evaluation reads a run, it does
+    not continue it."""
     if is_uri(cfg.run_uri):
-        return
+        return None
     run = RunDir(cfg.run_uri)
-    if run.has_registered_checkpoints():
-        check_continuation(cfg, run.settings(), run.uri)
+    if not run.has_registered_checkpoints():
+        return None
+    check_continuation(cfg, run.settings(), run.uri)
+    final = Path(cfg.train.output_dir).expanduser() / "final"
+    if not (final / "adapter_model.safetensors").is_file():
+        return None
+    done = last_step(run)
+    if 0 < cfg.train.max_steps <= done or cfg.train.max_steps <= 0:
+        return finished_run(run.uri, done, cfg.train.max_steps if cfg.train.max_steps > 0 else None)
+    return None
 
 
 def _local_placement(cfg: Config) -> str | None:
@@ -240,8 +251,30 @@ def _check_model_dir(path: Path) -> None:
         )
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} has no config.json; point it at a Hugging Face model directory")
+    _check_model_type(path / "config.json")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ConfigError(f"{key}: {path} has no *.safetensors weights")
+
+
+def _check_model_type(config_json: Path) -> None:
+    """The model_type transformers builds the model from: one it knows (rayft runs no code shipped with a model)."""
+    import difflib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    check_json_file(config_json)
+    model_type = json.loads(config_json.read_bytes()).get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    if model_type is None:
+        raise ConfigError(f"{config_json}: no model_type; the model's own config.json names its architecture")
+    near = difflib.get_close_matches(str(model_type), CONFIG_MAPPING_NAMES, n=3)
+    hint = f" (close: {', '.join(near)})" if near else ""
+    raise ConfigError(
+        f"{config_json}: model_type '{model_type}' is not one transformers {transformers.__version__} knows{hint}; "
+        "fix it, or upgrade transformers if the architecture is newer"
+    )
 
 
 def _check_tokenizer(cfg: Config) -> TokenizerFacts:
@@ -289,8 +322,10 @@ def _check_trackers(trackers: list[str]) -> None:
             )
 
 
-def _check_resume_source(source: str | None) -> None:
-    """A checkpoint dir is rayft's: DCP training state under state/ (the adapter alone cannot resume)."""
+def _check_resume_source(cfg: Config) -> None:
+    """A checkpoint dir is rayft's: DCP training state under state/ (the adapter alone cannot resume), complete,
+    and of this model and adapter shape (as its run recorded them)."""
+    source = cfg.train.resume_from_checkpoint
     if source in (None, "latest") or is_uri(source):
         return
     path = Path(source).expanduser()
@@ -314,6 +349,7 @@ def _check_resume_source(source: str | None) -> None:
             f"{key}: {path} is incomplete: {path / STATE_DIR}/{problems[0]}{more}, which its .metadata references; "
             "resume from an earlier checkpoint-NNNNNN (or copy this one again)"
         )
+    check_checkpoint_shape(cfg, RunDir(str(path.parent)).settings(), str(path))
 
 
 def _check_writable(key: str, path: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rayft.config import Config, ConfigError
+from rayft.train.rundir import RunDir
 
 log = logging.getLogger("rayft")
 
@@ -88,3 +89,48 @@ def check_continuation(cfg: Config, recorded: dict[str, Any] | None, run_uri: st
             "train.output_dir) for a new run"
         )
     log.warning("train.resume: continue: %s goes on with changed settings: %s", run_uri, said)
+
+
+def last_step(run: RunDir) -> int:
+    """The last step the run's history records (0 for none)."""
+    return max((int(r.get("step", 0)) for r in run.read_metrics()), default=0)
+
+
+def finished_run(run_uri: str, done: int, total: int | None) -> str:
+    """What rerunning a finished run does, and the two ways to train more: said by `rayft validate` (where the
+    schedule's length in steps is not known yet: `total` None) and by the job (which knows it)."""
+    where = f"step {done} of {total}" if total is not None else f"step {done}, its final adapter written"
+    return (
+        f"{run_uri} holds a run that finished at {where}: this config trains nothing more and writes the final "
+        "adapter again; to train further raise train.max_steps (or num_train_epochs) with train.resume: continue, "
+        "or set ray.name (or train.output_dir) for a new run"
+    )
+
+
+def check_checkpoint_shape(cfg: Config, recorded: dict[str, Any] | None, checkpoint: str) -> None:
+    """`train.resume_from_checkpoint` naming another run's checkpoint (whose run recorded `recorded`): a new run
+    may change what the run means (new data, a new schedule), never what the checkpoint holds. The model is the
+    same where both paths name it or their config.json files say the same (a copy elsewhere)."""
+    if recorded is None:
+        return
+    now = run_settings(cfg)
+    changed = [
+        key
+        for key in SHAPE
+        if key in recorded
+        and recorded[key] != now[key]
+        and not (key == "model.model_name_or_path" and _same_model(recorded[key], now[key]))
+    ]
+    if changed:
+        said = "; ".join(f"{key} {recorded[key]!r} → {now[key]!r}" for key in changed)
+        raise ConfigError(
+            f"train.resume_from_checkpoint: {checkpoint} holds the state of another model or adapter ({said}): it "
+            f"cannot be loaded into this one; restore {', '.join(changed)}, or start without resume_from_checkpoint"
+        )
+
+
+def _same_model(a: str, b: str) -> bool:
+    try:
+        return (Path(a) / "config.json").read_bytes() == (Path(b) / "config.json").read_bytes()
+    except OSError:
+        return False

@@ -4,16 +4,18 @@ the uninterrupted run ends (what Ray's restarts rely on), on the checkpointing j
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
 
 import pytest
-from conftest import STEPS, Fixtures, checkpointing_config
+from conftest import STEPS, CliResult, Fixtures, checkpointing_config, run_cli, write_yaml
 from fixtures.chat import chatml_expected
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import make_tiny_moe
 from fixtures.preference import write_preference_data
+from fixtures.preflight import assert_refused
 from safetensors.torch import load_file
 from test_chat_job import TRAIN, assert_adapter_saved, chat_config
 from test_dpo_job import dpo_config
@@ -83,6 +85,30 @@ def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrup
     other = train_locally(checkpointing_config(fixtures, tmp_path, train__seed=7), 2)
     with pytest.raises(AssertionError):
         _assert_same_training(other, uninterrupted, range(1, STEPS + 1))
+
+
+def test_another_runs_checkpoint_of_another_adapter_shape_is_refused_before_anything_starts(
+    fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path, capsys
+):
+    """`train.resume_from_checkpoint` naming a checkpoint of a run with another LoRA rank or target list: refused by
+    validate (and the job's preflight), naming each setting with both values, where the job once loaded the model on
+    every worker and failed with a size mismatch. Another learning rate or dataset is a new run's business: fine."""
+    source = sorted(uninterrupted.run_dir.glob("checkpoint-*"))[0]
+    changes = {"lora__r": 16, "lora__target_modules": ["q_proj"]}
+    recorded = json.loads((uninterrupted.run_dir / "rayft_run.json").read_text())["settings"]
+
+    def validate(name: str, **change) -> CliResult:
+        (tmp_path / name).mkdir()
+        raw = checkpointing_config(fixtures, tmp_path / name, train__resume_from_checkpoint=str(source), **change)
+        return run_cli(capsys, "validate", "--config", str(write_yaml(tmp_path / name / "config.yaml", raw)))
+
+    for key, value in changes.items():
+        name = key.replace("__", ".")
+        said = rf"{re.escape(name)} {re.escape(repr(recorded[name]))} → {re.escape(repr(value))}"
+        pattern = rf"{re.escape(str(source))} holds the state of another model or adapter \({said}\)"
+        assert_refused(validate(key, **{key: value}), rf"train\.resume_from_checkpoint: {pattern}")
+    result = validate("lr", train__learning_rate=1e-3)
+    assert result.rc == 0, result.err
 
 
 def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(

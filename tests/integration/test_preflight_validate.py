@@ -587,3 +587,63 @@ def test_rope_scaling_covers_a_longer_max_length_and_a_large_lora_rank_is_warned
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert re.search(r"warning: lora\.r 128 is larger than the smaller side of .*k_proj \(32\)", result.err), result.err
+
+
+# --- values only the next system used to check: transformers, the hub -----------------------------------------------
+
+
+def _model_type(value: str | None):
+    def build(fx: Fixtures, tmp: Path) -> dict:
+        d = variant(fx.model, tmp / "m", copy=("config.json",))
+        edit_json(d / "config.json", lambda c: c.update(model_type=value) if value else c.pop("model_type"))
+        return {"model": {"model_name_or_path": str(d)}}
+
+    return build
+
+
+VALUE_CASES = {
+    "misspelt attention": (
+        lambda fx, tmp: {"model": {"attn_implementation": "sdpaa"}},
+        r"model\.attn_implementation: 'sdpaa' is none of the implementations transformers offers \(eager, .*sdpa.*\)",
+    ),
+    "flash attention on CPU workers": (
+        lambda fx, tmp: {"model": {"attn_implementation": "flash_attention_2"}, "ray": {"use_gpu": False}},
+        r"model\.attn_implementation: flash_attention_2 runs on CUDA GPUs only and ray\.use_gpu is false; use sdpa",
+    ),
+    "model_type transformers does not know": (
+        _model_type("mistrall"),
+        r"m/config\.json: model_type 'mistrall' is not one transformers [\d.]+ knows \(close: mistral",
+    ),
+    "config.json without model_type": (_model_type(None), r"m/config\.json: no model_type"),
+    "hub model name with spaces": (
+        lambda fx, tmp: {"model": {"model_name_or_path": "mistralai/Mistral Small 4"}},
+        r"model\.model_name_or_path: 'mistralai/Mistral Small 4' is no local path, and not a hub repo id either "
+        r"\(Repo id must use alphanumeric chars",
+    ),
+    "hub dataset name with a stray character": (
+        lambda fx, tmp: {"data": {"dataset_name_or_path": "org/wiki$text"}},
+        r"data\.dataset_name_or_path: 'org/wiki\$text' is no local path, and not a hub repo id either",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_values_are_checked_where_they_are_defined(case, fixtures, base, tmp_path, capsys):
+    """Each passed `validate` before: the attention name and model_type failed as every worker built the model
+    (a raw traceback, config.json not named), the hub names were reported as paths that do not exist."""
+    build, pattern = VALUE_CASES[case]
+    config = config_file(tmp_path, base, **build(fixtures, tmp_path))
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), pattern)
+
+
+def test_a_flash_kernel_not_installed_here_is_a_warning_for_a_gpu_config(base, tmp_path, capsys):
+    """A GPU config checked where flash_attn is not installed (a laptop): the workers' image must have it."""
+    import importlib.util
+
+    config = config_file(tmp_path, base, model={"attn_implementation": "flash_attention_2"}, ray={"use_gpu": True})
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    said = "model.attn_implementation: flash_attention_2 needs the flash_attn package, which is not installed here"
+    assert (said in result.err) == (importlib.util.find_spec("flash_attn") is None), result.err
+    config = config_file(tmp_path, base, model={"attn_implementation": "sdpa"})
+    assert run_cli(capsys, "validate", "--config", str(config)).rc == 0

@@ -314,10 +314,17 @@ def test_a_changed_config_over_a_run_is_refused_before_anything_starts(reference
     """The finished reference run's directory under a config that changed. Another learning rate would continue the
     run from its last checkpoint with the new schedule: `rayft validate` refuses it (exit 2, one line naming the
     change and both ways on) unless `train.resume: continue` asks for it. Another LoRA rank cannot load that
-    checkpoint at all: refused either way. The same config validates, and continues as before (the other tests)."""
+    checkpoint at all: refused either way. The same config validates, with a warning that the run has finished and
+    how to train further (continuing as before: the other tests)."""
     cfg, copy = copy_of(reference_run, tmp_path / "out")
     config = str(write_yaml(copy.out / "config.yaml", cfg))
-    assert run_cli(capsys, "validate", "--config", config).rc == 0
+    same = run_cli(capsys, "validate", "--config", config)  # the run has finished: said, with both ways on
+    assert same.rc == 0, same.err
+    assert f"holds a run that finished at step {STEPS} of {STEPS}: this config trains nothing more" in same.err
+    assert "raise train.max_steps (or num_train_epochs) with train.resume: continue" in same.err, same.err
+    longer = ("--override", f"train.max_steps={STEPS + 2}", "--override", "train.resume=continue")
+    extended = run_cli(capsys, "validate", "--config", config, *longer)
+    assert extended.rc == 0 and "finished at" not in extended.err, extended.err
     lr, rank = cfg["train"]["learning_rate"], cfg["lora"]["r"]
     faster = ("--override", f"train.learning_rate={lr * 2}")
     refused = run_cli(capsys, "validate", "--config", config, *faster)
