@@ -494,6 +494,29 @@ class K8sConfig:
         for i, m in enumerate(self.volume_mounts):
             if m.get("name") not in names:
                 _problem(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes")
+        for problem in self._api_problems():
+            _problem(problem)
+
+    def _api_problems(self) -> list[str]:
+        """What the API server (or Kueue, for the queue-name label) would refuse when the manifests are applied."""
+        from rayft.deploy import apirules
+
+        found = (
+            apirules.labels("k8s.labels", self.labels)
+            + apirules.annotation_keys("k8s.annotations", self.annotations)
+            + apirules.labels("k8s.node_selector", self.node_selector)
+            + apirules.labels("k8s.head_node_selector", self.head_node_selector)
+            + apirules.tolerations("k8s.tolerations", self.tolerations)
+        )
+        named = {key: getattr(self, key) for key in ("queue", "priority_class_name", "service_account_name",
+                                                     "scheduler_name")}  # fmt: skip
+        named.update({f"image_pull_secrets[{i}]": s for i, s in enumerate(self.image_pull_secrets)})
+        for key, value in named.items():
+            if value is not None:
+                found += apirules.dns_subdomain(f"k8s.{key}", value)
+        if self.queue and not apirules.dns_subdomain("k8s.queue", self.queue):
+            found += apirules.label_value("k8s.queue", self.queue)  # Kueue's queue-name label holds it
+        return found
 
     def _check_kuberay(self) -> None:
         from rayft.deploy import kuberay

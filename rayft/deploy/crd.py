@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from rayft.deploy import apirules
 from rayft.deploy.kuberay import DELETION_GATE, Operator
 
 CRD_DIR_ENV = "RAYFT_KUBERAY_CRDS"
@@ -125,10 +126,14 @@ def validate(doc: Any, operator: Operator | None = None, directory: Path | None 
 
 
 def operator_rules(doc: dict[str, Any], operator: Operator) -> list[str]:
-    kind, spec = doc["kind"], doc["spec"]
-    problems = name_problems(kind, doc["metadata"].get("name", ""))
+    kind, spec, meta = doc["kind"], doc["spec"], doc["metadata"]
+    problems = name_problems(kind, meta.get("name", ""))
+    problems += apirules.labels("metadata.labels", meta.get("labels") or {})
+    problems += apirules.annotation_keys("metadata.annotations", meta.get("annotations") or {})
     if kind == "RayJob":
         problems += _rayjob_rules(spec, operator)
+        if "submitterPodTemplate" in spec:
+            problems += apirules.pod_template("spec.submitterPodTemplate", spec["submitterPodTemplate"])
         if "rayClusterSpec" in spec:
             problems += _cluster_rules(spec["rayClusterSpec"], "spec.rayClusterSpec")
     elif kind == "RayCluster":
@@ -194,6 +199,7 @@ def _cluster_rules(spec: dict[str, Any], at: str) -> list[str]:
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{at}.workerGroupSpecs: group name '{name}' is used more than once")
     for where, group, _ in groups:
+        problems += apirules.pod_template(f"{where}.template", group["template"])
         containers = group["template"].get("spec", {}).get("containers", [])
         if not containers:
             problems.append(f"{where}.template.spec.containers: needs the Ray container (the first one)")

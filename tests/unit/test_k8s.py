@@ -362,3 +362,43 @@ def test_pod_monitor_shape_check_names_the_field():
     bad["spec"]["podMetricsEndpoints"][0]["port"] = 8080  # the operator wants the port's name
     del bad["spec"]["selector"]
     assert [p.split(":")[0] for p in validate(bad)] == ["spec", "spec.podMetricsEndpoints.0.port"], validate(bad)
+
+
+def test_api_server_rules_no_schema_states_for_labels_selectors_and_tolerations():
+    """The CRDs say only "string" for these: the API server refuses them when the manifests are applied (the pod
+    templates' only when the operator creates the pods, and the job waits for its deadline)."""
+    worker = lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]  # noqa: E731
+    pod = lambda d: worker(d)["spec"]  # noqa: E731
+    _breaks(lambda d: pod(d)["tolerations"].append({"key": "gpu", "operator": "Exist"}),
+            "spec.tolerations[1].operator: 'Exist' is neither of Equal, Exists")  # fmt: skip
+    _breaks(lambda d: pod(d)["tolerations"].append({"key": "gpu", "operator": "Exists", "effect": "NoSchedul"}),
+            "spec.tolerations[1].effect: 'NoSchedul' is none of NoSchedule, PreferNoSchedule, NoExecute")  # fmt: skip
+    _breaks(lambda d: pod(d)["tolerations"].append({"operator": "Equal", "value": "x"}),
+            "an empty key (every taint) needs operator Exists")  # fmt: skip
+    _breaks(lambda d: pod(d)["tolerations"].append({"key": "a", "operator": "Exists", "value": "x"}),
+            "value: must be empty with operator Exists")  # fmt: skip
+    _breaks(lambda d: pod(d)["tolerations"].append({"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}),
+            "tolerationSeconds: only with effect NoExecute")  # fmt: skip
+    _breaks(lambda d: pod(d).update(nodeSelector={"pool": "gpu nodes"}),
+            "spec.nodeSelector.pool: value 'gpu nodes' is not a valid label value")  # fmt: skip
+    _breaks(lambda d: worker(d)["metadata"].setdefault("labels", {}).update({"team/a/b": "x"}),
+            "key 'team/a/b': its prefix 'team/a' must be a DNS subdomain")  # fmt: skip
+    _breaks(lambda d: d["metadata"].setdefault("labels", {}).update({"owner": "x" * 64}),
+            "metadata.labels.owner: value")  # fmt: skip
+    _breaks(lambda d: d["metadata"].setdefault("annotations", {}).update({"-bad": "ok"}), "key '-bad'")
+    assert validate(_job()) == []  # the checked-in job passes every rule
+
+
+def test_k8s_values_are_refused_all_at_once_before_rendering(capsys, monkeypatch):
+    """Values in the config's k8s section that the API server or Kueue would refuse: every one named at once."""
+    monkeypatch.chdir(REPO)
+    err = render_error(
+        capsys, "--config", EXAMPLE,
+        "--override", "k8s.queueing=kueue", "--override", "k8s.queue=Team_A",
+        "--override", "k8s.tolerations=[{key: nvidia.com/gpu, operator: exists}]",
+        "--override", "k8s.labels={cost-center: research lab}",
+        "--override", "k8s.priority_class_name=High",
+    )  # fmt: skip
+    for says in ("k8s.queue: 'Team_A' is not a valid object name", "k8s.tolerations[0].operator: 'exists'",
+                 "k8s.labels.cost-center: value 'research lab'", "k8s.priority_class_name: 'High'"):  # fmt: skip
+        assert says in err, err
