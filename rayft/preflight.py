@@ -40,6 +40,7 @@ from rayft.train.rundir import RunDir
 
 log = logging.getLogger(__name__)
 CHAT_SAMPLE = 64  # records of each split encoded by `rayft validate` (about a second with a chat template)
+STORAGE_PROBE_S = 30.0  # a remote storage_path's write probe; longer than the S3 client's own retries
 
 
 @dataclass
@@ -84,6 +85,8 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         _check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
         if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
             _check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
+        elif cfg.ray.storage_path:
+            _check_remote_writable("ray.storage_path", cfg.ray.storage_path)
         _check_resume_source(cfg)
         _check_trackers(cfg.trackers)
     with timed("preflight_model"):
@@ -368,6 +371,40 @@ def _check_writable(key: str, path: Path) -> None:
             "directory"
         ) from None
     shutil.rmtree(probe, ignore_errors=True)
+
+
+def _check_remote_writable(key: str, uri: str, timeout_s: float = STORAGE_PROBE_S) -> None:
+    """Write and delete a marker object where the run's checkpoints will go: a bucket that does not exist, refused
+    credentials or no route from here fail now, with the key, instead of at the first checkpoint as a traceback."""
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as Timeout
+
+    import pyarrow.fs as pafs
+
+    def probe() -> None:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        marker = f"{path.rstrip('/')}/.rayft-write-probe-{uuid.uuid4().hex}"
+        with fs.open_output_stream(marker) as out:
+            out.write(b"rayft")
+        fs.delete_file(marker)
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        pool.submit(probe).result(timeout=timeout_s)
+    except Timeout:
+        raise ConfigError(
+            f"{key}: {uri} did not answer within {timeout_s:.0f} s (writing a probe object); check the endpoint and "
+            "the network from here and from the workers"
+        ) from None
+    except Exception as e:  # the filesystems raise OSError, ArrowInvalid, ArrowNotImplementedError...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"{key}: writing a probe object under {uri} failed ({first}); check the bucket's name, the credentials "
+            "(AWS_* / GOOGLE_APPLICATION_CREDENTIALS) and the network, from here and from the workers"
+        ) from None
+    finally:
+        pool.shutdown(wait=False)
 
 
 def planned_expert_parallel(cfg: Config, s: Structure, fp8: bool) -> int:

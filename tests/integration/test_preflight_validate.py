@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import Fixtures, run_cli
+from conftest import Fixtures, free_port, run_cli
 from fixtures.chat import CONVERSATION, tekken_model
 from fixtures.moe_families import UNKNOWN_MOE, make_tiny_moe, make_unknown_moe
 from fixtures.preflight import (
@@ -647,3 +647,22 @@ def test_a_flash_kernel_not_installed_here_is_a_warning_for_a_gpu_config(base, t
     assert (said in result.err) == (importlib.util.find_spec("flash_attn") is None), result.err
     config = config_file(tmp_path, base, model={"attn_implementation": "sdpa"})
     assert run_cli(capsys, "validate", "--config", str(config)).rc == 0
+
+
+def test_a_remote_storage_path_is_written_to_before_anything_starts(base, tmp_path, capsys, monkeypatch):
+    """A bucket nothing can reach passed `validate` and failed at the first checkpoint with a raw traceback: now a
+    probe object is written and deleted first. (An S3 endpoint on a closed local port; a file:// URI for a reachable
+    store, which must be left as it was.)"""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")  # no credential lookup: the refusal is the connection's
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    closed = f"s3://runs/m4?endpoint_override=127.0.0.1:{free_port()}&scheme=http"
+    config = config_file(tmp_path, base, ray={"storage_path": closed})
+    refused = rf"ray\.storage_path: writing a probe object under {re.escape(closed)} failed \(.*connect"
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)), refused)
+    store = tmp_path / "store"
+    store.mkdir()
+    config = config_file(tmp_path, base, ray={"storage_path": f"file://{store}"})
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0, result.err
+    assert list(store.iterdir()) == []  # the probe object went again
