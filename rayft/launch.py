@@ -74,6 +74,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
     if resume_from is None and run.has_registered_checkpoints() and last_step(run) >= plan.total_steps:
         log.warning("%s", finished_run(run.uri, last_step(run), plan.total_steps))
+        return _finished(cfg, run)  # no workers: they would load the model to train nothing
     splits = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
@@ -313,6 +314,17 @@ def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool, 
             f"({plan.steps_per_epoch} per epoch, warmup {plan.warmup_steps})",
             *([f"{profile.line()}; workers next"] if profile else []),
         ]
+    )
+
+
+def _finished(cfg: Config, run: RunDir) -> Outcome:
+    """What a finished run left, for a rerun that has nothing to train."""
+    found = run.checkpoints()
+    return Outcome(
+        final_adapter=Path(cfg.train.output_dir) / "final",
+        run_dir=Path(run.uri),
+        latest_checkpoint=join(run.uri, found[max(found)]) if found else None,
+        metrics=_last_metrics(run),
     )
 
 

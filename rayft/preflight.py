@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
@@ -89,6 +90,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
             _check_remote_writable("ray.storage_path", cfg.ray.storage_path)
         _check_resume_source(cfg)
         _check_trackers(cfg.trackers)
+        tracker_warnings = _check_tracker_access(cfg)
     with timed("preflight_model"):
         from rayft.model.build import check_fp8_storage
 
@@ -106,7 +108,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         check_max_length(cfg, model.config.get_text_config())
         said = (check_attention(cfg, model), lora_rank_warning(cfg, model), _local_placement(cfg),
                 prefix_matched_hca(cfg.nccl))  # fmt: skip
-        warnings = [*data_warnings, *(w for w in said if w)]
+        warnings = [*data_warnings, *tracker_warnings, *(w for w in said if w)]
     return Preflight(train, validation, records, tokenizer, targets, counts, samples, warnings)
 
 
@@ -323,6 +325,25 @@ def _check_trackers(trackers: list[str]) -> None:
                 f"train.report_to: {name} needs the {package} package, which is not installed; pip install "
                 f"{package} (in the cluster's image too), or set train.report_to: none"
             )
+
+
+def _check_tracker_access(cfg: Config) -> list[str]:
+    """Credentials and endpoints of the trackers, as rank 0 would use them. A local cluster's workers inherit this
+    environment, so a missing key is refused; a cluster joined (ray.address, RAY_ADDRESS) has its own, so there it
+    is a warning."""
+    from rayft.train.sinks import tracker_problem
+
+    joins = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    warnings = []
+    for name in cfg.trackers:
+        found = tracker_problem(name, dict(os.environ))
+        if found is None:
+            continue
+        problem, fatal = found
+        if fatal and not joins:
+            raise ConfigError(problem)
+        warnings.append(problem + (" (unless the cluster's workers have it)" if fatal else ""))
+    return warnings
 
 
 def _check_resume_source(cfg: Config) -> None:

@@ -101,9 +101,9 @@ def finished_run(run_uri: str, done: int, total: int | None) -> str:
     schedule's length in steps is not known yet: `total` None) and by the job (which knows it)."""
     where = f"step {done} of {total}" if total is not None else f"step {done}, its final adapter written"
     return (
-        f"{run_uri} holds a run that finished at {where}: this config trains nothing more and writes the final "
-        "adapter again; to train further raise train.max_steps (or num_train_epochs) with train.resume: continue, "
-        "or set ray.name (or train.output_dir) for a new run"
+        f"{run_uri} holds a run that finished at {where}: this config trains nothing more (the job ends at once, "
+        "keeping its final adapter); to train further raise train.max_steps (or num_train_epochs) with "
+        "train.resume: continue, or set ray.name (or train.output_dir) for a new run"
     )
 
 

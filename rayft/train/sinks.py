@@ -140,6 +140,69 @@ def missing_tracker(name: str) -> str | None:
     return TRACKER_PACKAGES[name][0]
 
 
+WANDB_NO_KEY_MODES = ("offline", "disabled", "dryrun")
+TRACKER_PROBE_S = 5.0
+
+
+def tracker_problem(name: str, env: dict[str, str]) -> tuple[str, bool] | None:
+    """What rank 0 would lack to report to `name` with environment `env`: (the problem with its fix, whether the
+    run is lost for it: True where it would fail, False where it trains but the tracker's record would be lost)."""
+    if name == "wandb":
+        if env.get("WANDB_MODE", "").lower() in WANDB_NO_KEY_MODES or env.get("WANDB_API_KEY"):
+            return None
+        if env.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(_host(env.get("WANDB_BASE_URL", "https://api.wandb.ai"))):
+            return None
+        return (
+            "train.report_to: wandb has no credentials (no WANDB_API_KEY, no `wandb login` entry in ~/.netrc) and "
+            "rank 0 would fail as it starts: set WANDB_API_KEY, run `wandb login`, or WANDB_MODE=offline",
+            True,
+        )
+    if name == "mlflow":
+        uri = env.get("MLFLOW_TRACKING_URI", "")
+        if not uri:
+            return (
+                "train.report_to: mlflow without MLFLOW_TRACKING_URI writes ./mlruns in rank 0's working directory, "
+                "which goes with the worker: set MLFLOW_TRACKING_URI to the tracking server (or a shared path)",
+                False,
+            )
+        if uri.startswith(("http://", "https://")) and not _answers(uri):
+            return (
+                f"train.report_to: mlflow: MLFLOW_TRACKING_URI {uri} does not answer (no connection within "
+                f"{TRACKER_PROBE_S:.0f} s) and rank 0 would fail as it starts: check the URI and the network",
+                True,
+            )
+    return None
+
+
+def _host(url: str) -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(url).hostname or url
+
+
+def _netrc_has(host: str) -> bool:
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _answers(url: str) -> bool:
+    """A TCP connection to the URL's host and port: a tracking server that is there at all."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=TRACKER_PROBE_S).close()
+        return True
+    except OSError:
+        return False
+
+
 def plot_losses(rows: list[dict[str, Any]]) -> bytes:
     """Loss curves (train and eval against step) as a PNG."""
     import io

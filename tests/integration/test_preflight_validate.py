@@ -666,3 +666,37 @@ def test_a_remote_storage_path_is_written_to_before_anything_starts(base, tmp_pa
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert list(store.iterdir()) == []  # the probe object went again
+
+
+def test_tracker_credentials_are_checked_where_the_workers_would_use_them(base, tmp_path, capsys, monkeypatch):
+    """`report_to: wandb` without a key passed `validate`; the job then started its workers and rank 0 died in
+    wandb.init with a 40-line traceback. A local cluster's workers inherit this environment: refused here. A joined
+    cluster has its own: a warning."""
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    config = config_file(tmp_path, base, train={"report_to": ["wandb"]})
+    assert_refused(run_cli(capsys, "validate", "--config", str(config)),
+                   r"train\.report_to: wandb has no credentials .* set WANDB_API_KEY, run `wandb login`")  # fmt: skip
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert run_cli(capsys, "validate", "--config", str(config)).rc == 0  # what `wandb login` writes
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert run_cli(capsys, "validate", "--config", str(config)).rc == 0
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # validate never connects; the job would join it
+    joined = run_cli(capsys, "validate", "--config", str(config))
+    assert joined.rc == 0 and "wandb has no credentials" in joined.err and "unless the cluster's workers" in joined.err
+
+
+def test_an_mlflow_server_that_does_not_answer_or_no_server_at_all():
+    """mlflow itself is not installed in CI (the library check comes first): the credential rule on its own."""
+    from rayft.train.sinks import tracker_problem
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    problem, fatal = tracker_problem("mlflow", {"MLFLOW_TRACKING_URI": closed})
+    assert fatal and f"MLFLOW_TRACKING_URI {closed} does not answer" in problem
+    problem, fatal = tracker_problem("mlflow", {})
+    assert not fatal and "writes ./mlruns in rank 0's working directory" in problem
+    assert tracker_problem("mlflow", {"MLFLOW_TRACKING_URI": "/shared/mlruns"}) is None

@@ -337,6 +337,24 @@ def test_a_changed_config_over_a_run_is_refused_before_anything_starts(reference
     assert "cannot be loaded" in other_shape.err
 
 
+def test_rerunning_a_finished_run_says_so_and_ends_without_training(ray_cluster: RayCluster, reference_run: Run,
+                                                                    tmp_path):  # fmt: skip
+    """The same job run again after it finished: one line saying so (with the ways to train further), exit 0, no
+    worker started, and the run's files as they were: the final adapter, the history, the checkpoints."""
+    cfg, copy = copy_of(reference_run, tmp_path / "out")
+
+    def files() -> dict[str, bytes]:  # the run's files, not the config `start` writes nor the driver's log
+        found = {str(p.relative_to(copy.out)): p.read_bytes() for p in copy.out.rglob("*") if p.is_file()}
+        return {k: v for k, v in found.items() if k not in ("config.yaml", "rerun.log")}
+
+    before = files()
+    run, driver = start(ray_cluster, cfg, copy.out, log="rerun.log")
+    text = finish(run, driver)
+    assert f"holds a run that finished at step {STEPS} of {STEPS}: this config trains nothing more" in text, text
+    assert "RayTrainWorker" not in text and "resumed from" not in text, text[-6000:]
+    assert files() == before  # nothing the run had changed, nothing added
+
+
 def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
     ray_cluster: RayCluster, reference_run: Run, tmp_path
 ):
