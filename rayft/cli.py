@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"rayft: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    except KeyboardInterrupt:
-        print("rayft: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"rayft: interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

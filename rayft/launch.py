@@ -101,6 +101,8 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     )
     try:
         result = trainer.fit()
+    except SystemExit as e:  # Ray Train's own Ctrl-C handler aborts the run, then fit() ends with SystemExit
+        raise KeyboardInterrupt(f"{run.uri} keeps its checkpoints; the same command continues the run") from e
     finally:
         _plot_losses(run)
     final = Path(cfg.train.output_dir) / "final"

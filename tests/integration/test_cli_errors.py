@@ -178,3 +178,32 @@ def test_plan_of_a_cpu_config_says_it_plans_gpus(capsys):
     assert result.out.startswith("rayft plan: the config trains on CPU workers (ray.use_gpu: false)"), result.out
     result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts")
     assert result.rc == 0 and "CPU workers" not in result.out
+
+
+def test_ctrl_c_during_training_exits_130_with_one_line(fixtures: Fixtures, tmp_path):
+    """Ctrl-C on a job started from a terminal (its own local Ray): Ray Train aborts the run gracefully and ends
+    fit() with SystemExit, which used to leave the process with exit 1 and no word; documented is 130 and a line.
+    The signal goes to the process this test started (by PID), after its second step."""
+    import signal
+
+    config = write_yaml(tmp_path / "long.yaml", tiny_config(fixtures, tmp_path / "out", max_steps=500, logging_steps=1))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    job = subprocess.Popen([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        seen = []
+        for line in job.stdout:
+            seen.append(line)
+            if re.search(r"step 2/500 ", line):
+                job.send_signal(signal.SIGINT)
+                break
+        rest = job.communicate(timeout=300)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = "".join(seen) + rest
+    assert job.returncode == 130, text[-4000:]
+    said = [line for line in text.splitlines() if line.startswith("rayft: interrupted")]
+    assert said == [f"rayft: interrupted: {tmp_path / 'out' / 'ray_run'} keeps its checkpoints; the same command "
+                    "continues the run"], text[-4000:]  # fmt: skip
+    assert "Traceback" not in text, text[-4000:]
