@@ -359,10 +359,25 @@ def connect(ray_cfg: RayConfig) -> bool:
         quiet_worker_output()
         return False
     log.info("no Ray cluster given (ray.address / RAY_ADDRESS): starting a local one")
-    ray.init(address="local", num_cpus=ray_cfg.local_num_cpus, **local_ray_options())
+    start_local_ray(ray_cfg.local_num_cpus)
     quiet_worker_output()
     start_data_singletons()
     return True
+
+
+def start_local_ray(num_cpus: int, attempts: int = 3) -> None:
+    """`ray.init` of a private local Ray. Its dashboard port is chosen free just before; another Ray started on this
+    machine in between can take it, and Ray refuses the port (ValueError): then another port is chosen."""
+    for attempt in range(1, attempts + 1):
+        options = local_ray_options()
+        try:
+            ray.init(address="local", num_cpus=num_cpus, **options)
+            return
+        except ValueError as e:
+            if "already occupied" not in str(e) or attempt == attempts:
+                raise
+            log.info("local Ray: dashboard port %s was taken meanwhile (another Ray?); choosing another",
+                     options.get("dashboard_port"))  # fmt: skip
 
 
 def start_data_singletons() -> None:

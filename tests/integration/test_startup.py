@@ -3,6 +3,7 @@ what a private local Ray starts with."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,34 @@ def test_a_private_local_rays_processes_never_ask_another_rays_state_api():
                          env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"1": "found", "0": "no answer"}, out.stderr[-3000:]
+
+
+PORT_RACE = """
+import json, logging, socket
+import ray
+from rayft import launch
+
+logging.basicConfig(level=logging.INFO)  # as the CLI logs
+
+held = socket.socket()  # the port another Ray takes between rayft's choice and Ray's bind
+held.bind(("127.0.0.1", 0))
+held.listen()
+chosen = []
+real = launch.local_port
+launch.local_port = lambda preferred: chosen.append(real(preferred) if chosen else held.getsockname()[1]) or chosen[-1]
+launch.start_local_ray(2)
+print(json.dumps({"chosen": chosen, "taken": held.getsockname()[1], "up": ray.is_initialized()}))
+ray.shutdown()
+"""
+
+
+def test_a_dashboard_port_taken_before_ray_init_binds_it_is_replaced():
+    """A rerun of the demo died with a traceback when another local Ray took the dashboard port between rayft's
+    check and Ray's bind. The race is made certain here: the first port rayft picks is already held."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", PORT_RACE], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    taken, chosen = found["taken"], found["chosen"]
+    assert found["up"] and chosen[0] == taken and len(chosen) == 2 and chosen[1] != taken, found
+    assert f"dashboard port {taken} was taken meanwhile" in done.stderr, done.stderr[-3000:]
