@@ -505,7 +505,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
 
     checked = preflight(cfg)
     finished = check_continued_run(cfg)
-    val = checked.validation.describe() if checked.validation else f"none (holding out {cfg.data.hold_out:.0%})"
+    val = checked.validation.describe() if checked.validation else _held_out(cfg)
     records = checked.records
     kind = records.kind + (", loss on completions only" if records.completion_only else "")
     packing = f"packed into {cfg.data.max_length}-token blocks" if cfg.data.packing else "padded per batch"
@@ -528,6 +528,13 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _held_out(cfg: Config) -> str:
+    """The validation line without a validation split: records are held out only where something evaluates."""
+    if cfg.train.eval_strategy == "no" or cfg.data.hold_out <= 0:
+        return "none (no evaluation)"
+    return f"none (holding out {cfg.data.hold_out:.0%} of the training records for evaluation)"
 
 
 def _memory_verdict(plan, world: int, on_gpu: bool, gpu: str) -> str:

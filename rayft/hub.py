@@ -65,9 +65,10 @@ def resolve(key: str, repo_id: str, repo_type: str = "model", revision: str | No
                 found = snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache)
             except Exception as e:  # unknown repo or revision, gated, no network: the same advice for the user
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                command = download_command(repo_id, repo_type, revision, cache)
                 raise ConfigError(
                     f"{key}: '{repo_id}'{_at(revision)} could not be downloaded into {cache} ({first}); check the "
-                    "name and revision, or pre-seed the cache (`huggingface-cli download`) and set HF_HUB_OFFLINE=1"
+                    f"name and revision, or pre-seed the cache (`{command}`) and set HF_HUB_OFFLINE=1"
                 ) from None
     _check_complete(key, repo_id, Path(found))
     return Path(found)
@@ -125,7 +126,7 @@ def _not_cached(key: str, repo_id: str, repo_type: str, revision: str | None, ca
     if repo is None:
         return (
             f"{key}: '{repo_id}' is no local path, and {repo_type} repo '{repo_id}' is not in {where}; pre-seed it "
-            "with `huggingface-cli download` or give a local directory"
+            f"(`{download_command(repo_id, repo_type, revision, cache)}`) or give a local directory"
         )
     refs = sorted(ref for rev in repo.revisions for ref in rev.refs)
     commits = sorted(rev.commit_hash[:12] for rev in repo.revisions)
@@ -133,8 +134,15 @@ def _not_cached(key: str, repo_id: str, repo_type: str, revision: str | None, ca
     return (
         f"{key}: revision '{revision or 'main'}' of {repo_type} repo '{repo_id}' is not in {where} (it has refs: "
         f"{', '.join(refs) or 'none'}; commits: {', '.join(commits) or 'none'}); set {rev_key} to one of them or "
-        "pre-seed that revision"
+        f"pre-seed that revision (`{download_command(repo_id, repo_type, revision, cache)}`)"
     )
+
+
+def download_command(repo_id: str, repo_type: str, revision: str | None, cache: Path) -> str:
+    """The command that puts the repo into this cache: huggingface_hub's own CLI (`hf`)."""
+    kind = " --repo-type dataset" if repo_type == "dataset" else ""
+    at = f" --revision {revision}" if revision else ""
+    return f"hf download {repo_id}{kind}{at} --cache-dir {cache}"
 
 
 def _check_complete(key: str, repo_id: str, snapshot: Path) -> None:

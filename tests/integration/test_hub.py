@@ -81,9 +81,10 @@ REFUSED = {
     "missing model revision": (["model.revision=v2"], rf"model.model_name_or_path: revision 'v2' of model repo "
                                rf"'{MODEL}' is not in .*refs: main; commits: {MODEL_COMMIT[:12]}"),
     "missing dataset revision": (["data.revision=refs/pr/1"], rf"data.dataset_name_or_path: revision 'refs/pr/1' "
-                                 rf"of dataset repo '{DATASET}'"),
+                                 rf"of dataset repo '{DATASET}'.*`hf download {DATASET} --repo-type dataset "
+                                 r"--revision refs/pr/1 --cache-dir"),
     "missing model repo": ([f"model.model_name_or_path={MODEL}-v2"], rf"model repo '{MODEL}-v2' is not in the "
-                           "Hugging Face cache"),
+                           rf"Hugging Face cache .*\(`hf download {MODEL}-v2 --cache-dir \S+`\)"),
     "revision of a local path": (["model.model_name_or_path=/nonexistent/m", "model.revision=v2"],
                                  "model.revision: /nonexistent/m is a local path"),
 }  # fmt: skip

@@ -188,7 +188,12 @@ def test_a_val_split_that_does_not_exist_is_refused_unless_val_ratio_is_set(base
     config = config_file(tmp_path, base, data={"val_split": "valdation", "val_ratio": 0.1})
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
-    assert "validation: none (holding out 10%)" in result.out
+    assert "validation: none (holding out 10% of the training records for evaluation)" in result.out
+    config = config_file(
+        tmp_path, base, data={"val_split": "valdation", "val_ratio": 0.1}, train={"eval_strategy": "no"}
+    )
+    result = run_cli(capsys, "validate", "--config", str(config))
+    assert result.rc == 0 and "validation: none (no evaluation)" in result.out, result.out
 
 
 # --- data files --------------------------------------------------------------------------------------------------
