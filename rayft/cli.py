@@ -149,7 +149,8 @@ def _export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
     p.add_argument("--base", required=True, help="the base model directory the adapter was trained on")
     p.add_argument("--out", required=True, help="where to write the export")
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
-    p.add_argument("--dtype", default="bfloat16", help="dtype of the merged weights (default bfloat16)")
+    p.add_argument("--dtype", default=None,
+                   help="dtype of the merged weights (default: the base's own; bfloat16 for an FP8 base)")  # fmt: skip
 
 
 def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -23,11 +23,13 @@ from rayft.model.files import ADAPTER_CONFIG, INDEX_FILE, check_adapter, check_s
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str = "bfloat16") -> Path:
+def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str | None = None) -> Path:
     """Checks everything first (no work on a bad adapter or base), writes into a temporary directory next to
-    `out` and renames it into place: `out` is either the complete export or untouched, never half-written."""
+    `out` and renames it into place: `out` is either the complete export or untouched, never half-written.
+    `dtype`: of the merged weights; None keeps the base's own (bf16 for a quantised base)."""
     adapter, base, out = Path(adapter), Path(base), Path(out)
     _check_inputs(adapter, base, dtype)
+    dtype = dtype or base_dtype(base)
     model = check_adapter(adapter, Config(model=ModelConfig(model_name_or_path=str(base))))
     if merge:
         check_safetensors_dir(base, f"--base {base}")
@@ -120,11 +122,22 @@ def _merge(adapter: Path, base: Path, out: Path, dtype: torch.dtype) -> None:
     merged.save_pretrained(str(out))
 
 
-def _check_inputs(adapter: Path, base: Path, dtype: str) -> None:
+def base_dtype(base: Path) -> str:
+    """The dtype a base checkpoint declares (its config.json, or its text model's), where it is one a merge can
+    write; bfloat16 for a quantised (FP8) base or one that declares none."""
+    config = json.loads((base / "config.json").read_text())
+    for part in (config, config.get("text_config") or {}):
+        if "quantization_config" in part:
+            return "bfloat16"
+    declared = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    return declared if declared in DTYPES else "bfloat16"
+
+
+def _check_inputs(adapter: Path, base: Path, dtype: str | None) -> None:
     missing = [name for name in ADAPTER_FILES if not (adapter / name).is_file()]
     if missing:
         raise ConfigError(f"--adapter {adapter}: not a PEFT adapter directory (missing {', '.join(missing)})")
     if not (base / "config.json").is_file():
         raise ConfigError(f"--base {base}: not a model directory (no config.json)")
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")

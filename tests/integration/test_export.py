@@ -71,3 +71,28 @@ def test_plain_export_copies_the_adapter_and_points_it_at_the_base(mistral4_hub,
 def test_export_refuses_a_directory_that_is_not_an_adapter(mistral4_hub, tmp_path):
     result = _export("--adapter", str(tmp_path), "--base", str(mistral4_hub), "--out", str(tmp_path / "x"))
     assert result.returncode == 2 and "not a PEFT adapter directory" in result.stderr
+
+
+def test_a_merge_keeps_the_bases_dtype_unless_asked(fixtures, tmp_path):
+    """An fp32 base merged without --dtype was written in bf16 (half its precision, unasked): the merged weights
+    now keep the dtype the base's config.json declares; --dtype still chooses."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    base = fixtures.model
+    declared = json.loads((base / "config.json").read_text())["dtype"]
+    assert declared == "float32"
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "adapter"))
+
+    def merged_dtypes(out, *dtype: str) -> set[str]:
+        done = _export(
+            "--adapter", str(tmp_path / "adapter"), "--base", str(base), "--out", str(out), "--merge", *dtype
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+            return {str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+
+    assert merged_dtypes(tmp_path / "kept") == {"F32"}
+    assert merged_dtypes(tmp_path / "asked", "--dtype", "bfloat16") == {"BF16"}
