@@ -165,13 +165,18 @@ def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
     p.add_argument("--trl", help="the TRL/SFT training YAML (sections model/lora/data/train, or SFTConfig's flat keys)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="set one key of the written config (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--accept-differences",
+        action="store_true",
+        help="write the config even where rayft trains otherwise than TRL (each difference is listed)",
+    )
     p.add_argument("--out", help="where to write the config (default: stdout)")
 
 
 def _config(args: argparse.Namespace) -> int:
     from rayft.config_import import convert, to_yaml
 
-    raw, notes = convert(args.accelerate, args.trl, args.override)
+    raw, notes = convert(args.accelerate, args.trl, args.override, args.accept_differences)
     text = to_yaml(raw, notes, args.accelerate, args.trl)
     for note in notes:
         print(f"rayft: note: {note}", file=sys.stderr)

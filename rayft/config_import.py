@@ -4,6 +4,11 @@ training YAML did, so users of that recipe start from their own files rather tha
 accelerate's processes become Ray workers and its `fsdp_*` keys the `fsdp` section; the SFT YAML's keys (the seed
 recipe's sections, or SFTConfig's flat keys as `trl sft --config` reads them) map to model/lora/data/train. What
 Ray or rayft does by itself (launching, wrapping, state dicts) is left out with a note, never silently.
+
+A flat TRL file means TRL's defaults for what it leaves out: each such setting gets the installed TRL's default
+(read from its `SFTConfig` and `ModelConfig`), not rayft's. What rayft cannot do the same way (full fine-tuning, a
+4-bit base, NEFTune, ...) is refused, naming each difference, unless `accept_differences` writes the config anyway
+with every difference listed in it.
 """
 
 from __future__ import annotations
@@ -46,10 +51,52 @@ TRL_ALIASES = {
     "dataset_text_field": "data.text_field", "max_seq_length": "data.max_length",
 }  # fmt: skip
 TRL_SECTIONS = ("model", "lora", "data", "train")
+# rayft key ← the SFTConfig / ModelConfig field whose default a flat TRL file means when it leaves the key out.
+TRL_DEFAULTED = {
+    "train.learning_rate": "learning_rate", "train.gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train.per_device_train_batch_size": "per_device_train_batch_size",
+    "train.per_device_eval_batch_size": "per_device_eval_batch_size", "train.lr_scheduler_type": "lr_scheduler_type",
+    "train.warmup_steps": "warmup_steps", "train.weight_decay": "weight_decay",
+    "train.num_train_epochs": "num_train_epochs", "train.max_steps": "max_steps",
+    "train.eval_strategy": "eval_strategy",
+    "train.save_strategy": "save_strategy", "train.save_steps": "save_steps",
+    "train.save_total_limit": "save_total_limit", "train.logging_steps": "logging_steps", "train.seed": "seed",
+    "train.max_grad_norm": "max_grad_norm", "train.optim": "optim",
+    "train.gradient_checkpointing": "gradient_checkpointing", "train.report_to": "report_to",
+    "train.load_best_model_at_end": "load_best_model_at_end", "data.max_length": "max_length",
+    "data.packing": "packing", "data.text_field": "dataset_text_field", "model.torch_dtype": "dtype",
+    "lora.r": "lora_r", "lora.lora_alpha": "lora_alpha", "lora.lora_dropout": "lora_dropout",
+    "lora.use_rslora": "use_rslora", "lora.use_dora": "use_dora",
+}  # fmt: skip
+# What rayft cannot do as TRL does: (TRL field, whether its effective value differs, the difference and the fix).
+TRL_DIFFERENCES = (
+    ("use_peft", lambda v: not v, "use_peft false (TRL's default): full fine-tuning, where rayft trains LoRA "
+     "adapters (the lora section); set use_peft: true"),
+    ("load_in_4bit", bool, "load_in_4bit: a 4-bit base, where rayft holds the frozen base in model.frozen_dtype "
+     "(FP8 E4M3 or bf16)"),
+    ("load_in_8bit", bool, "load_in_8bit: an 8-bit base, where rayft holds the frozen base in model.frozen_dtype "
+     "(FP8 E4M3 or bf16)"),
+    ("neftune_noise_alpha", lambda v: v is not None, "neftune_noise_alpha: NEFTune embedding noise, which rayft "
+     "does not add"),
+    ("chat_template_path", lambda v: v is not None, "chat_template_path: rayft renders chats with the tokenizer's "
+     "own template (model.tokenizer_name_or_path names the tokenizer)"),
+    ("lora_target_modules", lambda v: v is None, "lora_target_modules unset: PEFT's per-architecture default "
+     "(q_proj and v_proj for most models), where rayft's lora.target_modules auto takes every projection; name "
+     "the modules"),
+    ("use_liger_kernel", bool, "use_liger_kernel: rayft computes the loss with its own fused, chunked head "
+     "(train.fused_loss)"),
+)  # fmt: skip
+LOSS_KEYS = ("completion_only_loss", "assistant_only_loss")
+# Flat TRL fields read above rather than carried over by name.
+TRL_HANDLED = frozenset({f for f, _, _ in TRL_DIFFERENCES} | {"assistant_only_loss"})
 
 
-def convert(accelerate: str, trl: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, list]:
-    """The rayft config (checked) and notes on what was left out; ConfigError for what cannot be carried over."""
+def convert(
+    accelerate: str, trl: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+    accept_differences: bool = False,
+) -> tuple[dict, list]:  # fmt: skip
+    """The rayft config (checked) and notes on what was left out; ConfigError for what cannot be carried over (and,
+    unless `accept_differences`, for what rayft would do otherwise than TRL)."""
     acc = _mapping(accelerate)
     raw: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
@@ -59,7 +106,7 @@ def convert(accelerate: str, trl: str | None = None, overrides: list[str] | tupl
     if skipped:
         notes.append(f"{accelerate}: not carried over (unknown to rayft): {', '.join(skipped)}")
     if trl is not None:
-        _trl(_mapping(trl), raw, notes, trl)
+        _trl(_mapping(trl), raw, notes, trl, accept_differences)
     for item in overrides:
         keys, value = parse_override(item)
         set_nested(raw, keys, value, "--override")
@@ -141,20 +188,82 @@ def _fsdp(keys: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str]
         notes.append(f"not carried over (unknown to rayft): {', '.join(unknown)}")
 
 
-def _trl(trl: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str], source: str) -> None:
-    """The SFT YAML: rayft's own sections as they are (the seed recipe's layout), SFTConfig's flat keys by name."""
+def _trl(trl: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str], source: str, accept: bool) -> None:
+    """The SFT YAML: rayft's own sections as they are (the seed recipe's layout), SFTConfig's flat keys by name;
+    for a flat file, TRL's defaults for what it leaves out and the differences rayft cannot avoid."""
     owners = _field_owners()
-    skipped = []
+    skipped, flat = [], {k: v for k, v in trl.items() if not (k in SECTIONS and isinstance(v, dict))}
     for key, value in trl.items():
         if key in SECTIONS and isinstance(value, dict):
             for name, item in value.items():
                 _put(raw, f"{key}.{name}", item, notes, source)
         elif key in TRL_ALIASES or key in owners:
             _put(raw, TRL_ALIASES.get(key) or owners[key], value, notes, source)
-        else:
+        elif key not in TRL_HANDLED:
             skipped.append(key)
     if skipped:
         notes.append(f"{source}: not carried over (no rayft key): {', '.join(skipped)}")
+    if not flat:
+        return  # the seed recipe's own layout: its defaults are rayft's
+    effective = {**trl_defaults(), **flat}
+    _fill_trl_defaults(raw, flat, effective)
+    differences = _trl_differences(raw, flat, effective)
+    if differences and not accept:
+        raise ConfigError(
+            f"{source}: rayft would train otherwise than TRL here: "
+            + "; ".join(differences)
+            + ". Change these in the TRL file, or pass --accept-differences to write the config anyway (each "
+            "difference is listed in it)"
+        )
+    notes += [f"differs from TRL: {d}" for d in differences]
+
+
+def trl_defaults() -> dict[str, Any]:
+    """The installed TRL's defaults of `SFTConfig` and `ModelConfig` fields (enums as their values)."""
+    from trl import ModelConfig, SFTConfig
+
+    found = {}
+    for cls in (SFTConfig, ModelConfig):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                found.setdefault(f.name, getattr(f.default, "value", f.default))
+    return found
+
+
+def _fill_trl_defaults(raw: dict[str, dict[str, Any]], flat: dict[str, Any], effective: dict[str, Any]) -> None:
+    """Every mapped setting neither file gave: TRL's default. Evaluation follows TRL: no hold-out without it."""
+    for dotted, field in TRL_DEFAULTED.items():
+        section, key = dotted.split(".", 1)
+        if key in raw.get(section, {}) or field in flat or field not in effective:
+            continue
+        raw.setdefault(section, {})[key] = _as_rayft(dotted, effective[field])
+    if "warmup_ratio" not in flat and "warmup_ratio" not in raw.get("train", {}):
+        # transformers 5's TrainingArguments has warmup_steps only: no warm-up unless the file asks for one
+        raw.setdefault("train", {})["warmup_ratio"] = effective.get("warmup_ratio", 0.0)
+    if effective.get("eval_strategy", "no") == "no" and "val_ratio" not in raw.get("data", {}):
+        raw.setdefault("data", {})["val_ratio"] = 0.0  # TRL evaluates nothing, so it holds nothing out
+    if effective.get("assistant_only_loss") and "completion_only_loss" not in flat:
+        raw.setdefault("data", {})["completion_only_loss"] = True
+
+
+def _as_rayft(dotted: str, value: Any) -> Any:
+    """TRL's value in rayft's type: whole epochs and steps, report_to as a list."""
+    if dotted in ("train.num_train_epochs", "train.logging_steps", "train.save_steps") and float(value).is_integer():
+        return int(value)
+    if dotted == "train.report_to":
+        return [value] if isinstance(value, str) else value
+    return value
+
+
+def _trl_differences(raw: dict[str, dict[str, Any]], flat: dict[str, Any], effective: dict[str, Any]) -> list[str]:
+    found = [text for field, differs, text in TRL_DIFFERENCES if field in effective and differs(effective[field])]
+    if not any(k in flat for k in LOSS_KEYS) and "completion_only_loss" not in raw.get("data", {}):
+        found.append(
+            "assistant_only_loss false (TRL's default): TRL trains every token of a conversation, where rayft "
+            "trains the assistant turns of chat data (data.completion_only_loss); set assistant_only_loss or "
+            "completion_only_loss"
+        )
+    return found
 
 
 def _put(raw: dict[str, dict[str, Any]], dotted: str, value: Any, notes: list[str], source: str) -> None:

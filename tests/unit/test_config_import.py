@@ -3,11 +3,13 @@ settings, key by key."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 from conftest import SEED_CONFIG, Fixtures, run_cli
 
-from rayft.config import ConfigError, load_config
+from rayft.config import Config, ConfigError, load_config
 from rayft.config_import import convert
 
 SEEDS = SEED_CONFIG.parent
@@ -87,8 +89,9 @@ def test_flat_trl_keys_map_to_sections(tmp_path):
     acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
     trl.write_text("lora_r: 8\nlora_target_modules: [q_proj]\nmax_seq_length: 512\nlearning_rate: 2.0e-4\n"
                    "dataset_name: org/data\npush_to_hub: false\n")  # fmt: skip
-    raw, notes = convert(str(acc), str(trl))
-    assert raw["lora"] == {"r": 8, "target_modules": ["q_proj"]} and raw["data"]["max_length"] == 512
+    raw, notes = convert(str(acc), str(trl), accept_differences=True)  # use_peft and the chat loss left to TRL
+    assert {k: raw["lora"][k] for k in ("r", "target_modules")} == {"r": 8, "target_modules": ["q_proj"]}
+    assert raw["data"]["max_length"] == 512
     assert raw["train"]["learning_rate"] == 2e-4 and raw["data"]["dataset_name_or_path"] == "org/data"
     assert any("push_to_hub" in n for n in notes)
 
@@ -108,3 +111,78 @@ def test_what_cannot_be_carried_over_is_refused(tmp_path, text, needle, capsys):
     assert result.rc == 2 and needle in result.err, result.err
     with pytest.raises(ConfigError, match=needle):
         convert(str(path))
+
+
+# rayft's setting ← TRL's effective one, as TRL's own SFTConfig / ModelConfig hold it for the same file.
+EFFECTIVE = {
+    "train.learning_rate": "learning_rate", "train.gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train.per_device_train_batch_size": "per_device_train_batch_size", "train.lr_scheduler_type": "lr_scheduler_type",
+    "train.warmup_steps": "warmup_steps", "train.weight_decay": "weight_decay",
+    "train.num_train_epochs": "num_train_epochs",
+    "train.max_steps": "max_steps", "train.eval_strategy": "eval_strategy", "train.save_steps": "save_steps",
+    "train.save_total_limit": "save_total_limit", "train.logging_steps": "logging_steps", "train.seed": "seed",
+    "train.max_grad_norm": "max_grad_norm", "train.optim": "optim",
+    "train.gradient_checkpointing": "gradient_checkpointing",
+    "data.max_length": "max_length", "data.packing": "packing", "data.text_field": "dataset_text_field",
+    "lora.r": "lora_r", "lora.lora_alpha": "lora_alpha", "lora.lora_dropout": "lora_dropout",
+    "lora.use_rslora": "use_rslora", "model.torch_dtype": "dtype",
+}  # fmt: skip
+MINIMAL = {"model_name_or_path": "/models/m", "dataset_name": "org/chats", "use_peft": True,
+           "lora_target_modules": ["q_proj", "v_proj"], "assistant_only_loss": True}  # fmt: skip
+FULL = {**MINIMAL, "learning_rate": 1e-4, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 2,
+        "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.01, "num_train_epochs": 2,
+        "max_steps": 300, "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 3,
+        "logging_steps": 5, "seed": 7, "max_grad_norm": 0.5, "optim": "adamw_torch", "gradient_checkpointing": False,
+        "max_length": 512, "packing": True, "dataset_text_field": "content", "lora_r": 8, "lora_alpha": 16,
+        "lora_dropout": 0.1, "use_rslora": True, "dtype": "bfloat16"}  # fmt: skip
+
+
+def _plain(value):
+    return getattr(value, "value", value)  # TRL's enums
+
+
+@pytest.mark.parametrize("sft", [MINIMAL, FULL], ids=["minimal", "full"])
+def test_a_flat_trl_file_trains_what_trl_would_key_by_key(sft, tmp_path):
+    """Every setting a flat TRL file leaves out is TRL's default, not rayft's (1e-4 vs 2e-5, 16 vs 1 accumulation
+    steps, cosine vs linear, ...); every one it gives is carried over. TRL's side: its own SFTConfig and ModelConfig
+    built from the same file (on CPU, as this machine must say)."""
+    from trl import ModelConfig, SFTConfig
+
+    acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
+    acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
+    trl.write_text(yaml.safe_dump(sft))
+    raw, notes = convert(str(acc), str(trl))
+    assert not [n for n in notes if n.startswith("differs")], notes
+    ours = Config.from_dict(raw)
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    theirs_model = ModelConfig(**{k: v for k, v in sft.items() if k in model_fields})
+    theirs = SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
+                       **{k: v for k, v in sft.items() if k not in model_fields and k != "dataset_name"})  # fmt: skip
+    for dotted, field in EFFECTIVE.items():
+        section, key = dotted.split(".")
+        want = _plain(getattr(theirs_model if field in model_fields else theirs, field))
+        assert getattr(getattr(ours, section), key) == want, (dotted, getattr(getattr(ours, section), key), want)
+    assert ours.trackers == list(theirs.report_to)  # none
+    assert ours.train.warmup_ratio == 0.0 and ours.data.completion_only_loss is True  # assistant_only_loss
+    assert (ours.data.hold_out == 0.0) is (theirs.eval_strategy == "no")  # TRL holds nothing out without evaluation
+
+
+def test_what_rayft_would_train_otherwise_than_trl_is_refused_or_listed(tmp_path, capsys):
+    """Full fine-tuning (TRL's default without use_peft), a 4-bit base, NEFTune, a chat template file, PEFT's own
+    target modules and TRL's whole-conversation loss: refused, each named, unless --accept-differences."""
+    acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
+    acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
+    trl.write_text(yaml.safe_dump({"model_name_or_path": "/models/m", "load_in_4bit": True, "neftune_noise_alpha": 5,
+                                   "chat_template_path": "t.jinja"}))  # fmt: skip
+    result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl))
+    assert result.rc == 2, result.err
+    for says in ("use_peft false (TRL's default): full fine-tuning", "load_in_4bit: a 4-bit base",
+                 "neftune_noise_alpha: NEFTune", "chat_template_path:", "lora_target_modules unset",
+                 "assistant_only_loss false (TRL's default)", "--accept-differences"):  # fmt: skip
+        assert says in result.err, result.err
+    out = tmp_path / "rayft.yaml"
+    result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl), "--accept-differences",
+                     "--out", str(out))  # fmt: skip
+    assert result.rc == 0, result.err
+    listed = [line for line in out.read_text().splitlines() if line.startswith("# note: differs from TRL:")]
+    assert len(listed) == 6, out.read_text()
