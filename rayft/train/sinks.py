@@ -96,7 +96,7 @@ class Trackers:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
-        numbers = {k: v for k, v in numbers.items() if math.isfinite(v)}
+        numbers = tracker_names({k: v for k, v in numbers.items() if math.isfinite(v)})
         for writer in self.writers:
             for key, value in numbers.items():
                 writer.add_scalar(key, value, step)
@@ -118,6 +118,13 @@ class Trackers:
             # The run file is complete only once wandb's service process has closed it, which `finish` does not
             # wait for: `teardown` does. Its exit hook would too, but a Ray worker need not run exit hooks.
             wandb.teardown()
+
+
+def tracker_names(numbers: dict[str, float]) -> dict[str, float]:
+    """The names transformers' Trainer gives the same values in trackers (`eval_loss` → `eval/loss`, `loss` →
+    `train/loss`), so a team's rayft runs sit in the same panels as its TRL runs. metrics.jsonl and the job log
+    keep the short names."""
+    return {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in numbers.items()}
 
 
 def tensorboard_writer(logdir: str) -> Any:

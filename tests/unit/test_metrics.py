@@ -133,7 +133,7 @@ def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     trackers = Trackers(["wandb"], str(tmp_path), "run-1", {"train.learning_rate": 1e-4})
     trackers.log({"loss": 2.5, "tokens_per_s": 1000.0, "mfu_lora": None, "step": 3}, step=3)
-    trackers.log({"loss": 2.0, "step": 4}, step=4)
+    trackers.log({"loss": 2.0, "eval_loss": 2.25, "step": 4}, step=4)
     trackers.close()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (log,) = run_dir.glob("run-*.wandb")
@@ -143,8 +143,10 @@ def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
-    assert [(r["_step"], r["loss"]) for r in rows] == [(3, 2.5), (4, 2.0)] and rows[0]["tokens_per_s"] == 1000.0
-    assert "mfu_lora" not in rows[0]  # None is not a number: left out, as for TensorBoard
+    # the names transformers' Trainer logs the same values under, so TRL runs and rayft runs share panels
+    assert [(r["_step"], r["train/loss"]) for r in rows] == [(3, 2.5), (4, 2.0)] and rows[1]["eval/loss"] == 2.25
+    assert rows[0]["train/tokens_per_s"] == 1000.0
+    assert not any("mfu_lora" in k for k in rows[0])  # None is not a number: left out, as for TensorBoard
     assert b"train.learning_rate" in log.read_bytes()  # the run's config
     assert records[-1].WhichOneof("record_type") == "exit"  # finished
 
