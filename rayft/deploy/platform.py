@@ -94,7 +94,11 @@ def pod_labels(p: K8sConfig) -> dict[str, str]:
 
 
 def pod_security_context(p: K8sConfig) -> dict[str, Any]:
+    """The pods' securityContext. With an fsGroup, the kubelet changes the group of every file on each volume at
+    every pod start unless told to do so only where the volume's root differs: on a shared PVC of checkpoints and
+    models that is minutes per pod, so OnRootMismatch."""
     given = {"runAsUser": p.run_as_user, "runAsGroup": p.run_as_group, "fsGroup": p.fs_group,
+             "fsGroupChangePolicy": "OnRootMismatch" if p.fs_group is not None else None,
              "runAsNonRoot": p.run_as_non_root}  # fmt: skip
     return {k: v for k, v in given.items() if v is not None}
 
@@ -108,8 +112,9 @@ def apply_to_pod(template: dict[str, Any], p: K8sConfig, role: str) -> None:
     if p.annotations:
         meta["annotations"] = {**meta.get("annotations", {}), **p.annotations}
     spec = template["spec"]
-    if p.tolerations:
-        spec["tolerations"] = [*spec.get("tolerations", []), *p.tolerations]
+    if p.tolerations:  # the platform's, beside rayft's GPU one, each once
+        given = [*spec.get("tolerations", []), *p.tolerations]
+        spec["tolerations"] = [t for i, t in enumerate(given) if t not in given[:i]]
     selector = p.node_selector if role == "worker" else p.head_node_selector if role == "head" else {}
     if selector:
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **selector}

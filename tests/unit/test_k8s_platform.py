@@ -4,6 +4,7 @@ the field path KubeRay reads and against the strict CRD validation of the KubeRa
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -100,8 +101,9 @@ def test_every_platform_key_lands_where_kuberay_reads_it(capsys, tmp_path):
         assert TOLERATION in spec["tolerations"], role
         assert spec["priorityClassName"] == "train-high" and spec["serviceAccountName"] == "rayft"
         assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        # fsGroup without a change policy chowned the whole shared volume at every pod start
         assert spec["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                                           "runAsNonRoot": True}  # fmt: skip
+                                           "fsGroupChangePolicy": "OnRootMismatch", "runAsNonRoot": True}  # fmt: skip
         container = spec["containers"][0]
         assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"], role
         if role != "submitter":
@@ -274,3 +276,14 @@ def test_hub_names_with_the_hf_cache_on_the_pvc_and_offline_mode(capsys, tmp_pat
         assert env["HF_HOME"] == "/data/shared/hf" and env["HF_HUB_OFFLINE"] == "1", role
     err = render_error(capsys, *args, "--hf-home", "/scratch/hf")
     assert "k8s.hf_home: /scratch/hf is not on the PVC mounted at /data" in err
+
+
+def test_a_platform_toleration_rayft_also_adds_appears_once(capsys, tmp_path):
+    """Platforms list the GPU taint in their own tolerations too: the worker pods carried it twice."""
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    config = config_with(tmp_path, {"tolerations": [gpu, TOLERATION]})
+    docs = render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml")
+    for role, pod in pods(docs["RayJob"]).items():
+        tolerations = pod["spec"]["tolerations"]
+        assert len(tolerations) == len({json.dumps(t, sort_keys=True) for t in tolerations}), (role, tolerations)
+        assert gpu in tolerations and TOLERATION in tolerations, role
