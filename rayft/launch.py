@@ -365,17 +365,22 @@ def connect(ray_cfg: RayConfig) -> bool:
     return True
 
 
+PORT_TAKEN = ("already occupied", "address already in use")  # Ray's check of the port; the dashboard's own bind
+
+
 def start_local_ray(num_cpus: int, attempts: int = 3) -> None:
     """`ray.init` of a private local Ray. Its dashboard port is chosen free just before; another Ray started on this
-    machine in between can take it, and Ray refuses the port (ValueError): then another port is chosen."""
+    machine in between can take it, before Ray's own check of the port (ValueError) or before its dashboard binds
+    it (an Exception carrying the dashboard's log): then another port is chosen."""
     for attempt in range(1, attempts + 1):
         options = local_ray_options()
         try:
             ray.init(address="local", num_cpus=num_cpus, **options)
             return
-        except ValueError as e:
-            if "already occupied" not in str(e) or attempt == attempts:
+        except Exception as e:  # Ray raises a bare Exception when its dashboard fails to start
+            if not any(taken in str(e) for taken in PORT_TAKEN) or attempt == attempts:
                 raise
+            ray.shutdown()
             log.info("local Ray: dashboard port %s was taken meanwhile (another Ray?); choosing another",
                      options.get("dashboard_port"))  # fmt: skip
 
