@@ -377,6 +377,11 @@ class RayConfig:
             return "PACK"
         return self.placement_strategy
 
+    def cluster_address(self) -> str | None:
+        """The cluster a run joins: `address`, else the one `ray job submit` runs it in (RAY_ADDRESS); None where
+        it starts a local one."""
+        return self.address or os.environ.get("RAY_ADDRESS") or None
+
 
 def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
     """Whether groups of k consecutive node-ordered workers keep to node boundaries."""

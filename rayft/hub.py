@@ -27,9 +27,14 @@ LOCK_TIMEOUT_S = 6 * 3600  # a 100+ GB checkpoint over a slow link; a dead holde
 
 def is_hub_name(spec: str | None) -> bool:
     """A hub repo id rather than a local path: not on disk, not path-like, `org/name`-shaped."""
-    if not spec or spec.startswith((".", "/", "~")) or "://" in spec or Path(spec).expanduser().exists():
+    if not spec or _path_like(spec) or Path(spec).expanduser().exists():
         return False
     return bool(REPO_ID.match(spec))
+
+
+def _path_like(spec: str) -> bool:
+    """Written as a path or a URI, never a repo id."""
+    return spec.startswith((".", "/", "~")) or "://" in spec
 
 
 def hub_cache() -> Path:
@@ -80,7 +85,7 @@ def check_repo_id(key: str, spec: str | None) -> None:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if not spec or spec.count("/") != 1 or spec.startswith((".", "/", "~")) or "://" in spec:
+    if not spec or spec.count("/") != 1 or _path_like(spec):
         return
     if is_hub_name(spec) or Path(spec).expanduser().exists():
         return

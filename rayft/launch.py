@@ -72,9 +72,9 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
     plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
     log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
-    if resume_from is None and run.has_registered_checkpoints() and last_step(run) >= plan.total_steps:
-        log.warning("%s", finished_run(run.uri, last_step(run), plan.total_steps))
-        return _finished(cfg, run)  # no workers: they would load the model to train nothing
+    finished = _finished(cfg, run, plan.total_steps) if resume_from is None else None
+    if finished is not None:
+        return finished  # no workers: they would load the model to train nothing
     splits = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
@@ -319,8 +319,12 @@ def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool, 
     )
 
 
-def _finished(cfg: Config, run: RunDir) -> Outcome:
-    """What a finished run left, for a rerun that has nothing to train."""
+def _finished(cfg: Config, run: RunDir, total_steps: int) -> Outcome | None:
+    """For a rerun of a run that already trained its `total_steps`: the line saying so, and what the run left."""
+    done = last_step(run) if run.has_registered_checkpoints() else 0
+    if done < total_steps:
+        return None
+    log.warning("%s", finished_run(run.uri, done, total_steps))
     found = run.checkpoints()
     return Outcome(
         final_adapter=Path(cfg.train.output_dir) / "final",
@@ -352,7 +356,7 @@ def connect(ray_cfg: RayConfig) -> bool:
     """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), or start a private local one (→ True)."""
     if ray.is_initialized():
         return False
-    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+    address = ray_cfg.cluster_address()
     if address:
         os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST) needs it
         ray.init(address=address, log_to_driver=True)

@@ -4,7 +4,6 @@ cluster (started with `ray.local_num_cpus`) can place. All from config files: no
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from torch import nn
@@ -53,7 +52,7 @@ def local_placement_problem(cfg: Config) -> str | None:
     """Without a cluster to join (ray.address, RAY_ADDRESS) the run starts a local Ray with `ray.local_num_cpus`
     CPUs and this machine's GPUs: whether the workers' bundles fit it is known before Ray starts. None when they
     fit or a cluster is given."""
-    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+    if cfg.ray.cluster_address():
         return None
     import torch
 

@@ -333,7 +333,7 @@ def _check_tracker_access(cfg: Config) -> list[str]:
     is a warning."""
     from rayft.train.sinks import tracker_problem
 
-    joins = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    joins = cfg.ray.cluster_address() is not None
     warnings = []
     for name in cfg.trackers:
         found = tracker_problem(name, dict(os.environ))
