@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import traceback
+import typing
 from pathlib import Path
 
 import yaml
@@ -218,6 +219,7 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="every pod and object")
     g.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE", help="every pod and object")
     g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="every Ray container")
+    _fabric_and_node_flags(g)
     g.add_argument("--hf-home", help="k8s.hf_home: the pods' shared Hugging Face cache (default <mount>/hf-cache)")
     g.add_argument("--hf-offline", action="store_const", const=True,
                    help="k8s.hf_offline: HF_HUB_OFFLINE=1 (hub names from the pre-seeded cache only)")  # fmt: skip
@@ -250,19 +252,16 @@ DEPLOYMENT_FLAGS = {
     "image": "the rayft image (cluster/Containerfile)",
     "pvc": "PersistentVolumeClaim with models, data and checkpoints (ReadWriteMany)",
     "mount_path": "where the PVC is mounted on every pod",
-    "gpus_per_pod": "GPUs per worker pod (one Ray worker each)",
+    "gpus_per_pod": "GPUs per worker pod, one Ray worker each (default: ray.workers_per_node, which it must equal)",
     "gpu_resource": "the GPU extended resource",
-    "worker_cpus": "CPUs per GPU pod (tokenization runs there too)",
-    "worker_memory": "memory per GPU pod, /dev/shm included",
+    "worker_cpus": "CPUs per GPU pod, tokenization included (default: the node's CPUs per GPU × the pod's GPUs)",
+    "worker_memory": "memory per GPU pod, /dev/shm included (default: the node's memory per GPU × the pod's GPUs)",
     "shm_size": "size of the memory-backed /dev/shm",
     "head_cpus": "CPUs of the head pod (driver, dashboard)",
     "head_memory": "memory of the head pod",
     "head_shm_size": "size of the head's memory-backed /dev/shm",
-    "network": "Multus network for k8s.v1.cni.cncf.io/networks ('none' to leave out)",
-    "ib_resource": "RDMA extended resource, e.g. rdma/rdma_shared_device_a, nvidia.com/hostdev, "
-    "openshift.io/mellanoxnics ('none' to leave out)",
-    "ib_hca": "NCCL_IB_HCA: which InfiniBand adapters NCCL uses",
-    "socket_ifname": "NCCL_SOCKET_IFNAME: the pod interface on the IB network",
+    "ib_hca": "NCCL_IB_HCA where nccl.ib_hca is unset, with a fabric: '=mlx5_0,mlx5_1' names adapters exactly "
+    "(default: NCCL's choice)",
     "pre_running_deadline_s": "seconds the RayJob may take to start running",
     "active_deadline_s": "seconds the RayJob may run",
     "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
@@ -275,12 +274,38 @@ DEPLOYMENT_FLAGS = {
 
 def _deployment_flags(p: argparse.ArgumentParser, d) -> None:
     """One flag per `DEPLOYMENT_FLAGS` field: its type and metavar from the Deployment default's."""
+    hints = typing.get_type_hints(type(d))
     for field, text in DEPLOYMENT_FLAGS.items():
         default = getattr(d, field)
         flag = "--" + field.removesuffix("_s").replace("_after_finished", "").replace("_", "-")
-        kind = int if isinstance(default, int) or field == "backoff_limit" else str
+        kind = int if int in (hints[field], *typing.get_args(hints[field])) else str
         metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
-        p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text} (default {default})")
+        shown = "" if default is None or "default" in text else f" (default {default})"
+        p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text}{shown}")
+
+
+FABRIC_AND_NODE_FLAGS = ("fabric", "network", "ib_resource", "socket_ifname", "node_gpus", "node_cpus",
+                         "node_memory", "nodes")  # fmt: skip
+
+
+def _fabric_and_node_flags(g: argparse._ArgumentGroup) -> None:
+    """The fabric NCCL uses and the GPU nodes that size the worker pods (k8s.fabric, k8s.rdma, k8s.node)."""
+    g.add_argument("--fabric", choices=["none", "infiniband", "roce"], help="k8s.fabric: none (default: the pod "
+                   "network), or an RDMA fabric: the RDMA device, IPC_LOCK and NCCL's IB settings")  # fmt: skip
+    g.add_argument("--network", help="k8s.rdma.network: a Multus NetworkAttachmentDefinition on the fabric")
+    g.add_argument("--ib-resource", help="k8s.rdma.resource: the RDMA extended resource (default with a fabric: "
+                   "rdma/rdma_shared_device_a; or nvidia.com/hostdev, openshift.io/mellanoxnics, none)")  # fmt: skip
+    g.add_argument("--socket-ifname", help="k8s.rdma.interface: NCCL_SOCKET_IFNAME, the pods' interface on the "
+                   "fabric (default: net1 with --network)")  # fmt: skip
+    g.add_argument("--node-gpus", type=int, metavar="N", help="k8s.node.gpus: GPUs of a GPU node (default 8)")
+    g.add_argument("--node-cpus", type=int, metavar="N", help="k8s.node.cpus: CPUs pods may use on a GPU node "
+                   "(default 96)")  # fmt: skip
+    g.add_argument("--node-memory", metavar="QUANTITY", help="k8s.node.memory: memory pods may use on a GPU node "
+                   "(default 960Gi)")  # fmt: skip
+    g.add_argument("--nodes", type=int, metavar="N", help="k8s.node.count: GPU nodes the job may use; pods they "
+                   "cannot hold are refused")  # fmt: skip
+    g.add_argument("--one-pod-per-node", action="store_const", const=True,
+                   help="k8s.one_pod_per_node: at most one worker pod a node (required anti-affinity)")  # fmt: skip
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -340,7 +365,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
-    from rayft.deploy.k8s import notes, operator, to_yaml
+    from rayft.deploy.k8s import operator, to_yaml
 
     if args.action == "validate":
         plat = K8sConfig(kuberay_version=args.kuberay_version, kuberay_feature_gates=args.kuberay_feature_gates)
@@ -353,7 +378,7 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
             print(problem, file=sys.stderr)
         print(f"rayft: {len(args.files)} file(s): {'invalid' if problems else 'valid'}")
         return EXIT_CONFIG if problems else EXIT_OK
-    manifests, plat = render_manifests(args)
+    manifests, plat, said = render_manifests(args)
     kuberay = operator(plat)
     try:
         problems = [f"{kind}: {p}" for kind, doc in manifests.items() for p in validate(doc, kuberay, crd_dir(kuberay))]
@@ -364,7 +389,6 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
             "rendered manifests fail validation (check k8s.tolerations, k8s.affinity, k8s.volumes and the "
             "patches):\n  " + "\n  ".join(problems)
         )
-    said = notes(plat)
     for note in said:
         print(f"rayft: note: {note}", file=sys.stderr)
     if args.out is None:
@@ -378,18 +402,14 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     return EXIT_OK
 
 
-def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConfig]:
-    """The manifests `rayft k8s render` writes, and the platform settings (the config's plus the flags) they are
-    rendered for."""
+def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConfig, list[str]]:
+    """The manifests `rayft k8s render` writes, the platform settings (the config's plus the flags) they are
+    rendered for, and the notes to print beside them."""
     from rayft.deploy import patch, platform
-    from rayft.deploy.k8s import JobSource, config_in_cluster, deployment_from_flags, render
+    from rayft.deploy.k8s import JobSource, check_fits, config_in_cluster, deployment_from_flags, notes, render
 
     cfg = load_config(args.config, args.override)
-    flags = {k: v for k, v in vars(args).items() if k in _deployment_fields()}
-    for key in ("network", "ib_resource"):
-        if isinstance(flags.get(key), str) and flags[key].lower() == "none":
-            flags[key] = ""
-    dep = deployment_from_flags(**flags)
+    dep = deployment_from_flags(**{k: v for k, v in vars(args).items() if k in _deployment_fields()})
     base = dataclasses.replace(  # the config's patch files are relative to the config, the flags' to here
         cfg.k8s, patches=[str(Path(args.config).parent / p) for p in cfg.k8s.patches]
     )
@@ -416,6 +436,8 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConf
                 "patches",
             )
         },
+        **platform.fabric_and_node(base, **{k: getattr(args, k) for k in FABRIC_AND_NODE_FLAGS}),
+        one_pod_per_node=args.one_pod_per_node,
         node_selector=platform.key_values("--node-selector", args.node_selector),
         tolerations=[platform.toleration(t) for t in args.toleration],
         labels=platform.key_values("--label", args.label),
@@ -433,7 +455,7 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConf
     manifests = render(cfg, job, dep, plat)
     for path in plat.patches:
         manifests = patch.apply_file(manifests, Path(path))
-    return manifests, plat
+    return manifests, plat, notes(plat, check_fits(cfg, dep, plat))
 
 
 def _deployment_fields() -> set[str]:

@@ -428,6 +428,35 @@ NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 
 QUEUEING = ("none", "kueue", "volcano", "runai")
 CONFIG_DELIVERY = ("path", "inline", "working_dir")
+FABRICS = ("none", "infiniband", "roce")
+
+
+@dataclass
+class RdmaConfig:
+    """How GPU pods reach an RDMA fabric (`k8s.fabric: infiniband` or `roce`); nothing of it is rendered without one,
+    as each setting names something a particular site has installed."""
+
+    # The device plugin's extended resource that hands a pod the adapters; null: rdma/rdma_shared_device_a (the RDMA
+    # shared device plugin's); e.g. nvidia.com/hostdev, openshift.io/mellanoxnics; '' for none (hostNetwork sites).
+    resource: str | None = None
+    # A Multus NetworkAttachmentDefinition that gives each pod an interface on the fabric; null: none.
+    network: str | None = None
+    # NCCL_SOCKET_IFNAME: that interface in the pod; null: net1 (Multus's first secondary one) with a network,
+    # else NCCL's own choice.
+    interface: str | None = None
+
+
+@dataclass
+class NodeShape:
+    """The GPU nodes worker pods land on. A pod gets the node's CPUs and memory in proportion to its GPUs, so pods
+    of any size fill a node together; `count` lets the renderer refuse a job whose pods would not all fit."""
+
+    gpus: int = 8
+    # What pods may use of one node: its Allocatable (`kubectl describe node`) less what DaemonSets take.
+    cpus: int = 96
+    memory: str = "960Gi"
+    # Nodes of this shape the job may use; null: not checked.
+    count: int | None = None
 
 
 @dataclass
@@ -443,8 +472,16 @@ class K8sConfig:
     priority_class_name: str | None = None
     service_account_name: str | None = None
     image_pull_secrets: list[str] = field(default_factory=list)
+    # The network NCCL uses between GPU pods: none (the pod network, as the cluster provides it), infiniband or
+    # roce (the RDMA device, IPC_LOCK, the IB transport settings, and what `rdma` names).
+    fabric: str = "none"
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    # The GPU nodes, which size the worker pods (one pod holds ray.workers_per_node GPUs).
+    node: NodeShape = field(default_factory=NodeShape)
+    # At most one worker pod a node (required anti-affinity), so that each pod has a node's NIC to itself.
+    one_pod_per_node: bool = False
     # GPU worker placement (the head and the submitter go where the cluster puts CPU pods; `head_node_selector`
-    # pins the head). `affinity` is added to rayft's own (one GPU pod per node).
+    # pins the head). `affinity` is added to rayft's own (`one_pod_per_node`).
     node_selector: dict[str, str] = field(default_factory=dict)
     head_node_selector: dict[str, str] = field(default_factory=dict)
     affinity: dict[str, Any] = field(default_factory=dict)
@@ -491,6 +528,8 @@ class K8sConfig:
         if self.queueing == "none" and self.queue:
             _problem("k8s.queue: given without k8s.queueing; set k8s.queueing: kueue, volcano or runai")
         self._check_kuberay()
+        self._check_fabric()
+        self._check_node()
         if (self.config_delivery == "working_dir") != bool(self.working_dir):
             _problem("k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then")
         if self.hf_home is not None and not self.hf_home.startswith("/"):
@@ -504,8 +543,7 @@ class K8sConfig:
 
     def _api_problems(self) -> list[str]:
         """What the API server (or Kueue, for the queue-name label) would refuse when the manifests are applied."""
-        from rayft.deploy import apirules
-
+        apirules = _apirules()
         found = (
             apirules.labels("k8s.labels", self.labels)
             + apirules.annotation_keys("k8s.annotations", self.annotations)
@@ -523,6 +561,28 @@ class K8sConfig:
             found += apirules.label_value("k8s.queue", self.queue)  # Kueue's queue-name label holds it
         return found
 
+    def _check_fabric(self) -> None:
+        _one_of("k8s.fabric", self.fabric, FABRICS)
+        if self.fabric == "none":
+            for key, value in dataclasses.asdict(self.rdma).items():
+                if value is not None:
+                    _problem(f"k8s.rdma.{key}: '{value}' is given but k8s.fabric is none, which renders no RDMA; "
+                             "set k8s.fabric: infiniband or roce (or --fabric)")  # fmt: skip
+        if self.rdma.network is not None:
+            for problem in _apirules().dns_subdomain("k8s.rdma.network", self.rdma.network.rpartition("/")[2]):
+                _problem(problem)
+
+    def _check_node(self) -> None:
+        n = self.node
+        _at_least("k8s.node.gpus", n.gpus, 1)
+        _at_least("k8s.node.cpus", n.cpus, 1)
+        if n.count is not None:
+            _at_least("k8s.node.count", n.count, 1, hint=" (or null: not checked)")
+        try:
+            _apirules().quantity_bytes(n.memory)
+        except ValueError as e:
+            _problem(f"k8s.node.memory: {e}")
+
     def _check_kuberay(self) -> None:
         from rayft.deploy import kuberay
 
@@ -535,6 +595,12 @@ class K8sConfig:
             problem = kuberay.gate_problem(gate, release)
             if problem:
                 _problem(f"k8s.kuberay_feature_gates: {problem}")
+
+
+def _apirules() -> types.ModuleType:
+    from rayft.deploy import apirules  # the deploy package imports this module: imported when first checked
+
+    return apirules
 
 
 REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")
@@ -1051,7 +1117,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce(value, args[0], key)
     if value is None:
         raise ConfigError(f"{key} must not be null (expected {_type_name(hint)})")
-    if hint is Any:  # Kubernetes objects (tolerations, affinity, volumes): the CRD schema checks them once rendered
+    if dataclasses.is_dataclass(hint):  # a nested group of keys (k8s.node, k8s.rdma)
+        if isinstance(value, dict):
+            return _build_section(key, hint, value)
+    elif hint is Any:  # Kubernetes objects (tolerations, affinity, volumes): the CRD schema checks them once rendered
         return value
     if hint is bool:
         if isinstance(value, bool):
@@ -1095,6 +1164,8 @@ def _type_name(hint: Any) -> str:
         return f"a list of {_type_name(typing.get_args(hint)[0])}"
     if origin is dict:
         return f"a mapping of names to {_type_name(typing.get_args(hint)[1])}"
+    if dataclasses.is_dataclass(hint):
+        return f"a mapping of {', '.join(f.name for f in dataclasses.fields(hint))}"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(hint, str(hint))
 

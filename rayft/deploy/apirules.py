@@ -103,3 +103,30 @@ def pod_template(where: str, template: Mapping[str, Any]) -> list[str]:
         + labels(f"{where}.spec.nodeSelector", spec.get("nodeSelector") or {})
         + tolerations(f"{where}.spec.tolerations", spec.get("tolerations") or [])
     )
+
+
+QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][-+]?[0-9]+)?$")
+SUFFIX_BYTES = {
+    **{s: 1024 ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: 1000 ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
+
+
+def quantity_bytes(value: str) -> int:
+    """A memory quantity ('960Gi', '1.5T', '512e6', '2048') in bytes; ValueError naming the forms when it is none."""
+    match = QUANTITY.match(str(value).strip())
+    if not match:
+        raise ValueError(f"'{value}' is not a memory quantity; write e.g. 960Gi, 1Ti or 1000G")
+    number, suffix = match.groups()
+    if suffix and suffix[0] in "eE":
+        return int(float(number) * 10 ** int(suffix[1:]))
+    return int(float(number) * SUFFIX_BYTES.get(suffix or "", 1))
+
+
+def memory_quantity(nbytes: int) -> str:
+    """Bytes as the largest binary unit that states them exactly (whole Gi where it can), rounded down to Mi."""
+    mib = nbytes // 2**20
+    for unit, size in (("Ti", 2**20), ("Gi", 2**10)):
+        if mib % size == 0:
+            return f"{mib // size}{unit}"
+    return f"{mib}Mi"

@@ -1,9 +1,11 @@
 """KubeRay manifests rendered from the training config, so that pods, GPUs and paths can never disagree with it.
 
-One Ray worker per GPU (FSDP2 drives one device per rank): `ray.num_workers` = worker pods × GPUs per pod. Every
-GPU pod gets the InfiniBand plumbing NCCL needs (secondary network, RDMA device, IPC_LOCK, a memory-backed
-/dev/shm, the NCCL environment); head and workers mount one PVC at the same path, which holds the model, the data
-and the Ray storage path, so a checkpoint written by any worker is seen by all and outlives the cluster.
+One Ray worker per GPU (FSDP2 drives one device per rank): `ray.num_workers` = worker pods × GPUs per pod, a pod
+holding `ray.workers_per_node` GPUs and the node's CPUs and memory in proportion (`rayft.deploy.nodes`). Every GPU
+pod gets a memory-backed /dev/shm and the NCCL environment, and, where the config names an RDMA fabric, the RDMA
+plumbing (the device, IPC_LOCK, a secondary network if one is named); head and workers mount one PVC at the same
+path, which holds the model, the data and the Ray storage path, so a checkpoint written by any worker is seen by all
+and outlives the cluster.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import yaml
 
 from rayft.config import Config, ConfigError, K8sConfig, NcclConfig, is_uri
 from rayft.deploy import platform
+from rayft.deploy.apirules import quantity_bytes
 from rayft.deploy.crd import MAX_NAME, name_problems
 from rayft.deploy.kuberay import (
     DELETION_GATE,
@@ -27,6 +30,7 @@ from rayft.deploy.kuberay import (
     Operator,
     dotted,
 )
+from rayft.deploy.nodes import WorkerPods, placement_notes, worker_pods
 from rayft.hub import is_hub_name
 from rayft.parallel.backend import nccl_env
 
@@ -34,6 +38,8 @@ RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
 IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
 DASHBOARD_PORT = 8265
+RDMA_SHARED_DEVICE = "rdma/rdma_shared_device_a"  # the RDMA shared device plugin's resource (its documented default)
+MULTUS_INTERFACE = "net1"  # the name Multus gives a pod's first secondary interface
 CONFIG_ENV = "RAYFT_CONFIG_YAML"  # the inlined config, read by `--config env:RAYFT_CONFIG_YAML`
 
 
@@ -46,19 +52,16 @@ class Deployment:
     image: str = "registry.example.com/rayft:0.1.0"
     pvc: str = "rayft-data"
     mount_path: str = "/data"
-    gpus_per_pod: int = 1
+    gpus_per_pod: int | None = None  # None: ray.workers_per_node (another value is refused)
     gpu_resource: str = "nvidia.com/gpu"
-    worker_cpus: int = 32
-    worker_memory: str = "512Gi"
+    worker_cpus: int | None = None  # None: the node's CPUs in proportion to the pod's GPUs (k8s.node)
+    worker_memory: str | None = None  # None: likewise of the node's memory
     shm_size: str = "64Gi"  # memory-backed: counted in the pod's memory limit
     head_cpus: int = 8
     head_memory: str = "32Gi"
     head_shm_size: str = "8Gi"  # the head's memory-backed /dev/shm (Ray's object store spills there)
-    # InfiniBand: the Multus network attachment, the RDMA device plugin's resource, the HCAs and interface NCCL uses.
-    network: str | None = "ib-network"
-    ib_resource: str | None = "rdma/rdma_shared_device_a"
-    ib_hca: str | None = None  # None: NCCL's own choice, unless the config's nccl.ib_hca names them
-    socket_ifname: str = "net1"
+    # NCCL_IB_HCA where the config's nccl.ib_hca leaves it open (None: NCCL's own choice); with a fabric only.
+    ib_hca: str | None = None
     # RayJob lifetime: seconds allowed to reach Running (image pull, scheduling), to run, and to keep the finished
     # cluster around for its logs.
     pre_running_deadline_s: int = 1800
@@ -80,8 +83,16 @@ class Deployment:
                 f"--name: '{self.name}' is not a valid RayJob name (lower-case letters, digits and '-', starting "
                 f"with a letter, at most {MAX_NAME['RayJob']} characters)"
             )
-        if self.gpus_per_pod < 1:
+        if self.gpus_per_pod is not None and self.gpus_per_pod < 1:
             raise ConfigError(f"--gpus-per-pod: must be at least 1, got {self.gpus_per_pod}")
+        if self.worker_cpus is not None and self.worker_cpus < 1:
+            raise ConfigError(f"--worker-cpus: must be at least 1, got {self.worker_cpus}")
+        for flag, size in (("--worker-memory", self.worker_memory), ("--shm-size", self.shm_size),
+                           ("--head-memory", self.head_memory), ("--head-shm-size", self.head_shm_size)):  # fmt: skip
+            try:
+                quantity_bytes(size) if size is not None else None
+            except ValueError as e:
+                raise ConfigError(f"{flag}: {e}") from None
         if not PurePosixPath(self.mount_path).is_absolute():
             raise ConfigError(f"--mount-path: '{self.mount_path}' must be an absolute path")
         deadlines = {
@@ -196,10 +207,11 @@ def uses_deletion_rules(plat: K8sConfig) -> bool:
     return operator(plat).deletion_strategy and plat.queueing != "kueue"
 
 
-def notes(plat: K8sConfig) -> list[str]:
-    """What the rendered RayJob cannot ask of this operator, for the user to read beside the manifests."""
+def notes(plat: K8sConfig, pods: WorkerPods | None = None) -> list[str]:
+    """What the rendered RayJob cannot ask of this operator, or leaves unused on the nodes, for the user to read
+    beside the manifests."""
     kuberay = operator(plat)
-    out = []
+    out = placement_notes(pods, plat.node) if pods is not None else []
     if plat.kuberay_version is None:
         out.append(f"k8s.kuberay_version unset: rendered for {kuberay}, which every supported operator accepts")
     if not kuberay.pre_running_deadline:
@@ -235,8 +247,9 @@ def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
     }
 
 
-def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> int:
-    """The number of GPU pods; refuses configs these pods could not run."""
+def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> WorkerPods:
+    """The GPU worker pods; refuses configs these pods could not run, or nodes could not hold."""
+    plat = plat or cfg.k8s
     r = cfg.ray
     if r.num_workers < 1:
         raise ConfigError(f"ray.num_workers: must be at least 1, got {r.num_workers}")
@@ -250,17 +263,13 @@ def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> i
             f"ray.resources_per_worker.GPU: {gpus}; each worker drives one GPU (one FSDP2 rank), so set it to 1 "
             "and give ray.num_workers = pods × --gpus-per-pod"
         )
-    if r.num_workers % dep.gpus_per_pod:
-        raise ConfigError(
-            f"GPU count mismatch: ray.num_workers={r.num_workers} is not a whole number of pods with "
-            f"--gpus-per-pod={dep.gpus_per_pod}; make ray.num_workers a multiple of it"
-        )
-    if r.workers_per_node != dep.gpus_per_pod:
-        # The pod is the node: its workers must be one node to the meshes (HSDP, expert-parallel groups) too.
-        raise ConfigError(
-            f"ray.workers_per_node: {r.workers_per_node}, but --gpus-per-pod={dep.gpus_per_pod} puts "
-            f"{dep.gpus_per_pod} workers on each pod; set ray.workers_per_node: {dep.gpus_per_pod}"
-        )
+    if plat.fabric == "none" and dep.ib_hca:
+        raise ConfigError("--ib-hca: names InfiniBand adapters, but k8s.fabric is none; add --fabric infiniband "
+                          "or roce")  # fmt: skip
+    pods = worker_pods(r, plat.node, plat.one_pod_per_node, dep.gpus_per_pod, dep.worker_cpus, dep.worker_memory)
+    if quantity_bytes(dep.shm_size) >= pods.memory:
+        raise ConfigError(f"--shm-size: {dep.shm_size} of /dev/shm is counted in the pod's memory, "
+                          f"{pods.memory_quantity}; make it smaller")  # fmt: skip
     mount = PurePosixPath(dep.mount_path)
     for key, path in (("ray.storage_path", cfg.ray.storage_path or cfg.train.output_dir),
                       ("train.output_dir", cfg.train.output_dir),
@@ -280,11 +289,11 @@ def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> i
     data = cfg.data.dataset_name_or_path
     if data.startswith(("/", "./", "../", "~")) and not _under(PurePosixPath(data), mount):
         raise ConfigError(f"data.dataset_name_or_path: {data} is not on the PVC mounted at {dep.mount_path}")
-    hf_home = PurePosixPath(platform.hf_env(plat or cfg.k8s, dep.mount_path)["HF_HOME"])
+    hf_home = PurePosixPath(platform.hf_env(plat, dep.mount_path)["HF_HOME"])
     if not _under(hf_home, mount):
         raise ConfigError(f"k8s.hf_home: {hf_home} is not on the PVC mounted at {dep.mount_path}; every pod must "
                           "share one Hugging Face cache")  # fmt: skip
-    return r.num_workers // dep.gpus_per_pod
+    return pods
 
 
 def backoff_limit(cfg: Config, dep: Deployment) -> int:
@@ -297,12 +306,12 @@ def backoff_limit(cfg: Config, dep: Deployment) -> int:
 
 
 def cluster_spec(
-    dep: Deployment, worker_pods: int, plat: K8sConfig | None = None, nccl: NcclConfig | None = None
+    dep: Deployment, pods: WorkerPods, plat: K8sConfig | None = None, nccl: NcclConfig | None = None
 ) -> dict[str, Any]:
-    """The RayCluster spec: one head group (driver, dashboard) and one GPU worker group of `worker_pods` pods, with
-    the platform's settings applied to both pod templates."""
+    """The RayCluster spec: one head group (driver, dashboard) and one GPU worker group of these pods, with the
+    platform's settings applied to both pod templates."""
     plat = plat or K8sConfig()
-    head, worker = _head_group(dep, plat), _worker_group(dep, worker_pods, plat, nccl or NcclConfig())
+    head, worker = _head_group(dep, plat), _worker_group(dep, pods, plat, nccl or NcclConfig())
     platform.apply_to_pod(head["template"], plat, "head")
     platform.apply_to_pod(worker["template"], plat, "worker")
     return {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]}
@@ -340,15 +349,17 @@ def _head_group(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
     }
 
 
-def _worker_group(dep: Deployment, worker_pods: int, plat: K8sConfig, nccl: NcclConfig) -> dict[str, Any]:
+def _worker_group(dep: Deployment, pods: WorkerPods, plat: K8sConfig, nccl: NcclConfig) -> dict[str, Any]:
     volumes, mounts = _pvc(dep, dep.shm_size)
-    limits = {"cpu": str(dep.worker_cpus), "memory": dep.worker_memory, dep.gpu_resource: str(dep.gpus_per_pod)}
-    if dep.ib_resource:
-        limits[dep.ib_resource] = "1"
+    rdma = plat.fabric != "none"
+    limits = {"cpu": str(pods.cpus), "memory": pods.memory_quantity, dep.gpu_resource: str(pods.gpus)}
+    resource = rdma_resource(plat)
+    if resource:
+        limits[resource] = "1"
     labels = {**_labels(dep), "rayft.io/role": "gpu-worker"}
     metadata: dict[str, Any] = {"labels": labels}
-    if dep.network:
-        metadata["annotations"] = {"k8s.v1.cni.cncf.io/networks": dep.network}
+    if rdma and plat.rdma.network:
+        metadata["annotations"] = {"k8s.v1.cni.cncf.io/networks": plat.rdma.network}
     container = {
         "name": "ray-worker",
         "image": dep.image,
@@ -357,7 +368,7 @@ def _worker_group(dep: Deployment, worker_pods: int, plat: K8sConfig, nccl: Nccl
         "resources": _requests_are_limits(limits),
         # RDMA pins memory for the NIC: without IPC_LOCK, ibv_reg_mr fails and NCCL drops to TCP.
         # Without RDMA the capability is not asked for (restricted pod security refuses it).
-        **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if dep.ib_resource else {}),
+        **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if rdma else {}),
         "volumeMounts": mounts,
     }
     spec: dict[str, Any] = {
@@ -365,14 +376,14 @@ def _worker_group(dep: Deployment, worker_pods: int, plat: K8sConfig, nccl: Nccl
         "volumes": volumes,
         "tolerations": [{"key": dep.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}],
     }
-    if dep.gpus_per_pod == 1:  # one GPU pod per node: each owns its node's NIC, and a lost node takes one rank
+    if plat.one_pod_per_node:  # each pod owns its node's NIC, and a lost node takes one pod's ranks
         term = {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
         spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
     return {
         "groupName": "gpu",
-        "replicas": worker_pods,
-        "minReplicas": worker_pods,
-        "maxReplicas": worker_pods,
+        "replicas": pods.pods,
+        "minReplicas": pods.pods,
+        "maxReplicas": pods.pods,
         "rayStartParams": {},
         "template": {"metadata": metadata, "spec": spec},
     }
@@ -391,21 +402,30 @@ def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
     return {**env, **{k: v for k, v in hosts.items() if v}}
 
 
+def rdma_resource(plat: K8sConfig) -> str | None:
+    """The RDMA device resource a GPU pod asks for: none without a fabric, '' (given) for none at all."""
+    if plat.fabric == "none":
+        return None
+    return plat.rdma.resource if plat.rdma.resource is not None else RDMA_SHARED_DEVICE
+
+
 def gpu_env(dep: Deployment, plat: K8sConfig, nccl: NcclConfig) -> dict[str, str]:
-    """NCCL over InfiniBand (the seeds' transport settings, then the config's `nccl` section, which the training
-    workers also get through Ray; `--ib-hca` / `--socket-ifname` fill its adapters and interface where it leaves
-    them open) and the allocator settings."""
-    nccl = dataclasses.replace(
-        nccl, ib_hca=nccl.ib_hca or dep.ib_hca, socket_ifname=nccl.socket_ifname or dep.socket_ifname
-    )
+    """NCCL's settings (the seeds' socket settings; with a fabric, their InfiniBand transport settings, and the
+    fabric's interface and `--ib-hca` where the config's `nccl` section, which the training workers also get through
+    Ray, leaves them open) and the allocator settings."""
+    rdma: dict[str, str] = {}
+    if plat.fabric != "none":
+        interface = plat.rdma.interface or (MULTUS_INTERFACE if plat.rdma.network else None)
+        nccl = dataclasses.replace(
+            nccl, ib_hca=nccl.ib_hca or dep.ib_hca, socket_ifname=nccl.socket_ifname or interface
+        )
+        rdma = {"NCCL_IB_DISABLE": "0", "NCCL_IB_QPS_PER_CONNECTION": "1", "NCCL_IB_SPLIT_DATA_ON_QPS": "1",
+                "RDMAV_FORK_SAFE": "1"}  # fmt: skip
     return {
-        "NCCL_IB_DISABLE": "0",
-        "NCCL_IB_QPS_PER_CONNECTION": "1",
-        "NCCL_IB_SPLIT_DATA_ON_QPS": "1",
+        **rdma,
         "NCCL_SOCKET_NTHREADS": "2",
         "NCCL_NSOCKS_PERTHREAD": "2",
         **nccl_env(nccl),
-        "RDMAV_FORK_SAFE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
         **platform.hf_env(plat, dep.mount_path),

@@ -41,6 +41,36 @@ def with_flags(base: K8sConfig, **flags: Any) -> K8sConfig:
     return merged
 
 
+def fabric_and_node(
+    base: K8sConfig,
+    fabric: str | None = None,
+    network: str | None = None,
+    ib_resource: str | None = None,
+    socket_ifname: str | None = None,
+    node_gpus: int | None = None,
+    node_cpus: int | None = None,
+    node_memory: str | None = None,
+    nodes: int | None = None,
+) -> dict[str, Any]:
+    """The fabric and node-shape flags (named as `rayft k8s render` names them) as `with_flags` changes: the
+    config's `k8s.rdma` and `k8s.node` with the given flags on top ('none' leaves out a network or RDMA resource)."""
+    rdma = _given(network=network, resource=ib_resource, interface=socket_ifname)
+    if rdma.get("network", "").lower() == "none":
+        rdma["network"] = None
+    if rdma.get("resource", "").lower() == "none":
+        rdma["resource"] = ""
+    node = _given(gpus=node_gpus, cpus=node_cpus, memory=node_memory, count=nodes)
+    return {
+        "fabric": fabric,
+        "rdma": dataclasses.replace(base.rdma, **rdma) if rdma else None,
+        "node": dataclasses.replace(base.node, **node) if node else None,
+    }
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def key_values(flag: str, items: list[str]) -> dict[str, str]:
     """`KEY=VALUE` flag values as a mapping (a clear error naming the flag otherwise)."""
     out = {}

@@ -44,6 +44,8 @@ PLATFORM = {
     "env": {"HF_HUB_OFFLINE": "1"},
     "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
     "volume_mounts": [{"name": "certs", "mountPath": "/etc/certs", "readOnly": True}],
+    "fabric": "infiniband",
+    "one_pod_per_node": True,
 }
 
 
@@ -112,7 +114,7 @@ def test_every_platform_key_lands_where_kuberay_reads_it(capsys, tmp_path):
     head, worker, submitter = pods(job).values()
     assert head["spec"]["nodeSelector"] == {"pool": "cpu"} and worker["spec"]["nodeSelector"] == {"pool": "h200"}
     assert "nodeSelector" not in submitter["spec"]
-    # The user's node affinity beside rayft's one-GPU-pod-per-node rule, not instead of it.
+    # The user's node affinity beside rayft's one-pod-per-node rule, not instead of it.
     affinity = worker["spec"]["affinity"]
     assert affinity["nodeAffinity"] == NODE_AFFINITY["nodeAffinity"]
     assert affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == (
@@ -287,3 +289,118 @@ def test_a_platform_toleration_rayft_also_adds_appears_once(capsys, tmp_path):
         tolerations = pod["spec"]["tolerations"]
         assert len(tolerations) == len({json.dumps(t, sort_keys=True) for t in tolerations}), (role, tolerations)
         assert gpu in tolerations and TOLERATION in tolerations, role
+
+
+def worker_of(docs: dict[str, dict]) -> tuple[dict, dict]:
+    """(the GPU worker group, its container) of a rendered RayJob."""
+    group = docs["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    return group, group["template"]["spec"]["containers"][0]
+
+
+def test_a_config_that_names_no_fabric_renders_nothing_of_a_site(capsys, tmp_path):
+    """Every render asked for a Multus ib-network, an RDMA device, IPC_LOCK and NCCL_SOCKET_IFNAME=net1, and kept
+    one single-GPU pod a node: a cluster without that InfiniBand set-up got pods that never started."""
+    config = config_with(tmp_path, {})
+    group, container = worker_of(render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml"))
+    assert "annotations" not in group["template"]["metadata"]
+    assert set(container["resources"]["limits"]) == {"cpu", "memory", "nvidia.com/gpu"}
+    assert "securityContext" not in container and "affinity" not in group["template"]["spec"]
+    env = {e["name"] for e in container["env"]}
+    assert not {n for n in env if n.startswith(("NCCL_IB_", "RDMAV_"))} and "NCCL_SOCKET_IFNAME" not in env
+
+
+@pytest.mark.parametrize(
+    ("fabric", "rdma", "resource", "interface"),
+    [
+        ("infiniband", {}, "rdma/rdma_shared_device_a", None),
+        ("infiniband", {"network": "ib-network"}, "rdma/rdma_shared_device_a", "net1"),
+        (
+            "roce",
+            {"resource": "nvidia.com/hostdev", "network": "roce-net", "interface": "eth1"},
+            "nvidia.com/hostdev",
+            "eth1",
+        ),
+        ("infiniband", {"resource": ""}, None, None),
+    ],
+)
+def test_a_named_fabric_renders_its_rdma_settings(capsys, tmp_path, fabric, rdma, resource, interface):
+    config = config_with(tmp_path, {"fabric": fabric, "rdma": rdma})
+    group, container = worker_of(render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml"))
+    limits = container["resources"]["limits"]
+    assert {k for k in limits if k not in ("cpu", "memory", "nvidia.com/gpu")} == ({resource} if resource else set())
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    annotations = group["template"]["metadata"].get("annotations", {})
+    assert annotations.get("k8s.v1.cni.cncf.io/networks") == rdma.get("network")
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env.get("NCCL_SOCKET_IFNAME") == interface and env["NCCL_IB_DISABLE"] == "0"
+
+
+def test_fabric_flags_override_the_config_and_need_a_fabric(capsys, tmp_path):
+    config = config_with(tmp_path, {})
+    args = ("--config", str(config), "--config-in-cluster", "/data/job.yaml")
+    err = render_error(capsys, *args, "--network", "ib-network")
+    assert "k8s.rdma.network: 'ib-network' is given but k8s.fabric is none" in err and "--fabric" in err
+    assert "--ib-hca" in render_error(capsys, *args, "--ib-hca", "=mlx5_0")
+    _, container = worker_of(render(capsys, *args, "--fabric", "roce", "--ib-resource", "openshift.io/mellanoxnics",
+                                    "--ib-hca", "=mlx5_0", "--socket-ifname", "net2"))  # fmt: skip
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NCCL_IB_HCA"] == "=mlx5_0" and env["NCCL_SOCKET_IFNAME"] == "net2"
+    assert container["resources"]["limits"]["openshift.io/mellanoxnics"] == "1"
+
+
+NODE = {"gpus": 4, "cpus": 100, "memory": "1000Gi"}
+
+
+@pytest.mark.parametrize("per_pod", [1, 2, 4])
+def test_pods_get_the_nodes_cpus_and_memory_per_gpu(capsys, tmp_path, per_pod):
+    """Pods were 32 CPUs and 512 Gi whatever their GPUs: an 8-GPU pod starved, eight 1-GPU pods overfilled a node."""
+    config = config_with(tmp_path, {"node": NODE})
+    sizes = ("--override", f"ray.num_workers={4 * per_pod}", "--override", f"ray.workers_per_node={per_pod}")
+    docs = render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml", *sizes)
+    group, container = worker_of(docs)
+    share = {1: ("25", "250Gi"), 2: ("50", "500Gi"), 4: ("100", "1000Gi")}[per_pod]  # NODE's quarter, half, whole
+    limits = container["resources"]["limits"]
+    assert (limits["cpu"], limits["memory"], limits["nvidia.com/gpu"]) == (*share, str(per_pod))
+    assert group["replicas"] == 4 and "affinity" not in group["template"]["spec"]
+
+
+def test_two_eight_gpu_nodes_get_two_pods_of_eight_gpus(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    docs = render(capsys, "--config", "jobs/mistral4-3xh200.yaml", "--override", "ray.num_workers=16",
+                  "--override", "ray.workers_per_node=8", "--nodes", "2", "--node-cpus", "192",
+                  "--node-memory", "2000Gi")  # fmt: skip
+    group, container = worker_of(docs)
+    assert group["replicas"] == 2
+    assert container["resources"]["limits"] == {"cpu": "192", "memory": "2000Gi", "nvidia.com/gpu": "8",
+                                                "rdma/rdma_shared_device_a": "1"}  # fmt: skip
+
+
+def test_pods_the_declared_nodes_cannot_hold_are_refused_with_the_arithmetic(capsys, monkeypatch):
+    """num_workers 16 on 2 × 8-GPU nodes rendered 16 one-GPU pods, one a node: 14 stayed Pending, with no word."""
+    monkeypatch.chdir(REPO)
+    args = ("--config", "jobs/mistral4-3xh200.yaml", "--override", "ray.num_workers=16", "--nodes", "2")
+    err = render_error(capsys, *args)  # the example asks for one pod a node
+    assert "16 worker pods" in err and "need 16 nodes, but 2 are declared: 14 pods would stay Pending" in err
+    assert "set ray.workers_per_node: 8" in err and "k8s.one_pod_per_node: false" in err
+    group, _ = worker_of(render(capsys, *args, "--override", "k8s.one_pod_per_node=false"))
+    assert group["replicas"] == 16 and "affinity" not in group["template"]["spec"]  # eight a node
+    err = render_error(capsys, *args, "--node-cpus", "40", "--worker-cpus", "12", "--override",
+                       "k8s.one_pod_per_node=false")  # fmt: skip
+    assert "at 3 a node (limited by its CPUs) need 6 nodes" in err  # 40 // 12 = 3 pods a node, 16 / 3 → 6
+    err = render_error(capsys, *args, "--override", "ray.workers_per_node=16", "--override", "ray.num_workers=16")
+    assert "ray.workers_per_node: a worker pod of 16 GPUs does not fit a node of 8" in err
+
+
+@pytest.mark.parametrize(
+    ("k8s", "says"),
+    [
+        ({"fabric": "ib"}, "k8s.fabric: unknown value 'ib'"),
+        ({"rdma": {"network": "ib-network"}}, "k8s.rdma.network: 'ib-network' is given but k8s.fabric is none"),
+        ({"node": {"gpus": 0}}, "k8s.node.gpus must be >= 1"),
+        ({"node": {"memory": "1TB"}}, "k8s.node.memory: '1TB' is not a memory quantity"),
+        ({"node": {"gpu": 8}}, "unknown key 'k8s.node.gpu' (did you mean 'gpus'?)"),
+    ],
+)
+def test_bad_fabric_and_node_settings_are_refused(capsys, tmp_path, k8s, says):
+    config = config_with(tmp_path, k8s)
+    assert says in render_error(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml")
