@@ -173,6 +173,9 @@ class LoraConfig:
     modules_to_save: list[str] | None = None
 
 
+DEFAULT_VAL_SPLIT = "validation"
+
+
 @dataclass
 class DataConfig:
     # A local file, directory or glob, or a hub dataset id (`org/name`) resolved through the Hugging Face cache.
@@ -182,7 +185,8 @@ class DataConfig:
     dataset_config_name: str | None = "wikitext-2-raw-v1"
     text_field: str = "text"
     train_split: str = "train"
-    val_split: str | None = "validation"
+    # The split evaluated; where the dataset lacks the default, `validation`, and has `test` (TRL's default), that.
+    val_split: str | None = DEFAULT_VAL_SPLIT
     max_length: int = 1024
     # Instruction data: a str.format template over the record's fields that renders the prompt, e.g.
     # "### Question:\n{question}\n\n### Answer:\n"; the completion comes from `completion_field`.

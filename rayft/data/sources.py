@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rayft.config import ConfigError, DataConfig
+from rayft.config import DEFAULT_VAL_SPLIT, ConfigError, DataConfig
 from rayft.data.files import (
     SNIFF_BYTES,
     DecodeBudget,
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 # Names that make a file a split's: a folder holding any is never read whole as the training split.
+TRL_EVAL_SPLIT = "test"
 SPLIT_WORDS = ("train", "training", "validation", "valid", "val", "dev", "eval", "test")
 GLOB_CHARS = re.compile(r"[*?[]")
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -149,10 +150,11 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
         train = _split_files(base, data.train_split)
         if train:
             train_source = _as_split(f"split '{data.train_split}' in {base}", train)
-            val = _split_files(base, data.val_split) if data.val_split else []
-            if data.val_split and not val:
+            val_split = eval_split(data, _split_names(base))
+            val = _split_files(base, val_split) if val_split else []
+            if val_split and not val:
                 _no_val_split(data, str(base), _split_names(base))
-            return train_source, _as_split(f"split '{data.val_split}' in {base}", val) if val else None
+            return train_source, _as_split(f"split '{val_split}' in {base}", val) if val else None
 
     named = sorted({n for b in _search_roots(root, data.dataset_config_name) for n in _split_names(b)}
                    & {*SPLIT_WORDS, data.train_split, data.val_split})  # fmt: skip
@@ -256,11 +258,20 @@ def _pick_splits(loaded: Any, data: DataConfig, where: str) -> tuple[SplitSource
     if data.train_split not in loaded:
         raise ConfigError(f"data.train_split: no split '{data.train_split}' in {where} (it has {', '.join(loaded)})")
     train = SplitSource(f"split '{data.train_split}' of {where}", "hf", dataset=loaded[data.train_split])
-    if data.val_split and data.val_split in loaded:
-        return train, SplitSource(f"split '{data.val_split}' of {where}", "hf", dataset=loaded[data.val_split])
-    if data.val_split:
+    val_split = eval_split(data, list(loaded))
+    if val_split and val_split in loaded:
+        return train, SplitSource(f"split '{val_split}' of {where}", "hf", dataset=loaded[val_split])
+    if val_split:
         _no_val_split(data, where, list(loaded))
     return train, None
+
+
+def eval_split(data: DataConfig, splits: list[str]) -> str | None:
+    """The split evaluated: `data.val_split`; where that is the default `validation` and the dataset has none but has
+    `test`, that one, as TRL's SFTTrainer evaluates on `test` by default and datasets made for it have no other."""
+    if data.val_split == DEFAULT_VAL_SPLIT and data.val_split not in splits and TRL_EVAL_SPLIT in splits:
+        return TRL_EVAL_SPLIT
+    return data.val_split
 
 
 def _no_val_split(data: DataConfig, where: str, splits: list[str]) -> None:

@@ -70,6 +70,26 @@ def test_split_directories_globs_and_saved_datasets_resolve(tmp_path):
         resolve_splits(DataConfig(dataset_name_or_path=str(tmp_path / "saved"), train_split="training"))
 
 
+def test_a_dataset_made_for_trl_is_evaluated_on_its_test_split(tmp_path):
+    """TRL evaluates on `test` by default: a folder or saved dataset with train and test only was refused until
+    data.val_split: test was set."""
+    import datasets
+
+    (tmp_path / "files").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "files" / f"{split}.jsonl").write_text(json.dumps({"text": split}))
+    _, val = resolve_splits(DataConfig(dataset_name_or_path=str(tmp_path / "files")))
+    assert val is not None and val.paths[0].endswith("test.jsonl")
+    sizes = {"train": 3, "test": 2}
+    saved = datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": [s] * n}) for s, n in sizes.items()})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    _, val = resolve_splits(DataConfig(dataset_name_or_path=str(tmp_path / "saved")))
+    assert val is not None and val.dataset["text"] == ["test", "test"]
+    # Another split named and absent is still a mistake to report, not a reason to evaluate on `test`.
+    with pytest.raises(ConfigError, match=r"data\.val_split: no split 'dev' in .*files \(it has test, train\)"):
+        resolve_splits(DataConfig(dataset_name_or_path=str(tmp_path / "files"), val_split="dev"))
+
+
 def test_bad_sources_name_the_path_split_or_field(fixtures: Fixtures, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.train_split: no split 'training' in .* \(it has test, train, valid"):
         resolve_splits(DataConfig(dataset_name_or_path=str(fixtures.dataset), train_split="training"))
