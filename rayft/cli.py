@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from rayft.config import Config, ConfigError, K8sConfig, load_config
+from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, verbose
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -98,7 +99,7 @@ def _job_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
             help="override one key, value parsed as YAML (repeatable)",
         )
         if name == "validate":
-            p.add_argument("--gpu", choices=["h200", "h100"], default="h200", help="GPU the memory plan is for")
+            p.add_argument("--gpu", choices=list(GPUS), default="h200", help="GPU the memory plan is for")
         if name == "eval":
             p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
             p.add_argument("--split", help="split to score (default: data.val_split)")
@@ -115,14 +116,11 @@ def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--preset", choices=["mistral-small-4"], help="plan the real model without its files")
-    p.add_argument("--num-nodes", type=int, nargs="+", default=[3], help="one or more cluster sizes")
-    p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument(
-        "--gpu",
-        choices=["h200", "h100"],
-        default="h200",
-        help="GPU: its memory, and its dense bf16 peak for the step time (989 TFLOP/s both)",
-    )
+    p.add_argument("--num-nodes", type=int, nargs="+",
+                   help="one or more cluster sizes (default: ray.num_workers / ray.workers_per_node)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, help="GPUs (workers) a node (default: ray.workers_per_node)")
+    p.add_argument("--gpu", choices=list(GPUS), default="h200",
+                   help="GPU: its memory, dense bf16 peak, memory bandwidth and NVLink (rayft/gpus.py)")  # fmt: skip
     # Defaults (None here, so `rayft --help` needs no torch): rayft.plan.steptime.Hardware's.
     p.add_argument("--mfu", type=float, help="share of the peak FLOP/s the matmuls reach, assumed (default 0.4)")
     p.add_argument(
@@ -137,7 +135,7 @@ def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         type=float,
         metavar="GBYTE_S",
         help="NVLink per GPU in gigaBYTES per second, both directions together as NVIDIA quotes it "
-        "(default 900: H100/H200 SXM); half of it is what a GPU receives",
+        "(default: the GPU's, e.g. 900 for H100/H200 SXM); half of it is what a GPU receives",
     )
     p.add_argument("--no-layouts", dest="layouts", action="store_false",
                    help="the memory table only, without the layouts' communication and step time")  # fmt: skip
@@ -327,10 +325,12 @@ def _plan(args: argparse.Namespace) -> int:
     from rayft.plan.report import format_layouts
     from rayft.plan.steptime import Hardware, plan_layouts
 
+    cfg = load_config(args.config, args.override)
+    args.num_nodes = args.num_nodes or [cfg.ray.nodes]
+    args.gpus_per_node = args.gpus_per_node or cfg.ray.workers_per_node
     for flag, values in (("--num-nodes", args.num_nodes), ("--gpus-per-node", [args.gpus_per_node])):
         if any(n < 1 for n in values):
             raise ConfigError(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
-    cfg = load_config(args.config, args.override)
     config = None
     if args.preset == "mistral-small-4":
         from transformers import Mistral4Config

@@ -22,15 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayft.gpus import GPUS
 from rayft.model.families import block_of, moe_blocks, num_routed_experts
 from rayft.model.fp8 import EXPERT_WEIGHTS
 
-# Dense (no sparsity) bf16 peak per GPU, vendor figures; matched against torch.cuda.get_device_name().
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
-                   "A100": 312e12, "A800": 312e12, "L40S": 362e12}  # fmt: skip
-# Memory bandwidth per GPU (HBM), vendor figures: what the FP8 dequantisation kernel is bound by.
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "GH200": 4.0e12, "B200": 8.0e12,
-                   "A100": 2.0e12, "A800": 2.0e12, "L40S": 0.864e12}  # fmt: skip
+# Dense bf16 peak per GPU and memory bandwidth, matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {name.upper(): gpu.bf16_tflops * 1e12 for name, gpu in GPUS.items()}
+HBM_BYTES_PER_S = {name.upper(): gpu.hbm_tbytes_per_s * 1e12 for name, gpu in GPUS.items()}
 
 
 @dataclass(frozen=True)

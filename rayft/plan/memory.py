@@ -31,12 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayft.config import Config
+from rayft.gpus import GPUS
 from rayft.model.fp8 import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET
 from rayft.model.loss import chunk_rows
 from rayft.plan.structure import Structure
 
 GIB = 2**30
-GPU_GIB = {"h100": 79.6, "h200": 139.8}  # usable memory the device reports
+GPU_GIB = {name: gpu.memory_gib for name, gpu in GPUS.items()}  # usable memory the device reports
 RUNTIME_OVERHEAD_GIB = 2.0
 
 

@@ -29,6 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from rayft.config import Config, ConfigError
+from rayft.gpus import GPUS
 from rayft.model.flops import HBM_BYTES_PER_S, PEAK_BF16_FLOPS
 from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
 from rayft.plan.memory import GPU_GIB, MemoryPlan, compute_bytes, plan_memory, tokens_per_micro_batch
@@ -36,15 +37,18 @@ from rayft.plan.structure import Structure
 
 DEFAULT_MFU = 0.4
 DEFAULT_INTER_GBITS = 400.0  # per GPU, each direction (one 400 Gb/s NDR InfiniBand NIC per GPU)
-DEFAULT_INTRA_GBYTES = 900.0  # NVLink 4 on H100/H200: 900 GB/s per GPU, both directions together
 
 
 @dataclass(frozen=True)
 class Hardware:
-    gpu: str  # h100, h200
+    gpu: str  # a name of rayft.gpus.GPUS
     mfu: float = DEFAULT_MFU
     inter_gbits: float = DEFAULT_INTER_GBITS
-    intra_gbytes: float = DEFAULT_INTRA_GBYTES
+    intra_gbytes: float | None = None  # None: the GPU's own NVLink (or PCIe) figure
+
+    def __post_init__(self) -> None:
+        if self.intra_gbytes is None:
+            object.__setattr__(self, "intra_gbytes", GPUS[self.gpu].link_gbytes_per_s)
 
     @property
     def peak(self) -> float:

@@ -240,3 +240,18 @@ def test_the_planner_offers_only_expert_parallel_groups_that_keep_to_nodes():
     assert offered == [1, 2, 4, 12]  # the divisors of 12 that divide 4 or that 4 divides
     assert sorted({lay.expert_parallel for lay in layouts(Cluster(nodes=12, gpus_per_node=1), twelve)}) == [
         1, 2, 3, 4, 6, 12]  # fmt: skip
+
+
+def test_plan_follows_the_configs_nodes_and_knows_gpus_beyond_h100_and_h200(capsys):
+    """`rayft plan` planned 3 single-GPU nodes whatever ray.workers_per_node said, and offered h100 and h200 only."""
+    from rayft import cli
+
+    capsys.readouterr()
+    argv = ["plan", "--preset", "mistral-small-4", "--override", "ray.num_workers=16",
+            "--override", "ray.workers_per_node=8", "--gpu", "b200"]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert re.search(r"^component\s+W=16$", out, re.M)  # 16 workers, 8 a node: 2 nodes of 8
+    # B200: 2,250 dense bf16 TFLOP/s and 1,800 GB/s of NVLink 5 per GPU (NVIDIA's figures), ~178 GiB reported
+    assert "layouts on 2 node(s) x 8 GPU (W=16), b200: 2250 TFLOP/s" in out and "NVLink 1800 GB/s" in out
+    assert re.search(r"^on b200 \(17\d\.\d GiB\)", out, re.M)
