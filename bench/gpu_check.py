@@ -373,7 +373,9 @@ def run_plan(bench_file: Path) -> int:
         return 2
     bench = json.loads(bench_file.read_text())
     gpu_name = (bench.get("gpu") or {}).get("name", "")
-    gpu = "h100" if "H100" in gpu_name else "h200"
+    from rayft.gpus import GPUS
+
+    gpu = next((name for name in GPUS if name.upper() in gpu_name), "h200")  # the GPU table's order: GH200 first
     root = Path(tempfile.mkdtemp(prefix="rayft-plan-"))
     cases = {}
     for kind, raw in plan_configs(bench, root).items():

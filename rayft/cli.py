@@ -326,8 +326,10 @@ def _plan(args: argparse.Namespace) -> int:
     from rayft.plan.steptime import Hardware, plan_layouts
 
     cfg = load_config(args.config, args.override)
-    args.num_nodes = args.num_nodes or [cfg.ray.nodes]
-    args.gpus_per_node = args.gpus_per_node or cfg.ray.workers_per_node
+    if args.num_nodes is None:
+        args.num_nodes = [cfg.ray.nodes]
+    if args.gpus_per_node is None:
+        args.gpus_per_node = cfg.ray.workers_per_node
     for flag, values in (("--num-nodes", args.num_nodes), ("--gpus-per-node", [args.gpus_per_node])):
         if any(n < 1 for n in values):
             raise ConfigError(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
