@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 
 STAGE ?= tests
 
-.PHONY: install install-dev demo test test-torch-floor lint prometheus gpu-check
+.PHONY: install install-dev demo test test-torch-floor test-deps-floor lint prometheus gpu-check
 
 # What rayft needs to run (the demo's install); install-dev adds what the tests and lint need.
 install: $(VENV)/.installed
@@ -48,17 +48,39 @@ FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.
 	tests/integration/test_moe_weights.py tests/integration/test_peft_options.py tests/integration/test_checkpoint.py \
 	tests/integration/test_lora.py tests/unit/test_dpo.py
 
-$(FLOOR_VENV)/.installed: $(VENV)/.installed-dev rayft/parallel/torch_compat.py
-	python3 -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
-	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$$($(PY) -c 'from rayft.parallel.torch_compat import FLOOR; print("%d.%d.*" % FLOOR)')"
-	$(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $(FLOOR_VENV)/.site
+# A venv ($(1)) whose own site-packages come first and .venv's pinned packages after them, through a .pth file.
+define venv_before_pinned
+	python3 -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $(1)/.site
 	$(PY) -c "import sysconfig; print(f\"import site; site.addsitedir('{sysconfig.get_paths()['purelib']}')\")" \
-		> "$$(cat $(FLOOR_VENV)/.site)/rayft_pinned_packages.pth"
+		> "$$(cat $(1)/.site)/rayft_pinned_packages.pth"
+endef
+
+$(FLOOR_VENV)/.installed: $(VENV)/.installed-dev rayft/parallel/torch_compat.py
+	$(call venv_before_pinned,$(FLOOR_VENV))
+	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$$($(PY) -c 'from rayft.parallel.torch_compat import FLOOR; print("%d.%d.*" % FLOOR)')"
 	touch $@
 
 test-torch-floor: $(FLOOR_VENV)/.installed
 	RAYFT_PINNED_PYTHON=$(abspath $(PY)) $(FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 $(FLOOR_TESTS)
+
+# The lower bounds in pyproject.toml, true: the floor of each library rayft calls into (tests/tools/floors.py; torch
+# has the leg above, Ray's floor is its pin) installed together, with what they need that the pins do not satisfy,
+# under the tests that exercise them. Not part of `make test`: run it when a dependency or a bound changes.
+DEPS_FLOOR_VENV ?= .venv-deps-floor
+DEPS_FLOOR_TESTS := tests/unit tests/integration/test_local_trainer.py tests/integration/test_lora.py \
+	tests/integration/test_peft_options.py tests/integration/test_moe_weights.py tests/integration/test_fp8.py \
+	tests/integration/test_k8s_package.py
+
+$(DEPS_FLOOR_VENV)/.installed: $(VENV)/.installed-dev pyproject.toml tests/tools/floors.py
+	$(call venv_before_pinned,$(DEPS_FLOOR_VENV))
+	$(DEPS_FLOOR_VENV)/bin/python -m pip install -q $$($(PY) tests/tools/floors.py)
+	touch $@
+
+test-deps-floor: $(DEPS_FLOOR_VENV)/.installed
+	$(DEPS_FLOOR_VENV)/bin/python tests/tools/floors.py --check
+	$(DEPS_FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 -m "not torch_floor" $(DEPS_FLOOR_TESTS)
 
 # On one CUDA GPU, never in CI: STAGE=all (at most 8 minutes) or one of tests|job|bench-moe|bench-dense|plan
 # (docs/gpu-check.md). On the device there is no .venv:

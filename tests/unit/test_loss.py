@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from rayft.model.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
@@ -85,8 +86,7 @@ def test_both_branches_agree_in_bf16(device):
 def test_lora_on_the_head_inside_the_chunks_equals_the_peft_module(drop_unscored):
     """LoRA on the LM head through the fused loss (its low-rank term added chunk by chunk): the loss and the
     gradients of the input, A and B equal those of PEFT's own module over full logits, in both branches."""
-    from peft import LoraConfig
-    from peft.tuners.lora import Linear as LoraLinear
+    from peft import LoraConfig, inject_adapter_in_model
 
     from rayft.model.loss import lora_head
 
@@ -95,7 +95,11 @@ def test_lora_on_the_head_inside_the_chunks_equals_the_peft_module(drop_unscored
     base.weight.data.copy_(w)
     base.weight.requires_grad_(False)
     torch.manual_seed(1)
-    layer = LoraLinear(base, "default", LoraConfig(r=4, lora_alpha=8), r=4, lora_alpha=8)
+    # PEFT's public entry point (its Linear's constructor changed between releases).
+    wrapped = inject_adapter_in_model(
+        LoraConfig(r=4, lora_alpha=8, target_modules=["head"]), nn.ModuleDict({"head": base})
+    )
+    layer = wrapped["head"]
     torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.02)  # B = 0 at init would leave A's gradient zero
     trained = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
 
