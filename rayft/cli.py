@@ -454,10 +454,11 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConf
         repo = Path(__file__).resolve().parents[1]
         job = JobSource(config_in_cluster(Path(args.config), repo, dep.mount_path, args.config_in_cluster),
                         tuple(args.override))  # fmt: skip
-    manifests = render(cfg, job, dep, plat)
+    pods = check_fits(cfg, dep, plat)
+    manifests = render(cfg, job, dep, pods, plat)
     for path in plat.patches:
         manifests = patch.apply_file(manifests, Path(path))
-    return manifests, plat, notes(plat, check_fits(cfg, dep, plat))
+    return manifests, plat, notes(plat, pods)
 
 
 def _deployment_fields() -> set[str]:

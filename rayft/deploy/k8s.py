@@ -90,7 +90,8 @@ class Deployment:
         for flag, size in (("--worker-memory", self.worker_memory), ("--shm-size", self.shm_size),
                            ("--head-memory", self.head_memory), ("--head-shm-size", self.head_shm_size)):  # fmt: skip
             try:
-                quantity_bytes(size) if size is not None else None
+                if size is not None:
+                    quantity_bytes(size)
             except ValueError as e:
                 raise ConfigError(f"{flag}: {e}") from None
         if not PurePosixPath(self.mount_path).is_absolute():
@@ -141,12 +142,12 @@ def config_in_cluster(config: Path, repo: Path, mount_path: str, given: str | No
     )
 
 
-def render(cfg: Config, job: JobSource, dep: Deployment, plat: K8sConfig | None = None) -> dict[str, dict[str, Any]]:
-    """{"rayjob": RayJob, "raycluster": RayCluster} for this config; ConfigError when they could not work.
+def render(
+    cfg: Config, job: JobSource, dep: Deployment, workers: WorkerPods, plat: K8sConfig | None = None
+) -> dict[str, dict[str, Any]]:
+    """{"rayjob": RayJob, "raycluster": RayCluster} for this config and the worker pods `check_fits` found for it.
     `plat`: the platform's settings (default: the config's `k8s:` section)."""
-    dep.check()
     plat = plat or cfg.k8s
-    workers = check_fits(cfg, dep, plat)
     spec = cluster_spec(dep, workers, plat, cfg.nccl)
     config = f"env:{CONFIG_ENV}" if job.inline is not None else job.config_in_cluster
     entrypoint = " ".join(
@@ -249,6 +250,7 @@ def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
 
 def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> WorkerPods:
     """The GPU worker pods; refuses configs these pods could not run, or nodes could not hold."""
+    dep.check()
     plat = plat or cfg.k8s
     r = cfg.ray
     if r.num_workers < 1:

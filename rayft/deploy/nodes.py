@@ -6,6 +6,7 @@ pods Pending with no word of why.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def worker_pods(
             f"than a node has ({node.cpus} CPUs and {node.memory}: k8s.node.cpus, k8s.node.memory); lower them, or "
             "declare the nodes' shape"
         )
-    pod = WorkerPods(**{**pod.__dict__, "per_node": min(fits.values())})
+    pod = dataclasses.replace(pod, per_node=min(fits.values()))
     _check_count(pod, node, fits, ray)
     return pod
 
