@@ -26,12 +26,12 @@ from rayft.placement import resolve_use_gpu, wait_for_placement
 from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
-from rayft.train.checkpoint import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
+from rayft.train.checkpoint_dir import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
 from rayft.train.job import EvalJob, Job
-from rayft.train.loop import eval_loop_per_worker, train_loop_per_worker
 from rayft.train.run_settings import check_continuation, finished_run, last_step, run_settings
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
-from rayft.train.schedule import Plan, make_plan
+from rayft.train.steps import StepPlan, plan_steps
+from rayft.workers import eval_worker, train_worker
 
 log = logging.getLogger("rayft")
 
@@ -70,7 +70,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
 
     with profile.stage("data_plan"):
         datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
-    plan = make_plan(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
+    plan = plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
     log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
     finished = _finished(cfg, run, plan.total_steps) if resume_from is None else None
     if finished is not None:
@@ -92,7 +92,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         fit_started=time.time(),
     )
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        train_worker,
         train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
@@ -154,7 +154,7 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def _best_metric(cfg: Config, plan: Plan) -> tuple[str, str] | None:
+def _best_metric(cfg: Config, plan: StepPlan) -> tuple[str, str] | None:
     """The (metric, order) Ray ranks checkpoints by: kept are the save_total_limit best plus the latest."""
     best = cfg.best_metric
     if best is None or cfg.train.save_strategy == "no":
@@ -263,7 +263,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
     job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base)
     trainer = TorchTrainer(
-        eval_loop_per_worker,
+        eval_worker,
         train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
@@ -284,7 +284,7 @@ def join_cluster(cfg: Config) -> bool:
     use_gpu = resolve_use_gpu(cfg.ray)
     if not use_gpu:
         cfg.check_cpu_precision()
-    wait_for_placement(cfg.ray, _scaling(cfg, use_gpu)._resources_per_worker_not_none, started_locally)
+    wait_for_placement(cfg.ray, _worker_bundle(cfg, use_gpu), started_locally)
     return use_gpu
 
 
@@ -297,7 +297,16 @@ def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
     )
 
 
-def startup_summary(cfg: Config, checked: Preflight, plan: Plan, use_gpu: bool, profile: Profile | None = None) -> str:
+def _worker_bundle(cfg: Config, use_gpu: bool) -> dict[str, float]:
+    """What each worker asks of a node: Ray Train's own reading of the scaling config, else (a Ray that moved it)
+    the declared resources, or its default of one GPU or one CPU."""
+    declared = cfg.ray.resources_per_worker or ({"GPU": 1} if use_gpu else {"CPU": 1})
+    return ray_private.worker_bundle(_scaling(cfg, use_gpu)) or declared
+
+
+def startup_summary(
+    cfg: Config, checked: Preflight, plan: StepPlan, use_gpu: bool, profile: Profile | None = None
+) -> str:
     """What the run is about to do, in the job log before the workers start."""
     t, lora = cfg.train, checked.lora
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
@@ -421,7 +430,7 @@ def local_ray_options() -> dict[str, Any]:
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     served = {"dashboard_host": "127.0.0.1", "dashboard_port": port} if dashboard else {}
     return {"include_dashboard": dashboard, **served, "runtime_env": {"env_vars": env},
-            "_system_config": {"prestart_worker_first_driver": False}}  # fmt: skip
+            **ray_private.no_prestarted_workers()}  # fmt: skip
 
 
 def local_port(preferred: int) -> int:

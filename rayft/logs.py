@@ -73,15 +73,9 @@ def quiet_worker_output() -> bool:
     """Filter the workers' output on its way into this driver's log (Ray's log printer, after `ray.init`). Returns
     whether the filter is installed: not in verbose mode, nor where Ray's printer is not where 2.60 keeps it (then
     the log stays complete rather than wrong)."""
-    dispatcher = None if verbose() else ray_private.worker_output_dispatcher()
-    if dispatcher is None:
+    if verbose():
         return False
-    with dispatcher._lock:
-        for i, (name, handler) in enumerate(dispatcher.handlers):
-            if name == "ray_print_logs" and not isinstance(handler, _Filtered):
-                dispatcher.handlers[i] = (name, _Filtered(handler))
-                return True
-    return False
+    return ray_private.swap_worker_output_printer(lambda p: p if isinstance(p, _Filtered) else _Filtered(p))
 
 
 class _Filtered:

@@ -17,6 +17,7 @@ import tempfile
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -30,14 +31,16 @@ from rayft.hub import resolve_names
 from rayft.limits import check_max_length, local_placement_problem, lora_rank_warning
 from rayft.model.attention import check_attention
 from rayft.model.files import check_safetensors_dir, check_vocab, check_weights_match
-from rayft.model.lora import LoraTargets
 from rayft.parallel.backend import prefix_matched_hca
 from rayft.parallel.torch_compat import check_torch
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
-from rayft.train.checkpoint import STATE_DIR, missing_state_files
+from rayft.train.checkpoint_dir import STATE_DIR, missing_state_files
 from rayft.train.run_settings import check_checkpoint_shape, check_continuation, finished_run, last_step
 from rayft.train.rundir import RunDir
+
+if TYPE_CHECKING:  # resolved on a weightless model when the check runs; PEFT is imported only then
+    from rayft.model.lora import LoraTargets
 
 log = logging.getLogger(__name__)
 CHAT_SAMPLE = 64  # records of each split encoded by `rayft validate` (about a second with a chat template)
@@ -139,12 +142,6 @@ def _local_placement(cfg: Config) -> str | None:
     if problem and cfg.ray.use_gpu is False:
         raise ConfigError(problem)
     return f"if run without a cluster: {problem}" if problem else None
-
-
-def inspect_lora(cfg: Config) -> tuple[LoraTargets, Structure]:
-    """Resolve LoRA on a weightless copy of the model: the targets and the structure the memory plan needs."""
-    model, targets = _weightless_model(cfg)
-    return targets, structure(model, model.config)
 
 
 def _weightless_model(cfg: Config) -> tuple[nn.Module, LoraTargets]:

@@ -42,3 +42,34 @@ def worker_output_dispatcher() -> Any | None:
         return None
     dispatcher = global_worker_stdstream_dispatcher
     return dispatcher if hasattr(dispatcher, "handlers") and hasattr(dispatcher, "_lock") else None
+
+
+Printer = Callable[[dict[str, Any]], None]
+
+
+def swap_worker_output_printer(swap: Callable[[Printer], Printer]) -> bool:
+    """Put `swap(printer)` in place of the printer of the workers' output in the driver's log (Ray's
+    `ray_print_logs` handler). True when it now prints through a new printer; False where `swap` kept the one there,
+    or where this Ray keeps its printer elsewhere."""
+    dispatcher = worker_output_dispatcher()
+    if dispatcher is None:
+        return False
+    with dispatcher._lock:
+        for i, (name, printer) in enumerate(dispatcher.handlers):
+            if name == "ray_print_logs" and (swapped := swap(printer)) is not printer:
+                dispatcher.handlers[i] = (name, swapped)
+                return True
+    return False
+
+
+def worker_bundle(scaling: Any) -> dict[str, float] | None:
+    """The resources Ray Train asks of each worker under a `ScalingConfig`, its defaults filled in (a GPU with
+    `use_gpu`, else a CPU; zero amounts left out)."""
+    bundle = getattr(scaling, "_resources_per_worker_not_none", None)
+    return dict(bundle) if isinstance(bundle, dict) else None
+
+
+def no_prestarted_workers() -> dict[str, Any]:
+    """`ray.init` options that stop a new local Ray from starting idle worker processes ahead of the first driver
+    (its private `_system_config`)."""
+    return {"_system_config": {"prestart_worker_first_driver": False}}

@@ -15,23 +15,21 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from rayft.config import Config, ConfigError
-from rayft.model.lora import adapter_file_keys
-from rayft.model.weights import (
-    SAFETENSORS_DTYPES,
-    CheckpointKeyError,
-    CheckpointShapeError,
-    SafetensorsCheckpoint,
-    plan_reads,
-)
 
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 REDOWNLOAD = "download or copy it again"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def safetensors_header(path: Path, what: str) -> dict[str, Any]:
@@ -135,6 +133,8 @@ def check_weights_match(model: nn.Module, directory: Path) -> None:
     """The sharded loader's own read plan, made here on the meta model `config.json` builds: every base tensor is
     in the checkpoint (a tied head is its embedding) with the model's shape, a usable dtype and FP8 scale — what
     would fail on the workers after the cluster started fails now."""
+    from rayft.model.weights import CheckpointKeyError, CheckpointShapeError, SafetensorsCheckpoint, plan_reads
+
     checkpoint = SafetensorsCheckpoint(directory)
     try:
         plan_reads(model, checkpoint)
@@ -192,6 +192,7 @@ def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
     has the place and shape the base model, wrapped with the adapter's own config, gives it. Returns that wrapped
     model (on the meta device)."""
     from rayft.model.build import weightless_lora_model
+    from rayft.model.lora import adapter_file_keys
 
     adapter = Path(adapter)
     missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter / name).is_file()]

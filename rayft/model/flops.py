@@ -24,7 +24,7 @@ from torch import nn
 
 from rayft.gpus import GPUS
 from rayft.model.families import block_of, moe_blocks, num_routed_experts
-from rayft.model.fp8 import EXPERT_WEIGHTS
+from rayft.model.fp8_format import EXPERT_WEIGHTS
 
 # Dense bf16 peak per GPU and memory bandwidth, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {name.upper(): gpu.bf16_tflops * 1e12 for name, gpu in GPUS.items()}

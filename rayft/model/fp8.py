@@ -43,21 +43,14 @@ from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET, EXPERT_WEIGHTS, storage_block
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 STORAGE = torch.uint8  # E4M3 bit patterns; see the module docstring for why not torch.float8_e4m3fn
 SCALE_STORAGE = torch.int32  # fp32 bit patterns of the row scales, never cast by FSDP's mixed precision
 FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
-EXPERT_DEQUANT_BUDGET = 2**28  # elements of routed-expert weights dequantised at once (512 MiB in bf16)
 GROUPED_MM_ALIGNMENT = 16  # bytes: grouped_mm needs every operand's strides a multiple of this
-
-
-def storage_block(columns: int, block: int | None) -> int | None:
-    """The column block width FP8 storage of a `columns`-wide weight keeps: None (one scale per row) when there is
-    no block or it spans the row."""
-    return block if block and math.ceil(columns / block) > 1 else None
 
 
 def quantize_rows(weight: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

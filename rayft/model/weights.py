@@ -28,7 +28,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rayft.model.files import SAFETENSORS_DTYPES
 from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows, rows_scale, scales
+from rayft.model.fp8_format import weight_block
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -43,13 +45,6 @@ class CheckpointKeyError(RuntimeError):
 class CheckpointShapeError(CheckpointKeyError):
     """A checkpoint tensor's shape or dtype does not fit the model's parameter (a transposed or resized tensor, a
     config that does not match the weights): copying its bytes anyway would give a silently wrong model."""
-
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,18 +117,6 @@ class SafetensorsCheckpoint:
         for f in self._files.values():
             f.close()
         self._files.clear()
-
-
-def weight_block(directory: Path) -> tuple[int, int] | None:
-    """(rows, columns) of each block of a block-wise FP8 checkpoint's scales: `quantization_config.weight_block_size`
-    in its config.json (top level, or its text model's for a VLM wrapper); None for static scales or no config."""
-    try:
-        config = json.loads((Path(directory) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
-    block = quant.get("weight_block_size")
-    return (int(block[0]), int(block[1])) if block else None
 
 
 def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:

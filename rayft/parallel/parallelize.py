@@ -24,8 +24,9 @@ from transformers import PreTrainedModel
 from rayft.config import Config, FsdpConfig
 from rayft.model.build import check_fp8_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
 from rayft.model.fp8 import adopt_lora_, to_fp8_
+from rayft.model.fp8_format import weight_block
 from rayft.model.lora import apply_lora
-from rayft.model.weights import buffers_kept, load_sharded_, weight_block
+from rayft.model.weights import buffers_kept, load_sharded_
 from rayft.parallel import topology
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_

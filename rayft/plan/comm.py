@@ -110,9 +110,6 @@ class CommPlan:
             if kind is None or t.kind == kind
         )
 
-    def per_micro_batch(self) -> float:
-        return sum(t.received for t in self.transfers if t.per == MICRO_BATCH)
-
 
 def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     """FSDP over all workers; HSDP (shard within a node, replicate across) on several multi-GPU nodes, or full

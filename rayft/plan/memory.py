@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from rayft.config import Config
 from rayft.gpus import GPUS
-from rayft.model.fp8 import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET
+from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET
 from rayft.model.loss import chunk_rows
 from rayft.plan.structure import Structure
 

@@ -10,8 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from rayft.config import Config
-from rayft.model.fp8 import EXPERT_WEIGHTS, storage_block
-from rayft.model.weights import weight_block
+from rayft.model.fp8_format import EXPERT_WEIGHTS, storage_block, weight_block
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,6 @@
 """Training-state checkpoints (sharded DCP, written by every rank), the gathered PEFT adapter, and the manager
-that stages, reports, resumes and tidies them.
-
-A checkpoint directory holds:
-  state/                 torch.distributed.checkpoint shards, written by every rank in parallel: LoRA params and
-                         optimizer tensors, plus each rank's JSON document (a uint8 tensor: rayft/train/safe_dcp.py)
-                         with progress (step, epoch, batches of the epoch consumed), scheduler, optimizer
-                         hyperparameters and its RNG states, so a resumed run continues exactly where this one stood
-  adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered on rank 0
-  trainer_state.json     step, epoch, the metrics reported with it and the id of the run that wrote it
-The frozen base model is never written.
+that stages, reports, resumes and tidies them. What a checkpoint directory holds, and what can be read from it
+without a model, is `rayft.train.checkpoint_dir`.
 """
 
 from __future__ import annotations
@@ -18,7 +10,7 @@ import logging
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,34 +29,28 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from rayft.model.files import ADAPTER_WEIGHTS
 from rayft.model.lora import adapter_file_keys
 from rayft.parallel.expert import ExpertParallel, is_expert_lora
 from rayft.train import safe_dcp
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
+from rayft.train.checkpoint_dir import (
+    ADAPTER_DIR,
+    DOCUMENT,
+    STATE_DIR,
+    TRAINER_STATE,
+    Progress,
+    read_document,
+    remove_unregistered,
+    reported_metrics,
+)
 from rayft.train.rundir import RunDir, checkpoint_dir_name
 from rayft.train.runtime import Runtime
-from rayft.train.safe_dcp import CheckpointFormatError
 from rayft.train.spool import checkpoint_spool
 
 log = logging.getLogger("rayft")
 
-STATE_DIR = "state"
-ADAPTER_DIR = "adapter"
-TRAINER_STATE = "trainer_state.json"
-DOCUMENT = "rayft_doc"  # the per-rank JSON document's key in DCP; checkpoints without it are of an older format
-
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
-
-
-@dataclass
-class Progress:
-    """Where training stands; the data position is in micro-batches of the current epoch, per rank."""
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    # Ranks that wrote the checkpoint: a resume on another world size maps the data position and RNGs.
-    world_size: int = 1
 
 
 def save_checkpoint(
@@ -119,40 +105,6 @@ def load_checkpoint(
     if "rng" in state:
         _set_rng_state(state["rng"][f"rank{rank}"])
     return progress
-
-
-def read_document(directory: Path, rank: int = 0) -> tuple[dict[str, Any], Progress]:
-    """This rank's JSON document (rank 0's where the writer had fewer ranks) and the progress in it; a clear
-    CheckpointFormatError for a checkpoint of an older rayft."""
-    metadata = check_format(directory)
-    key = f"rank{rank}"
-    if safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}") is None:
-        key = "rank0"
-    buffer = torch.empty(safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}"), dtype=torch.uint8)
-    safe_dcp.load_tensors({DOCUMENT: {key: buffer}}, directory / STATE_DIR)
-    document = safe_dcp.from_tensor(buffer)
-    saved = document.get("progress", {})
-    if set(saved) != {f.name for f in fields(Progress)}:
-        raise CheckpointFormatError(f"{directory}: progress {sorted(saved)} is not rayft's; {_OLDER_FIX}")
-    return document, Progress(**saved)
-
-
-_OLDER_FIX = (
-    "this rayft resumes only checkpoints whose state it can read without unpickling: continue that run with the "
-    "rayft version that wrote it, or start without train.resume_from_checkpoint"
-)
-
-
-def check_format(directory: Path):
-    """The checkpoint's DCP metadata (read without executing anything); CheckpointFormatError, one line naming
-    the directory and the fix, for what is not a rayft checkpoint of this format."""
-    state = Path(directory) / STATE_DIR
-    if not (state / ".metadata").is_file():
-        raise CheckpointFormatError(f"{directory}: no {STATE_DIR}/.metadata, not a complete rayft checkpoint")
-    metadata = safe_dcp.read_metadata(state)
-    if safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.rank0") is None:
-        raise CheckpointFormatError(f"{directory}: a checkpoint of an older rayft format; {_OLDER_FIX}")
-    return metadata
 
 
 def expert_layout(model) -> ExpertParallel | None:
@@ -220,9 +172,6 @@ def publish_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTraine
     if dist.get_rank() == 0:
         replace_dir(staged, directory)
     dist.barrier()
-
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
@@ -306,9 +255,13 @@ class CheckpointManager:
         local = self.spool / name
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
-        save_checkpoint(local, state.model, state.optimizer, state.scheduler, state.progress, metrics, self.run_id)
-        written = time.perf_counter() - started
-        self.runtime.report(metrics, local, name, self.upload)
+        try:
+            save_checkpoint(local, state.model, state.optimizer, state.scheduler, state.progress, metrics, self.run_id)
+            written = time.perf_counter() - started
+            self.runtime.report(metrics, local, name, self.upload)
+        except BaseException:  # never handed over: nothing will upload or delete these shards
+            shutil.rmtree(local, ignore_errors=True)
+            raise
         stalled = time.perf_counter() - started
         log.info("%s: training paused %.2f s (state written in %.2f s, %s upload)", name, stalled, written, self.upload)
         self.stall_s += stalled
@@ -321,15 +274,6 @@ class CheckpointManager:
                 empty.rmdir()
             except OSError:
                 return
-
-
-def reported_metrics(directory: Path) -> dict[str, Any] | None:
-    """The metrics a checkpoint was reported with (its trainer_state.json); None when it has none."""
-    try:
-        metrics = json.loads((directory / TRAINER_STATE).read_text()).get("metrics")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return metrics if isinstance(metrics, dict) else None
 
 
 def remap_position(progress: Progress, plan, accum: int) -> Progress:
@@ -347,48 +291,3 @@ def remap_position(progress: Progress, plan, accum: int) -> Progress:
         progress.epoch += 1
         progress.batches_in_epoch = 0
     return progress
-
-
-def remove_unregistered(run: RunDir, run_id: str | None, resumed_step: int) -> list[str]:
-    """Delete the checkpoint dirs newer than the registered one being resumed from that this run wrote; keep
-    (and name) those that cannot be proven to be this run's."""
-    if run_id is None:
-        return []
-    removed = []
-    for step, name in sorted(run.checkpoints().items()):
-        if step <= resumed_step:
-            continue
-        if checkpoint_run_id(run, name) == run_id:
-            run.delete_dir(name)
-            removed.append(name)
-        else:
-            log.warning("kept %s/%s: not registered, but not provably written by this run (delete it by hand if it "
-                        "is not needed)", run.uri, name)  # fmt: skip
-    return removed
-
-
-def checkpoint_run_id(run: RunDir, name: str) -> str | None:
-    """The run id a checkpoint dir's trainer_state.json records; None when absent or unreadable."""
-    try:
-        return json.loads(run.read_file(f"{name}/{TRAINER_STATE}")).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def missing_state_files(directory: Path) -> list[str]:
-    """What a checkpoint's DCP state lacks: each file its `.metadata` references, missing or shorter than the
-    byte ranges recorded for it ("name (missing)" / "name (N of M bytes)"). Empty when complete. Raises ValueError
-    when `.metadata` itself cannot be read."""
-    state = Path(directory) / STATE_DIR
-    metadata = safe_dcp.read_metadata(state)  # never unpickles anything but DCP's own metadata classes
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        path = state / name
-        if not path.is_file():
-            problems.append(f"{name} (missing)")
-        elif path.stat().st_size < size:
-            problems.append(f"{name} ({path.stat().st_size:,} of {size:,} bytes)")
-    return problems

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rayft.config import Config
 from rayft.startup import Profile
-from rayft.train.schedule import Plan
+from rayft.train.steps import StepPlan
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Job:
     """A training run as the driver fixed it before the workers start."""
 
     config: Config  # checked, with absolute paths (workers do not share the driver's working directory)
-    plan: Plan  # step arithmetic every worker agrees on
+    plan: StepPlan  # step arithmetic every worker agrees on
     run_uri: str  # the run directory on storage (Ray's own run directory)
     run_id: str | None = None  # the Ray run being continued, when the same job runs again
     resume_from: str | None = None  # a checkpoint to start from (`train.resume_from_checkpoint`), else None

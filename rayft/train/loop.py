@@ -28,13 +28,15 @@ from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
 from rayft.train import dpo, reference, sinks
 from rayft.train import metrics as measured
-from rayft.train.checkpoint import CheckpointManager, Progress, TrainState, load_adapter_weights, publish_adapter
+from rayft.train.checkpoint import CheckpointManager, TrainState, load_adapter_weights, publish_adapter
+from rayft.train.checkpoint_dir import Progress
 from rayft.train.job import EvalJob, Job
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
 from rayft.train.rundir import EVAL_RESULT, RunDir
 from rayft.train.runtime import RayRuntime, Runtime
-from rayft.train.schedule import Plan, build_optimizer, build_scheduler
+from rayft.train.schedule import build_optimizer, build_scheduler
 from rayft.train.step import NEXT_TOKEN, DataWait, StepLoss, evaluate, step_groups, train_step
+from rayft.train.steps import StepPlan
 
 log = logging.getLogger("rayft")
 
@@ -46,10 +48,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def run(job: Job, runtime: Runtime, entered: float | None = None) -> Trainer:
-    """A worker's run, the story in three lines, whoever launched it (Ray Train, or gloo ranks in the tests)."""
-    trainer = Trainer(job, runtime, entered if entered is not None else time.time())
-    trainer.train()
-    trainer.close()
+    """A worker's run, the story in three lines, whoever launched it (Ray Train, or gloo ranks in the tests). The
+    trackers and the checkpoint spool are closed however it ends; a failed run is marked failed in the trackers."""
+    with Trainer(job, runtime, entered if entered is not None else time.time()) as trainer:
+        trainer.train()
+        trainer.finish()
     return trainer
 
 
@@ -85,7 +88,11 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 class Trainer:
     """A worker's run: the sharded model and its optimizer, the data shards, checkpoints, metrics and when each is
-    due, held together from set-up (`__init__`) through the steps (`train`) to the final adapter (`close`)."""
+    due, held together from set-up (`__init__`) through the steps (`train`) to the final adapter (`finish`). A
+    context manager: leaving it closes what the run holds open (`close`), on every path."""
+
+    progress_log: ProgressLog | None
+    checkpoints: CheckpointManager
 
     def __init__(self, job: Job, runtime: Runtime, entered: float):
         self.job, self.cfg, self.plan = job, job.config, job.plan
@@ -99,19 +106,29 @@ class Trainer:
         self.state, self.autocast, self.window, self.tokenizer = self._build()
         run = RunDir(self.cfg.run_uri)
         ray_cfg, accum = self.cfg.ray, self.cfg.train.gradient_accumulation_steps
+        self.progress_log = None
         self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime)
-        with self.profile.stage("resume"):
-            resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
-        self.progress_log = (
-            _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params, runtime,
-                          self.checkpoints.resumed_metrics) if self.rank == 0 else None
-        )  # fmt: skip
-        self.objective = Objective(self.cfg, self.state.model, self.device)
-        self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
-        self.cadence = Cadence(self.cfg.train, self.plan)
-        self.waited = DataWait()
-        self.kept_layers = [] if self.cfg.fsdp.reshards() else decoder_layers(self.state.model)
-        self.train_collate = self._train_collate(run)
+        try:  # from here on the run holds files open: a set-up that fails closes them
+            with self.profile.stage("resume"):
+                resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
+            if self.rank == 0:
+                self.progress_log = _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params, runtime,
+                                                  self.checkpoints.resumed_metrics)  # fmt: skip
+            self.objective = Objective(self.cfg, self.state.model, self.device)
+            self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
+            self.cadence = Cadence(self.cfg.train, self.plan)
+            self.waited = DataWait()
+            self.kept_layers = [] if self.cfg.fsdp.reshards() else decoder_layers(self.state.model)
+            self.train_collate = self._train_collate(run)
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.close(failed=kind is not None)
 
     def _build(self) -> tuple[TrainState, Any, LossWindow, Any]:
         """The model, optimizer and window (`_build_state`), the tokenizer loading beside them."""
@@ -189,8 +206,9 @@ class Trainer:
             metrics[best] = self.evaluate()[best]
         self.checkpoints.save(self.state, metrics)
 
-    def close(self) -> None:
-        """A last checkpoint where the last step had none, then the final adapter (with the tokenizer)."""
+    def finish(self) -> None:
+        """A last checkpoint where the last step had none, then the final adapter (with the tokenizer). Collective:
+        every rank calls it after the last step."""
         step = self.state.progress.step
         if self.cfg.train.save_strategy != "no" and self.checkpoints.last_saved != step:
             final_metrics: dict[str, Any] = {"step": step}
@@ -199,10 +217,17 @@ class Trainer:
             self._save(final_metrics)
         final_dir = Path(self.cfg.train.output_dir) / "final"
         publish_adapter(self.state.model, final_dir, self.tokenizer)
-        self.checkpoints.close()
         if self.progress_log is not None:
             log.info("final adapter written to %s", final_dir)
-            self.progress_log.close()
+
+    def close(self, failed: bool = False) -> None:
+        """What the run holds open, closed on every path and by this rank alone (no collective: after a failure the
+        other ranks may be gone): the trackers' runs (marked failed when `failed`) and the checkpoint spool."""
+        try:
+            if self.progress_log is not None:
+                self.progress_log.close(failed)
+        finally:
+            self.checkpoints.close()
 
 
 def _worker_profile(job: Job, entered: float) -> Profile:
@@ -226,7 +251,7 @@ def _first_step_done(profile: Profile, stepped: float, waited, progress_log) -> 
     return None
 
 
-def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainState, Any, LossWindow]:
+def _build_state(cfg: Config, plan: StepPlan, device: torch.device) -> tuple[TrainState, Any, LossWindow]:
     """The sharded LoRA model, its optimizer and schedule at step 0, the autocast context for CPU bf16, and the
     logging window that measures it (FLOPs per token, the device's peak)."""
     on_gpu = device.type == "cuda"
@@ -247,7 +272,7 @@ def _build_state(cfg: Config, plan: Plan, device: torch.device) -> tuple[TrainSt
 
 
 def _progress_log(
-    cfg: Config, plan: Plan, state: TrainState, run: RunDir, resumed: bool, params, runtime: Runtime,
+    cfg: Config, plan: StepPlan, state: TrainState, run: RunDir, resumed: bool, params, runtime: Runtime,
     resumed_row: dict[str, Any] | None,
 ) -> ProgressLog:  # fmt: skip
     """Rank 0's logger, gauges and trackers."""
@@ -292,7 +317,7 @@ class Cadence:
     """When to log, evaluate and save (the `*_strategy` / `*_steps` settings), judged after each step."""
 
     train: TrainConfig
-    plan: Plan
+    plan: StepPlan
     last_evaluated: int = -1
 
     def log(self, progress: Progress) -> bool:
@@ -315,7 +340,7 @@ class Cadence:
         return False
 
 
-def _epoch_position(progress: Progress, plan: Plan) -> float:
+def _epoch_position(progress: Progress, plan: StepPlan) -> float:
     return round(progress.epoch + progress.batches_in_epoch / plan.micro_batches_per_epoch, 4)
 
 

@@ -268,9 +268,9 @@ class ProgressLog:
         if self.trackers is not None:
             self.trackers.log(row, metrics["step"])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.trackers is not None:
-            self.trackers.close()
+            self.trackers.close(failed)
 
 
 _LINE_FIELDS = (

@@ -1,55 +1,13 @@
-"""How many steps a run takes, and the optimizer and LR schedule that walk them."""
+"""The optimizer and the LR schedule that walk a run's steps (`rayft.train.steps`)."""
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import get_scheduler
 
-from rayft.config import Config, ConfigError, TrainConfig
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Step arithmetic fixed on the driver, so every worker agrees on it (and on when to report)."""
-
-    world_size: int
-    train_rows: int
-    validation_rows: int
-    micro_batches_per_epoch: int
-    steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
-
-    @property
-    def has_validation(self) -> bool:
-        return self.validation_rows >= self.world_size
-
-
-def make_plan(cfg: Config, train_rows: int, validation_rows: int, world_size: int) -> Plan:
-    t = cfg.train
-    rows_per_worker = train_rows // world_size  # streaming_split(equal=True) drops the remainder
-    if rows_per_worker == 0:
-        raise ConfigError(
-            f"data: {train_rows} training records cannot feed ray.num_workers={world_size} workers; "
-            "use more data or fewer workers"
-        )
-    micro = math.ceil(rows_per_worker / t.per_device_train_batch_size)
-    steps_per_epoch = math.ceil(micro / t.gradient_accumulation_steps)
-    total = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.num_train_epochs
-    warmup = t.warmup_steps if t.warmup_steps > 0 else math.ceil(t.warmup_ratio * total)
-    return Plan(
-        world_size=world_size,
-        train_rows=train_rows,
-        validation_rows=validation_rows,
-        micro_batches_per_epoch=micro,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total,
-        warmup_steps=min(warmup, total),
-    )
+from rayft.config import TrainConfig
+from rayft.train.steps import StepPlan
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, on_gpu: bool) -> torch.optim.Optimizer:
@@ -72,7 +30,7 @@ def build_optimizer(model: nn.Module, train: TrainConfig, on_gpu: bool) -> torch
     return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, plan: Plan):
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, plan: StepPlan):
     return get_scheduler(
         train.lr_scheduler_type,
         optimizer,

@@ -106,15 +106,17 @@ class Trackers:
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """End each tracker's run; `failed` marks it failed there (MLflow's FAILED status, a non-zero exit code in
+        W&B) rather than leaving it "running" or calling it finished."""
         for writer in self.writers:
             writer.close()
         if self.mlflow is not None:
-            self.mlflow.end_run()
+            self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
         if self.wandb is not None:
             import wandb
 
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)
             # The run file is complete only once wandb's service process has closed it, which `finish` does not
             # wait for: `teardown` does. Its exit hook would too, but a Ray worker need not run exit hooks.
             wandb.teardown()

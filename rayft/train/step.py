@@ -16,9 +16,9 @@ import torch.distributed as dist
 from rayft.config import Config
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
-from rayft.train.checkpoint import Progress
+from rayft.train.checkpoint_dir import Progress
 from rayft.train.metrics import LossWindow, attended_keys
-from rayft.train.schedule import Plan
+from rayft.train.steps import StepPlan
 from rayft.train.transfer import to_device
 
 log = logging.getLogger("rayft")
@@ -141,7 +141,7 @@ def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:
 
 
 def step_groups(
-    shard, cfg: Config, plan: Plan, progress: Progress, collate, waited: DataWait, device: torch.device
+    shard, cfg: Config, plan: StepPlan, progress: Progress, collate, waited: DataWait, device: torch.device
 ) -> Iterator[tuple[list[Batch], int]]:
     """The micro-batches of each optimizer step (on the device) with the index in the epoch of its last one,
     from the progress's data position on, epoch after epoch until the plan's steps are done. The caller moves
@@ -159,7 +159,7 @@ def step_groups(
         progress.batches_in_epoch = 0
 
 
-def epoch_batches(shard, cfg: Config, plan: Plan, epoch: int, skip: int, collate) -> Iterator[Any]:
+def epoch_batches(shard, cfg: Config, plan: StepPlan, epoch: int, skip: int, collate) -> Iterator[Any]:
     """One epoch of this rank's micro-batches, reshuffled per epoch (seeded, so a rerun sees the same order).
 
     A resumed epoch replays the same stream and skips what was already trained on. Every rank gets the same

@@ -156,7 +156,7 @@ def test_the_plan_counts_the_block_scales_fp8_storage_keeps(block_checkpoints):
     """The planner's scale count (from the unswapped meta model) against the swapped model's scale parameters."""
     from rayft.model.build import decoder_layers, empty_model
     from rayft.model.fp8 import to_fp8_
-    from rayft.model.weights import weight_block
+    from rayft.model.fp8_format import weight_block
     from rayft.plan import meta_structure
 
     model_dir = block_checkpoints["16x16"]

@@ -33,7 +33,8 @@ def _setup(rank: int, world: int, port: int, raw: dict):
 
     from rayft.config import Config
     from rayft.parallel.parallelize import build_model
-    from rayft.train.schedule import Plan, build_optimizer, build_scheduler
+    from rayft.train.schedule import build_optimizer, build_scheduler
+    from rayft.train.steps import StepPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -41,7 +42,7 @@ def _setup(rank: int, world: int, port: int, raw: dict):
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, on_gpu=False)
     optimizer = build_optimizer(model, cfg.train, on_gpu=False)
-    scheduler = build_scheduler(optimizer, cfg.train, Plan(**{**PLAN, "world_size": world}))
+    scheduler = build_scheduler(optimizer, cfg.train, StepPlan(**{**PLAN, "world_size": world}))
     return model, optimizer, scheduler
 
 
@@ -58,7 +59,8 @@ def _full_state(model, optimizer) -> dict:
 def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from rayft.train.checkpoint import Progress, save_checkpoint
+    from rayft.train.checkpoint import save_checkpoint
+    from rayft.train.checkpoint_dir import Progress
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
@@ -85,7 +87,8 @@ def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> No
 def _load(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from rayft.train.checkpoint import Progress, load_checkpoint
+    from rayft.train.checkpoint import load_checkpoint
+    from rayft.train.checkpoint_dir import Progress
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
@@ -183,7 +186,7 @@ def test_checkpoints_without_rays_registry_are_never_deleted_the_run_refuses(tmp
 
 
 def test_housekeeping_deletes_only_this_runs_checkpoints_newer_than_the_registered_one(tmp_path):
-    from rayft.train.checkpoint import remove_unregistered
+    from rayft.train.checkpoint_dir import remove_unregistered
     from rayft.train.rundir import RunDir
 
     run_path = _run_dir_with(

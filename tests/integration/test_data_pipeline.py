@@ -29,7 +29,7 @@ from rayft.data.pipeline import (
 from rayft.data.records import decode_line, record_format
 from rayft.data.sources import resolve_splits
 from rayft.data.tokenizer import tokenizer_facts
-from rayft.train.schedule import make_plan
+from rayft.train.steps import plan_steps
 
 pytestmark = pytest.mark.ray
 BLOCK = 30  # tokens per packed block: 467 blocks from the fixture, a count that neither 2 nor 3 divides
@@ -165,10 +165,10 @@ def _count_batches(config: dict) -> None:
 
     from rayft.config import Config
     from rayft.data.pipeline import collate_fn
-    from rayft.train.schedule import Plan
     from rayft.train.step import epoch_batches
+    from rayft.train.steps import StepPlan
 
-    cfg, plan = Config.from_dict(config["config"]), Plan(**config["plan"])
+    cfg, plan = Config.from_dict(config["config"]), StepPlan(**config["plan"])
     rank = ray.train.get_context().get_world_rank()
     shard = ray.train.get_dataset_shard("train")
     collate = collate_fn(cfg.data, pad_id=11)
@@ -191,7 +191,7 @@ def test_uneven_data_gives_every_rank_the_planned_batches(packed, workers: int, 
 
     cfg, ds = packed
     assert ds.train_rows % workers, "the fixture must not divide evenly"
-    plan = make_plan(cfg, ds.train_rows, ds.validation_rows, workers)
+    plan = plan_steps(cfg, ds.train_rows, ds.validation_rows, workers)
     out = tmp_path / "ranks"
     out.mkdir()
     TorchTrainer(

@@ -78,7 +78,8 @@ def _record_routing(model, calls: list) -> None:
 def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | None, save: str | None) -> None:
     from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
-    from rayft.train.checkpoint import Progress, load_checkpoint, save_adapter, save_checkpoint
+    from rayft.train.checkpoint import load_checkpoint, save_adapter, save_checkpoint
+    from rayft.train.checkpoint_dir import Progress
     from rayft.train.step import clip_gradients_, step_targets
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

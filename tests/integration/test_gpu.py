@@ -249,15 +249,17 @@ def test_checkpoint_save_and_exact_resume_on_the_device(fixtures: Fixtures, tmp_
     """Save after 2 steps, train 2 more; a fresh model (other seed) that loads the checkpoint trains those 2 steps
     to the same losses and adapter: LoRA params, AdamW state, scheduler and the device's RNG (dropout) restored."""
     from rayft.parallel.parallelize import build_model
-    from rayft.train.checkpoint import Progress, load_checkpoint, save_checkpoint
-    from rayft.train.schedule import build_optimizer, build_scheduler, make_plan
+    from rayft.train.checkpoint import load_checkpoint, save_checkpoint
+    from rayft.train.checkpoint_dir import Progress
+    from rayft.train.schedule import build_optimizer, build_scheduler
+    from rayft.train.steps import plan_steps
 
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
     raw["lora"]["lora_dropout"] = 0.1  # draws from the device's generator every step
     raw["model"]["attn_implementation"] = "eager"  # deterministic kernels: the comparison can be exact
     raw["train"].update(max_steps=4, learning_rate=1e-2)
     cfg = Config.from_dict(raw)
-    plan = make_plan(cfg, train_rows=64, validation_rows=0, world_size=1)
+    plan = plan_steps(cfg, train_rows=64, validation_rows=0, world_size=1)
     batches = [_batch(device_group, seed=s) for s in range(4)]
 
     def trainer(seed: int):

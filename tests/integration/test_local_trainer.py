@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,18 @@ from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import make_tiny_moe
 from fixtures.preference import write_preference_data
 from fixtures.preflight import assert_refused
+from fixtures.trackers import wandb_records
 from safetensors.torch import load_file
 from test_chat_job import TRAIN, assert_adapter_saved, chat_config
 from test_dpo_job import dpo_config
 from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
 
+from rayft.train.spool import SPOOL_ROOT
+
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
 TOLERANCE = 1e-6  # exact resume: the same sums in the same order
 TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
+OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +61,21 @@ def uninterrupted(fixtures: Fixtures, tmp_path_factory) -> LocalRun:
 def test_a_run_stopped_after_a_checkpoint_continues_to_the_uninterrupted_result(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
 ):
-    cfg = checkpointing_config(fixtures, tmp_path)
-    stopped = train_locally(cfg, 2, crash_saving=3)
+    cfg = checkpointing_config(fixtures, tmp_path, train__report_to=["wandb"])
+    stopped = train_locally(cfg, 2, crash_saving=3, env=OFFLINE_WANDB)
     assert [r["step"] for r in stopped.metrics()] == [1, 2] and not (stopped.out / "final").exists()
     assert not stopped.checkpoint(3).exists()
-    resumed = train_locally(cfg, 2, resume=stopped.checkpoint(2))
+    # The failure closed what the run held open: its W&B run ended, marked failed; the spool is gone, step 3's
+    # half-saved shards with it.
+    (wandb_file,) = (stopped.out / "wandb").glob("offline-run-*/run-*.wandb")
+    last = wandb_records(wandb_file)[-1]
+    assert last.WhichOneof("record_type") == "exit" and last.exit.exit_code == 1, last
+    run_id = json.loads((stopped.run_dir / "rayft_run.json").read_text())["run_id"]
+    assert not list((Path(tempfile.gettempdir()) / SPOOL_ROOT).glob(f"*-{run_id}"))
+    resumed = train_locally(cfg, 2, resume=stopped.checkpoint(2), env=OFFLINE_WANDB)
     assert [r["step"] for r in resumed.metrics()] == list(range(1, STEPS + 1))
+    (finished,) = set((resumed.out / "wandb").glob("offline-run-*/run-*.wandb")) - {wandb_file}
+    assert wandb_records(finished)[-1].exit.exit_code == 0  # the run that finished is not marked failed
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 

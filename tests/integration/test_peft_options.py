@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from rayft.config import Config, ConfigError, LoraConfig, ModelConfig
 from rayft.model.build import empty_model
+from rayft.model.files import ADAPTER_WEIGHTS
 from rayft.model.lora import resolve_targets
 from rayft.parallel.parallelize import build_model
-from rayft.train.checkpoint import ADAPTER_WEIGHTS, save_adapter
+from rayft.train.checkpoint import save_adapter
 
 OPTIONS = {
     "all-linear": {"target_modules": ["all-linear"]},
@@ -163,7 +164,8 @@ COMBINED = {"target_modules": ["all-linear"], "use_dora": True, "use_rslora": Tr
 def _train_and_save_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     from test_checkpoint import _full_state, _setup
 
-    from rayft.train.checkpoint import Progress, save_checkpoint
+    from rayft.train.checkpoint import save_checkpoint
+    from rayft.train.checkpoint_dir import Progress
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:
@@ -187,7 +189,8 @@ def _train_and_save_rank(rank: int, world: int, port: int, raw: dict, out: str) 
 def _resume_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     from test_checkpoint import _full_state, _setup
 
-    from rayft.train.checkpoint import ADAPTER_DIR, load_adapter_weights, load_checkpoint
+    from rayft.train.checkpoint import load_adapter_weights, load_checkpoint
+    from rayft.train.checkpoint_dir import ADAPTER_DIR
 
     model, optimizer, scheduler = _setup(rank, world, port, raw)
     try:

@@ -16,7 +16,7 @@ from rayft.data.pipeline import IGNORE_INDEX, PackedCollate, PadCollate, Tokeniz
 from rayft.data.records import RecordFormat, decode_line, join_wikitext_articles, record_format
 from rayft.data.sources import resolve_splits
 from rayft.data.tokenizer import tokenizer_facts
-from rayft.train.schedule import make_plan
+from rayft.train.steps import plan_steps
 
 # A Mistral-style chat template (the tiny model's tekken tokenizer has [INST]/[/INST] but no template).
 CHAT_TEMPLATE = (
@@ -274,12 +274,12 @@ def test_collate_pads_right_and_masks_padding_out_of_the_loss():
 def test_plan_counts_equal_shards_and_partial_accumulation():
     cfg = Config.from_dict({"train": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
                                       "num_train_epochs": 2, "warmup_ratio": 0.1}})  # fmt: skip
-    plan = make_plan(cfg, train_rows=331, validation_rows=42, world_size=2)
+    plan = plan_steps(cfg, train_rows=331, validation_rows=42, world_size=2)
     # 165 rows per worker → 42 micro-batches → 21 optimizer steps per epoch
     assert (plan.micro_batches_per_epoch, plan.steps_per_epoch, plan.total_steps) == (42, 21, 42)
     assert plan.warmup_steps == 5 and plan.has_validation
     with pytest.raises(ConfigError, match=r"cannot feed ray\.num_workers=4"):
-        make_plan(cfg, train_rows=3, validation_rows=0, world_size=4)
+        plan_steps(cfg, train_rows=3, validation_rows=0, world_size=4)
 
 
 def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):

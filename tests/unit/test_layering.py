@@ -4,6 +4,8 @@ run from the model side alone, so nothing under `rayft/plan` may import the trai
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import rayft
@@ -40,3 +42,27 @@ def test_no_function_in_the_package_is_longer_than_a_screen():
                 if lines > 60 or (node.name == "train_loop_per_worker" and lines > 40):
                     long[f"{path.relative_to(PACKAGE)}:{node.name}"] = lines
     assert long == {}
+
+
+DRIVER_MODULES = ("rayft.launch", "rayft.preflight", "rayft.cli")
+WORKER_MODULES = ("rayft.train.loop", "rayft.parallel.parallelize", "rayft.parallel.expert", "rayft.parallel.alltoall",
+                  "rayft.model.fp8", "peft")  # fmt: skip
+
+
+def test_the_driver_imports_no_worker_module():
+    """`rayft validate` and the driver load the checks, not the model stack: importing the driver's modules leaves
+    the worker's modules (and PEFT) unimported, in a fresh interpreter. A check imports what it needs when it runs;
+    Ray gets the worker's entry points by name (`rayft.workers`)."""
+    probe = (
+        "import sys\n"
+        f"for name in {DRIVER_MODULES!r}:\n"
+        "    __import__(name)\n"
+        f"print(sorted(m for m in {WORKER_MODULES!r} if m in sys.modules))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          cwd=PACKAGE.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, saw_torch = done.stdout.strip().splitlines()[-2:]
+    assert loaded == "[]", f"the driver's modules import worker modules: {loaded}"
+    assert saw_torch == "True", "the probe imported the driver's modules (which use torch for the checks)"

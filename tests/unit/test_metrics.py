@@ -10,6 +10,7 @@ import pytest
 import torch
 from fixtures.hub_layout import TINY_MISTRAL4
 from fixtures.moe_families import tiny_moe_config
+from fixtures.trackers import wandb_records
 from peft import LoraConfig, get_peft_model
 from transformers import Mistral4Config, MistralConfig, MistralForCausalLM
 
@@ -104,26 +105,6 @@ def test_tensorboard_tracker_writes_event_files(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
-def _wandb_records(path) -> list:
-    """The protobuf records of a `.wandb` run file (a LevelDB-style log of 32 KiB blocks after a 7-byte header):
-    this wandb has no Python reader of its own."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, pos, pending, records = path.read_bytes(), 7, b"", []
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            records.append(wandb_internal_pb2.Record.FromString(pending))
-            pending = b""
-    return records
-
-
 def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
     """`report_to: wandb` with WANDB_MODE=offline: the run's file under output_dir/wandb holds the logged steps."""
     pytest.importorskip("wandb")
@@ -137,7 +118,7 @@ def test_wandb_tracker_writes_an_offline_run(tmp_path, monkeypatch):
     trackers.close()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (log,) = run_dir.glob("run-*.wandb")
-    records = _wandb_records(log)
+    records = wandb_records(log)
     rows = [
         {(i.key or ".".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
         for r in records

@@ -4,7 +4,11 @@ package reaches into Ray's private modules: a Ray upgrade that moves one fails h
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
+
+import ray
+from ray.train import ScalingConfig
 
 from rayft import ray_private
 
@@ -17,6 +21,13 @@ def test_every_private_api_is_where_this_ray_keeps_it():
     assert callable(ray_private.cluster_state().get_cluster_config)
     dispatcher = ray_private.worker_output_dispatcher()
     assert dispatcher is not None and isinstance(dispatcher.handlers, list)
+    # Ray Train's defaults for a worker's resources, as its docs state them: a GPU with use_gpu, else a CPU.
+    assert ray_private.worker_bundle(ScalingConfig(num_workers=2)) == {"CPU": 1}
+    assert ray_private.worker_bundle(ScalingConfig(num_workers=2, use_gpu=True)) == {"GPU": 1}
+    declared = ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"CPU": 8, "memory": 0})
+    assert ray_private.worker_bundle(declared) == {"CPU": 8, "GPU": 1}
+    (option,) = ray_private.no_prestarted_workers()  # a private keyword ray.init takes out of its **kwargs
+    assert f'kwargs.pop("{option}"' in inspect.getsource(ray.init)
 
 
 def private_imports(path: Path) -> list[str]:
