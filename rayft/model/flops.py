@@ -97,16 +97,22 @@ def routed_expert_counts(model: nn.Module, text: Any) -> dict[int, int]:
     blocks = [m for m in moe_blocks(model) if block_of(m) is not None]
     if not blocks:
         return {}
-    ep = getattr(model, "expert_parallel", None)
-    held = num_routed_experts(text) // (ep.k if ep is not None else 1)
     top_k = text.num_experts_per_tok
     counts = {}
     for block in blocks:
+        held = _held_experts(block.experts, num_routed_experts(text))
         for module in block.experts.modules():
             for name, p in module.named_parameters(recurse=False):
                 matrix = p.requires_grad or name in EXPERT_WEIGHTS
                 counts[id(p)] = p.numel() * top_k // held if matrix else 0
     return counts
+
+
+def _held_experts(experts: nn.Module, num_experts: int) -> int:
+    """The experts a block's tensors hold on this worker: all of them, or the rows expert parallelism cut them to
+    (`ep_rows`: first, count, total, set by `rayft.parallel.expert`)."""
+    cut = next((m.ep_rows for m in experts.modules() if hasattr(m, "ep_rows")), None)
+    return cut[1] if cut is not None else num_experts
 
 
 def attention_flops(text: Any, seq_len: int) -> float:

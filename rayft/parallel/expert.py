@@ -2,7 +2,7 @@
 
 A frozen MoE under FSDP alone re-gathers every expert's weights in every forward and backward although each token
 uses top_k of E of them. Here the world is a (dp, ep) device mesh of W/k × k workers built from where Ray placed
-them (`rayft.parallel.topology`): each ep-group is k workers of one node (whole nodes when k exceeds a node's
+them (`rayft.parallel.layout`): each ep-group is k workers of one node (whole nodes when k exceeds a node's
 workers), so the all-to-all stays on the node's links:
 - the routed experts (frozen base, FP8 or not, and their LoRA) are split over `ep`: worker i of a group holds
   experts [i·E/k, (i+1)·E/k) whole and never gathers them; the W/k groups along `dp` hold the same experts;
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,9 +40,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from rayft.config import ConfigError
 from rayft.model.families import MOE_BLOCKS, MoeBlock, block_of, moe_blocks, num_routed_experts, unsupported_moe
 from rayft.model.fp8 import expert_counts
-from rayft.parallel import topology
 from rayft.parallel.alltoall import exchange, exchange_counts
 from rayft.parallel.tally import TALLY
+
+if TYPE_CHECKING:
+    from rayft.parallel.layout import ParallelDims
 
 SUPPORTED_MOE = tuple(MOE_BLOCKS)  # the MoE blocks of `rayft.model.families`: how each is laid out is read there
 
@@ -236,30 +239,22 @@ def check_experts(k: int, num_experts: int, world: int) -> None:
     raise ConfigError(f"parallel.expert_parallel {k} does not divide the model's {what}; valid: {valid}")
 
 
-def expert_parallel(k: int, config, device_type: str) -> ExpertParallel:
-    """The (dp, ep) mesh and this worker's groups; raises ConfigError when k does not fit. Each row of the mesh is
-    an ep-group: k consecutive ranks of the node-ordered topology, so within one node whenever k divides its
-    workers."""
-    world = dist.get_world_size()
+def expert_parallel(dims: ParallelDims, config) -> ExpertParallel:
+    """The (dp, ep) mesh and this worker's groups of the layout `dims`; raises ConfigError when its k does not fit
+    the model. Each ep-group lies within one node whenever k divides its workers (`ParallelDims.expert_mesh`)."""
+    k = dims.experts
     experts = num_routed_experts(config)
     if not experts:
         raise ConfigError(f"parallel.expert_parallel {k}: the model ({config.model_type}) has no routed experts")
-    check_experts(k, experts, world)
-    groups = topology.current().groups(k)
-    mesh = DeviceMesh(device_type, groups, mesh_dim_names=("dp", "ep"))
-    group = _own_groups(groups)  # its own groups: the all-to-all never queues behind FSDP's collectives
-    dp_group = mesh.get_group("dp") if world > k else None
-    return ExpertParallel(k, experts, mesh, group, dp_group)
+    check_experts(k, experts, dims.world)
+    mesh = dims.expert_mesh()
+    dp_group = mesh.get_group("dp") if dims.world > k else None
+    return ExpertParallel(k, experts, mesh, dims.own_expert_group(), dp_group)
 
 
-def _own_groups(rows: torch.Tensor) -> dist.ProcessGroup:
-    """New process groups, one per row of ranks (every worker creates all of them, in order); this worker's."""
-    mine = None
-    for ranks in rows.tolist():
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
+def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
+    """The expert-parallel layout a model's MoE blocks route through (`split_experts_`); None for FSDP only."""
+    return next((m.ep for m in model.modules() if isinstance(m, ExpertParallelMoE)), None)
 
 
 class ExpertParallelMoE(nn.Module):

@@ -14,12 +14,9 @@ from pathlib import Path
 
 import peft
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
 
 from rayft.config import Config, FsdpConfig
 from rayft.model.build import check_fp8_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
@@ -27,22 +24,27 @@ from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.fp8_format import weight_block
 from rayft.model.lora import apply_lora
 from rayft.model.weights import buffers_kept, load_sharded_
-from rayft.parallel import topology
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
+from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.torch_compat import allow_integer_parameters, check_torch
 
 log = logging.getLogger("rayft")
 
 
-def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -> peft.PeftModel:
+def build_model(
+    cfg: Config, on_gpu: bool, device: torch.device | None = None, dims: ParallelDims | None = None
+) -> peft.PeftModel:
     """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
-    `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all)."""
+    `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all).
+    `dims`: the run's layout on its workers, made at set-up; without it, made here from `cfg` (a collective)."""
     check_torch()  # a worker's torch is its node image's, which the driver's validation never saw
     sharded = cfg.model.load_mode == "sharded"
-    topology.current()  # where each rank runs, gathered now: the meshes and the tally's inter-node share read it
+    dims = dims or parallel_dims(cfg, "cuda" if on_gpu else "cpu")
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
-    ep = _expert_parallel(cfg, model, on_gpu)
+    # k > 1: the layout's meshes and groups; k = 1: FSDP over every expert, as without the setting.
+    # `split_experts_` cuts the model to this worker's experts once LoRA is on.
+    ep = expert_parallel(dims, model.config) if dims.experts > 1 else None
     fp8 = frozen_fp8(cfg.model)
     check_fp8_storage(cfg, model, fp8)
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
@@ -59,31 +61,19 @@ def build_model(cfg: Config, on_gpu: bool, device: torch.device | None = None) -
     if fp8:
         adopt_lora_(model)
     if ep is None:
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu")
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims)
     else:
         blocks = split_experts_(model, ep)
         log.info("expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
                  blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, ep.k)  # fmt: skip
-        model.expert_parallel = ep  # checkpoints, the adapter and the gradient step read the layout from here
-        ignored = set(expert_params(model))
         # The rest: HSDP within each node (`rayft.parallel.expert` says why), whatever k is.
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), "cuda" if on_gpu else "cpu",
-                   cfg.ray.workers_per_node, ignored)  # fmt: skip
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims, set(expert_params(model)))
     log.info("layout: %s", layout_line(model, ep))
     if sharded:
         with buffers_kept(model):
             model.to_empty(device=materialization_device(cfg.fsdp, device))
         load_sharded_(model, Path(cfg.model.model_name_or_path))
     return model
-
-
-def _expert_parallel(cfg: Config, model: PreTrainedModel, on_gpu: bool) -> ExpertParallel | None:
-    """`parallel.expert_parallel` k > 1: the layout (mesh, groups); None for k = 1 (FSDP over every expert, as
-    without the setting). `split_experts_` cuts the model to this worker's experts once LoRA is on."""
-    k = cfg.parallel.expert_groups()
-    if k == 1:
-        return None
-    return expert_parallel(k, model.config, "cuda" if on_gpu else "cpu")
 
 
 def layout_line(model: nn.Module, ep: ExpertParallel | None) -> str:
@@ -112,33 +102,20 @@ def mixed_precision(cfg: Config, on_gpu: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.fsdp.reduce_dtype))
 
 
-def fsdp_mesh(fsdp: FsdpConfig, device_type: str, shards: int | None = None) -> DeviceMesh | None:
-    """None (fully_shard's default: shard over every rank), or a (replicate, shard) mesh for `shards` (default
-    `fsdp.shard_size`) whose shard groups are consecutive node-ordered ranks (`rayft.parallel.topology`): with
-    `ray.workers_per_node` of them, each node's workers hold one copy between them (gathers on the node's links)
-    and the copies on different nodes are the replicas (one gradient all-reduce a step over the network)."""
-    world = dist.get_world_size()
-    shards = shards or fsdp.shard_group(world)
-    if shards == world:
-        return None
-    return DeviceMesh(device_type, topology.current().groups(shards), mesh_dim_names=("replicate", "shard"))
-
-
 def apply_fsdp(
     model: nn.Module,
     fsdp: FsdpConfig,
     mp_policy: MixedPrecisionPolicy,
-    device_type: str = "cpu",
-    shards: int | None = None,
+    dims: ParallelDims,
     ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head).
-    `shards`/`ignored`: under expert parallelism, the rest's shard group (a node's workers) and the experts, which
-    FSDP leaves alone."""
+    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head), over the
+    layout's shard groups (`ParallelDims.fsdp_mesh`). `ignored`: under expert parallelism, the experts, which FSDP
+    leaves alone."""
     # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
-    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=dims.device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
     allow_integer_parameters()  # the FP8 base's bytes, on a torch whose FSDP2 cannot hold them yet
-    mesh = fsdp_mesh(fsdp, device_type, shards)
+    mesh = dims.fsdp_mesh()
     reshard = fsdp.reshards()
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):

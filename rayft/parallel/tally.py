@@ -11,7 +11,8 @@ Of those, `inter_node` is what crosses the network between nodes, by the planner
 group of g ranks on n nodes, each rank with its own NIC, moves (n−1)/(g−1) of a ring collective's bytes over the
 network (T·(n−1)/g of a T-byte all-gather: what the other nodes hold, shared by the node's NICs); an all-to-all,
 the rows that came from ranks on other nodes (counted, not modelled). Nodes are where Ray placed the ranks
-(`rayft.parallel.topology`); a group within one node moves nothing over the network.
+(`rayft.parallel.topology`), each group's span learnt as the layout makes it (`rayft.parallel.layout`); a group
+within one node moves nothing over the network.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 
 import torch.distributed as dist
 
-from rayft.parallel import topology
+from rayft.parallel.topology import Topology
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 INTER_NODE = "inter_node"
@@ -35,6 +36,13 @@ class CollectiveTally:
         self._spans: dict[dist.ProcessGroup, tuple[int, int]] = {}  # → (ranks, nodes)
         self._remote: dict[dist.ProcessGroup, tuple[bool, ...]] = {}  # → per group rank: on another node
 
+    def learn(self, group: dist.ProcessGroup, ranks: list[int], topology: Topology) -> None:
+        """Where a process group's ranks run, as it is made (`rayft.parallel.layout`): its span in ranks and nodes,
+        and for each of its ranks, in its order, whether it runs on another node than this rank."""
+        here = topology.node_ids[dist.get_rank()]
+        self._spans[group] = (len(ranks), topology.nodes_spanned(ranks))
+        self._remote[group] = tuple(topology.node_ids[r] != here for r in ranks)
+
     def add(self, kind: str, nbytes: int, group: dist.ProcessGroup | None = None, inter_node: int | None = None):
         """`nbytes` received by a collective of `kind` on `group` (None: every rank); `inter_node`: how many of
         them came over the network, when counted rather than modelled (the all-to-all's rows)."""
@@ -47,21 +55,24 @@ class CollectiveTally:
         self._bytes[INTER_NODE] += int(inter_node)
 
     def spans(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
-        """(ranks, nodes) of a process group, from the topology gathered at set-up."""
+        """(ranks, nodes) of a process group (None: every rank)."""
         group = group or dist.group.WORLD
         if group not in self._spans:
-            ranks = dist.get_process_group_ranks(group)
-            self._spans[group] = (len(ranks), topology.current().nodes_spanned(ranks))
+            self._learn_unplaced(group)
         return self._spans[group]
 
     def remote(self, group: dist.ProcessGroup) -> tuple[bool, ...]:
-        """For each rank of `group`, in the group's order, whether it runs on another node than this rank: worked
-        out once per group, since the all-to-all asks in every MoE layer."""
+        """For each rank of `group`, in the group's order, whether it runs on another node than this rank."""
         if group not in self._remote:
-            nodes = topology.current().node_ids
-            here = nodes[dist.get_rank()]
-            self._remote[group] = tuple(nodes[r] != here for r in dist.get_process_group_ranks(group))
+            self._learn_unplaced(group)
         return self._remote[group]
+
+    def _learn_unplaced(self, group: dist.ProcessGroup) -> None:
+        """A group no layout made (a model sharded by hand, without rayft's set-up): nothing says where its ranks
+        run, so none of its bytes are counted as crossing nodes."""
+        ranks = dist.get_process_group_ranks(group)
+        self._spans[group] = (len(ranks), 1)
+        self._remote[group] = (False,) * len(ranks)
 
     def take(self) -> dict[str, int]:
         """The tally since the last call, every kind present (0 where none moved), then start afresh."""

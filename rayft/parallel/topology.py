@@ -69,25 +69,17 @@ def this_node() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
 
 
-_CURRENT: tuple[dist.ProcessGroup, Topology] | None = None
-
-
-def current() -> Topology:
-    """The topology of the default process group: gathered (a collective) the first time it is asked for, then the
-    same object until the group changes."""
-    global _CURRENT
-    world = dist.group.WORLD
-    if _CURRENT is None or _CURRENT[0] is not world:
-        ids: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(ids, this_node())
-        _CURRENT = (world, Topology(tuple(str(i) for i in ids)))
-    return _CURRENT[1]
+def gather() -> Topology:
+    """The topology of the default process group: every rank's node, gathered (a collective)."""
+    ids: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, this_node())
+    return Topology(tuple(str(i) for i in ids))
 
 
 def establish(workers_per_node: int) -> Topology:
     """At a training worker's set-up: the topology, checked against `ray.workers_per_node` when several are asked
     for (one a node is the default, which other strategies than STRICT_SPREAD may pack together)."""
-    topology = current()
+    topology = gather()
     if workers_per_node > 1:
         topology.check_workers_per_node(workers_per_node)
     if dist.get_rank() == 0:

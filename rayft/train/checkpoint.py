@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rayft.model.files import ADAPTER_WEIGHTS
 from rayft.model.lora import adapter_file_keys
-from rayft.parallel.expert import ExpertParallel, is_expert_lora
+from rayft.parallel.expert import expert_parallel_of, is_expert_lora
 from rayft.train import safe_dcp
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
 from rayft.train.checkpoint_dir import (
@@ -65,7 +65,7 @@ def save_checkpoint(
     """Collective: every rank writes its own shards and document; rank 0 adds the adapter and trainer_state.json
     (with the id of the run that wrote it: only that run's housekeeping may ever delete the directory)."""
     state = _training_state(model, optimizer, scheduler, progress)
-    if (ep := expert_layout(model)) is not None:
+    if (ep := expert_parallel_of(model)) is not None:
         ep.to_checkpoint(state)
     tensors, document = safe_dcp.split(state)
     tensors[DOCUMENT] = {f"rank{dist.get_rank()}": safe_dcp.to_tensor(document)}
@@ -87,7 +87,7 @@ def load_checkpoint(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     document, progress = read_document(directory, rank)
-    ep = expert_layout(model)
+    ep = expert_parallel_of(model)
     target = _training_state(model, optimizer, scheduler, progress)
     if ep is not None:
         ep.to_checkpoint(target)
@@ -105,11 +105,6 @@ def load_checkpoint(
     if "rng" in state:
         _set_rng_state(state["rng"][f"rank{rank}"])
     return progress
-
-
-def expert_layout(model) -> ExpertParallel | None:
-    """The expert-parallel layout the model was built with (`rayft.parallel.expert`), None for FSDP only."""
-    return getattr(model, "expert_parallel", None)
 
 
 def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str, Any]:
@@ -150,7 +145,7 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     )
-    if (ep := expert_layout(model)) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
+    if (ep := expert_parallel_of(model)) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
         full = ep.gather_adapter(model, full)
     if dist.get_rank() == 0:
         model.save_pretrained(str(directory), state_dict=full, safe_serialization=True, save_embedding_layers=False)
@@ -187,7 +182,7 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
         target = places.get(key)
         if target is None:
             raise ValueError(f"{directory}: {key} has no place in this model (an adapter for another base?)")
-        if (ep := expert_layout(model)) is not None and is_expert_lora(target):
+        if (ep := expert_parallel_of(model)) is not None and is_expert_lora(target):
             tensor = ep.local_part(target, tensor)
         state[target] = tensor.to(ours[target].dtype)
     missing = [k for k in places.values() if k not in state]

@@ -24,6 +24,7 @@ from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel import topology
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
+from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
 from rayft.train import dpo, reference, sinks
@@ -64,8 +65,7 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     runtime = RayRuntime()
     cfg, rank, device = job.config, runtime.rank, runtime.device
     _setup_logging(rank)
-    topology.establish(cfg.ray.workers_per_node)
-    model = build_model(cfg, device.type == "cuda", device)
+    model = build_model(cfg, device.type == "cuda", device, _layout(cfg, device))
     fused_loss(model, cfg)
     objective = Objective(cfg, model, device)
     collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id, pairs=objective.dpo)
@@ -255,8 +255,7 @@ def _build_state(cfg: Config, plan: StepPlan, device: torch.device) -> tuple[Tra
     """The sharded LoRA model, its optimizer and schedule at step 0, the autocast context for CPU bf16, and the
     logging window that measures it (FLOPs per token, the device's peak)."""
     on_gpu = device.type == "cuda"
-    topology.establish(cfg.ray.workers_per_node)
-    model = build_model(cfg, on_gpu, device)
+    model = build_model(cfg, on_gpu, device, _layout(cfg, device))
     count_fsdp_collectives(model)  # one Python call per collective: always on
     not_fused = fused_loss(model, cfg)
     model.train()
@@ -369,6 +368,12 @@ def _precision_line(model, bf16_on_cpu: bool, on_gpu: bool) -> str:
 def _flat(cfg: Config) -> dict[str, Any]:
     return {f"{section}.{k}": v for section, values in cfg.to_dict().items() for k, v in values.items()
             if isinstance(v, int | float | str | bool)}  # fmt: skip
+
+
+def _layout(cfg: Config, device: torch.device) -> ParallelDims:
+    """The run's layout on its workers: where Ray placed each rank (checked against `ray.workers_per_node`, in the
+    job log) and the groups the config cuts from it. Built once, at set-up."""
+    return parallel_dims(cfg, device.type, topology.establish(cfg.ray.workers_per_node))
 
 
 def _setup_logging(rank: int) -> None:

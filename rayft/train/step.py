@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
+from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint_dir import Progress
@@ -91,7 +92,7 @@ def train_step(
 def clip_gradients_(model, max_grad_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm and return it; with expert parallelism the expert LoRA's gradients are
     averaged first and its norm summed over the workers holding different experts (`rayft.parallel.expert`)."""
-    ep = getattr(model, "expert_parallel", None)
+    ep = expert_parallel_of(model)
     if ep is not None:
         return ep.clip_gradients_(model, max_grad_norm)
     return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)

@@ -281,6 +281,7 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
     (FSDP's gathered, the experts' made whole over the ep-group) after the step's averaging."""
     from torch.distributed.tensor import DTensor
 
+    from rayft.parallel.expert import expert_parallel_of
     from rayft.parallel.parallelize import build_model
     from rayft.train.step import clip_gradients_, step_targets
 
@@ -292,7 +293,7 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
         ids = _batch(0, rank)
         model(input_ids=ids, labels=ids, num_items_in_batch=step_targets([{"labels": ids}], world)).loss.backward()
         clip_gradients_(model, 1e9)
-        ep = getattr(model, "expert_parallel", None)
+        ep = expert_parallel_of(model)
         grads = {}
         for name, param in model.named_parameters():
             if param.requires_grad:

@@ -66,3 +66,15 @@ def test_the_driver_imports_no_worker_module():
     loaded, saw_torch = done.stdout.strip().splitlines()[-2:]
     assert loaded == "[]", f"the driver's modules import worker modules: {loaded}"
     assert saw_torch == "True", "the probe imported the driver's modules (which use torch for the checks)"
+
+
+def test_no_module_keeps_run_state_in_a_global():
+    """The run's layout (where each rank runs, the meshes cut from it) is built once at set-up and handed on
+    (`rayft.parallel.layout`): no function in the package rebinds a module-level name."""
+    rebinding = {
+        f"{path.relative_to(PACKAGE)}:{node.lineno}": node.names
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Global)
+    }
+    assert rebinding == {}
