@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verbose:  # also for the workers: the launcher hands RAYFT_LOG_LEVEL to their environment
         os.environ[LEVEL_ENV] = "DEBUG"
-    logging.basicConfig(level=logging.DEBUG if verbose() else logging.INFO, format="%(asctime)s rayft %(message)s",
-                        datefmt="%H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if verbose() else logging.INFO, format="%(asctime)s rayft %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         if args.command == "export":
             return _export(args)
@@ -66,8 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     # Accepted before or after the command (`rayft --verbose validate`, `jobs/mistral4.py --verbose`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="a configuration error's traceback too, and Ray's routine log lines")  # fmt: skip
+    common.add_argument(
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="a configuration error's traceback too, and Ray's routine log lines",
+    )
     parser.add_argument("--verbose", action="store_true", default=False, help=common._actions[0].help)
     sub = parser.add_subparsers(dest="command", required=True)
     _job_parsers(sub, common)
@@ -103,8 +108,11 @@ def _job_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         if name == "eval":
             p.add_argument("--adapter", type=Path, help="PEFT adapter dir (output_dir/final); omitted = base model")
             p.add_argument("--split", help="split to score (default: data.val_split)")
-            p.add_argument("--with-base", action="store_true",
-                           help="with --adapter: score the base model too, in the same job (one load)")  # fmt: skip
+            p.add_argument(
+                "--with-base",
+                action="store_true",
+                help="with --adapter: score the base model too, in the same job (one load)",
+            )
 
 
 def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -116,11 +124,19 @@ def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--config", help="YAML file; omitted = defaults (the seed recipe's values)")
     p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--preset", choices=["mistral-small-4"], help="plan the real model without its files")
-    p.add_argument("--num-nodes", type=int, nargs="+",
-                   help="one or more cluster sizes (default: ray.num_workers / ray.workers_per_node)")  # fmt: skip
+    p.add_argument(
+        "--num-nodes",
+        type=int,
+        nargs="+",
+        help="one or more cluster sizes (default: ray.num_workers / ray.workers_per_node)",
+    )
     p.add_argument("--gpus-per-node", type=int, help="GPUs (workers) a node (default: ray.workers_per_node)")
-    p.add_argument("--gpu", choices=list(GPUS), default="h200",
-                   help="GPU: its memory, dense bf16 peak, memory bandwidth and NVLink (rayft/gpus.py)")  # fmt: skip
+    p.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        default="h200",
+        help="GPU: its memory, dense bf16 peak, memory bandwidth and NVLink (rayft/gpus.py)",
+    )
     # Defaults (None here, so `rayft --help` needs no torch): rayft.plan.steptime.Hardware's.
     p.add_argument("--mfu", type=float, help="share of the peak FLOP/s the matmuls reach, assumed (default 0.4)")
     p.add_argument(
@@ -137,8 +153,12 @@ def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         help="NVLink per GPU in gigaBYTES per second, both directions together as NVIDIA quotes it "
         "(default: the GPU's, e.g. 900 for H100/H200 SXM); half of it is what a GPU receives",
     )
-    p.add_argument("--no-layouts", dest="layouts", action="store_false",
-                   help="the memory table only, without the layouts' communication and step time")  # fmt: skip
+    p.add_argument(
+        "--no-layouts",
+        dest="layouts",
+        action="store_false",
+        help="the memory table only, without the layouts' communication and step time",
+    )
 
 
 def _export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -148,8 +168,9 @@ def _export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
     p.add_argument("--base", required=True, help="the base model directory the adapter was trained on")
     p.add_argument("--out", required=True, help="where to write the export")
     p.add_argument("--merge", action="store_true", help="fold LoRA into the weights (needs RAM for the whole model)")
-    p.add_argument("--dtype", default=None,
-                   help="dtype of the merged weights (default: the base's own; bfloat16 for an FP8 base)")  # fmt: skip
+    p.add_argument(
+        "--dtype", default=None, help="dtype of the merged weights (default: the base's own; bfloat16 for an FP8 base)"
+    )
 
 
 def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -162,8 +183,13 @@ def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
     p = actions.add_parser("from-accelerate", help=about, description=about, parents=[common])
     p.add_argument("accelerate", help="accelerate config (accelerate config / fsdp.yaml)")
     p.add_argument("--trl", help="the TRL/SFT training YAML (sections model/lora/data/train, or SFTConfig's flat keys)")
-    p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="set one key of the written config (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="set one key of the written config (repeatable)",
+    )
     p.add_argument(
         "--accept-differences",
         action="store_true",
@@ -196,14 +222,27 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     about = "write the RayJob and RayCluster for a config (worker pods, GPUs, paths and entrypoint from it)"
     p = actions.add_parser("render", help=about, description=about, parents=[common])
     p.add_argument("--config", required=True, help="the training YAML (under jobs/ to be baked into the image)")
-    p.add_argument("--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one key; also passed to the job's entrypoint")  # fmt: skip
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key; also passed to the job's entrypoint",
+    )
     p.add_argument("--out", help="directory for rayjob.yaml and raycluster.yaml (default: both to stdout)")
     p.add_argument("--config-in-cluster", help="the config's path on the PVC when it is not under jobs/")
     _deployment_flags(p, d)
     about = "also render a PodMonitor (head and workers) and rayft's Grafana dashboard as a ConfigMap"
     p.add_argument("--monitoring", action="store_true", default=None, help=about)
-    g = p.add_argument_group("platform (add to or override the config's k8s: section)")
+    _platform_flags(p.add_argument_group("platform (add to or override the config's k8s: section)"))
+    about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
+    p = actions.add_parser("validate", help=about, description=about, parents=[common])
+    p.add_argument("files", nargs="+", type=Path)
+    _kuberay_flags(p)
+
+
+def _platform_flags(g: argparse._ArgumentGroup) -> None:
+    """`rayft k8s render`'s flags for the config's `k8s:` section."""
     g.add_argument("--queueing", choices=["none", "kueue", "volcano", "runai"], help="k8s.queueing")
     g.add_argument("--queue", help="k8s.queue: the Kueue LocalQueue, Volcano queue or Run:ai project queue")
     g.add_argument("--scheduler-name", help="k8s.scheduler_name: schedulerName of every pod")
@@ -219,28 +258,46 @@ def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="every Ray container")
     _fabric_and_node_flags(g)
     g.add_argument("--hf-home", help="k8s.hf_home: the pods' shared Hugging Face cache (default <mount>/hf-cache)")
-    g.add_argument("--hf-offline", action="store_const", const=True,
-                   help="k8s.hf_offline: HF_HUB_OFFLINE=1 (hub names from the pre-seeded cache only)")  # fmt: skip
+    g.add_argument(
+        "--hf-offline",
+        action="store_const",
+        const=True,
+        help="k8s.hf_offline: HF_HUB_OFFLINE=1 (hub names from the pre-seeded cache only)",
+    )
     _kuberay_flags(g)
-    g.add_argument("--config-delivery", choices=["path", "inline", "working_dir"],
-                   help="k8s.config_delivery: inline carries the config in the RayJob (no image rebuild)")  # fmt: skip
+    g.add_argument(
+        "--config-delivery",
+        choices=["path", "inline", "working_dir"],
+        help="k8s.config_delivery: inline carries the config in the RayJob (no image rebuild)",
+    )
     g.add_argument("--working-dir", help="k8s.working_dir: runtime_env working_dir URI holding the config")
-    g.add_argument("--patch", dest="patches", action="append", default=[], metavar="FILE",
-                   help="strategic-merge or JSON patch file applied after rendering (validated after)")  # fmt: skip
-    about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
-    p = actions.add_parser("validate", help=about, description=about, parents=[common])
-    p.add_argument("files", nargs="+", type=Path)
-    _kuberay_flags(p)
+    g.add_argument(
+        "--patch",
+        dest="patches",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="strategic-merge or JSON patch file applied after rendering (validated after)",
+    )
 
 
 def _kuberay_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The operator that `rayft k8s render` renders for and both subcommands validate against."""
-    p.add_argument("--kuberay-version", help="k8s.kuberay_version: the operator's version, 1.4 to 1.7 (default: the "
-                   "form every supported release accepts); the manifests use its fields and are checked against "
-                   "its CRDs")  # fmt: skip
-    p.add_argument("--kuberay-feature-gate", dest="kuberay_feature_gates", action="append", default=[],
-                   metavar="GATE", help="k8s.kuberay_feature_gates: one the operator runs with beyond its "
-                   "release's defaults (RayJobDeletionPolicy: deletion rules on KubeRay 1.5)")  # fmt: skip
+    p.add_argument(
+        "--kuberay-version",
+        help="k8s.kuberay_version: the operator's version, 1.4 to 1.7 (default: the "
+        "form every supported release accepts); the manifests use its fields and are checked against "
+        "its CRDs",
+    )
+    p.add_argument(
+        "--kuberay-feature-gate",
+        dest="kuberay_feature_gates",
+        action="append",
+        default=[],
+        metavar="GATE",
+        help="k8s.kuberay_feature_gates: one the operator runs with beyond its "
+        "release's defaults (RayJobDeletionPolicy: deletion rules on KubeRay 1.5)",
+    )
 
 
 # `rayft k8s render` flags, one per field of rayft.deploy.k8s.Deployment (its default shown in the help).
@@ -288,22 +345,41 @@ FABRIC_AND_NODE_FLAGS = ("fabric", "network", "ib_resource", "socket_ifname", "n
 
 def _fabric_and_node_flags(g: argparse._ArgumentGroup) -> None:
     """The fabric NCCL uses and the GPU nodes that size the worker pods (k8s.fabric, k8s.rdma, k8s.node)."""
-    g.add_argument("--fabric", choices=["none", "infiniband", "roce"], help="k8s.fabric: none (default: the pod "
-                   "network), or an RDMA fabric: the RDMA device, IPC_LOCK and NCCL's IB settings")  # fmt: skip
+    g.add_argument(
+        "--fabric",
+        choices=["none", "infiniband", "roce"],
+        help="k8s.fabric: none (default: the pod "
+        "network), or an RDMA fabric: the RDMA device, IPC_LOCK and NCCL's IB settings",
+    )
     g.add_argument("--network", help="k8s.rdma.network: a Multus NetworkAttachmentDefinition on the fabric")
-    g.add_argument("--ib-resource", help="k8s.rdma.resource: the RDMA extended resource (default with a fabric: "
-                   "rdma/rdma_shared_device_a; or nvidia.com/hostdev, openshift.io/mellanoxnics, none)")  # fmt: skip
-    g.add_argument("--socket-ifname", help="k8s.rdma.interface: NCCL_SOCKET_IFNAME, the pods' interface on the "
-                   "fabric (default: net1 with --network)")  # fmt: skip
+    g.add_argument(
+        "--ib-resource",
+        help="k8s.rdma.resource: the RDMA extended resource (default with a fabric: "
+        "rdma/rdma_shared_device_a; or nvidia.com/hostdev, openshift.io/mellanoxnics, none)",
+    )
+    g.add_argument(
+        "--socket-ifname",
+        help="k8s.rdma.interface: NCCL_SOCKET_IFNAME, the pods' interface on the fabric (default: net1 with --network)",
+    )
     g.add_argument("--node-gpus", type=int, metavar="N", help="k8s.node.gpus: GPUs of a GPU node (default 8)")
-    g.add_argument("--node-cpus", type=int, metavar="N", help="k8s.node.cpus: CPUs pods may use on a GPU node "
-                   "(default 96)")  # fmt: skip
-    g.add_argument("--node-memory", metavar="QUANTITY", help="k8s.node.memory: memory pods may use on a GPU node "
-                   "(default 960Gi)")  # fmt: skip
-    g.add_argument("--nodes", type=int, metavar="N", help="k8s.node.count: GPU nodes the job may use; pods they "
-                   "cannot hold are refused")  # fmt: skip
-    g.add_argument("--one-pod-per-node", action="store_const", const=True,
-                   help="k8s.one_pod_per_node: at most one worker pod a node (required anti-affinity)")  # fmt: skip
+    g.add_argument(
+        "--node-cpus", type=int, metavar="N", help="k8s.node.cpus: CPUs pods may use on a GPU node (default 96)"
+    )
+    g.add_argument(
+        "--node-memory", metavar="QUANTITY", help="k8s.node.memory: memory pods may use on a GPU node (default 960Gi)"
+    )
+    g.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="k8s.node.count: GPU nodes the job may use; pods they cannot hold are refused",
+    )
+    g.add_argument(
+        "--one-pod-per-node",
+        action="store_const",
+        const=True,
+        help="k8s.one_pod_per_node: at most one worker pod a node (required anti-affinity)",
+    )
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -351,8 +427,10 @@ def _plan(args: argparse.Namespace) -> int:
         return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8) for n in args.num_nodes]
 
     if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
-        print(f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
-              f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)")  # fmt: skip
+        print(
+            f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
+            f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)"
+        )
     other = plans(not fp8) if s.fp8 else None
     print(format_plans(plans(fp8), s, cfg.data.max_length * cfg.train.per_device_train_batch_size, other))
     if args.layouts:
@@ -452,8 +530,9 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConf
         job = JobSource(Path(args.config).name, tuple(args.override))  # the job's cwd is the working_dir
     else:
         repo = Path(__file__).resolve().parents[1]
-        job = JobSource(config_in_cluster(Path(args.config), repo, dep.mount_path, args.config_in_cluster),
-                        tuple(args.override))  # fmt: skip
+        job = JobSource(
+            config_in_cluster(Path(args.config), repo, dep.mount_path, args.config_in_cluster), tuple(args.override)
+        )
     pods = check_fits(cfg, dep, plat)
     manifests = render(cfg, job, dep, pods, plat)
     for path in plat.patches:
@@ -521,12 +600,16 @@ def eval_summary(result: dict, adapter: bool) -> str:
     if "eval_rewards/margins" in result:  # preference pairs: rewards of base + adapter against the base alone
         shown = [k for k in result if k.startswith("eval_") and "/" in k]
         rewards = ", ".join(f"{k.removeprefix('eval_')} {result[k]:.4f}" for k in shown)
-        return (f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} pairs): DPO loss "
-                f"{result['eval_loss']:.4f}, {rewards}")  # fmt: skip
+        return (
+            f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} pairs): DPO loss "
+            f"{result['eval_loss']:.4f}, {rewards}"
+        )
     ppl = result.get("eval_perplexity")
     perplexity = f"{ppl:.3f}" if ppl is not None else "n/a (the loss is not a finite number below 700)"
-    return (f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} rows): loss {result['eval_loss']:.4f}, "
-            f"perplexity {perplexity}")  # fmt: skip
+    return (
+        f"rayft: eval {model} on '{result['split']}' ({result['rows']:,} rows): loss {result['eval_loss']:.4f}, "
+        f"perplexity {perplexity}"
+    )
 
 
 def _validate(cfg: Config, args: argparse.Namespace) -> int:

@@ -555,8 +555,10 @@ class K8sConfig:
             + apirules.labels("k8s.head_node_selector", self.head_node_selector)
             + apirules.tolerations("k8s.tolerations", self.tolerations)
         )
-        named = {key: getattr(self, key) for key in ("queue", "priority_class_name", "service_account_name",
-                                                     "scheduler_name")}  # fmt: skip
+        named = {
+            key: getattr(self, key)
+            for key in ("queue", "priority_class_name", "service_account_name", "scheduler_name")
+        }
         named.update({f"image_pull_secrets[{i}]": s for i, s in enumerate(self.image_pull_secrets)})
         for key, value in named.items():
             if value is not None:
@@ -570,8 +572,10 @@ class K8sConfig:
         if self.fabric == "none":
             for key, value in dataclasses.asdict(self.rdma).items():
                 if value is not None:
-                    _problem(f"k8s.rdma.{key}: '{value}' is given but k8s.fabric is none, which renders no RDMA; "
-                             "set k8s.fabric: infiniband or roce (or --fabric)")  # fmt: skip
+                    _problem(
+                        f"k8s.rdma.{key}: '{value}' is given but k8s.fabric is none, which renders no RDMA; "
+                        "set k8s.fabric: infiniband or roce (or --fabric)"
+                    )
         if self.rdma.network is not None:
             for problem in _apirules().dns_subdomain("k8s.rdma.network", self.rdma.network.rpartition("/")[2]):
                 _problem(problem)

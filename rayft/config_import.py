@@ -21,18 +21,45 @@ import yaml
 from rayft.config import SECTIONS, Config, ConfigError, parse_override, read_yaml, set_nested
 
 # Launch facts Ray takes care of (processes, rendezvous, the machine's rank): nothing to carry over.
-LAUNCH_KEYS = frozenset({
-    "compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "rdzv_backend", "same_network",
-    "machine_rank", "main_training_function", "main_process_ip", "main_process_port", "gpu_ids", "dynamo_config",
-    "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "num_processes", "num_machines", "distributed_type",
-    "mixed_precision", "fsdp_config",
-})  # fmt: skip
+LAUNCH_KEYS = frozenset(
+    {
+        "compute_environment",
+        "debug",
+        "downcast_bf16",
+        "enable_cpu_affinity",
+        "rdzv_backend",
+        "same_network",
+        "machine_rank",
+        "main_training_function",
+        "main_process_ip",
+        "main_process_port",
+        "gpu_ids",
+        "dynamo_config",
+        "tpu_env",
+        "tpu_use_cluster",
+        "tpu_use_sudo",
+        "use_cpu",
+        "num_processes",
+        "num_machines",
+        "distributed_type",
+        "mixed_precision",
+        "fsdp_config",
+    }
+)
 # FSDP settings rayft's FSDP2 wrapping fixes itself: per decoder layer, LoRA-only trainable, PEFT adapter files.
-FSDP_BUILT_IN = frozenset({
-    "fsdp_version", "fsdp_use_orig_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
-    "fsdp_limit_all_gathers", "fsdp_sync_module_states", "fsdp_state_dict_type", "state_dict_cpu_offload",
-    "fsdp_min_num_params",
-})  # fmt: skip
+FSDP_BUILT_IN = frozenset(
+    {
+        "fsdp_version",
+        "fsdp_use_orig_params",
+        "fsdp_auto_wrap_policy",
+        "fsdp_transformer_layer_cls_to_wrap",
+        "fsdp_limit_all_gathers",
+        "fsdp_sync_module_states",
+        "fsdp_state_dict_type",
+        "state_dict_cpu_offload",
+        "fsdp_min_num_params",
+    }
+)
 # FSDP1 sharding strategies (by name or number) → (fsdp.reshard_after_forward, sharded within a node only)
 STRATEGIES = {
     "FULL_SHARD": (True, False), "SHARD_GRAD_OP": (False, False), "NO_SHARD": (False, None),
@@ -92,9 +119,11 @@ TRL_HANDLED = frozenset({f for f, _, _ in TRL_DIFFERENCES} | {"assistant_only_lo
 
 
 def convert(
-    accelerate: str, trl: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+    accelerate: str,
+    trl: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
     accept_differences: bool = False,
-) -> tuple[dict, list]:  # fmt: skip
+) -> tuple[dict, list]:
     """The rayft config (checked) and notes on what was left out; ConfigError for what cannot be carried over (and,
     unless `accept_differences`, for what rayft would do otherwise than TRL)."""
     acc = _mapping(accelerate)
@@ -166,8 +195,10 @@ def _fsdp(keys: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str]
         fsdp["reshard_after_forward"] = reshard
         if hybrid is None or hybrid:
             fsdp["shard_size"] = 1 if hybrid is None else per_node
-    for theirs, ours in (("fsdp_offload_params", "cpu_offload"),
-                         ("fsdp_activation_checkpointing", "activation_checkpointing")):  # fmt: skip
+    for theirs, ours in (
+        ("fsdp_offload_params", "cpu_offload"),
+        ("fsdp_activation_checkpointing", "activation_checkpointing"),
+    ):
         if theirs in keys:
             fsdp[ours] = bool(keys[theirs])
     if "fsdp_forward_prefetch" in keys:
@@ -176,8 +207,15 @@ def _fsdp(keys: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str]
         fsdp["backward_prefetch"] = PREFETCH.get(str(keys["fsdp_backward_prefetch"]).upper(), 1)
     if "fsdp_cpu_ram_efficient_loading" in keys:
         raw.setdefault("model", {})["load_mode"] = "sharded" if keys["fsdp_cpu_ram_efficient_loading"] else "full"
-    handled = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_forward_prefetch",
-               "fsdp_activation_checkpointing", "fsdp_backward_prefetch", "fsdp_cpu_ram_efficient_loading"}  # fmt: skip
+    handled = {
+        "fsdp_sharding_strategy",
+        "fsdp_reshard_after_forward",
+        "fsdp_offload_params",
+        "fsdp_forward_prefetch",
+        "fsdp_activation_checkpointing",
+        "fsdp_backward_prefetch",
+        "fsdp_cpu_ram_efficient_loading",
+    }
     built_in = sorted(k for k in keys if k in FSDP_BUILT_IN)
     if built_in:
         notes.append(

@@ -57,8 +57,9 @@ def resolve(key: str, repo_id: str, repo_type: str = "model", revision: str | No
 
     cache = hub_cache()
     try:
-        found = snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache,
-                                  local_files_only=True)  # fmt: skip
+        found = snapshot_download(
+            repo_id, repo_type=repo_type, revision=revision, cache_dir=cache, local_files_only=True
+        )
     except LocalEntryNotFoundError:
         if offline():
             raise ConfigError(_not_cached(key, repo_id, repo_type, revision, cache)) from None
@@ -101,9 +102,11 @@ def check_repo_id(key: str, spec: str | None) -> None:
 def resolve_names(cfg: Config) -> None:
     """Replace hub names in the config by their snapshot directories, in place (before any path is read)."""
     m, d = cfg.model, cfg.data
-    for key, spec in (("model.model_name_or_path", m.model_name_or_path),
-                      ("model.tokenizer_name_or_path", m.tokenizer_name_or_path),
-                      ("data.dataset_name_or_path", d.dataset_name_or_path)):  # fmt: skip
+    for key, spec in (
+        ("model.model_name_or_path", m.model_name_or_path),
+        ("model.tokenizer_name_or_path", m.tokenizer_name_or_path),
+        ("data.dataset_name_or_path", d.dataset_name_or_path),
+    ):
         check_repo_id(key, spec)
     if is_hub_name(m.model_name_or_path):
         m.model_name_or_path = str(resolve("model.model_name_or_path", m.model_name_or_path, "model", m.revision))
@@ -112,8 +115,9 @@ def resolve_names(cfg: Config) -> None:
     if is_hub_name(m.tokenizer_name_or_path):
         m.tokenizer_name_or_path = str(resolve("model.tokenizer_name_or_path", m.tokenizer_name_or_path))
     if is_hub_name(d.dataset_name_or_path):
-        d.dataset_name_or_path = str(resolve("data.dataset_name_or_path", d.dataset_name_or_path, "dataset",
-                                             d.revision))  # fmt: skip
+        d.dataset_name_or_path = str(
+            resolve("data.dataset_name_or_path", d.dataset_name_or_path, "dataset", d.revision)
+        )
     elif d.revision is not None:
         raise ConfigError(f"data.revision: {d.dataset_name_or_path} is a local path; a revision needs a hub name")
 

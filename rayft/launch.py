@@ -258,8 +258,14 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     scored = f" + adapter {adapter}" if adapter else ""
     if with_base:
         scored += " (and the base alone, first)"
-    log.info("eval: %s%s on split '%s' (%d rows) with %d workers", cfg.model.model_name_or_path, scored, split, rows,
-             cfg.ray.num_workers)  # fmt: skip
+    log.info(
+        "eval: %s%s on split '%s' (%d rows) with %d workers",
+        cfg.model.model_name_or_path,
+        scored,
+        split,
+        rows,
+        cfg.ray.num_workers,
+    )
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
     job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base)
     trainer = TorchTrainer(
@@ -394,8 +400,10 @@ def start_local_ray(num_cpus: int, attempts: int = 3) -> None:
             if not any(taken in str(e) for taken in PORT_TAKEN) or attempt == attempts:
                 raise
             ray.shutdown()
-            log.info("local Ray: dashboard port %s was taken meanwhile (another Ray?); choosing another",
-                     options.get("dashboard_port"))  # fmt: skip
+            log.info(
+                "local Ray: dashboard port %s was taken meanwhile (another Ray?); choosing another",
+                options.get("dashboard_port"),
+            )
 
 
 def start_data_singletons() -> None:
@@ -429,8 +437,12 @@ def local_ray_options() -> dict[str, Any]:
     port = local_port(preferred=DASHBOARD_PORT) if dashboard else 0
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     served = {"dashboard_host": "127.0.0.1", "dashboard_port": port} if dashboard else {}
-    return {"include_dashboard": dashboard, **served, "runtime_env": {"env_vars": env},
-            **ray_private.no_prestarted_workers()}  # fmt: skip
+    return {
+        "include_dashboard": dashboard,
+        **served,
+        "runtime_env": {"env_vars": env},
+        **ray_private.no_prestarted_workers(),
+    }
 
 
 def local_port(preferred: int) -> int:

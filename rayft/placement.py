@@ -37,11 +37,18 @@ def wait_for_placement(ray_cfg: RayConfig, bundle: dict[str, float], started_loc
         return
     ceiling = autoscaler_ceiling()
     if started_locally or (ceiling is not None and not request.fits(ceiling)):
-        raise ConfigError(request.refusal(nodes, "the local Ray cluster" if started_locally else "this cluster, "
-                                          "even at its autoscaler's maximum,"))  # fmt: skip
+        raise ConfigError(
+            request.refusal(
+                nodes, "the local Ray cluster" if started_locally else "this cluster, even at its autoscaler's maximum,"
+            )
+        )
     deadline = time.monotonic() + ray_cfg.placement_timeout_s
-    log.warning("waiting up to %ds (ray.placement_timeout_s) for the cluster to fit %s; it offers %s now",
-                ray_cfg.placement_timeout_s, request.describe(), describe_nodes(nodes))  # fmt: skip
+    log.warning(
+        "waiting up to %ds (ray.placement_timeout_s) for the cluster to fit %s; it offers %s now",
+        ray_cfg.placement_timeout_s,
+        request.describe(),
+        describe_nodes(nodes),
+    )
     while time.monotonic() < deadline:
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
         nodes = node_totals()

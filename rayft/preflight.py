@@ -109,8 +109,12 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
         check_max_length(cfg, model.config.get_text_config())
-        said = (check_attention(cfg, model), lora_rank_warning(cfg, model), _local_placement(cfg),
-                prefix_matched_hca(cfg.nccl))  # fmt: skip
+        said = (
+            check_attention(cfg, model),
+            lora_rank_warning(cfg, model),
+            _local_placement(cfg),
+            prefix_matched_hca(cfg.nccl),
+        )
         warnings = [*data_warnings, *tracker_warnings, *(w for w in said if w)]
     return Preflight(train, validation, records, tokenizer, targets, counts, samples, warnings)
 
@@ -434,6 +438,10 @@ def planned_expert_parallel(cfg: Config, s: Structure, fp8: bool) -> int:
 
     cluster = Cluster(nodes=cfg.ray.nodes, gpus_per_node=cfg.ray.workers_per_node)
     k = choose_expert_parallel(cfg, s, cluster, Hardware("h200"), fp8)
-    log.info("parallel.expert_parallel: auto → %d (the planner's fastest layout that fits %d x %d H200)", k,
-             cluster.nodes, cluster.gpus_per_node)  # fmt: skip
+    log.info(
+        "parallel.expert_parallel: auto → %d (the planner's fastest layout that fits %d x %d H200)",
+        k,
+        cluster.nodes,
+        cluster.gpus_per_node,
+    )
     return k

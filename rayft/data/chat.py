@@ -100,8 +100,9 @@ class _TemplateChat:
 
     def encode(self, messages: list[dict[str, Any]], prompt: bool) -> list[int]:
         try:
-            out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt,
-                                                     return_dict=True)  # fmt: skip
+            out = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=prompt, return_dict=True
+            )
         except Exception as e:  # no template, or one that raises on these messages
             raise ChatRefused(f"the chat template cannot render it ({_first_line(e)})") from None
         return list(out["input_ids"])
@@ -111,8 +112,9 @@ class _TemplateChat:
         template = self.tokenizer.chat_template
         if not isinstance(template, str) or not _GENERATION_BLOCK.search(template):
             return None
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                 return_assistant_tokens_mask=True)  # fmt: skip
+        out = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         runs: TokenSegments = []
         for token, flag in zip(ids, mask, strict=True):
@@ -136,10 +138,13 @@ class _MistralChat:
         loaded = tokenizer.tokenizer  # the backend's MistralTokenizer: its vocabulary is shared, not loaded again
         raw = loaded.instruct_tokenizer.tokenizer
         self.modes = {
-            prompt: MistralTokenizer(loaded.instruct_tokenizer, validator=get_validator(raw.version, mode=mode),
-                                     request_normalizer=get_normalizer(raw.version, raw.model_settings_builder))
+            prompt: MistralTokenizer(
+                loaded.instruct_tokenizer,
+                validator=get_validator(raw.version, mode=mode),
+                request_normalizer=get_normalizer(raw.version, raw.model_settings_builder),
+            )
             for prompt, mode in ((False, ValidationMode.finetuning), (True, ValidationMode.test))
-        }  # fmt: skip
+        }
 
     def encode(self, messages: list[dict[str, Any]], prompt: bool) -> list[int]:
         from mistral_common.protocol.instruct.request import ChatCompletionRequest

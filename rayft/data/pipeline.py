@@ -113,16 +113,10 @@ def build_datasets(
     tokenizer = tokenizer or tokenizer_facts(cfg.model)
     if in_driver(train_src, val_src):
         return driver_datasets(cfg, train_src, val_src, fmt, tokenizer)
-    train = read_split(train_src)
-    validation = read_split(val_src) if val_src else None
-    if validation is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
-        log.info("data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.hold_out,
-                 train_src.what)  # fmt: skip
-        # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
-        train, validation = train.train_test_split(test_size=d.hold_out, shuffle=True, seed=cfg.train.seed)
-
-    tokenize = partial(tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer,
-                       max_prompt_length=cfg.dpo.max_prompt_length)  # fmt: skip
+    train, validation = _read_splits(cfg, train_src, val_src)
+    tokenize = partial(
+        tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer, max_prompt_length=cfg.dpo.max_prompt_length
+    )
     train_tokens = tokenize(train, train_src.format, actors_at_start=actors_at_start(cfg))
     cache = _cache(d, train_src)
 
@@ -142,8 +136,13 @@ def build_datasets(
         train_job, validation_job = pool.submit(count_train), pool.submit(tokenize_validation)
         train_tokens, stats = train_job.result()
         tokenized_validation = validation_job.result()
-    log.info("data: %s: %s → %d %s", train_src.what, stats.describe(), stats.rows,
-             f"blocks of {d.max_length} tokens" if d.packing else "examples")  # fmt: skip
+    log.info(
+        "data: %s: %s → %d %s",
+        train_src.what,
+        stats.describe(),
+        stats.rows,
+        f"blocks of {d.max_length} tokens" if d.packing else "examples",
+    )
     _check_usable(stats, train_src.what, d)
     validation_rows = tokenized_validation.count() if tokenized_validation is not None else 0
     if validation_rows == 0 and val_src is not None:
@@ -154,6 +153,26 @@ def build_datasets(
         validation=tokenized_validation if validation_rows else None,
         validation_rows=validation_rows,
     )
+
+
+def _read_splits(
+    cfg: Config, train_src: SplitSource, val_src: SplitSource | None
+) -> tuple[ray.data.Dataset, ray.data.Dataset | None]:
+    """Both splits as Ray datasets; without a validation split, a held-out share of the training records when the
+    run evaluates."""
+    d = cfg.data
+    train = read_split(train_src)
+    validation = read_split(val_src) if val_src else None
+    if validation is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
+        log.info(
+            "data: no '%s' split; holding out %.0f%% of %s for evaluation",
+            d.val_split,
+            100 * d.hold_out,
+            train_src.what,
+        )
+        # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
+        train, validation = train.train_test_split(test_size=d.hold_out, shuffle=True, seed=cfg.train.seed)
+    return train, validation
 
 
 def first_rows(dataset: ray.data.Dataset, d: DataConfig) -> ray.data.Dataset:
@@ -174,9 +193,12 @@ def driver_datasets(
     nothing is counted twice and epochs only reshuffle."""
     rows = driver_rows(cfg, train_src, val_src, fmt, tokenizer)
     validation_rows = rows.validation.num_rows if rows.validation is not None else 0
-    return Datasets(train=_to_object_store(rows.train), train_stats=rows.train_stats,
-                    validation=_to_object_store(rows.validation) if validation_rows else None,
-                    validation_rows=validation_rows)  # fmt: skip
+    return Datasets(
+        train=_to_object_store(rows.train),
+        train_stats=rows.train_stats,
+        validation=_to_object_store(rows.validation) if validation_rows else None,
+        validation_rows=validation_rows,
+    )
 
 
 @dataclass
@@ -198,12 +220,21 @@ def driver_rows(
     val_records = read_records(val_src) if val_src else None
     val_format = (val_src or train_src).format
     if val_records is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
-        log.info("data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.hold_out,
-                 train_src.what)  # fmt: skip
+        log.info(
+            "data: no '%s' split; holding out %.0f%% of %s for evaluation",
+            d.val_split,
+            100 * d.hold_out,
+            train_src.what,
+        )
         train_records, val_records = hold_out(train_records, d.hold_out, cfg.train.seed)
     train_rows, stats = tokenize_in_process(train_records, train_src.format, fmt, cfg.model, d, tokenizer, mpl)
-    log.info("data: %s: %s → %d %s", train_src.what, stats.describe(), stats.rows,
-             f"blocks of {d.max_length} tokens" if d.packing else "examples")  # fmt: skip
+    log.info(
+        "data: %s: %s → %d %s",
+        train_src.what,
+        stats.describe(),
+        stats.rows,
+        f"blocks of {d.max_length} tokens" if d.packing else "examples",
+    )
     _check_usable(stats, train_src.what, d)
     validation = None
     if val_records is not None:
@@ -237,9 +268,14 @@ def hold_out(records: pa.Table, fraction: float, seed: int) -> tuple[pa.Table, p
 
 
 def tokenize_in_process(
-    records: pa.Table, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
-    tokenizer: TokenizerFacts, max_prompt_length: int | None = None,
-) -> tuple[pa.Table, SplitStats]:  # fmt: skip
+    records: pa.Table,
+    source_format: str,
+    fmt: RecordFormat,
+    model: ModelConfig,
+    data: DataConfig,
+    tokenizer: TokenizerFacts,
+    max_prompt_length: int | None = None,
+) -> tuple[pa.Table, SplitStats]:
     """Tokenize in TOKENIZE_BATCH-record batches and finish (pack or keep) PACK_BATCH examples at a time, as the
     actor pipeline batches them; returns the rows the workers iterate and what was counted."""
     encoder, kwargs = record_encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
@@ -273,13 +309,22 @@ def build_eval_dataset(
     fmt = record_format(d, source.columns(record_fields(d)), source.what)
     tokenizer = tokenizer or tokenizer_facts(cfg.model)
     if in_driver(source):
-        table, _ = tokenize_in_process(read_records(source), source.format, fmt, cfg.model, d, tokenizer,
-                                       cfg.dpo.max_prompt_length)  # fmt: skip
+        table, _ = tokenize_in_process(
+            read_records(source), source.format, fmt, cfg.model, d, tokenizer, cfg.dpo.max_prompt_length
+        )
         table = table.slice(0, d.max_eval_samples)
         dataset, rows = _to_object_store(table), table.num_rows
     else:
-        tokens = tokenized(read_split(source), source.format, fmt, cfg.model, d, tokenizer, actors_at_start(cfg),
-                           cfg.dpo.max_prompt_length)  # fmt: skip
+        tokens = tokenized(
+            read_split(source),
+            source.format,
+            fmt,
+            cfg.model,
+            d,
+            tokenizer,
+            actors_at_start(cfg),
+            cfg.dpo.max_prompt_length,
+        )
         dataset = first_rows(finished(tokens, d), d).materialize()
         rows = dataset.count()
     if rows < cfg.ray.num_workers:
@@ -354,24 +399,42 @@ def _split_lines(batch: pa.Table, json_array_ok: bool) -> pa.Table:
 
 
 def record_encoder(
-    source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig, tokenizer: TokenizerFacts,
+    source_format: str,
+    fmt: RecordFormat,
+    model: ModelConfig,
+    data: DataConfig,
+    tokenizer: TokenizerFacts,
     max_prompt_length: int | None,
-) -> tuple[type, dict[str, Any]]:  # fmt: skip
+) -> tuple[type, dict[str, Any]]:
     """The callable class that turns a batch of records into token rows, with its constructor's arguments: one
     choice for the actor pool and the in-driver path alike. Preference records become one row per pair."""
-    common = {"model": dataclasses.asdict(model), "tokenizer": dataclasses.asdict(tokenizer),
-              "source_format": source_format}  # fmt: skip
+    common = {
+        "model": dataclasses.asdict(model),
+        "tokenizer": dataclasses.asdict(tokenizer),
+        "source_format": source_format,
+    }
     if fmt.kind == "preference":
         limits = PairLimits(data.max_length, max_prompt_length, data.overlong)
         return PreferenceTokenize, {**common, "limits": dataclasses.asdict(limits)}
-    return Tokenize, {**common, "fmt": dataclasses.asdict(fmt), "max_length": data.max_length,
-                      "packing": data.packing, "overlong": data.overlong}  # fmt: skip
+    return Tokenize, {
+        **common,
+        "fmt": dataclasses.asdict(fmt),
+        "max_length": data.max_length,
+        "packing": data.packing,
+        "overlong": data.overlong,
+    }
 
 
 def tokenized(
-    raw: ray.data.Dataset, source_format: str, fmt: RecordFormat, model: ModelConfig, data: DataConfig,
-    tokenizer: TokenizerFacts, actors_at_start: int = 1, max_prompt_length: int | None = None,
-) -> ray.data.Dataset:  # fmt: skip
+    raw: ray.data.Dataset,
+    source_format: str,
+    fmt: RecordFormat,
+    model: ModelConfig,
+    data: DataConfig,
+    tokenizer: TokenizerFacts,
+    actors_at_start: int = 1,
+    max_prompt_length: int | None = None,
+) -> ray.data.Dataset:
     """Records → token rows in actors that each load the tokenizer once (skipped records stay, flagged). The pool
     starts with `actors_at_start` (their start is most of a small split's time) and grows to
     data.tokenize_workers as CPUs allow; min 1, so that a split of one block does not warn. Preference records
@@ -432,9 +495,15 @@ class Tokenize(RecordEncoder):
     """
 
     def __init__(
-        self, model: dict[str, Any], tokenizer: dict[str, Any], fmt: dict[str, Any], source_format: str,
-        max_length: int, packing: bool, overlong: str,
-    ):  # fmt: skip
+        self,
+        model: dict[str, Any],
+        tokenizer: dict[str, Any],
+        fmt: dict[str, Any],
+        source_format: str,
+        max_length: int,
+        packing: bool,
+        overlong: str,
+    ):
         super().__init__(model, tokenizer, source_format)
         self.fmt = RecordFormat(**fmt)
         self.max_length = None if packing else max_length

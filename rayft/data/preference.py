@@ -205,8 +205,9 @@ class PreferenceCollate(NumpyBatchCollateFn):
     table, the key and the pair's reference log-probs too (`reference_logps`, 2B in row order, NaN where the table
     lacks the pair) and how many pairs it lacks (`reference_missing`)."""
 
-    def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None, reference=None,
-                 keys: bool = False):  # fmt: skip
+    def __init__(
+        self, pad_id: int, multiple: int = 1, max_length: int | None = None, reference=None, keys: bool = False
+    ):
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
         self.reference = reference  # rayft.train.reference.ReferenceTable
         self.keys = keys or reference is not None
@@ -230,8 +231,12 @@ class PreferenceCollate(NumpyBatchCollateFn):
         out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if not self.keys:  # hashing every pair only where a precomputed reference needs it
             return out
-        keys = np.array([pair_key(c, r, n) for c, r, n in zip(batch["chosen_ids"], batch["rejected_ids"],
-                                                                 batch["prompt_length"], strict=True)])  # fmt: skip
+        keys = np.array(
+            [
+                pair_key(c, r, n)
+                for c, r, n in zip(batch["chosen_ids"], batch["rejected_ids"], batch["prompt_length"], strict=True)
+            ]
+        )
         out["pair_key"] = torch.from_numpy(keys)
         if self.reference is not None:
             values, missing = self.reference.lookup(keys)

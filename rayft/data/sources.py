@@ -156,8 +156,10 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
                 _no_val_split(data, str(base), _split_names(base))
             return train_source, _as_split(f"split '{val_split}' in {base}", val) if val else None
 
-    named = sorted({n for b in _search_roots(root, data.dataset_config_name) for n in _split_names(b)}
-                   & {*SPLIT_WORDS, data.train_split, data.val_split})  # fmt: skip
+    named = sorted(
+        {n for b in _search_roots(root, data.dataset_config_name) for n in _split_names(b)}
+        & {*SPLIT_WORDS, data.train_split, data.val_split}
+    )
     if named:
         raise ConfigError(
             f"data.train_split: no split '{data.train_split}' in {root} (it has {', '.join(named)}); name one of "

@@ -112,8 +112,11 @@ def tokenizer_facts(model: ModelConfig) -> TokenizerFacts:
 
     directory = Path(tokenizer_path(model)).expanduser()
     files = [directory / n for n in (*TOKENIZER_FILES, "special_tokens_map.json")]
-    key = content_key("tokenizer-facts", [*files, Path(model.model_name_or_path) / "config.json"],
-                      packages=("transformers", "tokenizers"))  # fmt: skip
+    key = content_key(
+        "tokenizer-facts",
+        [*files, Path(model.model_name_or_path) / "config.json"],
+        packages=("transformers", "tokenizers"),
+    )
     cached = read_cached("tokenizer-facts", key)
     if cached is not None and (cached.get("rust_file") is None or Path(cached["rust_file"]).is_file()):
         return TokenizerFacts(**cached)

@@ -25,8 +25,10 @@ def dns_subdomain(where: str, value: Any) -> list[str]:
     """An object's name (a queue, a priority class, a service account, a secret)."""
     if isinstance(value, str) and len(value) <= SUBDOMAIN_MAX and DNS_1123_SUBDOMAIN.match(value):
         return []
-    return [f"{where}: '{value}' is not a valid object name: lower-case letters, digits, '-' and '.', starting and "
-            f"ending with a letter or digit, at most {SUBDOMAIN_MAX} characters"]  # fmt: skip
+    return [
+        f"{where}: '{value}' is not a valid object name: lower-case letters, digits, '-' and '.', starting and "
+        f"ending with a letter or digit, at most {SUBDOMAIN_MAX} characters"
+    ]
 
 
 def qualified_name(where: str, key: Any) -> list[str]:
@@ -48,8 +50,10 @@ def qualified_name(where: str, key: Any) -> list[str]:
 def label_value(where: str, value: Any) -> list[str]:
     if value == "" or (isinstance(value, str) and len(value) <= LABEL_MAX and NAME_PART.match(value)):
         return []
-    return [f"{where}: value {value!r} is not a valid label value: at most {LABEL_MAX} characters of letters, "
-            "digits, '-', '_' and '.', starting and ending with a letter or digit (or empty)"]  # fmt: skip
+    return [
+        f"{where}: value {value!r} is not a valid label value: at most {LABEL_MAX} characters of letters, "
+        "digits, '-', '_' and '.', starting and ending with a letter or digit (or empty)"
+    ]
 
 
 def labels(where: str, mapping: Any) -> list[str]:

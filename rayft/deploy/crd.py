@@ -53,8 +53,11 @@ def crd_dir(operator: Operator | None = None) -> Path:
     given = os.environ.get(CRD_DIR_ENV)
     directory = Path(given) if given else PACKAGED_CRD_DIR / f"v{(operator or Operator()).crd_release}"
     if not directory.is_dir():
-        fix = (f"set {CRD_DIR_ENV} to the directory with ray.io_*.yaml (or .yaml.gz)" if given else
-               "this rayft install lacks its package data (rayft/deploy/crds); reinstall it")  # fmt: skip
+        fix = (
+            f"set {CRD_DIR_ENV} to the directory with ray.io_*.yaml (or .yaml.gz)"
+            if given
+            else "this rayft install lacks its package data (rayft/deploy/crds); reinstall it"
+        )
         raise ManifestError(f"no KubeRay CRDs at {directory}: {fix}")
     return directory
 
@@ -152,8 +155,10 @@ def _rayjob_rules(spec: dict[str, Any], operator: Operator) -> list[str]:
     problems = []
     for field in ("deletionStrategy", "deletionPolicy"):
         if field in spec and not operator.gate_on(DELETION_GATE):
-            problems.append(f"spec.{field}: {operator} refuses it without the {DELETION_GATE} feature gate "
-                            "(k8s.kuberay_feature_gates, when the operator runs with it)")  # fmt: skip
+            problems.append(
+                f"spec.{field}: {operator} refuses it without the {DELETION_GATE} feature gate "
+                "(k8s.kuberay_feature_gates, when the operator runs with it)"
+            )
     shutdown = spec.get("shutdownAfterJobFinishes", False)
     ttl = spec.get("ttlSecondsAfterFinished", 0)
     if ttl < 0:

@@ -87,8 +87,12 @@ class Deployment:
             raise ConfigError(f"--gpus-per-pod: must be at least 1, got {self.gpus_per_pod}")
         if self.worker_cpus is not None and self.worker_cpus < 1:
             raise ConfigError(f"--worker-cpus: must be at least 1, got {self.worker_cpus}")
-        for flag, size in (("--worker-memory", self.worker_memory), ("--shm-size", self.shm_size),
-                           ("--head-memory", self.head_memory), ("--head-shm-size", self.head_shm_size)):  # fmt: skip
+        for flag, size in (
+            ("--worker-memory", self.worker_memory),
+            ("--shm-size", self.shm_size),
+            ("--head-memory", self.head_memory),
+            ("--head-shm-size", self.head_shm_size),
+        ):
             try:
                 if size is not None:
                     quantity_bytes(size)
@@ -104,8 +108,11 @@ class Deployment:
         for flag, value in deadlines.items():
             if value < 1:
                 raise ConfigError(f"{flag}: must be a positive number of seconds, got {value}")
-        hosts = {"--prometheus-host": self.prometheus_host, "--grafana-host": self.grafana_host,
-                 "--grafana-iframe-host": self.grafana_iframe_host}  # fmt: skip
+        hosts = {
+            "--prometheus-host": self.prometheus_host,
+            "--grafana-host": self.grafana_host,
+            "--grafana-iframe-host": self.grafana_iframe_host,
+        }
         for flag, url in hosts.items():
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{flag}: '{url}' is not a URL; give it with its scheme, e.g. http://grafana:3000")
@@ -128,8 +135,9 @@ def config_in_cluster(config: Path, repo: Path, mount_path: str, given: str | No
     if given is not None:
         path = PurePosixPath(given)
         if not (_under(path, PurePosixPath(mount_path)) or _under(path, IMAGE_ROOT)):
-            raise ConfigError(f"--config-in-cluster: {given} is neither on the PVC ({mount_path}) nor in the image "
-                              f"({IMAGE_ROOT})")  # fmt: skip
+            raise ConfigError(
+                f"--config-in-cluster: {given} is neither on the PVC ({mount_path}) nor in the image ({IMAGE_ROOT})"
+            )
         return given
     config = config.resolve()
     for directory in IMAGE_DIRS:
@@ -220,8 +228,10 @@ def notes(plat: K8sConfig, pods: WorkerPods | None = None) -> list[str]:
         out.append(f"{kuberay}: no preRunningDeadlineSeconds (from {since}); activeDeadlineSeconds bounds the wait")
     if plat.queueing != "kueue" and not uses_deletion_rules(plat):
         since, gated = dotted(GATES_ON_BY_DEFAULT_SINCE[DELETION_GATE]), dotted(DELETION_STRATEGY_SINCE)
-        out.append(f"{kuberay}: no deletion rules (from {since}; {gated} with the {DELETION_GATE} gate): a failed "
-                   "job holds its GPUs until the TTL")  # fmt: skip
+        out.append(
+            f"{kuberay}: no deletion rules (from {since}; {gated} with the {DELETION_GATE} gate): a failed "
+            "job holds its GPUs until the TTL"
+        )
     return out
 
 
@@ -266,17 +276,22 @@ def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> W
             "and give ray.num_workers = pods × --gpus-per-pod"
         )
     if plat.fabric == "none" and dep.ib_hca:
-        raise ConfigError("--ib-hca: names InfiniBand adapters, but k8s.fabric is none; add --fabric infiniband "
-                          "or roce")  # fmt: skip
+        raise ConfigError(
+            "--ib-hca: names InfiniBand adapters, but k8s.fabric is none; add --fabric infiniband or roce"
+        )
     pods = worker_pods(r, plat.node, plat.one_pod_per_node, dep.gpus_per_pod, dep.worker_cpus, dep.worker_memory)
     if quantity_bytes(dep.shm_size) >= pods.memory:
-        raise ConfigError(f"--shm-size: {dep.shm_size} of /dev/shm is counted in the pod's memory, "
-                          f"{pods.memory_quantity}; make it smaller")  # fmt: skip
+        raise ConfigError(
+            f"--shm-size: {dep.shm_size} of /dev/shm is counted in the pod's memory, "
+            f"{pods.memory_quantity}; make it smaller"
+        )
     mount = PurePosixPath(dep.mount_path)
-    for key, path in (("ray.storage_path", cfg.ray.storage_path or cfg.train.output_dir),
-                      ("train.output_dir", cfg.train.output_dir),
-                      ("model.model_name_or_path", cfg.model.model_name_or_path),
-                      ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path)):  # fmt: skip
+    for key, path in (
+        ("ray.storage_path", cfg.ray.storage_path or cfg.train.output_dir),
+        ("train.output_dir", cfg.train.output_dir),
+        ("model.model_name_or_path", cfg.model.model_name_or_path),
+        ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path),
+    ):
         if is_hub_name(path) and key.startswith("model."):
             continue  # a hub name: resolved in the job through HF_HOME, which is on the PVC
         if key == "ray.storage_path" and cfg.ray.storage_path is None:
@@ -293,8 +308,10 @@ def check_fits(cfg: Config, dep: Deployment, plat: K8sConfig | None = None) -> W
         raise ConfigError(f"data.dataset_name_or_path: {data} is not on the PVC mounted at {dep.mount_path}")
     hf_home = PurePosixPath(platform.hf_env(plat, dep.mount_path)["HF_HOME"])
     if not _under(hf_home, mount):
-        raise ConfigError(f"k8s.hf_home: {hf_home} is not on the PVC mounted at {dep.mount_path}; every pod must "
-                          "share one Hugging Face cache")  # fmt: skip
+        raise ConfigError(
+            f"k8s.hf_home: {hf_home} is not on the PVC mounted at {dep.mount_path}; every pod must "
+            "share one Hugging Face cache"
+        )
     return pods
 
 
@@ -321,8 +338,10 @@ def cluster_spec(
 
 def _pvc(dep: Deployment, shm_size: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A pod's volumes and their mounts: the shared PVC, and a memory-backed /dev/shm of `shm_size`."""
-    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}]  # fmt: skip
+    volumes = [
+        {"name": "data", "persistentVolumeClaim": {"claimName": dep.pvc}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
+    ]
     mounts = [{"name": "data", "mountPath": dep.mount_path}, {"name": "dshm", "mountPath": "/dev/shm"}]
     return volumes, mounts
 
@@ -399,8 +418,11 @@ def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         **platform.hf_env(plat, dep.mount_path),
     }
-    hosts = {"RAY_PROMETHEUS_HOST": dep.prometheus_host, "RAY_GRAFANA_HOST": dep.grafana_host,
-             "RAY_GRAFANA_IFRAME_HOST": dep.grafana_iframe_host}  # fmt: skip
+    hosts = {
+        "RAY_PROMETHEUS_HOST": dep.prometheus_host,
+        "RAY_GRAFANA_HOST": dep.grafana_host,
+        "RAY_GRAFANA_IFRAME_HOST": dep.grafana_iframe_host,
+    }
     return {**env, **{k: v for k, v in hosts.items() if v}}
 
 
@@ -421,8 +443,12 @@ def gpu_env(dep: Deployment, plat: K8sConfig, nccl: NcclConfig) -> dict[str, str
         nccl = dataclasses.replace(
             nccl, ib_hca=nccl.ib_hca or dep.ib_hca, socket_ifname=nccl.socket_ifname or interface
         )
-        rdma = {"NCCL_IB_DISABLE": "0", "NCCL_IB_QPS_PER_CONNECTION": "1", "NCCL_IB_SPLIT_DATA_ON_QPS": "1",
-                "RDMAV_FORK_SAFE": "1"}  # fmt: skip
+        rdma = {
+            "NCCL_IB_DISABLE": "0",
+            "NCCL_IB_QPS_PER_CONNECTION": "1",
+            "NCCL_IB_SPLIT_DATA_ON_QPS": "1",
+            "RDMAV_FORK_SAFE": "1",
+        }
     return {
         **rdma,
         "NCCL_SOCKET_NTHREADS": "2",

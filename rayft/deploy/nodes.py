@@ -43,9 +43,11 @@ def worker_pods(
     gpus = gpus_per_pod or ray.workers_per_node
     problems = _grouping_problems(ray, gpus)
     if gpus > node.gpus:
-        problems.append(f"ray.workers_per_node: a worker pod of {gpus} GPUs does not fit a node of {node.gpus} "
-                        f"(k8s.node.gpus); set ray.workers_per_node to at most {node.gpus}, or declare the nodes' "
-                        "GPUs in k8s.node.gpus")  # fmt: skip
+        problems.append(
+            f"ray.workers_per_node: a worker pod of {gpus} GPUs does not fit a node of {node.gpus} "
+            f"(k8s.node.gpus); set ray.workers_per_node to at most {node.gpus}, or declare the nodes' "
+            "GPUs in k8s.node.gpus"
+        )
     if problems:
         raise ConfigError("\n".join(problems))
     node_memory = quantity_bytes(node.memory)
@@ -56,8 +58,11 @@ def worker_pods(
         memory=quantity_bytes(memory) if memory is not None else node_memory * gpus // node.gpus,
         per_node=1,
     )
-    fits = {"its GPUs": node.gpus // gpus, "its CPUs": node.cpus // max(pod.cpus, 1),
-            "its memory": node_memory // pod.memory}  # fmt: skip
+    fits = {
+        "its GPUs": node.gpus // gpus,
+        "its CPUs": node.cpus // max(pod.cpus, 1),
+        "its memory": node_memory // pod.memory,
+    }
     if one_pod_per_node:
         fits["k8s.one_pod_per_node"] = 1
     if min(fits.values()) < 1:
@@ -77,12 +82,16 @@ def _grouping_problems(ray: RayConfig, gpus: int) -> list[str]:
     if gpus < 1:
         problems.append(f"--gpus-per-pod: must be at least 1, got {gpus}")
     elif ray.num_workers % gpus:
-        problems.append(f"GPU count mismatch: ray.num_workers={ray.num_workers} is not a whole number of pods of "
-                        f"{gpus} GPUs; make ray.num_workers a multiple of ray.workers_per_node")  # fmt: skip
+        problems.append(
+            f"GPU count mismatch: ray.num_workers={ray.num_workers} is not a whole number of pods of "
+            f"{gpus} GPUs; make ray.num_workers a multiple of ray.workers_per_node"
+        )
     if gpus >= 1 and ray.workers_per_node != gpus:
         # The pod is the node: its workers must be one node to the meshes (HSDP, expert-parallel groups) too.
-        problems.append(f"ray.workers_per_node: {ray.workers_per_node}, but --gpus-per-pod={gpus} puts {gpus} "
-                        f"workers on each pod; set ray.workers_per_node: {gpus}")  # fmt: skip
+        problems.append(
+            f"ray.workers_per_node: {ray.workers_per_node}, but --gpus-per-pod={gpus} puts {gpus} "
+            f"workers on each pod; set ray.workers_per_node: {gpus}"
+        )
     return problems
 
 
@@ -108,5 +117,7 @@ def placement_notes(pod: WorkerPods, node: NodeShape) -> list[str]:
     if idle <= 0 or pod.pods < 1:
         return []
     pods = f"{pod.per_node} worker pod{'s' if pod.per_node > 1 else ''} of {pod.gpus} GPU{'s' if pod.gpus > 1 else ''}"
-    return [f"a node holding {pods} keeps {idle} of its {node.gpus} GPUs (k8s.node.gpus) free for other pods; "
-            "ray.workers_per_node and k8s.one_pod_per_node decide how many a node takes"]  # fmt: skip
+    return [
+        f"a node holding {pods} keeps {idle} of its {node.gpus} GPUs (k8s.node.gpus) free for other pods; "
+        "ray.workers_per_node and k8s.one_pod_per_node decide how many a node takes"
+    ]

@@ -89,9 +89,11 @@ def json_patch(doc: Any, operations: Any, where: str) -> Any:
     doc = copy.deepcopy(doc)
     for i, op in enumerate(operations):
         at = f"k8s.patches: {where}: operation {i}"
-        if not isinstance(op, dict) or "path" not in op or op.get("op") not in (
-            "add", "remove", "replace", "move", "copy", "test"
-        ):  # fmt: skip
+        if (
+            not isinstance(op, dict)
+            or "path" not in op
+            or op.get("op") not in ("add", "remove", "replace", "move", "copy", "test")
+        ):
             raise ConfigError(f"{at}: needs op (add|remove|replace|move|copy|test) and path, got {op!r}")
         kind, path = op["op"], _pointer(op["path"], at)
         if kind in ("add", "replace", "test") and "value" not in op:

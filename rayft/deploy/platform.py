@@ -127,9 +127,13 @@ def pod_security_context(p: K8sConfig) -> dict[str, Any]:
     """The pods' securityContext. With an fsGroup, the kubelet changes the group of every file on each volume at
     every pod start unless told to do so only where the volume's root differs: on a shared PVC of checkpoints and
     models that is minutes per pod, so OnRootMismatch."""
-    given = {"runAsUser": p.run_as_user, "runAsGroup": p.run_as_group, "fsGroup": p.fs_group,
-             "fsGroupChangePolicy": "OnRootMismatch" if p.fs_group is not None else None,
-             "runAsNonRoot": p.run_as_non_root}  # fmt: skip
+    given = {
+        "runAsUser": p.run_as_user,
+        "runAsGroup": p.run_as_group,
+        "fsGroup": p.fs_group,
+        "fsGroupChangePolicy": "OnRootMismatch" if p.fs_group is not None else None,
+        "runAsNonRoot": p.run_as_non_root,
+    }
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -150,8 +154,11 @@ def apply_to_pod(template: dict[str, Any], p: K8sConfig, role: str) -> None:
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **selector}
     if role == "worker" and p.affinity:
         spec["affinity"] = merge_affinity(spec.get("affinity", {}), p.affinity)
-    for key, value in (("priorityClassName", p.priority_class_name), ("serviceAccountName", p.service_account_name),
-                       ("schedulerName", scheduler_name(p))):  # fmt: skip
+    for key, value in (
+        ("priorityClassName", p.priority_class_name),
+        ("serviceAccountName", p.service_account_name),
+        ("schedulerName", scheduler_name(p)),
+    ):
         if value:
             spec[key] = value
     if p.image_pull_secrets:

@@ -58,8 +58,7 @@ def _read_header(path: Path, what: str) -> dict[str, Any]:
             raise ConfigError(f"{what}: {path} has a corrupt safetensors header ({e}); {REDOWNLOAD}") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{what}: {path} has a corrupt safetensors header (not a JSON object); {REDOWNLOAD}")
-    end = max((_tensor_span(path, what, key, info) for key, info in header.items() if key != "__metadata__"),
-              default=0)  # fmt: skip
+    end = max((_tensor_span(path, what, key, info) for key, info in header.items() if key != "__metadata__"), default=0)
     if 8 + header_len + end > size:
         raise ConfigError(
             f"{what}: {path} is truncated: its header declares {8 + header_len + end:,} bytes, the file has "

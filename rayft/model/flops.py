@@ -120,9 +120,11 @@ def attention_flops(text: Any, seq_len: int) -> float:
     v widths)."""
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    d_qk = getattr(text, "qk_head_dim", None) or (
-        (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0)
-    ) or head_dim  # fmt: skip
+    d_qk = (
+        getattr(text, "qk_head_dim", None)
+        or ((getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0))
+        or head_dim
+    )
     d_v = getattr(text, "v_head_dim", None) or head_dim
     return 2.0 * text.num_hidden_layers * seq_len * heads * (d_qk + d_v)
 

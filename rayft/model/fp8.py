@@ -211,8 +211,9 @@ def expert_chunks(counts: list[int], per_expert: int, device: torch.device) -> l
     active = [e for e, n in enumerate(counts) if n]
     groups = [active[i : i + per_chunk] for i in range(0, len(active), per_chunk)]
     ends = [list(itertools.accumulate(counts[e] for e in ids)) for ids in groups]
-    host = torch.tensor([*active, *itertools.chain.from_iterable(ends)], dtype=torch.long,
-                        pin_memory=device.type == "cuda")  # fmt: skip
+    host = torch.tensor(
+        [*active, *itertools.chain.from_iterable(ends)], dtype=torch.long, pin_memory=device.type == "cuda"
+    )
     on_device = host.to(device, non_blocking=True)
     ids_of, ends_of = on_device[: len(active)], on_device[len(active) :].to(torch.int32)
     chunks, row, first = [], 0, 0
@@ -366,8 +367,11 @@ class Fp8Experts(nn.Module):
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, block: int | None = None) -> None:
         super().__init__()
-        unsupported = [flag for flag, bad in (("has_gate", False), ("has_post_expert_norm", True))
-                       if getattr(experts, flag, not bad) == bad]  # fmt: skip
+        unsupported = [
+            flag
+            for flag, bad in (("has_gate", False), ("has_post_expert_norm", True))
+            if getattr(experts, flag, not bad) == bad
+        ]
         if unsupported:
             raise ValueError(f"{type(experts).__name__}: FP8 experts support no {', '.join(unsupported)} layout")
         self.num_experts, self.compute_dtype = experts.num_experts, compute_dtype

@@ -49,13 +49,33 @@ def chunk_rows(vocab: int, on_gpu: bool) -> int:
     return max(ROW_MULTIPLE, rows - rows % ROW_MULTIPLE)
 
 
+def _low_rank_buffers(ctx, u: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+    """LoRA on the head: its factors in the compute dtype and the buffers of their gradients (`b`'s transposed, summed
+    in fp32), None where there is no LoRA or no gradient is asked for."""
+    if u is None:
+        return None, None, None, None
+    u_low, b_low = u.to(dtype), b.to(dtype)
+    grad_u = torch.empty_like(u_low) if ctx.needs_input_grad[6] else None
+    grad_b_t = torch.zeros(b.shape[::-1], dtype=torch.float32, device=b.device) if ctx.needs_input_grad[7] else None
+    return u_low, b_low, grad_u, grad_b_t
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Mean token cross-entropy of `hidden @ w.T` (plus `u @ b.T`: LoRA on the head, see `LoraHead`), the gradients
     of `hidden`, `u` and `b` computed in the forward (`w` is frozen)."""
 
     @staticmethod
-    def forward(ctx, hidden, w, targets, num_items: torch.Tensor | None, scored_first: bool, workspace: Workspace,
-                u: torch.Tensor | None = None, b: torch.Tensor | None = None):  # fmt: skip
+    def forward(
+        ctx,
+        hidden,
+        w,
+        targets,
+        num_items: torch.Tensor | None,
+        scored_first: bool,
+        workspace: Workspace,
+        u: torch.Tensor | None = None,
+        b: torch.Tensor | None = None,
+    ):
         """`scored_first`: the scored rows come first and only padding follows them (their gradients are garbage
         for the caller to drop); otherwise unscored rows anywhere are masked out."""
         h = hidden.to(w.dtype)  # the weight's dtype is the compute dtype: the caller casts it
@@ -65,14 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_scored = int(count) if scored_first else 0
         safe = targets.clamp_min(0)[:, None]
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        if lora:
-            u_low, b_low = u.to(w.dtype), b.to(w.dtype)
-            grad_u = torch.empty_like(u_low) if ctx.needs_input_grad[6] else None
-            grad_b_t = (
-                torch.zeros(b.shape[::-1], dtype=torch.float32, device=b.device) if ctx.needs_input_grad[7] else None
-            )
-        else:
-            grad_u = grad_b_t = None
+        u_low, b_low, grad_u, grad_b_t = _low_rank_buffers(ctx, u, b, w.dtype)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         rows = chunk_rows(w.shape[0], h.device.type != "cpu")
         low, logits, log_probs = workspace.take(rows, w.shape[0], w.dtype, h.device)
@@ -112,8 +125,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         *grads, divisor = ctx.saved_tensors
         scale = grad_loss / divisor
-        grad, grad_u, grad_b = (g.to(dtype) * scale if g is not None else None
-                                for g, dtype in zip(grads, ctx.dtypes, strict=True))  # fmt: skip
+        grad, grad_u, grad_b = (
+            g.to(dtype) * scale if g is not None else None for g, dtype in zip(grads, ctx.dtypes, strict=True)
+        )
         return grad, None, None, None, None, None, grad_u, grad_b
 
 
@@ -191,9 +205,13 @@ class _LinearTokenLogProbs(torch.autograd.Function):
 
 
 def sequence_logprobs(
-    hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None, head=None,
-    workspace: Workspace | None = None, drop_unscored: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    head=None,
+    workspace: Workspace | None = None,
+    drop_unscored: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log p over each row's scored tokens, their count) for a causal LM: labels shifted by one, -100 not
     scored. With a frozen `weight` the log-probs come chunk by chunk without the logits being kept
     (`_LinearTokenLogProbs`); otherwise `head` (a module: LoRA on the LM head) gives the logits, as autograd sees
@@ -299,16 +317,28 @@ def fuse_loss(model: PreTrainedModel, drop_unscored: bool | None = None) -> str 
     backbone = model.base_model  # the decoder stack under the LM head
     head, workspace = FrozenCast(), Workspace()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                **kwargs: Any):  # fmt: skip
+    def forward(
+        self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, **kwargs: Any
+    ):
         if labels is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, **kwargs)  # fmt: skip
+            return original(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                **kwargs,
+            )
         num_items = kwargs.pop("num_items_in_batch", None)
         for unused in ("return_dict", "output_attentions", "output_hidden_states", "use_cache"):
             kwargs.pop(unused, None)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          inputs_embeds=inputs_embeds, use_cache=False, **kwargs).last_hidden_state  # fmt: skip
+        hidden = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            **kwargs,
+        ).last_hidden_state
         output = self.get_output_embeddings()
         weight = head(getattr(output, "base_layer", output).weight)
         loss = linear_cross_entropy(hidden, weight, labels, num_items, workspace, drop_unscored, lora_head(output))

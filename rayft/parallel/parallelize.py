@@ -50,8 +50,11 @@ def build_model(
     if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
         block = weight_block(Path(cfg.model.model_name_or_path))  # block-wise scales are kept as they are
         swapped = to_fp8_(decoder_layers(model), model.dtype, block[1] if block else None)
-        log.info("frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
-                 swapped, cfg.model.frozen_dtype)  # fmt: skip
+        log.info(
+            "frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
+            swapped,
+            cfg.model.frozen_dtype,
+        )
     if cfg.recomputes_activations:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
         # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
@@ -64,8 +67,15 @@ def build_model(
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims)
     else:
         blocks = split_experts_(model, ep)
-        log.info("expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
-                 blocks, ep.local, ep.num_experts, ep.first, ep.first + ep.local - 1, ep.k)  # fmt: skip
+        log.info(
+            "expert parallel: %d MoE layers, %d of %d experts each on this worker (experts %d-%d), %d-way",
+            blocks,
+            ep.local,
+            ep.num_experts,
+            ep.first,
+            ep.first + ep.local - 1,
+            ep.k,
+        )
         # The rest: HSDP within each node (`rayft.parallel.expert` says why), whatever k is.
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims, set(expert_params(model)))
     log.info("layout: %s", layout_line(model, ep))
@@ -129,8 +139,14 @@ def apply_fsdp(
             ignored_params=ignored,
         )
     # The root's weights are needed again right at the start of backward: keep them gathered.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload,
-                ignored_params=ignored)  # fmt: skip
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=False,
+        offload_policy=offload,
+        ignored_params=ignored,
+    )
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     if not any(p.requires_grad for p in model.parameters() if id(p) not in in_layers):
         # Frozen embeddings + LM head never change: gathered once, not again for every micro-batch.

@@ -83,6 +83,10 @@ def establish(workers_per_node: int) -> Topology:
     if workers_per_node > 1:
         topology.check_workers_per_node(workers_per_node)
     if dist.get_rank() == 0:
-        log.info("topology: %d node(s), ranks %s; node of each rank: %s", len(topology.nodes),
-                 [list(r) for r in topology.nodes], list(topology.node_ids))  # fmt: skip
+        log.info(
+            "topology: %d node(s), ranks %s; node of each rank: %s",
+            len(topology.nodes),
+            [list(r) for r in topology.nodes],
+            list(topology.node_ids),
+        )
     return topology

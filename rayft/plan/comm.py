@@ -137,8 +137,9 @@ def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gp
     plan.transfers += _sharded(cfg, s, layout, cluster, layers, s.lora - expert_lora, c, r)
     if k > 1:  # ep-groups: k consecutive ranks; dp-groups: W/k ranks k apart holding the same experts
         dp = w // k
-        plan.transfers += _all_reduce("LoRA gradients, routed experts", expert_lora * r / k, dp,
-                                      cluster.nodes_spanned(dp, stride=k))  # fmt: skip
+        plan.transfers += _all_reduce(
+            "LoRA gradients, routed experts", expert_lora * r / k, dp, cluster.nodes_spanned(dp, stride=k)
+        )
         plan.transfers.append(_all_to_all(cfg, s, k, cluster.nodes_spanned(k), c))
     plan.transfers += _all_reduce("step's target-token count", TARGET_COUNT_BYTES, w, cluster.nodes_spanned(w))
     plan.transfers = [t for t in plan.transfers if t.received > 0]
@@ -163,17 +164,30 @@ def _sharded(
     nodes = cluster.nodes_spanned(shard)
     out = []
     if cfg.fsdp.reshards():  # the last layer stays gathered from its forward to its backward
-        out.append(_collective("all_gather", "decoder layers, forward + backward but the last's", MICRO_BATCH,
-                               (2 - 1 / s.layers) * layers, shard, nodes))  # fmt: skip
+        out.append(
+            _collective(
+                "all_gather",
+                "decoder layers, forward + backward but the last's",
+                MICRO_BATCH,
+                (2 - 1 / s.layers) * layers,
+                shard,
+                nodes,
+            )
+        )
     else:
         out.append(_collective("all_gather", "decoder layers, kept over the step", STEP, layers, shard, nodes))
     if s.root_lora:
-        out.append(_collective("all_gather", "root (embeddings, head) with its LoRA", MICRO_BATCH, s.root * c, shard,
-                               nodes))  # fmt: skip
+        out.append(
+            _collective("all_gather", "root (embeddings, head) with its LoRA", MICRO_BATCH, s.root * c, shard, nodes)
+        )
     out.append(_collective("reduce_scatter", "LoRA gradients", STEP, lora * r, shard, nodes))
     if replicas > 1:
-        out += _all_reduce("LoRA gradient shards across replicas", lora * r / shard, replicas,
-                           cluster.nodes_spanned(replicas, stride=shard))  # fmt: skip
+        out += _all_reduce(
+            "LoRA gradient shards across replicas",
+            lora * r / shard,
+            replicas,
+            cluster.nodes_spanned(replicas, stride=shard),
+        )
     return out
 
 

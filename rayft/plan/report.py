@@ -26,8 +26,19 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
     ]
     if any(plan.fp8 for plan in plans):
         head.append(f"compute of an FP8 base includes its dequantisation at {hw.hbm_bytes_per_s / 1e12:g} TB/s HBM")
-    columns = ["layout", "base", "GiB/GPU", "fits", *(label for _, label in KINDS), "network",
-               "compute", "comm", "step", "serial", "bound"]  # fmt: skip
+    columns = [
+        "layout",
+        "base",
+        "GiB/GPU",
+        "fits",
+        *(label for _, label in KINDS),
+        "network",
+        "compute",
+        "comm",
+        "step",
+        "serial",
+        "bound",
+    ]
     widths = [20, 4, 8, 5, 9, 10, 8, 8, 8, 8, 7, 7, 7, 6]
     lines = [*head, _row(columns, widths)]
     best = fastest_fitting(plans)

@@ -231,15 +231,22 @@ class CheckpointManager:
                     self.resumed_metrics = reported_metrics(Path(d))
             log.info(
                 "resumed from %s: step %d, epoch %d, %d batches into the epoch (written by %d workers)",
-                checkpoint.path, progress.step, progress.epoch, progress.batches_in_epoch, progress.world_size,
-            )  # fmt: skip
+                checkpoint.path,
+                progress.step,
+                progress.epoch,
+                progress.batches_in_epoch,
+                progress.world_size,
+            )
             state.progress = remap_position(progress, plan, accum)
         # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
         self.last_saved = state.progress.step
         if own is not None and self.rank == 0:
             for name in remove_unregistered(self.run, self.run_id, state.progress.step):
-                log.warning("removed %s/%s: written by this run, never registered by Ray (a save that failed)",
-                            self.run.uri, name)  # fmt: skip
+                log.warning(
+                    "removed %s/%s: written by this run, never registered by Ray (a save that failed)",
+                    self.run.uri,
+                    name,
+                )
         return checkpoint is not None
 
     def save(self, state: TrainState, metrics: dict[str, Any]) -> None:
@@ -278,8 +285,12 @@ def remap_position(progress: Progress, plan, accum: int) -> Progress:
         log.warning(
             "checkpoint written by %d workers, resuming on %d: continuing after ~%d of %d batches of epoch %d "
             "(same data share; not bit-identical to an uninterrupted run)",
-            progress.world_size, plan.world_size, consumed, plan.micro_batches_per_epoch, progress.epoch,
-        )  # fmt: skip
+            progress.world_size,
+            plan.world_size,
+            consumed,
+            plan.micro_batches_per_epoch,
+            progress.epoch,
+        )
         progress.batches_in_epoch = consumed - consumed % accum
         progress.world_size = plan.world_size
     if progress.batches_in_epoch >= plan.micro_batches_per_epoch:

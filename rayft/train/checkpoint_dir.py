@@ -99,8 +99,12 @@ def remove_unregistered(run: RunDir, run_id: str | None, resumed_step: int) -> l
             run.delete_dir(name)
             removed.append(name)
         else:
-            log.warning("kept %s/%s: not registered, but not provably written by this run (delete it by hand if it "
-                        "is not needed)", run.uri, name)  # fmt: skip
+            log.warning(
+                "kept %s/%s: not registered, but not provably written by this run (delete it by hand if it "
+                "is not needed)",
+                run.uri,
+                name,
+            )
     return removed
 
 

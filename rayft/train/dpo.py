@@ -76,8 +76,9 @@ def enable_sequence_logprobs(model) -> None:
 
 def logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion log-prob sums, completion token counts) of every row of a pair batch."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 completion_labels=batch["labels"])  # fmt: skip
+    return model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], completion_labels=batch["labels"]
+    )
 
 
 def reference_logprobs(model, batch: Batch) -> torch.Tensor:
@@ -123,8 +124,9 @@ def pair_scores(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Ten
         losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
     else:
         losses = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-    return PairScores(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), chosen.detach(),
-                      rejected.detach())  # fmt: skip
+    return PairScores(
+        losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), chosen.detach(), rejected.detach()
+    )
 
 
 def score(model, batch: Batch, dpo: DpoConfig, live: bool = True) -> PairScores:
@@ -144,8 +146,15 @@ class PreferenceSums:
 
     def add(self, s: PairScores) -> None:
         margins = s.chosen_rewards - s.rejected_rewards
-        parts = (s.losses.detach(), s.chosen_rewards, s.rejected_rewards, (margins > 0).to(margins.dtype), margins,
-                 s.chosen_logps, s.rejected_logps)  # fmt: skip
+        parts = (
+            s.losses.detach(),
+            s.chosen_rewards,
+            s.rejected_rewards,
+            (margins > 0).to(margins.dtype),
+            margins,
+            s.chosen_logps,
+            s.rejected_logps,
+        )
         # the pair count filled on the device: a tensor built from a host number would be a copy the host waits for
         pairs = torch.full((), len(s.losses), dtype=torch.float64, device=self.sums.device)
         self.sums += torch.stack([pairs, *(p.double().sum() for p in parts)])
@@ -197,9 +206,15 @@ class PreferenceLoss:
 
 
 def evaluate(
-    model, shard, batch_size: int, collate, device: torch.device, autocast: Callable[[], Any] = nullcontext, *,
+    model,
+    shard,
+    batch_size: int,
+    collate,
+    device: torch.device,
+    autocast: Callable[[], Any] = nullcontext,
+    *,
     dpo: DpoConfig,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """`eval_loss` and TRL's `eval_rewards/*`, `eval_logps/*`: means over every pair of every rank's shard. For the
     base model alone (no adapter trained yet) policy and reference are the same: rewards 0, loss ln 2 (sigmoid)."""
     sums = PreferenceSums(device)

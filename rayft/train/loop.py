@@ -112,8 +112,9 @@ class Trainer:
             with self.profile.stage("resume"):
                 resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
             if self.rank == 0:
-                self.progress_log = _progress_log(self.cfg, self.plan, self.state, run, resumed, job.params, runtime,
-                                                  self.checkpoints.resumed_metrics)  # fmt: skip
+                self.progress_log = _progress_log(
+                    self.cfg, self.plan, self.state, run, resumed, job.params, runtime, self.checkpoints.resumed_metrics
+                )
             self.objective = Objective(self.cfg, self.state.model, self.device)
             self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
             self.cadence = Cadence(self.cfg.train, self.plan)
@@ -149,20 +150,30 @@ class Trainer:
         pad_id = self.tokenizer.pad_token_id
         with self.profile.stage("reference"):
             keyed = collate_fn(self.cfg.data, pad_id, pairs=True, keys=True)
-            table = reference.precompute(self.state.model, self.train_shard, self.cfg, keyed, self.device,
-                                         self.autocast, run, self.rank)  # fmt: skip
+            table = reference.precompute(
+                self.state.model, self.train_shard, self.cfg, keyed, self.device, self.autocast, run, self.rank
+            )
         return collate_fn(self.cfg.data, pad_id, pairs=True, reference=table)
 
     def train(self) -> None:
         """Optimizer steps until the plan's last; after each, what is due: metrics, evaluation, a checkpoint."""
         state, t = self.state, self.cfg.train
-        groups = step_groups(self.train_shard, self.cfg, self.plan, state.progress, self.train_collate, self.waited,
-                             self.device)  # fmt: skip
+        groups = step_groups(
+            self.train_shard, self.cfg, self.plan, state.progress, self.train_collate, self.waited, self.device
+        )
         for group, micro in groups:
             stepped = time.time()
-            grad_norm = self.objective.step(state.model, state.optimizer, state.scheduler, group, self.window,
-                                            world_size=self.plan.world_size, kept_layers=self.kept_layers,
-                                            autocast=self.autocast, max_grad_norm=t.max_grad_norm)  # fmt: skip
+            grad_norm = self.objective.step(
+                state.model,
+                state.optimizer,
+                state.scheduler,
+                group,
+                self.window,
+                world_size=self.plan.world_size,
+                kept_layers=self.kept_layers,
+                autocast=self.autocast,
+                max_grad_norm=t.max_grad_norm,
+            )
             if self.profile is not None:
                 self.profile = _first_step_done(self.profile, stepped, self.waited, self.progress_log)
             progress = state.progress
@@ -196,8 +207,9 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         t = self.cfg.train
-        return self.objective.evaluate(self.val_shard, t.per_device_eval_batch_size, self.collate, self.device,
-                                       self.autocast)  # fmt: skip
+        return self.objective.evaluate(
+            self.val_shard, t.per_device_eval_batch_size, self.collate, self.device, self.autocast
+        )
 
     def _save(self, metrics: dict[str, Any]) -> None:
         """Every checkpoint carries the score Ray ranks it by: evaluated now where this step had none."""
@@ -271,9 +283,15 @@ def _build_state(cfg: Config, plan: StepPlan, device: torch.device) -> tuple[Tra
 
 
 def _progress_log(
-    cfg: Config, plan: StepPlan, state: TrainState, run: RunDir, resumed: bool, params, runtime: Runtime,
+    cfg: Config,
+    plan: StepPlan,
+    state: TrainState,
+    run: RunDir,
+    resumed: bool,
+    params,
+    runtime: Runtime,
     resumed_row: dict[str, Any] | None,
-) -> ProgressLog:  # fmt: skip
+) -> ProgressLog:
     """Rank 0's logger, gauges and trackers."""
     trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
     dpo_run = cfg.train.objective == "dpo"
@@ -366,8 +384,12 @@ def _precision_line(model, bf16_on_cpu: bool, on_gpu: bool) -> str:
 
 
 def _flat(cfg: Config) -> dict[str, Any]:
-    return {f"{section}.{k}": v for section, values in cfg.to_dict().items() for k, v in values.items()
-            if isinstance(v, int | float | str | bool)}  # fmt: skip
+    return {
+        f"{section}.{k}": v
+        for section, values in cfg.to_dict().items()
+        for k, v in values.items()
+        if isinstance(v, int | float | str | bool)
+    }
 
 
 def _layout(cfg: Config, device: torch.device) -> ParallelDims:

@@ -176,8 +176,11 @@ class LossWindow:
             **moved_per_step(totals[4:].tolist(), self.world_size, steps),
         }
         keys_per_token = totals[3].item() / totals[2].item() if totals[2].item() > 0 else None
-        metrics.update(hardware_metrics(metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device,
-                                        keys_per_token))  # fmt: skip
+        metrics.update(
+            hardware_metrics(
+                metrics["tokens_per_s"], self.world_size, self.flops, self.peak, self.device, keys_per_token
+            )
+        )
         reset_peaks(self.device)  # the next window's peaks are its own
         return metrics
 
@@ -191,8 +194,9 @@ def moved_per_step(summed: list[float], world: int, steps: int) -> dict[str, flo
     return {**per_step, "comm_bytes": sum(per_step[f"comm_{kind}_bytes"] for kind in KINDS)}
 
 
-def hardware_metrics(tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device,
-                     keys_per_token: float | None = None) -> dict[str, Any]:  # fmt: skip
+def hardware_metrics(
+    tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device, keys_per_token: float | None = None
+) -> dict[str, Any]:
     """Per-worker throughput, the FLOPs per token the MFUs count (attention over `keys_per_token` keys, the
     window's measured mean; full-length documents without one), both MFUs (null without a known GPU peak) and peak
     memory of the worst rank."""
@@ -236,9 +240,17 @@ class ProgressLog:
     """Rank 0's record of the run at each logging step: one log line, a metrics.jsonl row (the history of the
     run, cut back to the resume point), the Prometheus gauges and the trackers."""
 
-    def __init__(self, run, total_steps: int, first_step: int, resumed: bool, params: dict[str, Any],
-                 gauges: Gauges | None, trackers: Trackers | None,
-                 resumed_row: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run,
+        total_steps: int,
+        first_step: int,
+        resumed: bool,
+        params: dict[str, Any],
+        gauges: Gauges | None,
+        trackers: Trackers | None,
+        resumed_row: dict[str, Any] | None = None,
+    ):
         """`resumed_row`: the metrics this run reported with the checkpoint it continues from. A worker stopped
         after that checkpoint was registered but before its row reached metrics.jsonl would otherwise leave the
         step out of the history for good."""
@@ -257,8 +269,13 @@ class ProgressLog:
         eta = elapsed / done * (self.total_steps - metrics["step"]) if done else None
         logging.getLogger("rayft").info(progress_line(metrics, self.total_steps, eta))
         # What saving cost so far in this attempt: the share of wall time training stood still.
-        row = {**metrics, **self.params, "checkpoint_stall_s": round(checkpoint_stall_s, 4),
-               "elapsed_s": round(elapsed, 3), "time": round(time.time(), 3)}  # fmt: skip
+        row = {
+            **metrics,
+            **self.params,
+            "checkpoint_stall_s": round(checkpoint_stall_s, 4),
+            "elapsed_s": round(elapsed, 3),
+            "time": round(time.time(), 3),
+        }
         if self.startup is not None:
             row["startup"], self.startup = self.startup, None
         self.history.append(row)

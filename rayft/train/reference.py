@@ -99,8 +99,7 @@ def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None
         log.warning("%s does not read (%s); scoring the reference again", TABLE_FILE, e)
         return None
     if table.identity != identity:
-        log.warning("%s was scored under other settings (%s); scoring the reference again", TABLE_FILE,
-                    table.identity)  # fmt: skip
+        log.warning("%s was scored under other settings (%s); scoring the reference again", TABLE_FILE, table.identity)
         return None
     return table
 
@@ -108,7 +107,7 @@ def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None
 @torch.no_grad()
 def score_batches(
     model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, autocast: Callable[[], Any]
-) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray]:
     """The pairs of these (collated) batches: their keys and reference (chosen, rejected) log-probs."""
     model.eval()
     keys, logps = [], []
@@ -153,6 +152,10 @@ def precompute(model, shard, cfg, collate, device, autocast, run: RunDir, rank: 
     table = ReferenceTable.merge(gathered, identity)
     if rank == 0:
         run.write_file(TABLE_FILE, table.to_bytes())
-        log.info("reference log-probs of %d pairs scored in %.1f s (one pass, adapter off); kept in %s",
-                 len(table), time.perf_counter() - started, TABLE_FILE)  # fmt: skip
+        log.info(
+            "reference log-probs of %d pairs scored in %.1f s (one pass, adapter off); kept in %s",
+            len(table),
+            time.perf_counter() - started,
+            TABLE_FILE,
+        )
     return table

@@ -29,9 +29,13 @@ class Shard(Protocol):
     """A rank's share of one split, iterated as Ray Data's `DataIterator` is."""
 
     def iter_torch_batches(
-        self, *, batch_size: int, collate_fn: Callable[[dict[str, np.ndarray]], Any],
-        local_shuffle_buffer_size: int | None = None, local_shuffle_seed: int | None = None,
-    ) -> Iterator[Any]: ...  # fmt: skip
+        self,
+        *,
+        batch_size: int,
+        collate_fn: Callable[[dict[str, np.ndarray]], Any],
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+    ) -> Iterator[Any]: ...
 
 
 class Runtime(Protocol):
@@ -105,9 +109,13 @@ class RowShard:
     rows: pa.Table
 
     def iter_torch_batches(
-        self, *, batch_size: int, collate_fn: Callable[[dict[str, np.ndarray]], Any],
-        local_shuffle_buffer_size: int | None = None, local_shuffle_seed: int | None = None,
-    ) -> Iterator[Any]:  # fmt: skip
+        self,
+        *,
+        batch_size: int,
+        collate_fn: Callable[[dict[str, np.ndarray]], Any],
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+    ) -> Iterator[Any]:
         order = np.arange(self.rows.num_rows)
         if local_shuffle_buffer_size:
             order = np.random.default_rng(local_shuffle_seed).permutation(order)

@@ -61,8 +61,9 @@ class Gauges:
 
         self.tags = {"run": run}
         described = {**GAUGES, **(extra or {})}
-        self.gauges = {k: Gauge(f"rayft_{k.replace('/', '_')}", description=d, tag_keys=("run",))
-                       for k, d in described.items()}  # fmt: skip
+        self.gauges = {
+            k: Gauge(f"rayft_{k.replace('/', '_')}", description=d, tag_keys=("run",)) for k, d in described.items()
+        }
 
     def set(self, metrics: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():
