@@ -361,6 +361,16 @@ class RayConfig:
     max_failures: int = 1
     # async: training goes on while the checkpoint is copied to storage_path; sync: it waits for the copy.
     checkpoint_upload: str = "async"
+    # A drain notice for one of the run's nodes (a spot reclaim, a scale-down): checkpoint saves one at once and
+    # trains on until Ray restarts the run from it; ignore leaves the loss to the periodic checkpoints.
+    preemption: str = "checkpoint"
+    # Optimizer steps between two looks at Ray's drain notice (each look is a barrier across the workers).
+    preemption_check_steps: int = 1
+    # Restarts after a preemption, counted apart from max_failures; -1: any number.
+    max_preemptions: int = -1
+    # Seconds the workers may train on past a drain's deadline, until its node is gone (0: Ray restarts the run
+    # at the deadline, whether or not the node is still there).
+    preemption_grace_s: float = 0.0
     # Logical CPUs of the local cluster started when there is none to join (more than cores, so
     # Ray Data tasks are not starved by the training workers).
     local_num_cpus: int = 8
@@ -831,6 +841,10 @@ class Config:
         _at_least("ray.local_num_cpus", r.local_num_cpus, 1)
         _at_least("ray.placement_timeout_s", r.placement_timeout_s, 0)
         _one_of("ray.checkpoint_upload", r.checkpoint_upload, ("async", "sync"))
+        _one_of("ray.preemption", r.preemption, ("checkpoint", "ignore"))
+        _at_least("ray.preemption_check_steps", r.preemption_check_steps, 1)
+        _at_least("ray.max_preemptions", r.max_preemptions, -1, hint=" (-1 retries forever)")
+        _at_least("ray.preemption_grace_s", r.preemption_grace_s, 0)
         _one_of("ray.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
         if _at_least("ray.workers_per_node", r.workers_per_node, 1) and r.num_workers % r.workers_per_node:
             _problem(

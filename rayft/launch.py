@@ -127,7 +127,11 @@ def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray
             checkpoint_score_attribute=best[0] if best else None,
             checkpoint_score_order=best[1] if best else "max",
         ),
-        failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+        failure_config=ray.train.FailureConfig(
+            max_failures=cfg.ray.max_failures,
+            max_preemption_failures=cfg.ray.max_preemptions,
+            preemption_grace_s=cfg.ray.preemption_grace_s,
+        ),
         worker_runtime_env=worker_runtime_env(cfg, use_gpu),
     )
 

@@ -15,7 +15,7 @@ from typing import Any
 import ray.train
 import torch
 
-from rayft.config import Config, TrainConfig
+from rayft.config import Config, RayConfig, TrainConfig
 from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
@@ -96,7 +96,8 @@ class Trainer:
 
     def __init__(self, job: Job, runtime: Runtime, entered: float):
         self.job, self.cfg, self.plan = job, job.config, job.plan
-        self.rank, self.device = runtime.rank, runtime.device
+        self.rank, self.device, self.runtime = runtime.rank, runtime.device, runtime
+        self.acted_on: tuple[str, ...] = ()  # the draining nodes of the last preemption notice acted on
         _setup_logging(self.rank)
         self.profile: Profile | None = _worker_profile(job, entered)
         torch.manual_seed(self.cfg.train.seed)
@@ -117,7 +118,7 @@ class Trainer:
                 )
             self.objective = Objective(self.cfg, self.state.model, self.device)
             self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
-            self.cadence = Cadence(self.cfg.train, self.plan)
+            self.cadence = Cadence(self.cfg.train, self.cfg.ray, self.plan)
             self.waited = DataWait()
             self.kept_layers = [] if self.cfg.fsdp.reshards() else decoder_layers(self.state.model)
             self.train_collate = self._train_collate(run)
@@ -204,6 +205,28 @@ class Trainer:
         if self.progress_log is not None and ("loss" in metrics or "eval_loss" in metrics):
             with window.paused():
                 self.progress_log.record(metrics, self.checkpoints.stall_s)
+        if self.cadence.preemption(progress):
+            with window.paused():
+                self._checkpoint_if_draining(progress)
+
+    def _checkpoint_if_draining(self, progress: Progress) -> None:
+        """Ray's drain notice for a node of the run: a checkpoint now, once per notice (unless this step has one),
+        then training goes on; when the node goes, Ray restarts the run from it, losing only the steps since."""
+        notice = self.runtime.preemption()
+        if notice is None or notice.nodes == self.acted_on:
+            return
+        self.acted_on = notice.nodes
+        noticed = time.time()
+        if self.checkpoints.last_saved != progress.step:
+            self._save({"step": progress.step, "epoch": _epoch_position(progress, self.plan)})
+        if self.rank == 0:
+            log.warning(
+                "preemption notice at step %d: %s; checkpoint-%06d holds the run (%.1f s)",
+                progress.step,
+                notice.describe(noticed),
+                self.checkpoints.last_saved,
+                time.time() - noticed,
+            )
 
     def evaluate(self) -> dict[str, Any]:
         t = self.cfg.train
@@ -334,6 +357,7 @@ class Cadence:
     """When to log, evaluate and save (the `*_strategy` / `*_steps` settings), judged after each step."""
 
     train: TrainConfig
+    ray: RayConfig
     plan: StepPlan
     last_evaluated: int = -1
 
@@ -345,6 +369,15 @@ class Cadence:
 
     def save(self, progress: Progress, micro: int) -> bool:
         return self._due(self.train.save_strategy, self.train.save_steps, progress, micro)
+
+    def preemption(self, progress: Progress) -> bool:
+        """Whether to look at Ray's drain notice after this step (`ray.preemption`, `ray.preemption_check_steps`);
+        never after the last step, where the run's own final checkpoint follows, nor in a run that saves none
+        (`train.save_strategy: no`)."""
+        ray_cfg = self.ray
+        if ray_cfg.preemption != "checkpoint" or self.train.save_strategy == "no":
+            return False
+        return progress.step % ray_cfg.preemption_check_steps == 0 and not self._done(progress)
 
     def _done(self, progress: Progress) -> bool:
         return progress.step >= self.plan.total_steps

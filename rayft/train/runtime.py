@@ -38,6 +38,20 @@ class Shard(Protocol):
     ) -> Iterator[Any]: ...
 
 
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Nodes of the run being drained (a spot reclaim, a scale-down, maintenance): which, the ranks on them, and
+    the deadline (UNIX seconds; None when the drain gave none)."""
+
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]
+    deadline: float | None = None
+
+    def describe(self, now: float) -> str:
+        left = f"deadline in {self.deadline - now:.0f} s" if self.deadline is not None else "no deadline given"
+        return f"node(s) {', '.join(n[:12] for n in self.nodes)} (ranks {list(self.ranks)}) draining, {left}"
+
+
 class Runtime(Protocol):
     """The launcher's side of a worker's run."""
 
@@ -58,6 +72,10 @@ class Runtime(Protocol):
 
     def gauges(self, run: str, extra: dict[str, str] | None) -> Gauges | None:
         """Where rank 0's metrics are exported as live gauges; None where nothing scrapes them."""
+        ...
+
+    def preemption(self) -> PreemptionNotice | None:
+        """A drain notice for a node of the run, else None. Collective: every rank asks, equally often."""
         ...
 
 
@@ -100,6 +118,16 @@ class RayRuntime:
 
         return Gauges(run, extra)
 
+    def preemption(self) -> PreemptionNotice | None:
+        """Ray Train's notice (`ray.train.get_preemption_info`): a barrier across the workers, which agree on it."""
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        deadline = info.deadline_ms / 1000 if info.deadline_ms else None
+        return PreemptionNotice(tuple(info.preempted_node_ids), tuple(info.preempted_ranks), deadline)
+
 
 @dataclass
 class RowShard:
@@ -141,6 +169,7 @@ class LocalRuntime:
     shards: dict[str, RowShard] = field(default_factory=dict)
     resume: Path | None = None
     reported: list[dict[str, Any]] = field(default_factory=list)
+    notices: list[PreemptionNotice | None] = field(default_factory=list)  # what each look finds; then None
 
     def shard(self, split: str) -> Shard:
         return self.shards[split]
@@ -162,3 +191,6 @@ class LocalRuntime:
 
     def gauges(self, run: str, extra: dict[str, str] | None) -> Gauges | None:
         return None
+
+    def preemption(self) -> PreemptionNotice | None:
+        return self.notices.pop(0) if self.notices else None

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from test_chat_job import TRAIN, assert_adapter_saved, chat_config
 from test_dpo_job import dpo_config
 from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
 
+from rayft.train.runtime import PreemptionNotice
 from rayft.train.spool import SPOOL_ROOT
 
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
@@ -76,6 +78,28 @@ def test_a_run_stopped_after_a_checkpoint_continues_to_the_uninterrupted_result(
     assert [r["step"] for r in resumed.metrics()] == list(range(1, STEPS + 1))
     (finished,) = set((resumed.out / "wandb").glob("offline-run-*/run-*.wandb")) - {wandb_file}
     assert wandb_records(finished)[-1].exit.exit_code == 0  # the run that finished is not marked failed
+    _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
+
+
+def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it_exactly(
+    fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
+):
+    """Ray's drain notice for a node of the run (`ray.preemption: checkpoint`, the default), first seen after step 2
+    of a run whose periodic checkpoints come only at its end: step 2's checkpoint is saved at once, once for the
+    notice though it stays up, the job log says what happened, and training goes on to the end. Continued from that
+    checkpoint, as Ray restarts a preempted run, it ends where the uninterrupted run ends."""
+    cfg = checkpointing_config(fixtures, tmp_path, train__save_steps=100)
+    notice = PreemptionNotice(("node-b",), (1,), deadline=time.time() + 120)
+    run = train_locally(cfg, 2, notices=[None, notice, notice])
+    saved = sorted(p.name for p in run.run_dir.glob("checkpoint-*"))
+    assert saved == ["checkpoint-000002", f"checkpoint-{STEPS:06d}"], saved
+    text = run.text()
+    assert re.search(r"preemption notice at step 2: node\(s\) node-b \(ranks \[1\]\) draining, deadline in 1\d\d s; "
+                     r"checkpoint-000002 holds the run", text), text[-3000:]  # fmt: skip
+    assert text.count("preemption notice") == 1
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
+    resumed = train_locally(cfg, 2, resume=run.checkpoint(2))
+    assert resumed.resumes()[-1] == 2
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 

@@ -12,7 +12,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +32,8 @@ from conftest import (
     run_cli,
     write_yaml,
 )
+from fixtures.cluster import RAY_BIN
+from fixtures.local_run import train_locally
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.ray
@@ -230,10 +235,10 @@ def test_a_test_clusters_workers_run_at_normal_priority(ray_cluster: RayCluster)
     assert "niceness 0" in probe.stdout, probe.stdout
 
 
-def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, reference_run: Run, tmp_path, monkeypatch):
-    """Three trainer nodes for two workers (STRICT_SPREAD, one per node): removing a worker's node mid-run, as a
-    lost pod would, kills its worker; with max_failures 1 the group restarts on the spare node, from the last
-    checkpoint, and ends with the uninterrupted run's result."""
+@contextmanager
+def three_trainer_nodes(monkeypatch, env: dict[str, str] | None = None) -> Iterator[tuple[Any, list, RayCluster]]:
+    """A cluster of its own: a head and three trainer nodes of one CPU each (two workers, STRICT_SPREAD, leave a
+    spare), shut down after. `env`: more of the driver's environment."""
     from ray.cluster_utils import Cluster
     from ray.util import get_node_ip_address
 
@@ -254,10 +259,18 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
         trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(3)]
         cluster.wait_for_nodes()
-        env = {**os.environ, **TEST_RAY_ENV}
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        test_cluster = RayCluster(address=cluster.address, dashboard="", env=env)
+        driver_env = {**os.environ, **TEST_RAY_ENV, **(env or {})}
+        driver_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{driver_env.get('PATH', '')}"
+        yield cluster, trainers, RayCluster(address=cluster.address, dashboard="", env=driver_env)
+    finally:
+        cluster.shutdown()
 
+
+def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, reference_run: Run, tmp_path, monkeypatch):
+    """Three trainer nodes for two workers (STRICT_SPREAD, one per node): removing a worker's node mid-run, as a
+    lost pod would, kills its worker; with max_failures 1 the group restarts on the spare node, from the last
+    checkpoint, and ends with the uninterrupted run's result."""
+    with three_trainer_nodes(monkeypatch) as (cluster, trainers, test_cluster):
         out = tmp_path / "out"
         cfg = checkpointing_config(
             fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=1,
@@ -274,12 +287,62 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
         finally:
             if driver.proc.poll() is None:
                 driver.kill()
-    finally:
-        cluster.shutdown()
 
     resumed = resumes(text)
     assert len(resumed) == 1 and resumed[0] >= 2, text[-6000:]
     assert_same_training(run, reference_run)
+
+
+# Ray Train's drain watcher on (the test clusters turn it off), polling every half second instead of 5 s.
+PREEMPTION_WATCHED = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+NOTICE = re.compile(
+    r"preemption notice at step (\d+): node\(s\) (\S+) \(ranks \[(\d+)\]\) draining, deadline in (\d+) s; "
+    r"checkpoint-(\d+) holds the run"
+)
+DEADLINE_S = 4  # the drain's notice: the workers are stopped this long after it
+STEPS_HERE = 3 * STEPS  # steps enough that the run is still training at the deadline
+RAY_VS_GLOO = 1e-4  # the same job on Ray's workers and on gloo ranks: other summation orders, not other data
+
+
+def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixtures: Fixtures, tmp_path, monkeypatch):
+    """A spot reclaim on the three-trainer-node cluster: a worker's node drained by Ray's drain API with a preemption
+    reason and a deadline, mid-run, in a run that saves no periodic checkpoint before its end. The workers see the
+    notice, save a checkpoint at once and train on; at the deadline Ray stops them and restarts the group, without
+    the drained node (the spare takes its place), from that checkpoint and on its preemption budget
+    (`ray.max_failures: 0` would end the run on a failure). The run ends where the same job on two gloo ranks ends,
+    uninterrupted."""
+    out = tmp_path / "out"
+    cfg = checkpointing_config(
+        fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=0,
+        ray__resources_per_worker={"CPU": 1, "trainer": 1}, train__max_steps=STEPS_HERE, train__save_steps=100,
+    )  # fmt: skip
+    with three_trainer_nodes(monkeypatch, PREEMPTION_WATCHED) as (cluster, trainers, test_cluster):
+        run, driver = start(test_cluster, cfg, out)
+        try:
+            wait_until(lambda: len(run.metrics()) >= 2, "step 2", run)
+            used = train_workers(cluster.address, driver)
+            drained = next(n for n in trainers if n.node_id in set(used.values()))
+            drain = [str(RAY_BIN), "drain-node", "--address", cluster.address, "--node-id", drained.node_id,
+                     "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+                     "--deadline-remaining-seconds", str(DEADLINE_S)]  # fmt: skip
+            deadline = time.time() + DEADLINE_S
+            subprocess.run(drain, check=True, capture_output=True, timeout=120)
+            notice = wait_until(lambda: NOTICE.search(run.text()), "the preemption notice", run)
+            assert time.time() < deadline and len(run.metrics()) < STEPS_HERE, "noticed in time, still training"
+            text = finish(run, driver)
+        finally:
+            if driver.proc.poll() is None:
+                driver.kill()
+
+    step, node, _, deadline, saved = notice.groups()
+    assert drained.node_id.startswith(node) and int(saved) == int(step) < STEPS_HERE and int(deadline) <= DEADLINE_S
+    assert f"checkpoint-{int(step):06d}" in run.registered() | run.checkpoint_dirs()
+    assert resumes(text) == [int(step)], text[-6000:]
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS_HERE + 1))
+    reference = train_locally({**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "local")}}, 2)
+    for got, want in zip(run.metrics(), reference.metrics(), strict=True):
+        assert abs(got["loss"] - want["loss"]) <= RAY_VS_GLOO, (got, want)
+    assert_same_adapter(run.out / "final", reference.out / "final", RAY_VS_GLOO)
 
 
 def copy_of(reference: Run, out: Path, **train_overrides) -> tuple[dict, Run]:

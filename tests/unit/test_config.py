@@ -80,6 +80,10 @@ def test_round_trips_through_a_plain_dict():
         ),
         ({"train": {"metric_for_best_model": "accuracy"}}, ["train.metric_for_best_model", "eval_loss"]),
         ({"ray": {"checkpoint_upload": "lazy"}}, ["ray.checkpoint_upload", "async"]),
+        ({"ray": {"preemption": "checkpoints"}}, ["ray.preemption", "checkpoint"]),
+        ({"ray": {"preemption_check_steps": 0}}, ["ray.preemption_check_steps must be >= 1"]),
+        ({"ray": {"max_preemptions": -2}}, ["ray.max_preemptions must be >= -1"]),
+        ({"ray": {"preemption_grace_s": -1}}, ["ray.preemption_grace_s must be >= 0"]),
         ({"ray": {"num_workers": 6, "workers_per_node": 4}}, ["ray.num_workers 6", "multiple of 4"]),
         ({"ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "SPREAD"}}, ["STRICT_SPREAD"]),
         (
