@@ -299,13 +299,14 @@ NOTICE = re.compile(
     r"preemption notice at step (\d+): node\(s\) (\S+) \(ranks \[(\d+)\]\) draining, deadline in (\d+) s; "
     r"checkpoint-(\d+) holds the run"
 )
+RANK0_PID = re.compile(r"pid=(\d+)\) world_rank=0,")  # Ray Train's controller, as it starts a worker group
 DEADLINE_S = 4  # the drain's notice: the workers are stopped this long after it
 STEPS_HERE = 3 * STEPS  # steps enough that the run is still training at the deadline
 RAY_VS_GLOO = 1e-4  # the same job on Ray's workers and on gloo ranks: other summation orders, not other data
 
 
 def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixtures: Fixtures, tmp_path, monkeypatch):
-    """A spot reclaim on the three-trainer-node cluster: a worker's node drained by Ray's drain API with a preemption
+    """A spot reclaim on the three-trainer-node cluster: rank 0's node drained by Ray's drain API with a preemption
     reason and a deadline, mid-run, in a run that saves no periodic checkpoint before its end. The workers see the
     notice, save a checkpoint at once and train on; at the deadline Ray stops them and restarts the group, without
     the drained node (the spare takes its place), from that checkpoint and on its preemption budget
@@ -320,8 +321,9 @@ def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixt
         run, driver = start(test_cluster, cfg, out)
         try:
             wait_until(lambda: len(run.metrics()) >= 2, "step 2", run)
-            used = train_workers(cluster.address, driver)
-            drained = next(n for n in trainers if n.node_id in set(used.values()))
+            # rank 0's node: the worker that writes the adapter, metrics.jsonl and the job log's progress lines
+            rank0 = int(wait_until(lambda: RANK0_PID.search(run.text()), "rank 0's pid", run)[1])
+            drained = next(n for n in trainers if n.node_id == train_workers(cluster.address, driver)[rank0])
             drain = [str(RAY_BIN), "drain-node", "--address", cluster.address, "--node-id", drained.node_id,
                      "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
                      "--deadline-remaining-seconds", str(DEADLINE_S)]  # fmt: skip
@@ -334,8 +336,9 @@ def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixt
             if driver.proc.poll() is None:
                 driver.kill()
 
-    step, node, _, deadline, saved = notice.groups()
-    assert drained.node_id.startswith(node) and int(saved) == int(step) < STEPS_HERE and int(deadline) <= DEADLINE_S
+    step, node, ranks, deadline, saved = notice.groups()
+    assert drained.node_id.startswith(node) and ranks == "0" and int(deadline) <= DEADLINE_S, notice[0]
+    assert int(saved) == int(step) < STEPS_HERE
     assert f"checkpoint-{int(step):06d}" in run.registered() | run.checkpoint_dirs()
     assert resumes(text) == [int(step)], text[-6000:]
     assert [r["step"] for r in run.metrics()] == list(range(1, STEPS_HERE + 1))
