@@ -494,6 +494,10 @@ class K8sConfig:
     node: NodeShape = field(default_factory=NodeShape)
     # At most one worker pod a node (required anti-affinity), so that each pod has a node's NIC to itself.
     one_pod_per_node: bool = False
+    # When Kubernetes stops a GPU worker pod (its node drained for a spot reclaim, a scale-down, maintenance), the
+    # pod first drains its Ray node with this deadline, so the run checkpoints at once (`ray.preemption`), and stays
+    # up that long; its termination grace period covers it. 0: no notice.
+    preemption_notice_s: int = 30
     # GPU worker placement (the head and the submitter go where the cluster puts CPU pods; `head_node_selector`
     # pins the head). `affinity` is added to rayft's own (`one_pod_per_node`).
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -537,6 +541,7 @@ class K8sConfig:
     def check(self) -> None:
         _one_of("k8s.queueing", self.queueing, QUEUEING)
         _one_of("k8s.config_delivery", self.config_delivery, CONFIG_DELIVERY)
+        _at_least("k8s.preemption_notice_s", self.preemption_notice_s, 0)
         if self.queueing != "none" and not self.queue:
             _problem(f"k8s.queue: k8s.queueing: {self.queueing} needs the queue's name")
         if self.queueing == "none" and self.queue:

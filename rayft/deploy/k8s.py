@@ -391,12 +391,15 @@ def _worker_group(dep: Deployment, pods: WorkerPods, plat: K8sConfig, nccl: Nccl
         # Without RDMA the capability is not asked for (restricted pod security refuses it).
         **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}} if rdma else {}),
         "volumeMounts": mounts,
+        **preemption_notice(plat.preemption_notice_s),
     }
     spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
         "tolerations": [{"key": dep.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}],
     }
+    if plat.preemption_notice_s:
+        spec["terminationGracePeriodSeconds"] = plat.preemption_notice_s + STOP_MARGIN_S
     if plat.one_pod_per_node:  # each pod owns its node's NIC, and a lost node takes one pod's ranks
         term = {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
         spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
@@ -408,6 +411,23 @@ def _worker_group(dep: Deployment, pods: WorkerPods, plat: K8sConfig, nccl: Nccl
         "rayStartParams": {},
         "template": {"metadata": metadata, "spec": spec},
     }
+
+
+STOP_MARGIN_S = 30  # after the notice: Ray's own shutdown on SIGTERM, before Kubernetes kills the container
+GCS_PORT = 6379  # the head's GCS, KubeRay's default port
+
+
+def preemption_notice(seconds: int) -> dict[str, Any]:
+    """A GPU worker container's preStop hook: a stopping pod drains its own Ray node (Ray Core's drain API, a
+    preemption with a deadline of `seconds`), which Ray Train passes to the workers as a preemption notice, then
+    waits out the deadline. The drain is asked through `ray drain-node` (Ray's CLI for that API) at the head's GCS
+    (KubeRay's FQ_RAY_IP in worker pods); a pod whose drain fails still waits, and stops as it would have."""
+    if not seconds:
+        return {}
+    address = f"${{FQ_RAY_IP:+--address $FQ_RAY_IP:{GCS_PORT}}}"
+    reason = '--reason DRAIN_NODE_REASON_PREEMPTION --reason-message "pod $HOSTNAME stopping"'
+    drain = f"ray drain-node {address} {reason} --deadline-remaining-seconds {seconds}"
+    return {"lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", f"{drain} || true; sleep {seconds}"]}}}}
 
 
 def head_env(dep: Deployment, plat: K8sConfig) -> dict[str, str]:

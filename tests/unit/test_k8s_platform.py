@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -404,3 +406,31 @@ def test_pods_the_declared_nodes_cannot_hold_are_refused_with_the_arithmetic(cap
 def test_bad_fabric_and_node_settings_are_refused(capsys, tmp_path, k8s, says):
     config = config_with(tmp_path, k8s)
     assert says in render_error(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml")
+
+
+def test_a_stopping_gpu_pod_gives_ray_a_preemption_notice_first(capsys, tmp_path):
+    """A GPU worker pod that Kubernetes stops (its node drained for a spot reclaim, a scale-down) first drains its
+    own Ray node, as a preemption with the configured deadline, so the run checkpoints at once (`ray.preemption`),
+    and waits that long inside its grace period. The command the shell runs is one the installed Ray's
+    `ray drain-node` accepts: its options and reason parsed by Ray's own CLI definition."""
+    from ray.scripts.scripts import drain_node
+
+    config = config_with(tmp_path, {"preemption_notice_s": 45})
+    group, container = worker_of(render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml"))
+    shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    drain, wait = script.split(" || true; ")
+    assert (shell, flag, wait) == ("/bin/sh", "-c", "sleep 45")
+    assert group["template"]["spec"]["terminationGracePeriodSeconds"] > 45
+    env = {"PATH": os.environ["PATH"], "FQ_RAY_IP": "rayft-head-svc.ml.svc.cluster.local", "HOSTNAME": "gpu-0"}
+    words = subprocess.run([shell, flag, drain.replace("ray drain-node", "printf '%s\\n'", 1)], env=env,
+                           capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    params = drain_node.make_context("drain-node", words).params
+    assert params["address"] == "rayft-head-svc.ml.svc.cluster.local:6379" and params["node_id"] is None
+    assert (params["reason"], params["deadline_remaining_seconds"]) == ("DRAIN_NODE_REASON_PREEMPTION", 45)
+    assert params["reason_message"] == "pod gpu-0 stopping"
+
+
+def test_no_preemption_notice_when_it_is_off(capsys, tmp_path):
+    config = config_with(tmp_path, {"preemption_notice_s": 0})
+    group, container = worker_of(render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml"))
+    assert "lifecycle" not in container and "terminationGracePeriodSeconds" not in group["template"]["spec"]
