@@ -236,9 +236,11 @@ def test_a_test_clusters_workers_run_at_normal_priority(ray_cluster: RayCluster)
 
 
 @contextmanager
-def three_trainer_nodes(monkeypatch, env: dict[str, str] | None = None) -> Iterator[tuple[Any, list, RayCluster]]:
-    """A cluster of its own: a head and three trainer nodes of one CPU each (two workers, STRICT_SPREAD, leave a
-    spare), shut down after. `env`: more of the driver's environment."""
+def trainer_nodes(
+    monkeypatch, count: int = 3, env: dict[str, str] | None = None
+) -> Iterator[tuple[Any, list, RayCluster]]:
+    """A cluster of its own: a head and `count` trainer nodes of one CPU each (two workers, STRICT_SPREAD, leave the
+    rest spare), shut down after. `env`: more of the driver's environment."""
     from ray.cluster_utils import Cluster
     from ray.util import get_node_ip_address
 
@@ -257,7 +259,7 @@ def three_trainer_nodes(monkeypatch, env: dict[str, str] | None = None) -> Itera
     try:
         assert cluster.address == os.environ["RAY_ADDRESS"], cluster.address
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
-        trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(3)]
+        trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(count)]
         cluster.wait_for_nodes()
         driver_env = {**os.environ, **TEST_RAY_ENV, **(env or {})}
         driver_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{driver_env.get('PATH', '')}"
@@ -270,7 +272,7 @@ def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, refe
     """Three trainer nodes for two workers (STRICT_SPREAD, one per node): removing a worker's node mid-run, as a
     lost pod would, kills its worker; with max_failures 1 the group restarts on the spare node, from the last
     checkpoint, and ends with the uninterrupted run's result."""
-    with three_trainer_nodes(monkeypatch) as (cluster, trainers, test_cluster):
+    with trainer_nodes(monkeypatch) as (cluster, trainers, test_cluster):
         out = tmp_path / "out"
         cfg = checkpointing_config(
             fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=1,
@@ -306,29 +308,33 @@ RAY_VS_GLOO = 1e-4  # the same job on Ray's workers and on gloo ranks: other sum
 
 
 def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixtures: Fixtures, tmp_path, monkeypatch):
-    """A spot reclaim on the three-trainer-node cluster: rank 0's node drained by Ray's drain API with a preemption
-    reason and a deadline, mid-run, in a run that saves no periodic checkpoint before its end. The workers see the
-    notice, save a checkpoint at once and train on; at the deadline Ray stops them and restarts the group, without
-    the drained node (the spare takes its place), from that checkpoint and on its preemption budget
-    (`ray.max_failures: 0` would end the run on a failure). The run ends where the same job on two gloo ranks ends,
-    uninterrupted."""
+    """A spot reclaim on a cluster of four trainer nodes for two workers. A drain of a node the run does not use
+    changes nothing. Then rank 0's node is drained (Ray's drain API, a preemption reason and a deadline) mid-run, in
+    a run that saves no periodic checkpoint before its end: the workers see the notice, save a checkpoint at once
+    and train on; at the deadline Ray stops them and restarts the group without the drained nodes (the last spare
+    takes rank 0's place), from that checkpoint and on its preemption budget (`ray.max_failures: 0` would end the
+    run on a failure). The run ends where the same job on two gloo ranks ends, uninterrupted."""
     out = tmp_path / "out"
     cfg = checkpointing_config(
         fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=0,
         ray__resources_per_worker={"CPU": 1, "trainer": 1}, train__max_steps=STEPS_HERE, train__save_steps=100,
     )  # fmt: skip
-    with three_trainer_nodes(monkeypatch, PREEMPTION_WATCHED) as (cluster, trainers, test_cluster):
+    with trainer_nodes(monkeypatch, 4, PREEMPTION_WATCHED) as (cluster, trainers, test_cluster):
         run, driver = start(test_cluster, cfg, out)
         try:
-            wait_until(lambda: len(run.metrics()) >= 2, "step 2", run)
+            wait_until(lambda: len(run.metrics()) >= 1, "step 1", run)
             # rank 0's node: the worker that writes the adapter, metrics.jsonl and the job log's progress lines
             rank0 = int(wait_until(lambda: RANK0_PID.search(run.text()), "rank 0's pid", run)[1])
-            drained = next(n for n in trainers if n.node_id == train_workers(cluster.address, driver)[rank0])
-            drain = [str(RAY_BIN), "drain-node", "--address", cluster.address, "--node-id", drained.node_id,
-                     "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                     "--deadline-remaining-seconds", str(DEADLINE_S)]  # fmt: skip
+            used = train_workers(cluster.address, driver)
+            drained = next(n for n in trainers if n.node_id == used[rank0])
+            # First a node the run does not use: no notice, no checkpoint, for the next two steps at least.
+            unused = next(n for n in trainers if n.node_id not in used.values())
+            drain_node(cluster.address, unused.node_id, 600)
+            steps = len(run.metrics())
+            wait_until(lambda: len(run.metrics()) >= steps + 2, "two more steps", run)
+            assert "preemption notice" not in run.text() and not run.checkpoint_dirs(), run.text()[-3000:]
             deadline = time.time() + DEADLINE_S
-            subprocess.run(drain, check=True, capture_output=True, timeout=120)
+            drain_node(cluster.address, drained.node_id, DEADLINE_S)
             notice = wait_until(lambda: NOTICE.search(run.text()), "the preemption notice", run)
             assert time.time() < deadline and len(run.metrics()) < STEPS_HERE, "noticed in time, still training"
             text = finish(run, driver)
@@ -346,6 +352,14 @@ def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixt
     for got, want in zip(run.metrics(), reference.metrics(), strict=True):
         assert abs(got["loss"] - want["loss"]) <= RAY_VS_GLOO, (got, want)
     assert_same_adapter(run.out / "final", reference.out / "final", RAY_VS_GLOO)
+
+
+def drain_node(address: str, node_id: str, deadline_s: int) -> None:
+    """Ray Core's drain of a node for a preemption, with a deadline, as a spot reclaim's handler would ask it."""
+    drain = [str(RAY_BIN), "drain-node", "--address", address, "--node-id", node_id, "--reason",
+             "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim", "--deadline-remaining-seconds",
+             str(deadline_s)]  # fmt: skip
+    subprocess.run(drain, check=True, capture_output=True, timeout=120)
 
 
 def copy_of(reference: Run, out: Path, **train_overrides) -> tuple[dict, Run]:
