@@ -154,6 +154,13 @@ def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "(default: the GPU's, e.g. 900 for H100/H200 SXM); half of it is what a GPU receives",
     )
     p.add_argument(
+        "--storage-gbps",
+        type=float,
+        metavar="GBYTE_S",
+        help="what the shared volume reads and writes in aggregate, in gigaBYTES per second, for the cost of a "
+        "preemption (default 2)",
+    )
+    p.add_argument(
         "--no-layouts",
         dest="layouts",
         action="store_false",
@@ -440,7 +447,18 @@ def _plan(args: argparse.Namespace) -> int:
             cluster = Cluster(nodes, args.gpus_per_node)
             layouts = [p for f in ([fp8, not fp8] if s.fp8 else [fp8]) for p in plan_layouts(cfg, s, cluster, hw, f)]
             print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
+            print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps))
     return EXIT_OK
+
+
+def _preemption_lines(cfg: Config, s, cluster, layouts: list, storage_gbps: float | None) -> str:
+    """What a preemption costs the fastest layout that fits (`rayft.plan.preemption`)."""
+    from rayft.plan.preemption import STORAGE_GBYTES_S, format_preemption, preemption_cost
+    from rayft.plan.steptime import fastest_fitting
+
+    best = fastest_fitting(layouts) or layouts[0]
+    cost = preemption_cost(cfg, s, best.fp8, best.layout, cluster, storage_gbps or STORAGE_GBYTES_S)
+    return format_preemption(cfg, cost, cluster.world, best.time.predicted_s if best.fits else None)
 
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:

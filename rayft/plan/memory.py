@@ -67,6 +67,12 @@ def stored_bytes(cfg: Config) -> int:
     return 4 if cfg.model.torch_dtype == "float32" else 2
 
 
+def base_bytes(cfg: Config, s: Structure, fp8: bool) -> int:
+    """The frozen base as stored: `model.torch_dtype`, or (`fp8`) its decoder matrices in FP8 with fp32 row scales."""
+    p = stored_bytes(cfg)
+    return (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows if fp8 else s.total * p
+
+
 def tokens_per_micro_batch(cfg: Config) -> int:
     """s: tokens each GPU runs per micro-batch (padded rows: max_length each)."""
     return cfg.data.max_length * cfg.train.per_device_train_batch_size
@@ -89,11 +95,9 @@ def plan_memory(
     shards = cfg.fsdp.shard_group(world_size)
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
     logit_rows = min(tokens, chunk_rows(s.vocab, on_gpu)) if cfg.train.fused_loss else tokens
-    if fp8:
-        stored = (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows
-        layer = (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
-    else:
-        stored, layer = s.total * p, s.largest_layer * c
+    stored = base_bytes(cfg, s, fp8)
+    fp8_layer = (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
+    layer = fp8_layer if fp8 else s.largest_layer * c
     if expert_parallel > 1:
         weights = _expert_parallel_weights(cfg, s, shards, c, p, fp8, stored, layer, expert_parallel)
     else:

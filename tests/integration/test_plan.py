@@ -7,11 +7,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, Fixtures
 
+from rayft import cli
 from rayft.config import Config
 from rayft.plan import Structure, meta_structure, plan_memory
 from rayft.plan.comm import Cluster, Layout, plan_comm
+from rayft.plan.preemption import preemption_cost
 from rayft.plan.steptime import Hardware, choose_expert_parallel, step_time
 
 # Mistral-Small-4, bf16, full shard, AC on, r=16, attention + shared-expert LoRA, 1 x 4096 tokens per GPU.
@@ -255,3 +258,28 @@ def test_plan_follows_the_configs_nodes_and_knows_gpus_beyond_h100_and_h200(caps
     # B200: 2,250 dense bf16 TFLOP/s and 1,800 GB/s of NVLink 5 per GPU (NVIDIA's figures), ~178 GiB reported
     assert "layouts on 2 node(s) x 8 GPU (W=16), b200: 2250 TFLOP/s" in out and "NVLink 1800 GB/s" in out
     assert re.search(r"^on b200 \(17\d\.\d GiB\)", out, re.M)
+
+
+def test_a_preemptions_cost_from_hand_counted_bytes():
+    """The toy's bytes by hand (bf16 storage, p = 2). Checkpoint: 300 LoRA parameters x (fp32 weight + AdamW's two
+    moments + the adapter) = 4,800. FP8 base: 3,000 x 2 + 7,000 + 4 x 500 scales = 15,000; its routed experts
+    6,000 + 4 x 400 = 7,600 of it. A restart reads every copy the layout keeps."""
+    cfg = _toy_cfg()
+    two, four = Cluster(nodes=2, gpus_per_node=1), Cluster(nodes=2, gpus_per_node=2)
+    fsdp = preemption_cost(cfg, TOY, True, Layout(shard=2), two, storage_gbytes_s=1e-6)  # 1 kB/s
+    assert fsdp.checkpoint_bytes == 4_800 and fsdp.base_bytes == 15_000
+    assert (fsdp.save_s, fsdp.reload_s) == pytest.approx((4.8, 15.0))
+    assert preemption_cost(cfg, TOY, True, Layout(shard=1), two).base_bytes == 30_000  # replicated: two copies
+    assert preemption_cost(cfg, TOY, False, Layout(shard=2), two).base_bytes == 20_000  # bf16: 10,000 x 2
+    # EP 2 on 2 nodes x 2: the rest (7,400) HSDP within a node (two copies), the experts split in pairs (two copies)
+    assert preemption_cost(cfg, TOY, True, Layout.expert(2, four), four).base_bytes == 2 * 7_400 + 2 * 7_600
+
+
+def test_plan_prints_what_a_preemption_costs(capsys):
+    argv = ["plan", "--preset", "mistral-small-4", "--num-nodes", "2", "--gpus-per-node", "8", "--storage-gbps", "4"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "preemption: a drain notice saves a checkpoint of" in out and "at 4 GB/s of storage" in out
+    assert "the run restarts at its 16 workers" in out
+    assert cli.main([*argv, "--override", "ray.preemption=ignore"]) == cli.EXIT_OK
+    assert "a drain notice saves nothing" in capsys.readouterr().out
