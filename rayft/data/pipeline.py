@@ -136,14 +136,7 @@ def build_datasets(
         train_job, validation_job = pool.submit(count_train), pool.submit(tokenize_validation)
         train_tokens, stats = train_job.result()
         tokenized_validation = validation_job.result()
-    log.info(
-        "data: %s: %s → %d %s",
-        train_src.what,
-        stats.describe(),
-        stats.rows,
-        f"blocks of {d.max_length} tokens" if d.packing else "examples",
-    )
-    _check_usable(stats, train_src.what, d)
+    _report_train(train_src, stats, d)
     validation_rows = tokenized_validation.count() if tokenized_validation is not None else 0
     if validation_rows == 0 and val_src is not None:
         raise ConfigError(f"data: {val_src.what} has no usable records; fix it or set data.val_split: null")
@@ -164,15 +157,23 @@ def _read_splits(
     train = read_split(train_src)
     validation = read_split(val_src) if val_src else None
     if validation is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
-        log.info(
-            "data: no '%s' split; holding out %.0f%% of %s for evaluation",
-            d.val_split,
-            100 * d.hold_out,
-            train_src.what,
-        )
+        _log_hold_out(d, train_src)
         # Deterministic hold-out so a rerun (or a resumed run) evaluates on the same records.
         train, validation = train.train_test_split(test_size=d.hold_out, shuffle=True, seed=cfg.train.seed)
     return train, validation
+
+
+def _report_train(train_src: SplitSource, stats: SplitStats, d: DataConfig) -> None:
+    """The training split's count in the job log, and a refusal where nothing of it is usable."""
+    shape = f"blocks of {d.max_length} tokens" if d.packing else "examples"
+    log.info("data: %s: %s → %d %s", train_src.what, stats.describe(), stats.rows, shape)
+    _check_usable(stats, train_src.what, d)
+
+
+def _log_hold_out(d: DataConfig, train_src: SplitSource) -> None:
+    log.info(
+        "data: no '%s' split; holding out %.0f%% of %s for evaluation", d.val_split, 100 * d.hold_out, train_src.what
+    )
 
 
 def first_rows(dataset: ray.data.Dataset, d: DataConfig) -> ray.data.Dataset:
@@ -220,22 +221,10 @@ def driver_rows(
     val_records = read_records(val_src) if val_src else None
     val_format = (val_src or train_src).format
     if val_records is None and d.hold_out > 0 and cfg.train.eval_strategy != "no":
-        log.info(
-            "data: no '%s' split; holding out %.0f%% of %s for evaluation",
-            d.val_split,
-            100 * d.hold_out,
-            train_src.what,
-        )
+        _log_hold_out(d, train_src)
         train_records, val_records = hold_out(train_records, d.hold_out, cfg.train.seed)
     train_rows, stats = tokenize_in_process(train_records, train_src.format, fmt, cfg.model, d, tokenizer, mpl)
-    log.info(
-        "data: %s: %s → %d %s",
-        train_src.what,
-        stats.describe(),
-        stats.rows,
-        f"blocks of {d.max_length} tokens" if d.packing else "examples",
-    )
-    _check_usable(stats, train_src.what, d)
+    _report_train(train_src, stats, d)
     validation = None
     if val_records is not None:
         val_rows, _ = tokenize_in_process(val_records, val_format, fmt, cfg.model, d, tokenizer, mpl)
