@@ -80,7 +80,7 @@ def test_round_trips_through_a_plain_dict():
         ),
         ({"train": {"metric_for_best_model": "accuracy"}}, ["train.metric_for_best_model", "eval_loss"]),
         ({"ray": {"checkpoint_upload": "lazy"}}, ["ray.checkpoint_upload", "async"]),
-        ({"ray": {"preemption": "checkpoints"}}, ["ray.preemption", "checkpoint"]),
+        ({"ray": {"preemption": "checkpoints"}}, ["ray.preemption: unknown value", "choose one of checkpoint, ignore"]),
         ({"ray": {"preemption_check_steps": 0}}, ["ray.preemption_check_steps must be >= 1"]),
         ({"ray": {"max_preemptions": -2}}, ["ray.max_preemptions must be >= -1"]),
         ({"ray": {"preemption_grace_s": -1}}, ["ray.preemption_grace_s must be >= 0"]),
