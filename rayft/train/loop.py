@@ -207,18 +207,19 @@ class Trainer:
                 self.progress_log.record(metrics, self.checkpoints.stall_s)
         if self.cadence.preemption(progress):
             with window.paused():
-                self._checkpoint_if_draining(progress)
+                self._checkpoint_if_draining(progress, {k: v for k, v in metrics.items() if k.startswith("eval_")})
 
-    def _checkpoint_if_draining(self, progress: Progress) -> None:
+    def _checkpoint_if_draining(self, progress: Progress, evaluated: dict[str, Any]) -> None:
         """Ray's drain notice for a node of the run: a checkpoint now, once per notice (unless this step has one),
-        then training goes on; when the node goes, Ray restarts the run from it, losing only the steps since."""
+        then training goes on; when the node goes, Ray restarts the run from it, losing only the steps since.
+        `evaluated`: the step's evaluation, if it had one, so the checkpoint's score is not computed again."""
         notice = self.runtime.preemption()
         if notice is None or notice.nodes == self.acted_on:
             return
         self.acted_on = notice.nodes
         noticed = time.time()
         if self.checkpoints.last_saved != progress.step:
-            self._save({"step": progress.step, "epoch": _epoch_position(progress, self.plan)})
+            self._save({**evaluated, "step": progress.step, "epoch": _epoch_position(progress, self.plan)})
         if self.rank == 0:
             log.warning(
                 "preemption notice at step %d: %s; checkpoint-%06d holds the run (%.1f s)",

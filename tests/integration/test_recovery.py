@@ -33,7 +33,6 @@ from conftest import (
     write_yaml,
 )
 from fixtures.cluster import RAY_BIN
-from fixtures.local_run import train_locally
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.ray
@@ -302,22 +301,22 @@ NOTICE = re.compile(
     r"checkpoint-(\d+) holds the run"
 )
 RANK0_PID = re.compile(r"pid=(\d+)\) world_rank=0,")  # Ray Train's controller, as it starts a worker group
-DEADLINE_S = 4  # the drain's notice: the workers are stopped this long after it
-STEPS_HERE = 3 * STEPS  # steps enough that the run is still training at the deadline
-RAY_VS_GLOO = 1e-4  # the same job on Ray's workers and on gloo ranks: other summation orders, not other data
+DEADLINE_S = 15  # the drain's notice: the workers are stopped this long after it (a loaded CI machine included)
 
 
 def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixtures: Fixtures, tmp_path, monkeypatch):
     """A spot reclaim on a cluster of four trainer nodes for two workers. A drain of a node the run does not use
     changes nothing. Then rank 0's node is drained (Ray's drain API, a preemption reason and a deadline) mid-run, in
-    a run that saves no periodic checkpoint before its end: the workers see the notice, save a checkpoint at once
-    and train on; at the deadline Ray stops them and restarts the group without the drained nodes (the last spare
-    takes rank 0's place), from that checkpoint and on its preemption budget (`ray.max_failures: 0` would end the
-    run on a failure). The run ends where the same job on two gloo ranks ends, uninterrupted."""
+    a run that saves no periodic checkpoint: the workers see the notice, save a checkpoint at once and train on; at
+    the deadline Ray stops them and restarts the group without the drained nodes (the last spare takes rank 0's
+    place) from that checkpoint, on its preemption budget (`ray.max_failures: 0` would end the run on a failure).
+    That the continued run trains exactly as an uninterrupted one: the gloo-rank test of the same notice
+    (test_local_trainer.py); here the run is long, so it is still training at the deadline on any machine, and is
+    stopped once it has resumed."""
     out = tmp_path / "out"
     cfg = checkpointing_config(
         fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=0,
-        ray__resources_per_worker={"CPU": 1, "trainer": 1}, train__max_steps=STEPS_HERE, train__save_steps=100,
+        ray__resources_per_worker={"CPU": 1, "trainer": 1}, train__max_steps=1000, train__save_steps=10_000,
     )  # fmt: skip
     with trainer_nodes(monkeypatch, 4, PREEMPTION_WATCHED) as (cluster, trainers, test_cluster):
         run, driver = start(test_cluster, cfg, out)
@@ -333,25 +332,18 @@ def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixt
             steps = len(run.metrics())
             wait_until(lambda: len(run.metrics()) >= steps + 2, "two more steps", run)
             assert "preemption notice" not in run.text() and not run.checkpoint_dirs(), run.text()[-3000:]
-            deadline = time.time() + DEADLINE_S
             drain_node(cluster.address, drained.node_id, DEADLINE_S)
             notice = wait_until(lambda: NOTICE.search(run.text()), "the preemption notice", run)
-            assert time.time() < deadline and len(run.metrics()) < STEPS_HERE, "noticed in time, still training"
-            text = finish(run, driver)
+            wait_until(lambda: resumes(run.text()), "the restart", run)
+            text = run.text()
+            assert "PreemptionError" in text and "max allowed: 0" not in text, text[-6000:]
         finally:
-            if driver.proc.poll() is None:
-                driver.kill()
+            driver.kill()
 
     step, node, ranks, deadline, saved = notice.groups()
     assert drained.node_id.startswith(node) and ranks == "0" and int(deadline) <= DEADLINE_S, notice[0]
-    assert int(saved) == int(step) < STEPS_HERE
-    assert f"checkpoint-{int(step):06d}" in run.registered() | run.checkpoint_dirs()
+    assert int(saved) == int(step) and f"checkpoint-{int(step):06d}" in run.registered(), text[-6000:]
     assert resumes(text) == [int(step)], text[-6000:]
-    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS_HERE + 1))
-    reference = train_locally({**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "local")}}, 2)
-    for got, want in zip(run.metrics(), reference.metrics(), strict=True):
-        assert abs(got["loss"] - want["loss"]) <= RAY_VS_GLOO, (got, want)
-    assert_same_adapter(run.out / "final", reference.out / "final", RAY_VS_GLOO)
 
 
 def drain_node(address: str, node_id: str, deadline_s: int) -> None:
