@@ -21,6 +21,10 @@ from rayft.config import Config, ConfigError, K8sConfig, load_config
 from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, verbose
 
+if typing.TYPE_CHECKING:
+    from rayft.plan.comm import Cluster
+    from rayft.plan.structure import Structure
+
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEMO_ROOT = Path("rayft-demo")
 
@@ -451,7 +455,7 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _preemption_lines(cfg: Config, s, cluster, layouts: list, storage_gbps: float | None) -> str:
+def _preemption_lines(cfg: Config, s: Structure, cluster: Cluster, layouts: list, storage_gbps: float | None) -> str:
     """What a preemption costs the fastest layout that fits (`rayft.plan.preemption`)."""
     from rayft.plan.preemption import STORAGE_GBYTES_S, format_preemption, preemption_cost
     from rayft.plan.steptime import fastest_fitting

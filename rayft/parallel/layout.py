@@ -11,7 +11,7 @@ topology.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,7 +33,6 @@ class ParallelDims:
     shard: int
     experts: int
     device_type: str
-    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @property
     def world(self) -> int:
@@ -49,12 +48,12 @@ class ParallelDims:
         them (gathers on the node's links) and the copies on different nodes are the replicas."""
         if self.shard == self.world:
             return None
-        return self._mesh("fsdp", self.shard, ("replicate", "shard"))
+        return self._mesh(self.shard, ("replicate", "shard"))
 
     def expert_mesh(self) -> DeviceMesh:
         """The (dp, ep) mesh: each row an ep-group, k consecutive node-ordered ranks (within one node whenever k
         divides its workers); the rows along `dp` hold the same experts."""
-        return self._mesh("experts", self.experts, ("dp", "ep"))
+        return self._mesh(self.experts, ("dp", "ep"))
 
     def own_expert_group(self) -> dist.ProcessGroup:
         """This worker's ep-group as a process group of its own (every worker creates all of them, in order), so the
@@ -67,13 +66,13 @@ class ParallelDims:
                 mine = group
         return mine
 
-    def _mesh(self, key: str, size: int, names: tuple[str, str]) -> DeviceMesh:
-        if key not in self._meshes:
-            mesh = DeviceMesh(self.device_type, self.topology.groups(size), mesh_dim_names=names)
-            for name in names:
-                TALLY.learn(mesh.get_group(name), dist.get_process_group_ranks(mesh.get_group(name)), self.topology)
-            self._meshes[key] = mesh
-        return self._meshes[key]
+    def _mesh(self, size: int, names: tuple[str, str]) -> DeviceMesh:
+        """Rows of `size` consecutive node-ordered ranks; each dimension's group told to the tally."""
+        mesh = DeviceMesh(self.device_type, self.topology.groups(size), mesh_dim_names=names)
+        for name in names:
+            group = mesh.get_group(name)
+            TALLY.learn(group, dist.get_process_group_ranks(group), self.topology)
+        return mesh
 
 
 def parallel_dims(cfg: Config, device_type: str, placed: Topology | None = None) -> ParallelDims:
