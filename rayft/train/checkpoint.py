@@ -177,12 +177,13 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     ours = model.state_dict()
     places = adapter_file_keys(model)
+    ep = expert_parallel_of(model)
     state = {}
     for key, tensor in saved.items():
         target = places.get(key)
         if target is None:
             raise ValueError(f"{directory}: {key} has no place in this model (an adapter for another base?)")
-        if (ep := expert_parallel_of(model)) is not None and is_expert_lora(target):
+        if ep is not None and is_expert_lora(target):
             tensor = ep.local_part(target, tensor)
         state[target] = tensor.to(ours[target].dtype)
     missing = [k for k in places.values() if k not in state]
