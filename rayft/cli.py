@@ -451,18 +451,24 @@ def _plan(args: argparse.Namespace) -> int:
             cluster = Cluster(nodes, args.gpus_per_node)
             layouts = [p for f in ([fp8, not fp8] if s.fp8 else [fp8]) for p in plan_layouts(cfg, s, cluster, hw, f)]
             print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
-            print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps))
+            print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps, (args.gpu, fp8)))
     return EXIT_OK
 
 
-def _preemption_lines(cfg: Config, s: Structure, cluster: Cluster, layouts: list, storage_gbps: float | None) -> str:
-    """What a preemption costs the fastest layout that fits (`rayft.plan.preemption`)."""
-    from rayft.plan.preemption import STORAGE_GBYTES_S, format_preemption, preemption_cost
+def _preemption_lines(
+    cfg: Config, s: Structure, cluster: Cluster, layouts: list, storage_gbps: float | None, stored: tuple[str, bool]
+) -> str:
+    """What a preemption costs the fastest layout that fits (`rayft.plan.preemption`), and how far an elastic run
+    can shrink on `stored` (the GPU, and whether the config keeps the base in FP8)."""
+    from rayft.plan.preemption import STORAGE_GBYTES_S, format_preemption, preemption_cost, smallest_group
     from rayft.plan.steptime import fastest_fitting
 
     best = fastest_fitting(layouts) or layouts[0]
     cost = preemption_cost(cfg, s, best.fp8, best.layout, cluster, storage_gbps or STORAGE_GBYTES_S)
-    return format_preemption(cfg, cost, cluster.world, best.time.predicted_s if best.fits else None)
+    gpu, fp8 = stored
+    smallest = smallest_group(cfg, s, gpu, fp8) if cfg.ray.elastic else None
+    step_s = best.time.predicted_s if best.fits else None
+    return format_preemption(cfg, cost, cluster.world, step_s, smallest, gpu)
 
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import string
@@ -345,7 +346,14 @@ class FsdpConfig:
 class RayConfig:
     # Cluster to join; None = the one `ray job submit` runs us in (RAY_ADDRESS), else a new local one.
     address: str | None = None
+    # The worker group's size; `[min, max]` makes the run elastic (see min_workers).
     num_workers: int = 2
+    # Elastic run: the smallest group it goes on with when nodes are lost or drained (Ray restarts it at the size
+    # the cluster has, from the latest checkpoint, and grows it back up to num_workers as nodes return). The global
+    # batch stays that of num_workers: each size accumulates more micro-batches. None: always num_workers.
+    min_workers: int | None = None
+    # Seconds between an elastic run's looks for capacity to grow back onto (each growth is a restart).
+    resize_check_s: float = 60.0
     # Workers (GPUs) on each node; num_workers = nodes × workers_per_node. 1: one worker per node
     # (placement_strategy STRICT_SPREAD). More: each node's workers placed together (PACK), exactly this many a node.
     workers_per_node: int = 1
@@ -377,6 +385,35 @@ class RayConfig:
     # Seconds to wait, before training starts, for a cluster that cannot place the workers yet to grow (nodes
     # joining, an autoscaler); then the run is refused. A cluster that can never place them is refused at once.
     placement_timeout_s: int = 600
+
+    @classmethod
+    def shorthand(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The section's keys with `num_workers: [min, max]` read as min_workers and num_workers."""
+        sizes = values.get("num_workers")
+        if not isinstance(sizes, list):
+            return values
+        if len(sizes) != 2 or "min_workers" in values:
+            _problem(
+                f"ray.num_workers must be a number of workers or [min, max], got {sizes!r}"
+                + ("; with ray.min_workers given, give num_workers as the maximum alone" if len(sizes) == 2 else ""),
+                key="ray.num_workers",
+            )
+            return {k: v for k, v in values.items() if k != "num_workers"}
+        return {**values, "min_workers": sizes[0], "num_workers": sizes[1]}
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    @property
+    def fewest_workers(self) -> int:
+        """The smallest group the run starts or goes on with: what a cluster must place."""
+        return self.min_workers if self.min_workers is not None and self.elastic else self.num_workers
+
+    def sizes(self) -> list[int]:
+        """The group sizes the run may take: whole nodes, from min_workers (else num_workers) to num_workers."""
+        low = self.min_workers if self.min_workers is not None else self.num_workers
+        return [n for n in range(max(low, 1), self.num_workers + 1) if n % self.workers_per_node == 0]
 
     @property
     def nodes(self) -> int:
@@ -863,9 +900,53 @@ class Config:
             )
         if not r.name or "/" in r.name:
             _problem(f"ray.name must be a non-empty directory name, got {r.name!r}")
+        _at_least("ray.resize_check_s", r.resize_check_s, 0)
+        if r.min_workers is not None and _at_least("ray.min_workers", r.min_workers, 1):
+            if r.min_workers > r.num_workers:
+                _problem(f"ray.num_workers [{r.min_workers}, {r.num_workers}]: the minimum exceeds the maximum")
+            elif r.min_workers % r.workers_per_node:
+                _problem(
+                    f"ray.num_workers [{r.min_workers}, {r.num_workers}]: the minimum must be whole nodes of "
+                    f"ray.workers_per_node {r.workers_per_node} workers; set it to a multiple of {r.workers_per_node}",
+                    key="ray.num_workers",
+                )
+            elif r.elastic:
+                self.check_elastic()
         for key, amount in (r.resources_per_worker or {}).items():
             if amount < 0:
                 _problem(f"ray.resources_per_worker.{key} must be >= 0, got {amount}")
+
+    def check_elastic(self) -> None:
+        """Every size an elastic run may take keeps the global batch (a whole number of micro-batches per worker)
+        and the layout (expert-parallel groups, shard groups); refused up front, not when a node is lost."""
+        r, t = self.ray, self.train
+        global_micro = t.gradient_accumulation_steps * r.num_workers
+        rows = global_micro * t.per_device_train_batch_size
+        k = self.parallel.expert_parallel if isinstance(self.parallel.expert_parallel, int) else 1
+        if self.parallel.expert_parallel == "auto":
+            _problem(
+                "parallel.expert_parallel: auto sizes the expert groups for one group size; an elastic run "
+                "(ray.num_workers [min, max]) needs a number dividing every size it may take"
+            )
+        broken: dict[int, str] = {}
+        for n in r.sizes():
+            if global_micro % n:
+                broken[n] = f"the {global_micro} micro-batches of a step do not split over {n} workers"
+            elif k > 1 and (n % k or not expert_groups_follow_nodes(k, r.workers_per_node)):
+                broken[n] = f"parallel.expert_parallel {k} does not divide {n} workers"
+            elif self.fsdp.shard_size and n % self.fsdp.shard_size:
+                broken[n] = f"fsdp.shard_size {self.fsdp.shard_size} does not divide {n} workers"
+        if broken:
+            step = math.lcm(*(n // math.gcd(n, r.num_workers) for n in r.sizes()))
+            _problem(
+                f"ray.num_workers [{r.min_workers}, {r.num_workers}]: an elastic run keeps the global batch of "
+                f"{rows} rows ({t.per_device_train_batch_size} per device × {t.gradient_accumulation_steps} "
+                f"accumulation × {r.num_workers} workers) at every size it may take, and here "
+                + "; ".join(f"at {n}: {why}" for n, why in broken.items())
+                + f". Narrow the range, or make train.gradient_accumulation_steps a multiple of {step}"
+                + (" (and keep the expert/shard groups dividing every size)" if k > 1 or self.fsdp.shard_size else ""),
+                key="ray.num_workers",
+            )
 
     def check_expert_parallel(self) -> None:
         """`parallel.expert_parallel`: an integer k >= 1 dividing the workers, and what EP cannot combine with
@@ -1114,6 +1195,8 @@ def _build_section(name: str, section_type: type, values: Any) -> Any:
     if not isinstance(values, dict):
         _problem(f"section '{name}' must be a mapping of keys, got {values!r}", key=name)
         return section_type()
+    if hasattr(section_type, "shorthand"):  # forms a section reads beside its own keys
+        values = section_type.shorthand(values)
     hints = typing.get_type_hints(section_type)
     known = {f.name for f in dataclasses.fields(section_type)}
     kwargs = {}

@@ -67,7 +67,6 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     resume_from, run_id = _resume_source(cfg, run)
     with profile.stage("ray_start"):
         use_gpu = join_cluster(cfg)
-
     with profile.stage("data_plan"):
         datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
     plan = plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
@@ -98,6 +97,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         scaling_config=_scaling(cfg, use_gpu),
         run_config=_run_config(cfg, best, use_gpu),
         datasets=splits,
+        dataset_config=_data_config(plan),
     )
     try:
         result = trainer.fit()
@@ -115,6 +115,12 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         # Ray keeps reported metrics with checkpoints only; without them, the run's own record has the last ones
         metrics=dict(result.metrics or {}) or _last_metrics(run),
     )
+
+
+def _data_config(plan: StepPlan) -> ray.train.DataConfig | None:
+    """Ray Data's split between the workers (its default), except in an elastic run: there every worker reads the
+    splits whole, in one global order, and takes its part (`StepPlan`)."""
+    return ray.train.DataConfig(datasets_to_split=[]) if plan.global_order else None
 
 
 def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray.train.RunConfig:
@@ -167,8 +173,7 @@ def _best_metric(cfg: Config, plan: StepPlan) -> tuple[str, str] | None:
         if cfg.train.load_best_model_at_end:
             raise ConfigError(
                 f"train.load_best_model_at_end: true, but there is no validation data to compute {best[0]} "
-                f"({plan.validation_rows} records for {plan.world_size} workers); add a validation split or "
-                "raise data.val_ratio"
+                f"({plan.no_validation()}); add a validation split or raise data.val_ratio"
             )
         log.warning("no validation data: checkpoints are kept newest-first instead of by %s", best[0])
         return None
@@ -299,11 +304,13 @@ def join_cluster(cfg: Config) -> bool:
 
 
 def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
+    r = cfg.ray
     return ray.train.ScalingConfig(
-        num_workers=cfg.ray.num_workers,
+        num_workers=(r.fewest_workers, r.num_workers) if r.elastic else r.num_workers,
         use_gpu=use_gpu,
-        resources_per_worker=cfg.ray.resources_per_worker,
-        placement_strategy=cfg.ray.ray_placement_strategy(),
+        resources_per_worker=r.resources_per_worker,
+        placement_strategy=r.ray_placement_strategy(),
+        elastic_resize_monitor_interval_s=r.resize_check_s,
     )
 
 

@@ -64,7 +64,7 @@ def local_placement_problem(cfg: Config) -> str | None:
     if not bundle:
         bundle = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
     node = {"CPU": float(cfg.ray.local_num_cpus), "GPU": float(gpus)}
-    request = Request(cfg.ray.num_workers, bundle, cfg.ray.placement_strategy)
+    request = Request(cfg.ray.fewest_workers, bundle, cfg.ray.placement_strategy)
     if request.fits([node]):
         return None
     where = "the local Ray cluster this run would start (no ray.address / RAY_ADDRESS)"

@@ -31,7 +31,7 @@ def wait_for_placement(ray_cfg: RayConfig, bundle: dict[str, float], started_loc
     and rescheduling forever. A cluster that cannot ever fit it is refused at once: the local one, or one whose
     autoscaler's declared maximum is too small. Otherwise (nodes may still join) this waits, at most
     `ray.placement_timeout_s`, saying what for; Ctrl-C stops the wait."""
-    request = Request(ray_cfg.num_workers, bundle, ray_cfg.ray_placement_strategy(), ray_cfg.workers_per_node)
+    request = Request(ray_cfg.fewest_workers, bundle, ray_cfg.ray_placement_strategy(), ray_cfg.workers_per_node)
     nodes = node_totals()
     if request.fits(nodes):
         return

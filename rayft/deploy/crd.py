@@ -110,11 +110,12 @@ def validate(doc: Any, operator: Operator | None = None, directory: Path | None 
 
     if not isinstance(doc, dict):
         return ["not a mapping"]
-    from rayft.deploy import monitoring
+    from rayft.deploy import budget, monitoring
 
-    shape = monitoring.problems(doc)
-    if shape is not None:  # PodMonitor, ConfigMap: rayft's own shape check, no CRD
-        return shape
+    own = {**monitoring.SCHEMAS, **budget.SCHEMAS}.get((doc.get("apiVersion"), doc.get("kind")))
+    if own is not None:  # PodMonitor, ConfigMap, PodDisruptionBudget: rayft's own shape check, no CRD
+        errors = sorted(Draft7Validator(own).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+        return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
     operator = operator or Operator()
     schema = schemas(directory or crd_dir(operator)).get((doc.get("apiVersion"), doc.get("kind")))
     if schema is None:

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from rayft.config import Config, ConfigError, K8sConfig, NcclConfig, is_uri
-from rayft.deploy import platform
+from rayft.deploy import budget, platform
 from rayft.deploy.apirules import quantity_bytes
 from rayft.deploy.crd import MAX_NAME, name_problems
 from rayft.deploy.kuberay import (
@@ -188,7 +188,8 @@ def render(
         "metadata": _metadata(dep, f"{dep.name}-cluster", plat),
         "spec": spec,
     }
-    return {"rayjob": rayjob, "raycluster": raycluster, **monitoring_manifests(dep)}
+    head_budget = budget.head_budget(_metadata(dep, f"{dep.name}-head", plat), _labels(dep))
+    return {"rayjob": rayjob, "raycluster": raycluster, "head-budget": head_budget, **monitoring_manifests(dep)}
 
 
 def lifetime(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
@@ -405,8 +406,10 @@ def _worker_group(dep: Deployment, pods: WorkerPods, plat: K8sConfig, nccl: Nccl
         spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
     return {
         "groupName": "gpu",
+        # KubeRay keeps `replicas` pods, creating each lost one again (Pending until there is capacity); an
+        # elastic run goes on with at least minReplicas of them meanwhile, and grows back when they return.
         "replicas": pods.pods,
-        "minReplicas": pods.pods,
+        "minReplicas": pods.fewest,
         "maxReplicas": pods.pods,
         "rayStartParams": {},
         "template": {"metadata": metadata, "spec": spec},

@@ -118,14 +118,3 @@ def dashboard_config_map(name: str, namespace: str, labels: dict[str, str], dash
         },
         "data": {DASHBOARD_KEY: dashboard_json},
     }
-
-
-def problems(doc: dict[str, Any]) -> list[str] | None:
-    """Shape problems of a monitoring manifest; None when `doc` is not one of these kinds."""
-    from jsonschema import Draft7Validator
-
-    schema = SCHEMAS.get((doc.get("apiVersion"), doc.get("kind")))
-    if schema is None:
-        return None
-    errors = sorted(Draft7Validator(schema).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
-    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]

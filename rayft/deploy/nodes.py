@@ -17,13 +17,14 @@ from rayft.deploy.apirules import memory_quantity, quantity_bytes
 @dataclass(frozen=True)
 class WorkerPods:
     """The GPU worker group: `pods` pods of `gpus` GPUs, `cpus` CPUs and `memory` bytes each, at most `per_node`
-    of them on one node."""
+    of them on one node; an elastic run goes on with as few as `fewest` of them."""
 
     pods: int
     gpus: int
     cpus: int
     memory: int
     per_node: int
+    fewest: int
 
     @property
     def memory_quantity(self) -> str:
@@ -53,6 +54,7 @@ def worker_pods(
     node_memory = quantity_bytes(node.memory)
     pod = WorkerPods(
         pods=ray.num_workers // gpus,
+        fewest=ray.fewest_workers // gpus,
         gpus=gpus,
         cpus=cpus if cpus is not None else node.cpus * gpus // node.gpus,
         memory=quantity_bytes(memory) if memory is not None else node_memory * gpus // node.gpus,

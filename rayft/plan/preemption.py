@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from rayft.config import Config
 from rayft.plan.comm import Cluster, Layout
-from rayft.plan.memory import base_bytes, stored_bytes
+from rayft.plan.memory import base_bytes, plan_memory, stored_bytes
 from rayft.plan.structure import Structure
 
 GB = 1e9
@@ -56,8 +56,20 @@ def restart_reads(cfg: Config, s: Structure, fp8: bool, layout: Layout, cluster:
     return (base - experts) * cluster.world / layout.shard + experts * cluster.world / layout.expert_parallel
 
 
-def format_preemption(cfg: Config, cost: PreemptionCost, workers: int, step_s: float | None) -> str:
-    """The lines `rayft plan` prints under the layouts."""
+def smallest_group(cfg: Config, s: Structure, gpu: str, fp8: bool) -> int | None:
+    """The fewest workers of an elastic run's range (`ray.num_workers: [min, max]`) whose memory plan fits `gpu`:
+    how far the run can shrink and go on; None where no size of the range fits."""
+    for workers in cfg.ray.sizes():
+        plan = plan_memory(cfg, s, workers, True, gpu, fp8=fp8, expert_parallel=cfg.parallel.expert_groups())
+        if plan.capacity_gib is None or plan.total_gib <= plan.capacity_gib:
+            return workers
+    return None
+
+
+def format_preemption(
+    cfg: Config, cost: PreemptionCost, workers: int, step_s: float | None, smallest: int | None = None, gpu: str = ""
+) -> str:
+    """The lines `rayft plan` prints under the layouts; `smallest`: `smallest_group` of an elastic run."""
     storage = f"{cost.storage_bytes_per_s / GB:g} GB/s of storage"
     if cfg.ray.preemption != "checkpoint" or cfg.train.save_strategy == "no":
         first = "a drain notice saves nothing (ray.preemption: ignore, or no checkpoints): the steps since the last"
@@ -74,6 +86,20 @@ def format_preemption(cfg: Config, cost: PreemptionCost, workers: int, step_s: f
             f"preemption: {first}",
             f"  the restart reads {cost.base_bytes / GB:.1f} GB of the frozen base again (every copy the layout "
             f"keeps): ~{cost.reload_s:.0f} s at {storage}, besides the worker group's start",
-            f"  the run restarts at its {workers} workers: a cluster without a spare node waits for one",
+            f"  {_restart(cfg, workers, smallest, gpu)}",
         ]
+    )
+
+
+def _restart(cfg: Config, workers: int, smallest: int | None, gpu: str) -> str:
+    r = cfg.ray
+    if not r.elastic:
+        return f"the run restarts at its {workers} workers: a cluster without a spare node waits for one"
+    said = f"an elastic run (ray.num_workers [{r.fewest_workers}, {r.num_workers}]) goes on with the workers left"
+    if smallest is None:
+        return f"{said}, but at no size of its range does the memory plan fit a {gpu}"
+    accumulation = cfg.train.gradient_accumulation_steps * r.num_workers // smallest
+    return (
+        f"{said}: the fewest whose memory plan fits a {gpu} are {smallest}, each accumulating {accumulation} "
+        "micro-batches a step (the global batch is kept)"
     )

@@ -47,6 +47,7 @@ from rayft.train.checkpoint_dir import (
 from rayft.train.rundir import RunDir, checkpoint_dir_name
 from rayft.train.runtime import Runtime
 from rayft.train.spool import checkpoint_spool
+from rayft.train.steps import StepPlan
 
 log = logging.getLogger("rayft")
 
@@ -238,7 +239,7 @@ class CheckpointManager:
                 progress.batches_in_epoch,
                 progress.world_size,
             )
-            state.progress = remap_position(progress, plan, accum)
+            state.progress = remap_position(progress, plan, dist.get_world_size(), accum)
         # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
         self.last_saved = state.progress.step
         if own is not None and self.rank == 0:
@@ -279,21 +280,27 @@ class CheckpointManager:
                 return
 
 
-def remap_position(progress: Progress, plan, accum: int) -> Progress:
-    """Express the data position for this run's world size and epoch length."""
-    if progress.world_size != plan.world_size:
-        consumed = progress.batches_in_epoch * progress.world_size // plan.world_size
+def remap_position(progress: Progress, plan: StepPlan, world_size: int, accum: int) -> Progress:
+    """Express the data position for this group's size, this run's way of reading (split or global order) and the
+    epoch's length. A global-order position means the same at every size; any other change is mapped by share of
+    the epoch, to a step's boundary."""
+    if progress.global_order != plan.global_order or (progress.world_size != world_size and not plan.global_order):
+        consumed = progress.batches_in_epoch * (1 if progress.global_order else progress.world_size)  # all ranks'
+        mapped = consumed if plan.global_order else consumed // world_size
+        per_step = plan.global_micro_per_step or accum
         log.warning(
-            "checkpoint written by %d workers, resuming on %d: continuing after ~%d of %d batches of epoch %d "
+            "checkpoint written by %d workers%s, resuming on %d%s: continuing after ~%d of %d batches of epoch %d "
             "(same data share; not bit-identical to an uninterrupted run)",
             progress.world_size,
-            plan.world_size,
-            consumed,
+            " reading in global order" if progress.global_order else "",
+            world_size,
+            " in global order" if plan.global_order else "",
+            mapped - mapped % per_step,
             plan.micro_batches_per_epoch,
             progress.epoch,
         )
-        progress.batches_in_epoch = consumed - consumed % accum
-        progress.world_size = plan.world_size
+        progress.batches_in_epoch = mapped - mapped % per_step
+    progress.world_size, progress.global_order = world_size, plan.global_order
     if progress.batches_in_epoch >= plan.micro_batches_per_epoch:
         progress.epoch += 1
         progress.batches_in_epoch = 0

@@ -34,13 +34,19 @@ DOCUMENT = "rayft_doc"  # the per-rank JSON document's key in DCP; checkpoints w
 
 @dataclass
 class Progress:
-    """Where training stands; the data position is in micro-batches of the current epoch, per rank."""
+    """Where training stands; the data position is in micro-batches of the current epoch, per rank (or, in a run
+    that reads its records in one global order, over all ranks)."""
 
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0
     # Ranks that wrote the checkpoint: a resume on another world size maps the data position and RNGs.
     world_size: int = 1
+    # Whether batches_in_epoch counts the global stream's micro-batches (an elastic run's).
+    global_order: bool = False
+
+
+OPTIONAL_PROGRESS = {"global_order"}  # absent from checkpoints written before it existed: the default holds
 
 
 def read_document(directory: Path, rank: int = 0) -> tuple[dict[str, Any], Progress]:
@@ -54,7 +60,7 @@ def read_document(directory: Path, rank: int = 0) -> tuple[dict[str, Any], Progr
     safe_dcp.load_tensors({DOCUMENT: {key: buffer}}, directory / STATE_DIR)
     document = safe_dcp.from_tensor(buffer)
     saved = document.get("progress", {})
-    if set(saved) != {f.name for f in fields(Progress)}:
+    if not {f.name for f in fields(Progress)} - OPTIONAL_PROGRESS <= set(saved) <= {f.name for f in fields(Progress)}:
         raise CheckpointFormatError(f"{directory}: progress {sorted(saved)} is not rayft's; {_OLDER_FIX}")
     return document, Progress(**saved)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray.train
 import torch
+import torch.distributed as dist
 
 from rayft.config import Config, RayConfig, TrainConfig
 from rayft.data.pipeline import collate_fn
@@ -34,9 +35,9 @@ from rayft.train.checkpoint_dir import Progress
 from rayft.train.job import EvalJob, Job
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
 from rayft.train.rundir import EVAL_RESULT, RunDir
-from rayft.train.runtime import RayRuntime, Runtime
+from rayft.train.runtime import RayRuntime, Runtime, Shard
 from rayft.train.schedule import build_optimizer, build_scheduler
-from rayft.train.step import NEXT_TOKEN, DataWait, StepLoss, evaluate, step_groups, train_step
+from rayft.train.step import NEXT_TOKEN, DataWait, GlobalPart, StepLoss, evaluate, step_groups, train_step
 from rayft.train.steps import StepPlan
 
 log = logging.getLogger("rayft")
@@ -101,18 +102,21 @@ class Trainer:
         _setup_logging(self.rank)
         self.profile: Profile | None = _worker_profile(job, entered)
         torch.manual_seed(self.cfg.train.seed)
+        self.world_size = dist.get_world_size()  # an elastic run's group: any size in ray.num_workers' range
         # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
         self.train_shard = runtime.shard("train")
-        self.val_shard = runtime.shard("validation") if self.plan.has_validation else None
+        self.val_shard = self._validation_shard()
         self.state, self.autocast, self.window, self.tokenizer = self._build()
         run = RunDir(self.cfg.run_uri)
-        ray_cfg, accum = self.cfg.ray, self.cfg.train.gradient_accumulation_steps
+        ray_cfg = self.cfg.ray
+        accum = self.plan.accumulation(self.world_size, self.cfg.train.gradient_accumulation_steps)
         self.progress_log = None
         self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime)
         try:  # from here on the run holds files open: a set-up that fails closes them
             with self.profile.stage("resume"):
                 resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
             if self.rank == 0:
+                _log_group_size(self.cfg, self.plan, self.world_size, accum)
                 self.progress_log = _progress_log(
                     self.cfg, self.plan, self.state, run, resumed, job.params, runtime, self.checkpoints.resumed_metrics
                 )
@@ -131,6 +135,16 @@ class Trainer:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(failed=kind is not None)
+
+    def _validation_shard(self) -> Shard | None:
+        """What this rank evaluates: its split of the validation records, or in an elastic run its part of the
+        batches every size scores."""
+        if not self.plan.has_validation:
+            return None
+        shard = self.runtime.shard("validation")
+        if self.plan.eval_batches is None:
+            return shard
+        return GlobalPart(shard, self.plan.eval_batches, self.rank, self.world_size)
 
     def _build(self) -> tuple[TrainState, Any, LossWindow, Any]:
         """The model, optimizer and window (`_build_state`), the tokenizer loading beside them."""
@@ -160,26 +174,34 @@ class Trainer:
         """Optimizer steps until the plan's last; after each, what is due: metrics, evaluation, a checkpoint."""
         state, t = self.state, self.cfg.train
         groups = step_groups(
-            self.train_shard, self.cfg, self.plan, state.progress, self.train_collate, self.waited, self.device
+            self.train_shard,
+            self.cfg,
+            self.plan,
+            state.progress,
+            self.train_collate,
+            self.waited,
+            self.device,
+            (self.rank, self.world_size),
         )
-        for group, micro in groups:
+        for group in groups:
             stepped = time.time()
             grad_norm = self.objective.step(
                 state.model,
                 state.optimizer,
                 state.scheduler,
-                group,
+                group.batches,
                 self.window,
-                world_size=self.plan.world_size,
+                world_size=self.world_size,
                 kept_layers=self.kept_layers,
                 autocast=self.autocast,
                 max_grad_norm=t.max_grad_norm,
+                seeds=group.seeds,
             )
             if self.profile is not None:
                 self.profile = _first_step_done(self.profile, stepped, self.waited, self.progress_log)
             progress = state.progress
-            progress.step, progress.batches_in_epoch = progress.step + 1, micro + 1
-            self._after_step(progress, micro, grad_norm)
+            progress.step, progress.batches_in_epoch = progress.step + 1, group.last + 1
+            self._after_step(progress, group.last, grad_norm)
             if progress.step >= self.plan.total_steps:
                 break
 
@@ -266,6 +288,24 @@ class Trainer:
             self.checkpoints.close()
 
 
+def _log_group_size(cfg: Config, plan: StepPlan, world_size: int, accum: int) -> None:
+    """An elastic run's group size, each time the group starts: what the run trains on now."""
+    if not plan.global_order:
+        return
+    r, per_device = cfg.ray, cfg.train.per_device_train_batch_size
+    rows = (plan.global_micro_per_step or 0) * per_device
+    log.info(
+        "elastic run: %d workers (ray.num_workers [%d, %d]), %d micro-batches of %d rows each per step: the global "
+        "batch stays %d rows",
+        world_size,
+        r.fewest_workers,
+        r.num_workers,
+        accum,
+        per_device,
+        rows,
+    )
+
+
 def _worker_profile(job: Job, entered: float) -> Profile:
     """The driver's stages plus this worker's wait to be started: from the driver's fit() (or, for a restarted
     group, this worker process's own launch, whichever is later) to the loop's first line."""
@@ -302,8 +342,9 @@ def _build_state(cfg: Config, plan: StepPlan, device: torch.device) -> tuple[Tra
     log.info("%s", measured.flops_line(flops, peak, device, stated=cfg.train.peak_tflops is not None))
     log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
     log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
-    state = TrainState(model, optimizer, scheduler, Progress(world_size=plan.world_size))
-    return state, cpu_autocast(cfg, device), LossWindow(device, plan.world_size, flops, peak)
+    world_size = dist.get_world_size()
+    state = TrainState(model, optimizer, scheduler, Progress(world_size=world_size, global_order=plan.global_order))
+    return state, cpu_autocast(cfg, device), LossWindow(device, world_size, flops, peak)
 
 
 def _progress_log(

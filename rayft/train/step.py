@@ -7,9 +7,11 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,14 +70,17 @@ def train_step(
     kept_layers: list,
     autocast: Callable[[], Any],
     max_grad_norm: float,
+    seeds: list[int] | None = None,
 ) -> torch.Tensor:
     """Forward and backward over the step's micro-batches with the objective's `loss`, then clip, step and advance
     the schedule; returns the gradient norm before clipping. Gradients are synchronised on the last micro-batch
-    only; the collectives of the step go to the window."""
+    only; the collectives of the step go to the window. `seeds`: each micro-batch's random draws (an elastic run)."""
     window.run()  # the window's clock counts from the first step on
     micro_batch_loss = loss.for_step(group, world_size)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
+        if seeds is not None:
+            torch.manual_seed(seeds[i])
         set_gradient_sync(model, last, kept_layers)
         with autocast():
             value, tokens = micro_batch_loss(model, batch)
@@ -141,27 +146,76 @@ def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:
     return (count / world_size).clamp_min(1.0)
 
 
+@dataclass
+class StepGroup:
+    """One optimizer step's micro-batches of this rank (on the device), the index in the epoch of the step's last
+    micro-batch, and, in a run read in global order, the seed of each micro-batch's random draws."""
+
+    batches: list[Batch] = field(default_factory=list)
+    last: int = -1
+    seeds: list[int] | None = None
+
+
 def step_groups(
-    shard, cfg: Config, plan: StepPlan, progress: Progress, collate, waited: DataWait, device: torch.device
-) -> Iterator[tuple[list[Batch], int]]:
-    """The micro-batches of each optimizer step (on the device) with the index in the epoch of its last one,
-    from the progress's data position on, epoch after epoch until the plan's steps are done. The caller moves
-    `progress.step` and `batches_in_epoch`; the epoch rolls over here. The last group of an epoch may be short."""
-    accum = cfg.train.gradient_accumulation_steps
+    shard,
+    cfg: Config,
+    plan: StepPlan,
+    progress: Progress,
+    collate,
+    waited: DataWait,
+    device: torch.device,
+    place: tuple[int, int],
+) -> Iterator[StepGroup]:
+    """The steps from the progress's data position on, epoch after epoch until the plan's steps are done. The caller
+    moves `progress.step` and `batches_in_epoch`; the epoch rolls over here. A fixed-size run's steps are its own
+    shard's micro-batches, `gradient_accumulation_steps` at a time (the epoch's last group may be short); an elastic
+    run's are this rank's part of the next `plan.global_micro_per_step` of the global stream. `place`: this
+    worker's rank and the group's size."""
+    rank, world_size = place
+    accum = plan.accumulation(world_size, cfg.train.gradient_accumulation_steps)
     while progress.step < plan.total_steps:
         skip = progress.batches_in_epoch
-        group: list[Batch] = []
-        for micro, batch in enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, collate)), skip):
-            group.append(to_device(batch, device))
-            if len(group) == min(accum, plan.micro_batches_per_epoch - (micro - micro % accum)):
-                yield group, micro
-                group = []
+        batches = enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, collate)), skip)
+        if plan.global_micro_per_step:
+            key = (cfg.train.seed, progress.epoch)
+            yield from _my_part(batches, plan.global_micro_per_step, accum * rank, accum, key, device)
+        else:
+            group = StepGroup()
+            for micro, batch in batches:
+                group.batches.append(to_device(batch, device))
+                if len(group.batches) == min(accum, plan.micro_batches_per_epoch - (micro - micro % accum)):
+                    group.last = micro
+                    yield group
+                    group = StepGroup()
         progress.epoch += 1
         progress.batches_in_epoch = 0
 
 
+def _my_part(
+    batches: Iterator[tuple[int, Any]],
+    per_step: int,
+    first: int,
+    count: int,
+    key: tuple[int, int],
+    device: torch.device,
+) -> Iterator[StepGroup]:
+    """Of each `per_step` global micro-batches, this rank's `count` from `first` on, each with a seed drawn from
+    its global index: dropout masks then follow the micro-batch, not the rank that happens to train it, so a
+    step's result does not depend on the group's size."""
+    group = StepGroup(seeds=[])
+    for index, batch in batches:
+        if first <= index % per_step < first + count:
+            group.batches.append(to_device(batch, device))
+            group.seeds.append(int(np.random.SeedSequence([*key, index]).generate_state(1)[0]))
+        if index % per_step == per_step - 1:
+            group.last = index
+            yield group
+            group = StepGroup(seeds=[])
+
+
 def epoch_batches(shard, cfg: Config, plan: StepPlan, epoch: int, skip: int, collate) -> Iterator[Any]:
-    """One epoch of this rank's micro-batches, reshuffled per epoch (seeded, so a rerun sees the same order).
+    """One epoch of this rank's micro-batches (an elastic run's: the whole stream's), reshuffled per epoch (seeded,
+    so a rerun sees the same order).
 
     A resumed epoch replays the same stream and skips what was already trained on. Every rank gets the same
     number of batches (equal split), and never more than the plan counted, so all ranks leave the epoch at the
@@ -174,6 +228,22 @@ def epoch_batches(shard, cfg: Config, plan: StepPlan, epoch: int, skip: int, col
         local_shuffle_seed=cfg.train.seed + epoch,
     )
     return islice(batches, skip, plan.micro_batches_per_epoch)
+
+
+@dataclass
+class GlobalPart:
+    """A rank's contiguous part of the first `batches` batches of a stream every rank reads whole (an elastic run's
+    validation split): every group size then scores the same records, each rank as many batches."""
+
+    stream: Any  # the rank's view of the whole split, iterated as Ray Data's `DataIterator`
+    batches: int
+    rank: int
+    world_size: int
+
+    def iter_torch_batches(self, *, batch_size: int, collate_fn, **options) -> Iterator[Any]:
+        per_rank = self.batches // self.world_size
+        batches = self.stream.iter_torch_batches(batch_size=batch_size, collate_fn=collate_fn, **options)
+        return islice(batches, self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
 class DataWait:

@@ -29,6 +29,7 @@ from rayft.train.spool import SPOOL_ROOT
 
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
 TOLERANCE = 1e-6  # exact resume: the same sums in the same order
+REORDERED = 1e-4  # the same sums in another order, fp32 (as test_expert_parallel_job's EP against FSDP)
 TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
 OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
@@ -40,16 +41,17 @@ def qwen3_moe(fixtures: Fixtures, tmp_path_factory) -> Path:
     return make_tiny_moe("qwen3_moe", directory, vocab_size=TOKENIZER_IDS, tokenizer_from=fixtures.model)
 
 
-def _assert_same_training(got: LocalRun, want: LocalRun, steps: range) -> None:
+def _assert_same_training(got: LocalRun, want: LocalRun, steps: range, tolerance: float = TOLERANCE) -> None:
     mine, theirs = {r["step"]: r for r in got.metrics()}, {r["step"]: r for r in want.metrics()}
     for step in steps:
         for key in EXACT:
-            assert abs(mine[step][key] - theirs[step][key]) < TOLERANCE, f"step {step} {key}"
+            assert abs(mine[step][key] - theirs[step][key]) < tolerance, f"step {step} {key}"
     a = load_file(got.out / "final" / "adapter_model.safetensors")
     b = load_file(want.out / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and a
     gap = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert gap < TOLERANCE, f"adapter gap {gap}"
+    print(f"adapter gap {gap:.3g}")
+    assert gap < tolerance, f"adapter gap {gap}"
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +103,43 @@ def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it
     resumed = train_locally(cfg, 2, resume=run.checkpoint(2))
     assert resumed.resumes()[-1] == 2
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
+
+
+def test_a_drain_notice_without_a_deadline_saves_at_once_and_says_so(fixtures: Fixtures, tmp_path: Path):
+    """A drain that gave no deadline (`ray drain-node` without one; Ray then stops the group after its own default):
+    the checkpoint is saved at the first look all the same, and the job log says no deadline was given."""
+    cfg = checkpointing_config(fixtures, tmp_path, train__save_steps=100, train__max_steps=3)
+    run = train_locally(cfg, 2, notices=[PreemptionNotice(("node-c",), (0,), deadline=None)])
+    assert sorted(p.name for p in run.run_dir.glob("checkpoint-*")) == ["checkpoint-000001", "checkpoint-000003"]
+    assert (
+        "preemption notice at step 1: node(s) node-c (ranks [0]) draining, no deadline given; checkpoint-000001 "
+        "holds the run" in run.text()
+    ), run.text()[-3000:]
+
+
+def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(fixtures: Fixtures, tmp_path: Path):
+    """`ray.num_workers: [2, 3]`: three workers, stopped dead while saving step 3's checkpoint; continued on two
+    from step 2's (as Ray restarts a run that lost a node at the size the cluster has), stopped right after step
+    4's registered; continued on three from it (a node came back). Every step trains on the same records as the
+    uninterrupted three-worker run's (one global order, 3 micro-batches a worker on two, 2 on three), with the same
+    dropout draws (seeded per micro-batch): the losses and the adapter are the uninterrupted run's, up to the order
+    in which the workers' sums are added (a fixed-size run on other sizes trains on other records: see
+    test_elastic_data.py)."""
+    # Evaluated: the 12 of the 16 validation records that split evenly at every size, in batches of one. A gentler
+    # learning rate than the recovery tests' 3e-2, at which Adam's first steps grow the reordered sums' 1e-7 gaps
+    # to 1e-4 within a few steps.
+    elastic = {"ray__num_workers": [2, 3], "train__per_device_eval_batch_size": 1, "train__learning_rate": 3e-3}
+    cfg = checkpointing_config(fixtures, tmp_path / "elastic", **elastic)
+    reference = train_locally(checkpointing_config(fixtures, tmp_path / "reference", **elastic), 3)
+    first = train_locally(cfg, 3, crash_saving=3)
+    assert [r["step"] for r in first.metrics()] == [1, 2]
+    second = train_locally(cfg, 2, resume=first.checkpoint(2), crash_saved=4)
+    run = train_locally(cfg, 3, resume=second.checkpoint(4))
+    assert run.resumes() == [2, 4]
+    text = run.text()
+    assert "written by 3 workers" in text and "written by 2 workers" in text, text[-3000:]
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
+    _assert_same_training(run, reference, range(1, STEPS + 1), REORDERED)
 
 
 def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metrics(

@@ -283,3 +283,25 @@ def test_plan_prints_what_a_preemption_costs(capsys):
     assert "the run restarts at its 16 workers" in out
     assert cli.main([*argv, "--override", "ray.preemption=ignore"]) == cli.EXIT_OK
     assert "a drain notice saves nothing" in capsys.readouterr().out
+
+
+def test_plan_says_how_far_an_elastic_run_can_shrink(capsys):
+    """`ray.num_workers: [8, 16]` on nodes of 8 H200s: the run may go on with one node or two; the plan names the
+    fewest of those whose memory plan fits (the memory table's own verdict for that size, FP8 base as the preset
+    keeps it) and the accumulation that keeps the global batch there (16 steps x 16 workers of micro-batches)."""
+    from transformers import Mistral4Config
+
+    ray = {"num_workers": [8, 16], "workers_per_node": 8}
+    argv = ["plan", "--preset", "mistral-small-4", "--num-nodes", "2", "--gpus-per-node", "8", "--gpu", "h200"]
+    argv += ["--override", "ray.num_workers=[8, 16]", "--override", "ray.workers_per_node=8"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    cfg = Config.from_dict({"ray": ray})
+    s = meta_structure(cfg, Mistral4Config())
+    plans = {n: plan_memory(cfg, s, n, True, "h200", fp8=True) for n in (8, 16)}
+    fewest = min(n for n, p in plans.items() if p.total_gib <= p.capacity_gib)
+    said = (
+        f"an elastic run (ray.num_workers [8, 16]) goes on with the workers left: the fewest whose memory plan fits "
+        f"a h200 are {fewest}, each accumulating {16 * 16 // fewest} micro-batches a step"
+    )
+    assert said in out, out[-2000:]

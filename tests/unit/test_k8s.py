@@ -107,9 +107,30 @@ def test_checked_in_manifests_are_valid_and_exactly_what_the_renderer_writes(pat
 
 
 def test_checked_in_set_is_the_seeds_3xh200_job():
-    assert {p.name for p in CHECKED_IN} == {"rayjob.yaml", "raycluster.yaml"}
+    assert {p.name for p in CHECKED_IN} == {"rayjob.yaml", "raycluster.yaml", "head-budget.yaml"}
     job = yaml.safe_load((REPO / "cluster" / "rayjob.yaml").read_text())
     assert gpu_groups(job)[0]["replicas"] == 3 and EXAMPLE.split("/")[-1] in job["spec"]["entrypoint"]
+
+
+def test_the_heads_budget_holds_the_runs_head_and_nothing_else(capsys, monkeypatch):
+    """A voluntary eviction (a node drain) may take a GPU worker (a checkpoint and a restart) but not the head (the
+    driver): the budget selects the head pods of this run's RayJob and RayCluster, which carry its labels, and
+    neither its workers nor another run's head."""
+    monkeypatch.chdir(REPO)
+    docs = render(capsys, "--config", EXAMPLE, "--name", "run-a")
+    budget = docs["PodDisruptionBudget"]
+    assert validate(budget) == [] and budget["spec"]["maxUnavailable"] == 0
+    selector = budget["spec"]["selector"]["matchLabels"]
+    kuberay = {"head": {"ray.io/node-type": "head"}, "worker": {"ray.io/node-type": "worker"}}  # KubeRay's labels
+    for doc in (docs["RayJob"], docs["RayCluster"]):
+        spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        head = {**spec["headGroupSpec"]["template"]["metadata"]["labels"], **kuberay["head"]}
+        worker = {**gpu_groups(doc)[0]["template"]["metadata"]["labels"], **kuberay["worker"]}
+        assert selector.items() <= head.items() and not selector.items() <= worker.items()
+    other = render(capsys, "--config", EXAMPLE, "--name", "run-b")["RayJob"]["spec"]["rayClusterSpec"]
+    assert (
+        not selector.items() <= {**other["headGroupSpec"]["template"]["metadata"]["labels"], **kuberay["head"]}.items()
+    )
 
 
 @pytest.mark.parametrize("extra", VARIANTS, ids=lambda a: " ".join(a) or "defaults")
@@ -121,6 +142,7 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
     flag = dict(zip(extra[::2], extra[1::2], strict=False))
     mount = PurePosixPath(flag.get("--mount-path", "/data"))
     gpus = int(flag.get("--gpus-per-pod", "1"))
+    assert validate(docs.pop("PodDisruptionBudget")) == []
     for doc in docs.values():
         assert validate(doc) == []
         (group,) = gpu_groups(doc)
@@ -299,7 +321,7 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
     }
     docs = render(capsys, "--config", EXAMPLE, "--monitoring", "--namespace", "ml", "--name", "ft",
                   *[a for kv in hosts.items() for a in kv])  # fmt: skip
-    assert set(docs) == {"RayJob", "RayCluster", "PodMonitor", "ConfigMap"}
+    assert set(docs) == {"RayJob", "RayCluster", "PodDisruptionBudget", "PodMonitor", "ConfigMap"}
     for doc in docs.values():
         assert validate(doc) == [], doc["kind"]
     spec = docs["RayCluster"]["spec"]
@@ -328,14 +350,20 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
 
     # Without the flags nothing of this is rendered; --out writes one file per manifest.
     plain = render(capsys, "--config", EXAMPLE)
-    assert set(plain) == {"RayJob", "RayCluster"}
+    assert set(plain) == {"RayJob", "RayCluster", "PodDisruptionBudget"}
     plain_env = {
         e["name"] for e in plain["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert not {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"} & plain_env
     assert cli.main(["k8s", "render", "--config", EXAMPLE, "--monitoring", "--out", str(tmp_path)]) == cli.EXIT_OK
     written = sorted(p.name for p in tmp_path.glob("*.yaml"))
-    assert written == ["grafana-dashboard.yaml", "podmonitor.yaml", "raycluster.yaml", "rayjob.yaml"]
+    assert written == [
+        "grafana-dashboard.yaml",
+        "head-budget.yaml",
+        "podmonitor.yaml",
+        "raycluster.yaml",
+        "rayjob.yaml",
+    ]
     capsys.readouterr()
     assert cli.main(["k8s", "validate", *map(str, tmp_path.glob("*.yaml"))]) == cli.EXIT_OK
 

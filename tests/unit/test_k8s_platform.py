@@ -434,3 +434,18 @@ def test_no_preemption_notice_when_it_is_off(capsys, tmp_path):
     config = config_with(tmp_path, {"preemption_notice_s": 0})
     group, container = worker_of(render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml"))
     assert "lifecycle" not in container and "terminationGracePeriodSeconds" not in group["template"]["spec"]
+
+
+@pytest.mark.parametrize("version", ["1.4.2", "1.7.0"])
+def test_an_elastic_run_keeps_its_pods_and_may_go_on_with_fewer(capsys, tmp_path, version):
+    """`ray.num_workers: [2, 3]`: KubeRay keeps three worker pods (each lost one is created again, Pending until
+    there is capacity) while the run may go on with two; the group's range is the run's, and the manifests pass
+    the CRD validation of the oldest and newest operator supported."""
+    args = ("--config", str(config_with(tmp_path, {})), "--config-in-cluster", "/data/job.yaml")
+    docs = render(capsys, *args, "--override", "ray.num_workers=[2, 3]", "--kuberay-version", version)
+    for doc in (docs["RayJob"], docs["RayCluster"]):
+        spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        (group,) = spec["workerGroupSpecs"]
+        assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (3, 2, 3)
+    fixed = worker_of(render(capsys, *args, "--kuberay-version", version))[0]
+    assert (fixed["replicas"], fixed["minReplicas"], fixed["maxReplicas"]) == (3, 3, 3)
