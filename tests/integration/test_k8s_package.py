@@ -83,7 +83,7 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
                      "--out", str(out / str(version)))  # fmt: skip
         assert done.returncode == 0, done.stderr
         files = sorted((out / str(version)).glob("*.yaml"))
-        assert [p.name for p in files] == ["raycluster.yaml", "rayjob.yaml"]
+        assert [p.name for p in files] == ["head-budget.yaml", "raycluster.yaml", "rayjob.yaml"]
         checked = rayft("k8s", "validate", *map(str, files), *named)
         assert checked.returncode == 0 and "valid" in checked.stdout, (version, checked.stderr)
         job = yaml.safe_load((out / str(version) / "rayjob.yaml").read_text())

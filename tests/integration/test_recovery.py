@@ -252,21 +252,30 @@ def trainer_nodes(
     # driver, controller, Ray Data; free agent ports, as conftest.agent_ports gives the session clusters. The GCS
     # checks each node every second and calls it dead after 3 misses (Ray's default: 3 s and 5), so the lost node is
     # noticed in ~3 s rather than ~15 s: what is tested is the restart, not Ray's detection delay.
+    # Its own dashboard port too: the state API the tests read workers from is served there, and Ray's default
+    # (8265) is another test cluster's when two of these tests run at once.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "gcs_server_port": gcs_port, "dashboard_agent_listen_port": free_port(),
-        "ray_client_server_port": free_port(),
+        "dashboard_port": free_port(), "ray_client_server_port": free_port(),
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
     })  # fmt: skip
     try:
         assert cluster.address == os.environ["RAY_ADDRESS"], cluster.address
         # One CPU each, all taken by the training worker: nothing else lives (and is lost) with the node.
-        trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(count)]
+        trainers = [add_trainer(cluster) for _ in range(count)]
         cluster.wait_for_nodes()
         driver_env = {**os.environ, **TEST_RAY_ENV, **(env or {})}
         driver_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{driver_env.get('PATH', '')}"
         yield cluster, trainers, RayCluster(address=cluster.address, dashboard="", env=driver_env)
     finally:
         cluster.shutdown()
+
+
+def add_trainer(cluster):
+    """A trainer node of one CPU, with free agent ports (Ray's fixed defaults would collide between clusters)."""
+    return cluster.add_node(
+        num_cpus=1, resources={"trainer": 1}, dashboard_agent_listen_port=free_port(), metrics_export_port=free_port()
+    )
 
 
 def test_lost_node_restarts_the_group_on_the_spare_node(fixtures: Fixtures, reference_run: Run, tmp_path, monkeypatch):
@@ -394,9 +403,9 @@ def test_an_elastic_run_goes_on_with_the_nodes_left_and_grows_back(fixtures: Fix
             time.sleep(SECOND_DEADLINE_S + 3)
             cluster.remove_node(second, allow_graceful=False)
             started = len(GROUP.findall(run.text()))
-            cluster.add_node(num_cpus=1, resources={"trainer": 1})  # a node joins: two again
+            add_trainer(cluster)  # a node joins: two again
             wait_until(lambda: GROUP.findall(run.text())[started:] == ["2"], "a group of two", run)
-            cluster.add_node(num_cpus=1, resources={"trainer": 1})  # and another: three
+            add_trainer(cluster)  # and another: three
             wait_until(lambda: GROUP.findall(run.text())[-1] == "3", "the group of three again", run)
             text = finish(run, driver)
         finally:
