@@ -288,6 +288,7 @@ def remap_position(progress: Progress, plan: StepPlan, world_size: int, accum: i
         consumed = progress.batches_in_epoch * (1 if progress.global_order else progress.world_size)  # all ranks'
         mapped = consumed if plan.global_order else consumed // world_size
         per_step = plan.global_micro_per_step or accum
+        mapped -= mapped % per_step
         log.warning(
             "checkpoint written by %d workers%s, resuming on %d%s: continuing after ~%d of %d batches of epoch %d "
             "(same data share; not bit-identical to an uninterrupted run)",
@@ -295,13 +296,22 @@ def remap_position(progress: Progress, plan: StepPlan, world_size: int, accum: i
             " reading in global order" if progress.global_order else "",
             world_size,
             " in global order" if plan.global_order else "",
-            mapped - mapped % per_step,
+            mapped,
             plan.micro_batches_per_epoch,
             progress.epoch,
         )
-        progress.batches_in_epoch = mapped - mapped % per_step
+        progress.batches_in_epoch = mapped
     progress.world_size, progress.global_order = world_size, plan.global_order
     if progress.batches_in_epoch >= plan.micro_batches_per_epoch:
         progress.epoch += 1
         progress.batches_in_epoch = 0
+    per_step = plan.global_micro_per_step or accum
+    if progress.batches_in_epoch % per_step:  # written with steps of another size (another maximum, accumulation)
+        log.warning(
+            "checkpoint's data position %d is not a whole number of this run's steps of %d micro-batches: "
+            "continuing from the step before it",
+            progress.batches_in_epoch,
+            per_step,
+        )
+        progress.batches_in_epoch -= progress.batches_in_epoch % per_step
     return progress

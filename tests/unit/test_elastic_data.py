@@ -159,3 +159,11 @@ def test_a_position_read_the_other_way_is_mapped_by_share_to_a_step_boundary(cap
     assert remap_position(whole, fixed, 2, 4).batches_in_epoch == 4  # 6 each, to the accumulation of 4
     assert not whole.global_order
     assert "not bit-identical" in caplog.text
+
+
+def test_a_global_position_of_another_step_size_continues_from_the_step_before_it():
+    """Written by a run whose steps were 8 global micro-batches (another maximum), read by one of 6: position 16 is
+    no step boundary here; the run goes on from 12 rather than split a step unevenly between its workers."""
+    plan = plan_steps(config(), RECORDS, 0, MOST)
+    other = Progress(step=2, batches_in_epoch=16, world_size=4, global_order=True)
+    assert remap_position(other, plan, 3, ACCUMULATION).batches_in_epoch == 12
