@@ -660,12 +660,14 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     print(
         f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.trainable_params:,}"
     )
-    world = cfg.ray.num_workers
+    r = cfg.ray
+    world = r.fewest_workers  # an elastic run's fewest workers hold the largest shares: its worst case
+    where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")
     fp8 = frozen_fp8(cfg.model)
-    on_gpu = cfg.ray.use_gpu is not False
+    on_gpu = r.use_gpu is not False
     plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8)
     print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
-    print(f"  memory plan: {_memory_verdict(plan, world, on_gpu, args.gpu)} (rayft plan for details)")
+    print(f"  memory plan: {_memory_verdict(plan, where, on_gpu, args.gpu)} (rayft plan for details)")
     for warning in [lora.warning, *checked.warnings, finished]:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
@@ -679,12 +681,12 @@ def _held_out(cfg: Config) -> str:
     return f"none (holding out {cfg.data.hold_out:.0%} of the training records for evaluation)"
 
 
-def _memory_verdict(plan, world: int, on_gpu: bool, gpu: str) -> str:
+def _memory_verdict(plan, where: str, on_gpu: bool, gpu: str) -> str:
     """A GPU verdict only where the run trains on GPUs: CPU workers (ray.use_gpu: false) hold it in host memory."""
     if not on_gpu:
-        return f"{plan.total_gib:.1f} GiB of host memory per CPU worker on {world} workers (ray.use_gpu: false)"
+        return f"{plan.total_gib:.1f} GiB of host memory per CPU worker on {where} (ray.use_gpu: false)"
     verdict = f"fits {gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
-    return f"{plan.total_gib:.1f} GiB per GPU on {world} workers: {verdict}"
+    return f"{plan.total_gib:.1f} GiB per GPU on {where}: {verdict}"
 
 
 def _storage(s, fp8: bool, torch_dtype: str) -> str:

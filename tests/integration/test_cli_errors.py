@@ -92,6 +92,14 @@ def test_a_good_config_validates(good_config, capsys):
     result = _validate(capsys, good_config, "ray.use_gpu=true", "fsdp.param_dtype=auto")
     assert result.rc == 0, result.err
     assert re.search(r"memory plan: [\d.]+ GiB per GPU on 2 workers: fits h200", result.out), result.out
+    # An elastic run is judged where each worker holds the most, at its fewest workers: as a run of one worker.
+    on_gpu = ("ray.use_gpu=true", "fsdp.param_dtype=auto")
+    alone = _validate(capsys, good_config, *on_gpu, "ray.num_workers=1").out
+    one = re.search(r"memory plan: ([\d.]+) GiB per GPU on 1 workers: fits", alone)
+    result = _validate(capsys, good_config, *on_gpu, "ray.num_workers=[1, 2]")
+    assert result.rc == 0 and one, (result.err, alone)
+    fewest = r"memory plan: ([\d.]+) GiB per GPU on 1 workers \(the fewest of ray.num_workers \[1, 2\]\): fits"
+    assert re.search(fewest, result.out)[1] == one[1], result.out
 
 
 @pytest.mark.parametrize("command", [_validate, _job])
