@@ -311,6 +311,9 @@ NOTICE = re.compile(
     r"preemption notice at step (\d+): node\(s\) (\S+) \(ranks \[(\d+)\]\) draining, deadline in (\d+) s; "
     r"checkpoint-(\d+) holds the run"
 )
+NO_DEADLINE = re.compile(
+    r"preemption notice at step (\d+): node\(s\) \S+ \(ranks \[\d+\]\) draining, no deadline given"
+)
 RANK0_PID = re.compile(r"pid=(\d+)\) world_rank=0,")  # Ray Train's controller, as it starts a worker group
 DEADLINE_S = 15  # the drain's notice: the workers are stopped this long after it (a loaded CI machine included)
 
@@ -322,8 +325,9 @@ def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixt
     the deadline Ray stops them and restarts the group without the drained nodes (the last spare takes rank 0's
     place) from that checkpoint, on its preemption budget (`ray.max_failures: 0` would end the run on a failure).
     That the continued run trains exactly as an uninterrupted one: the gloo-rank test of the same notice
-    (test_local_trainer.py); here the run is long, so it is still training at the deadline on any machine, and is
-    stopped once it has resumed."""
+    (test_local_trainer.py); here the run is long, so it is still training at the deadline on any machine. Once it
+    has resumed, a node of the new group is drained without a deadline: a checkpoint at once again, the log saying
+    no deadline was given; the run is stopped there."""
     out = tmp_path / "out"
     cfg = checkpointing_config(
         fixtures, out, ray__placement_strategy="STRICT_SPREAD", ray__max_failures=0,
@@ -348,6 +352,12 @@ def test_a_drained_node_costs_a_checkpoint_not_the_steps_since_the_last_one(fixt
             wait_until(lambda: resumes(run.text()), "the restart", run)
             text = run.text()
             assert "PreemptionError" in text and "max allowed: 0" not in text, text[-6000:]
+            # Then a drain that gives no deadline, of a node of the restarted group: a checkpoint at once all the
+            # same, and the log says so (Ray would stop the group after its own default of 120 s).
+            survivor = next(n for n in trainers if n.node_id in train_workers(cluster.address, driver).values())
+            drain_node(cluster.address, survivor.node_id, None)
+            second = wait_until(lambda: NO_DEADLINE.search(run.text()), "the notice without a deadline", run)
+            wait_until(lambda: f"checkpoint-{int(second[1]):06d}" in run.registered(), "its checkpoint", run)
         finally:
             driver.kill()
 
@@ -428,11 +438,13 @@ def test_an_elastic_run_goes_on_with_the_nodes_left_and_grows_back(fixtures: Fix
     assert_same_adapter(out / "final", reference.out / "final", REORDERED)
 
 
-def drain_node(address: str, node_id: str, deadline_s: int) -> None:
-    """Ray Core's drain of a node for a preemption, with a deadline, as a spot reclaim's handler would ask it."""
+def drain_node(address: str, node_id: str, deadline_s: int | None) -> None:
+    """Ray Core's drain of a node for a preemption, with a deadline (or none), as a spot reclaim's handler would
+    ask it."""
     drain = [str(RAY_BIN), "drain-node", "--address", address, "--node-id", node_id, "--reason",
-             "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim", "--deadline-remaining-seconds",
-             str(deadline_s)]  # fmt: skip
+             "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim"]  # fmt: skip
+    if deadline_s is not None:
+        drain += ["--deadline-remaining-seconds", str(deadline_s)]
     subprocess.run(drain, check=True, capture_output=True, timeout=120)
 
 
