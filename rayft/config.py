@@ -288,6 +288,9 @@ class TrainConfig:
     # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow |
     # wandb (output_dir/wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads them).
     report_to: list[str] | None = None
+    # records.jsonl in the run directory: per optimizer step, a fingerprint of each sequence it trained on (an audit
+    # of the data behind the adapter; one small gather a step while on).
+    record_ledger: bool = False
     seed: int = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
     ddp_find_unused_parameters: bool = False

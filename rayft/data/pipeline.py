@@ -658,6 +658,14 @@ class PackedCollate(NumpyBatchCollateFn):
         }
 
 
+class AsRead(NumpyBatchCollateFn):
+    """No collation: the batches as the pipeline reads them, for a reader that keeps only some and collates those
+    itself."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return batch
+
+
 def collate_fn(
     data: DataConfig, pad_id: int, pairs: bool = False, reference=None, keys: bool = False
 ) -> NumpyBatchCollateFn:

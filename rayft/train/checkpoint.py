@@ -221,7 +221,7 @@ class CheckpointManager:
         self.last_saved = -1
         self.resumed_metrics: dict[str, Any] | None = None  # what this run reported with the checkpoint it resumes
 
-    def restore(self, explicit: str | None, state: TrainState, plan, accum: int) -> bool:
+    def restore(self, explicit: str | None, state: TrainState, plan, world_size: int, accum: int) -> bool:
         """Continue from this run's latest registered checkpoint (a restart after a failure, or the same job run
         again), else from `train.resume_from_checkpoint`, else start fresh. True when something was loaded."""
         own = self.runtime.own_checkpoint()
@@ -239,7 +239,7 @@ class CheckpointManager:
                 progress.batches_in_epoch,
                 progress.world_size,
             )
-            state.progress = remap_position(progress, plan, dist.get_world_size(), accum)
+            state.progress = remap_position(progress, plan, world_size, accum)
         # A resumed run's starting point is a checkpoint already: never write (and register) it a second time.
         self.last_saved = state.progress.step
         if own is not None and self.rank == 0:
@@ -283,35 +283,38 @@ class CheckpointManager:
 def remap_position(progress: Progress, plan: StepPlan, world_size: int, accum: int) -> Progress:
     """Express the data position for this group's size, this run's way of reading (split or global order) and the
     epoch's length. A global-order position means the same at every size; any other change is mapped by share of
-    the epoch, to a step's boundary."""
-    if progress.global_order != plan.global_order or (progress.world_size != world_size and not plan.global_order):
+    the epoch. Either way the run continues at a step boundary of its own: at or before the position, never past
+    a record not trained on."""
+    written = (progress.world_size, progress.global_order)
+    other_size = progress.world_size != world_size and not plan.global_order
+    remapped = progress.global_order != plan.global_order or other_size
+    if remapped:
         consumed = progress.batches_in_epoch * (1 if progress.global_order else progress.world_size)  # all ranks'
-        mapped = consumed if plan.global_order else consumed // world_size
-        per_step = plan.global_micro_per_step or accum
-        mapped -= mapped % per_step
-        log.warning(
-            "checkpoint written by %d workers%s, resuming on %d%s: continuing after ~%d of %d batches of epoch %d "
-            "(same data share; not bit-identical to an uninterrupted run)",
-            progress.world_size,
-            " reading in global order" if progress.global_order else "",
-            world_size,
-            " in global order" if plan.global_order else "",
-            mapped,
-            plan.micro_batches_per_epoch,
-            progress.epoch,
-        )
-        progress.batches_in_epoch = mapped
+        progress.batches_in_epoch = consumed if plan.global_order else consumed // world_size
     progress.world_size, progress.global_order = world_size, plan.global_order
     if progress.batches_in_epoch >= plan.micro_batches_per_epoch:
         progress.epoch += 1
         progress.batches_in_epoch = 0
     per_step = plan.global_micro_per_step or accum
-    if progress.batches_in_epoch % per_step:  # written with steps of another size (another maximum, accumulation)
+    uneven = progress.batches_in_epoch % per_step  # written with steps of another size (another maximum, accumulation)
+    progress.batches_in_epoch -= uneven
+    if remapped:
+        log.warning(
+            "checkpoint written by %d workers%s, resuming on %d%s: continuing after ~%d of %d batches of epoch %d "
+            "(same data share; not bit-identical to an uninterrupted run)",
+            written[0],
+            " reading in global order" if written[1] else "",
+            world_size,
+            " in global order" if plan.global_order else "",
+            progress.batches_in_epoch,
+            plan.micro_batches_per_epoch,
+            progress.epoch,
+        )
+    elif uneven:
         log.warning(
             "checkpoint's data position %d is not a whole number of this run's steps of %d micro-batches: "
             "continuing from the step before it",
-            progress.batches_in_epoch,
+            progress.batches_in_epoch + uneven,
             per_step,
         )
-        progress.batches_in_epoch -= progress.batches_in_epoch % per_step
     return progress

@@ -33,6 +33,7 @@ from rayft.train import metrics as measured
 from rayft.train.checkpoint import CheckpointManager, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.checkpoint_dir import Progress
 from rayft.train.job import EvalJob, Job
+from rayft.train.ledger import RecordLedger
 from rayft.train.metrics import LossWindow, ProgressLog, perplexity
 from rayft.train.rundir import EVAL_RESULT, RunDir
 from rayft.train.runtime import RayRuntime, Runtime, Shard
@@ -94,6 +95,7 @@ class Trainer:
 
     progress_log: ProgressLog | None
     checkpoints: CheckpointManager
+    ledger: RecordLedger | None  # train.record_ledger
 
     def __init__(self, job: Job, runtime: Runtime, entered: float):
         self.job, self.cfg, self.plan = job, job.config, job.plan
@@ -114,12 +116,13 @@ class Trainer:
         self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime)
         try:  # from here on the run holds files open: a set-up that fails closes them
             with self.profile.stage("resume"):
-                resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, accum)
+                resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, self.world_size, accum)
             if self.rank == 0:
                 _log_group_size(self.cfg, self.plan, self.world_size, accum)
                 self.progress_log = _progress_log(
                     self.cfg, self.plan, self.state, run, resumed, job.params, runtime, self.checkpoints.resumed_metrics
                 )
+            self.ledger = self._ledger(run, resumed)
             self.objective = Objective(self.cfg, self.state.model, self.device)
             self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
             self.cadence = Cadence(self.cfg.train, self.cfg.ray, self.plan)
@@ -129,6 +132,11 @@ class Trainer:
         except BaseException:
             self.close(failed=True)
             raise
+
+    def _ledger(self, run: RunDir, resumed: bool) -> RecordLedger | None:
+        if not self.cfg.train.record_ledger:
+            return None
+        return RecordLedger(run, self.rank, self.world_size, self.state.progress.step if resumed else None)
 
     def __enter__(self) -> Trainer:
         return self
@@ -153,7 +161,7 @@ class Trainer:
         with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
             tokenizer_loading = pool.submit(load_tokenizer, self.cfg.model)  # overlaps the model build and load
             with self.profile.stage("model_build_load"):
-                state, autocast, window = _build_state(self.cfg, self.plan, self.device)
+                state, autocast, window = _build_state(self.cfg, self.plan, self.device, self.world_size)
             with self.profile.stage("tokenizer"):  # what is left of it once the model is loaded
                 tokenizer = tokenizer_loading.result()
         return state, autocast, window, tokenizer
@@ -201,6 +209,8 @@ class Trainer:
                 self.profile = _first_step_done(self.profile, stepped, self.waited, self.progress_log)
             progress = state.progress
             progress.step, progress.batches_in_epoch = progress.step + 1, group.last + 1
+            if self.ledger is not None:
+                self.ledger.add(progress.step, progress.epoch, group.batches)
             self._after_step(progress, group.last, grad_norm)
             if progress.step >= self.plan.total_steps:
                 break
@@ -262,6 +272,8 @@ class Trainer:
         best = self.job.best_metric
         if best and best not in metrics:
             metrics[best] = self.evaluate()[best]
+        if self.ledger is not None:  # first: a checkpoint registered is never ahead of the ledger
+            self.ledger.write()
         self.checkpoints.save(self.state, metrics)
 
     def finish(self) -> None:
@@ -273,6 +285,8 @@ class Trainer:
             if self.val_shard is not None and self.cadence.last_evaluated != step:
                 final_metrics["eval_loss"] = self.evaluate()["eval_loss"]
             self._save(final_metrics)
+        if self.ledger is not None:
+            self.ledger.write()
         final_dir = Path(self.cfg.train.output_dir) / "final"
         publish_adapter(self.state.model, final_dir, self.tokenizer)
         if self.progress_log is not None:
@@ -327,7 +341,9 @@ def _first_step_done(profile: Profile, stepped: float, waited, progress_log) -> 
     return None
 
 
-def _build_state(cfg: Config, plan: StepPlan, device: torch.device) -> tuple[TrainState, Any, LossWindow]:
+def _build_state(
+    cfg: Config, plan: StepPlan, device: torch.device, world_size: int
+) -> tuple[TrainState, Any, LossWindow]:
     """The sharded LoRA model, its optimizer and schedule at step 0, the autocast context for CPU bf16, and the
     logging window that measures it (FLOPs per token, the device's peak)."""
     on_gpu = device.type == "cuda"
@@ -342,7 +358,6 @@ def _build_state(cfg: Config, plan: StepPlan, device: torch.device) -> tuple[Tra
     log.info("%s", measured.flops_line(flops, peak, device, stated=cfg.train.peak_tflops is not None))
     log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
     log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
-    world_size = dist.get_world_size()
     state = TrainState(model, optimizer, scheduler, Progress(world_size=world_size, global_order=plan.global_order))
     return state, cpu_autocast(cfg, device), LossWindow(device, world_size, flops, peak)
 

@@ -1,8 +1,9 @@
 """The run directory on Ray's storage (`storage_path/name`): a shared-PVC path or a pyarrow URI (s3://, gs://).
 
 Ray Train owns the checkpoint registry in it (`checkpoint_manager_snapshot.json`); rayft adds step-named
-checkpoint directories, `metrics.jsonl`, `loss.png` and `rayft_run.json`, the run's identity: every checkpoint
-rayft writes records it, and only directories carrying it are ever deleted by the run's housekeeping.
+checkpoint directories, `metrics.jsonl`, `records.jsonl` (with `train.record_ledger`), `loss.png` and
+`rayft_run.json`, the run's identity: every checkpoint rayft writes records it, and only directories carrying it
+are ever deleted by the run's housekeeping.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 # Ray Train V2's record of the checkpoints it registered (and so will resume from and retain).
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 METRICS = "metrics.jsonl"
+RECORDS = "records.jsonl"  # rayft.train.ledger
 LOSS_PLOT = "loss.png"
 EVAL_RESULT = "eval.json"  # of a `rayft eval` run
 IDENTITY = "rayft_run.json"
@@ -88,12 +90,19 @@ class RunDir:
         return settings if isinstance(settings, dict) else None
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """The rows of metrics.jsonl; a line that does not parse (a write cut short by a crash, on a filesystem
-        without atomic renames) is skipped with a warning: the history must never stop a resume."""
-        if not self.exists(METRICS):
+        return self.read_rows(METRICS)
+
+    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+        self.write_rows(METRICS, rows)
+
+    def read_rows(self, name: str) -> list[dict[str, Any]]:
+        """The rows of a JSON-lines file (none where it does not exist); a line that does not parse (a write cut
+        short by a crash, on a filesystem without atomic renames) is skipped with a warning: a run's history must
+        never stop a resume."""
+        if not self.exists(name):
             return []
         rows = []
-        for number, line in enumerate(self.read_file(METRICS).decode(errors="replace").splitlines(), start=1):
+        for number, line in enumerate(self.read_file(name).decode(errors="replace").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -103,13 +112,13 @@ class RunDir:
             if isinstance(row, dict):
                 rows.append(row)
             else:
-                log.warning("%s line %d is not a JSON record (a torn write?): skipped", join(self.uri, METRICS), number)
+                log.warning("%s line %d is not a JSON record (a torn write?): skipped", join(self.uri, name), number)
         return rows
 
-    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
-        """Rewritten whole each time (object stores cannot append; the file stays small), into a temporary file
-        moved over the old one: a kill mid-write leaves the previous version."""
-        self.write_file(METRICS, "".join(json.dumps(row) + "\n" for row in rows).encode())
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Rewritten whole each time (object stores cannot append), into a temporary file moved over the old one:
+        a kill mid-write leaves the previous version."""
+        self.write_file(name, "".join(json.dumps(row) + "\n" for row in rows).encode())
 
     def write_file(self, name: str, data: bytes) -> None:
         """Written under a temporary name, then moved into place (a rename on local and shared filesystems;

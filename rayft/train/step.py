@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
+from rayft.data.pipeline import AsRead
 from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
@@ -175,11 +176,13 @@ def step_groups(
     accum = plan.accumulation(world_size, cfg.train.gradient_accumulation_steps)
     while progress.step < plan.total_steps:
         skip = progress.batches_in_epoch
-        batches = enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, collate)), skip)
-        if plan.global_micro_per_step:
+        if plan.global_micro_per_step:  # every rank reads the whole stream: collate only the batches it keeps
+            batches = enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, AsRead())), skip)
             key = (cfg.train.seed, progress.epoch)
-            yield from _my_part(batches, plan.global_micro_per_step, accum * rank, accum, key, device)
+            part = Part(plan.global_micro_per_step, accum * rank, accum)
+            yield from _my_part(batches, collate, part, key, device)
         else:
+            batches = enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, collate)), skip)
             group = StepGroup()
             for micro, batch in batches:
                 group.batches.append(to_device(batch, device))
@@ -191,23 +194,30 @@ def step_groups(
         progress.batches_in_epoch = 0
 
 
+@dataclass(frozen=True)
+class Part:
+    """A rank's micro-batches in each step of the global stream: `count` of every `per_step`, from `first` on."""
+
+    per_step: int
+    first: int
+    count: int
+
+    def holds(self, index: int) -> bool:
+        return self.first <= index % self.per_step < self.first + self.count
+
+
 def _my_part(
-    batches: Iterator[tuple[int, Any]],
-    per_step: int,
-    first: int,
-    count: int,
-    key: tuple[int, int],
-    device: torch.device,
+    batches: Iterator[tuple[int, Any]], collate, part: Part, key: tuple[int, int], device: torch.device
 ) -> Iterator[StepGroup]:
-    """Of each `per_step` global micro-batches, this rank's `count` from `first` on, each with a seed drawn from
-    its global index: dropout masks then follow the micro-batch, not the rank that happens to train it, so a
-    step's result does not depend on the group's size."""
+    """This rank's `part` of each global step's micro-batches, collated, each with a seed drawn from its global
+    index: dropout masks then follow the micro-batch, not the rank that happens to train it, so a step's result
+    does not depend on the group's size."""
     group = StepGroup(seeds=[])
     for index, batch in batches:
-        if first <= index % per_step < first + count:
-            group.batches.append(to_device(batch, device))
+        if part.holds(index):
+            group.batches.append(to_device(collate(batch), device))
             group.seeds.append(int(np.random.SeedSequence([*key, index]).generate_state(1)[0]))
-        if index % per_step == per_step - 1:
+        if index % part.per_step == part.per_step - 1:
             group.last = index
             yield group
             group = StepGroup(seeds=[])

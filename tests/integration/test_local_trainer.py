@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import STEPS, CliResult, Fixtures, checkpointing_config, run_cli, write_yaml
 from fixtures.chat import chatml_expected
+from fixtures.ledger import assert_each_record_once, ledger_rows
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import make_tiny_moe
 from fixtures.preference import write_preference_data
@@ -128,7 +129,10 @@ def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(f
     # Evaluated: the 12 of the 16 validation records that split evenly at every size, in batches of one. A gentler
     # learning rate than the recovery tests' 3e-2, at which Adam's first steps grow the reordered sums' 1e-7 gaps
     # to 1e-4 within a few steps.
-    elastic = {"ray__num_workers": [2, 3], "train__per_device_eval_batch_size": 1, "train__learning_rate": 3e-3}
+    elastic = {
+        "ray__num_workers": [2, 3], "train__per_device_eval_batch_size": 1, "train__learning_rate": 3e-3,
+        "train__record_ledger": True, "data__packing": False,  # each sequence a record, counted in the ledger
+    }  # fmt: skip
     cfg = checkpointing_config(fixtures, tmp_path / "elastic", **elastic)
     reference = train_locally(checkpointing_config(fixtures, tmp_path / "reference", **elastic), 3)
     first = train_locally(cfg, 3, crash_saving=3)
@@ -140,6 +144,11 @@ def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(f
     assert "written by 3 workers" in text and "written by 2 workers" in text, text[-3000:]
     assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
     _assert_same_training(run, reference, range(1, STEPS + 1), REORDERED)
+    # Each step's sequences in the global batch's order; step 3, trained again after the first stop, once.
+    ledger = ledger_rows(run.run_dir)
+    assert ledger == ledger_rows(reference.run_dir)
+    t = cfg["train"]
+    assert_each_record_once(ledger, STEPS, t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * 3)
 
 
 def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metrics(

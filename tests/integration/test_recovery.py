@@ -33,6 +33,7 @@ from conftest import (
     write_yaml,
 )
 from fixtures.cluster import RAY_BIN
+from fixtures.ledger import assert_each_record_once, ledger_rows
 from fixtures.local_run import train_locally
 from safetensors.torch import load_file
 
@@ -380,13 +381,14 @@ def test_an_elastic_run_goes_on_with_the_nodes_left_and_grows_back(fixtures: Fix
     latest checkpoint, each worker accumulating 3 micro-batches a step instead of 2. Another joins: within
     ray.resize_check_s Ray grows the group back to three, from the latest checkpoint. The run ends with the losses
     and the adapter of an uninterrupted three-worker run of the same job (on gloo ranks), up to the order of the
-    workers' sums: every step trained on the same records (what each step takes, counted by record:
-    test_elastic_data.py)."""
+    workers' sums; and the run's record ledger is the uninterrupted run's: every step trained on the same records,
+    each record once an epoch."""
     elastic = {
         "ray__num_workers": [2, 3], "ray__resize_check_s": 5, "ray__max_failures": 0,
         "ray__placement_strategy": "STRICT_SPREAD", "ray__resources_per_worker": {"CPU": 1, "trainer": 1},
         "train__max_steps": ELASTIC_STEPS, "train__save_steps": 4, "train__eval_steps": 8,
         "train__per_device_eval_batch_size": 1, "train__learning_rate": 3e-3, "data__shuffle_buffer_size": 0,
+        "train__record_ledger": True, "data__packing": False,  # each sequence a record, counted in the ledger
     }  # fmt: skip
     reference = train_locally(checkpointing_config(fixtures, tmp_path / "reference", **elastic), 3)
     out = tmp_path / "out"
@@ -436,6 +438,13 @@ def test_an_elastic_run_goes_on_with_the_nodes_left_and_grows_back(fixtures: Fix
         # 1.2e-4 of itself in a step here while the losses stayed within 5e-6.
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3), got["step"]
     assert_same_adapter(out / "final", reference.out / "final", REORDERED)
+    # Every step's sequences, counted: each record once an epoch, in the uninterrupted run's order.
+    ledger = ledger_rows(run.run_dir)
+    assert ledger == ledger_rows(reference.run_dir)
+    t = cfg["train"]
+    assert_each_record_once(
+        ledger, ELASTIC_STEPS, t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * 3
+    )
 
 
 def drain_node(address: str, node_id: str, deadline_s: int | None) -> None:
