@@ -46,7 +46,7 @@ FLOOR_VENV ?= .venv-torch-floor
 FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.py tests/integration/test_block_fp8.py \
 	tests/integration/test_local_trainer.py tests/integration/test_expert_parallel.py \
 	tests/integration/test_moe_weights.py tests/integration/test_peft_options.py tests/integration/test_checkpoint.py \
-	tests/integration/test_lora.py tests/unit/test_dpo.py
+	tests/integration/test_lora.py tests/unit/test_dpo.py tests/unit/test_nf4.py tests/integration/test_nf4_job.py
 
 # A venv ($(1)) whose own site-packages come first and .venv's pinned packages after them, through a .pth file.
 define venv_before_pinned

@@ -434,17 +434,22 @@ def _plan(args: argparse.Namespace) -> int:
     # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8.
     fp8 = frozen_fp8(cfg.model, checkpoint_fp8=True if args.preset else None)
 
-    def plans(fp8: bool) -> list:
-        return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8) for n in args.num_nodes]
+    nf4 = cfg.model.frozen_dtype == "nf4"
+
+    def plans(fp8: bool, nf4: bool = False) -> list:
+        return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8, nf4=nf4) for n in args.num_nodes]
 
     if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
         print(
             f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
             f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)"
         )
-    other = plans(not fp8) if s.fp8 else None
-    print(format_plans(plans(fp8), s, cfg.data.max_length * cfg.train.per_device_train_batch_size, other))
-    if args.layouts:
+    other = plans(True) if nf4 else plans(not fp8) if s.fp8 else None  # NF4 beside FP8; FP8 and bf16 side by side
+    batch = (cfg.train.per_device_train_batch_size, cfg.data.max_length)
+    print(format_plans(plans(fp8, nf4), s, batch[0] * batch[1], other, batch))
+    if args.layouts and nf4:
+        print("\nrayft plan: --layouts ranks layouts with the base in FP8 or bf16; NF4's memory is the table above")
+    elif args.layouts:
         given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
         hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
         for nodes in args.num_nodes:
@@ -665,8 +670,9 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")
     fp8 = frozen_fp8(cfg.model)
     on_gpu = r.use_gpu is not False
-    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8)
-    print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype)}")
+    nf4 = cfg.model.frozen_dtype == "nf4"
+    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8, nf4=nf4)
+    print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype, nf4)}")
     print(f"  memory plan: {_memory_verdict(plan, where, on_gpu, args.gpu)} (rayft plan for details)")
     for warning in [lora.warning, *checked.warnings, finished]:
         if warning:
@@ -689,16 +695,28 @@ def _memory_verdict(plan, where: str, on_gpu: bool, gpu: str) -> str:
     return f"{plan.total_gib:.1f} GiB per GPU on {where}: {verdict}"
 
 
-def _storage(s, fp8: bool, torch_dtype: str) -> str:
+def _storage(s, fp8: bool, torch_dtype: str, nf4: bool = False) -> str:
     """How the frozen base is held, with its bytes (model.frozen_dtype)."""
+    if nf4:
+        from rayft.model.nf4_format import storage_bytes
+
+        size = storage_bytes(s.nf4, s.nf4_matrices)
+        return (
+            f"NF4 for {s.nf4:,} decoder-matrix params ({_size(size)}: 4.127 bits each, double-quantised scales), "
+            f"the other {s.total - s.nf4:,} in {torch_dtype}"
+        )
     if not fp8:
         return f"{torch_dtype} (model.frozen_dtype; FP8 would hold {s.fp8:,} of its matrices' params in 1 byte)"
     size = s.fp8 + 4 * s.fp8_rows
-    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    shown = _size(size)
     return (
         f"FP8 E4M3 for {s.fp8:,} decoder-matrix params ({shown}: 1 byte each + {s.fp8_rows:,} fp32 scales),"
         f" the other {s.total - s.fp8:,} in {torch_dtype}"
     )
+
+
+def _size(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def _train(cfg: Config) -> int:

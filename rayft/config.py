@@ -144,7 +144,8 @@ class ModelConfig:
     # full: every rank loads the whole model with from_pretrained, then shards it (needs host RAM for all of it).
     load_mode: str = "sharded"
     # Storage of the frozen decoder matrices (linears, routed experts): auto = FP8 (E4M3 + row scales) when the
-    # checkpoint is FP8, else torch_dtype; float8_e4m3fn also quantises a bf16/fp32 checkpoint at load (per row).
+    # checkpoint is FP8, else torch_dtype; float8_e4m3fn also quantises a bf16/fp32 checkpoint at load (per row);
+    # nf4 = QLoRA's 4-bit NormalFloat with double-quantised scales for the decoder's linears.
     frozen_dtype: str = "auto"
 
 
@@ -859,7 +860,7 @@ class Config:
         m, f, r = self.model, self.fsdp, self.ray
         _one_of("model.torch_dtype", m.torch_dtype, (*DTYPES, "auto"))
         _one_of("model.load_mode", m.load_mode, ("sharded", "full"))
-        _one_of("model.frozen_dtype", m.frozen_dtype, ("auto", "float8_e4m3fn", "bfloat16", "float32"))
+        _one_of("model.frozen_dtype", m.frozen_dtype, ("auto", "float8_e4m3fn", "nf4", "bfloat16", "float32"))
         if m.frozen_dtype in DTYPES and m.torch_dtype not in ("auto", m.frozen_dtype):
             _problem(
                 f"model.frozen_dtype {m.frozen_dtype} disagrees with model.torch_dtype {m.torch_dtype}: a dequantised "
@@ -1018,6 +1019,17 @@ class Config:
             )
         if lo.use_dora and self.model.frozen_dtype == "float8_e4m3fn":
             _problem(DORA_ON_FP8)
+        if self.model.frozen_dtype == "nf4" and self.parallel.expert_parallel != 1:
+            _problem(
+                f"model.frozen_dtype nf4 cannot be combined with parallel.expert_parallel "
+                f"{self.parallel.expert_parallel}: NF4 experts are sharded by FSDP over all workers; set "
+                "parallel.expert_parallel: 1 or model.frozen_dtype: auto (FP8)"
+            )
+        if lo.use_dora and self.model.frozen_dtype == "nf4":
+            _problem(
+                "lora.use_dora: true needs the frozen weights in bf16/fp32 (DoRA's magnitude is the norm of each row "
+                "of W + BA), not model.frozen_dtype nf4; set model.frozen_dtype: bfloat16 or lora.use_dora: false"
+            )
         if lo.modules_to_save is not None and not lo.modules_to_save:
             _problem("lora.modules_to_save is empty: name modules (e.g. [lm_head]) or leave it null")
         if lo.modules_to_save and self.parallel.expert_parallel != 1:

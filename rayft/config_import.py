@@ -99,8 +99,6 @@ TRL_DEFAULTED = {
 TRL_DIFFERENCES = (
     ("use_peft", lambda v: not v, "use_peft false (TRL's default): full fine-tuning, where rayft trains LoRA "
      "adapters (the lora section); set use_peft: true"),
-    ("load_in_4bit", bool, "load_in_4bit: a 4-bit base, where rayft holds the frozen base in model.frozen_dtype "
-     "(FP8 E4M3 or bf16)"),
     ("load_in_8bit", bool, "load_in_8bit: an 8-bit base, where rayft holds the frozen base in model.frozen_dtype "
      "(FP8 E4M3 or bf16)"),
     ("neftune_noise_alpha", lambda v: v is not None, "neftune_noise_alpha: NEFTune embedding noise, which rayft "
@@ -115,7 +113,10 @@ TRL_DIFFERENCES = (
 )  # fmt: skip
 LOSS_KEYS = ("completion_only_loss", "assistant_only_loss")
 # Flat TRL fields read above rather than carried over by name.
-TRL_HANDLED = frozenset({f for f, _, _ in TRL_DIFFERENCES} | {"assistant_only_loss"})
+TRL_HANDLED = frozenset(
+    {f for f, _, _ in TRL_DIFFERENCES}
+    | {"assistant_only_loss", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant"}
+)
 
 
 def convert(
@@ -245,7 +246,7 @@ def _trl(trl: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str], 
         return  # the seed recipe's own layout: its defaults are rayft's
     effective = {**trl_defaults(), **flat}
     _fill_trl_defaults(raw, flat, effective)
-    differences = _trl_differences(raw, flat, effective)
+    differences = _trl_differences(raw, flat, effective) + _four_bit(raw, effective, notes, source)
     if differences and not accept:
         raise ConfigError(
             f"{source}: rayft would train otherwise than TRL here: "
@@ -254,6 +255,27 @@ def _trl(trl: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str], 
             "difference is listed in it)"
         )
     notes += [f"differs from TRL: {d}" for d in differences]
+
+
+def _four_bit(raw: dict[str, dict[str, Any]], effective: dict[str, Any], notes: list[str], source: str) -> list[str]:
+    """TRL's QLoRA (`load_in_4bit`, bitsandbytes' NF4) as `model.frozen_dtype: nf4`; what rayft's NF4 does otherwise
+    (another 4-bit type, block scales not double-quantised) as differences."""
+    if not effective.get("load_in_4bit"):
+        return []
+    _put(raw, "model.frozen_dtype", "nf4", notes, source)
+    differences = []
+    if effective.get("bnb_4bit_quant_type", "nf4") != "nf4":
+        differences.append(
+            f"bnb_4bit_quant_type {effective['bnb_4bit_quant_type']}: rayft's 4-bit base is NF4; set "
+            "bnb_4bit_quant_type: nf4"
+        )
+    if not effective.get("use_bnb_nested_quant"):
+        differences.append(
+            "use_bnb_nested_quant false (TRL's default): bitsandbytes keeps each block's scale whole, where rayft's "
+            "NF4 quantises the scales again (QLoRA's double quantisation, 0.37 bits a weight less); set "
+            "use_bnb_nested_quant: true"
+        )
+    return differences
 
 
 def trl_defaults() -> dict[str, Any]:

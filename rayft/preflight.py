@@ -95,10 +95,10 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         _check_trackers(cfg.trackers)
         tracker_warnings = _check_tracker_access(cfg)
     with timed("preflight_model"):
-        from rayft.model.build import check_fp8_storage
+        from rayft.model.build import check_quantised_storage
 
         model, targets = _weightless_model(cfg)
-        check_fp8_storage(cfg, model)
+        check_quantised_storage(cfg, model)
         counts = structure(model, model.config)  # walked once: the planner's `auto` and the memory plan read it
         if cfg.parallel.expert_parallel == "auto":
             from rayft.model.build import frozen_fp8

@@ -47,20 +47,22 @@ def text_config(model_dir: str) -> PretrainedConfig:
 def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bool:
     """Whether the frozen decoder matrices are kept in FP8 (`model.frozen_dtype`; `auto`: when the checkpoint is,
     read from its config unless `checkpoint_fp8` says)."""
-    if model_cfg.frozen_dtype in ("bfloat16", "float32"):
+    if model_cfg.frozen_dtype in ("bfloat16", "float32", "nf4"):
         return False
     if checkpoint_fp8 is None:
         checkpoint_fp8 = _checkpoint_quantization(model_cfg).get("quant_method") == "fp8"
     return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_fp8
 
 
-def check_fp8_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) -> None:
-    """What FP8 storage of the decoder matrices (`model.frozen_dtype` float8, or auto on an FP8 checkpoint) rules
-    out: DoRA (PEFT's magnitude is the norm of each bf16/fp32 row) and a trainable full copy (`modules_to_save`) of
-    an FP8-stored matrix. `Config.check` refuses the explicit float8 + DoRA setting; this reads the checkpoint."""
+def check_quantised_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) -> None:
+    """What quantised storage of the decoder matrices (`model.frozen_dtype` float8 or nf4, or auto on an FP8
+    checkpoint) rules out: DoRA (PEFT's magnitude is the norm of each bf16/fp32 row) and a trainable full copy
+    (`modules_to_save`) of a stored matrix. `Config.check` refuses the explicit settings with DoRA; this reads the
+    checkpoint."""
     if not (cfg.lora.use_dora or cfg.lora.modules_to_save):
         return
-    if not (fp8 if fp8 is not None else frozen_fp8(cfg.model)):
+    nf4 = cfg.model.frozen_dtype == "nf4"
+    if not (nf4 or (fp8 if fp8 is not None else frozen_fp8(cfg.model))):
         return
     if cfg.lora.use_dora:
         raise ConfigError(DORA_ON_FP8)
@@ -69,9 +71,9 @@ def check_fp8_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) ->
     stored = [p for p in modules_to_save(base, cfg.lora) if id(base.get_submodule(p)) in in_layers]
     if stored:
         raise ConfigError(
-            f"lora.modules_to_save: {stored[0]} is a decoder matrix stored in FP8 (model.frozen_dtype "
-            f"{cfg.model.frozen_dtype}); a trainable full copy needs bf16/fp32: adapt it with LoRA (target_modules), "
-            "or set model.frozen_dtype: bfloat16"
+            f"lora.modules_to_save: {stored[0]} is a decoder matrix stored in {'NF4' if nf4 else 'FP8'} "
+            f"(model.frozen_dtype {cfg.model.frozen_dtype}); a trainable full copy needs bf16/fp32: adapt it with "
+            "LoRA (target_modules), or set model.frozen_dtype: bfloat16"
         )
 
 

@@ -166,25 +166,26 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-class _FrozenLinear(torch.autograd.Function):
-    """y = x · dequant(W)ᵀ with no weight gradient; saves only the E4M3 bytes and their scales."""
+class FrozenLinear(torch.autograd.Function):
+    """y = x · Wᵀ for a frozen weight held quantised: W = `dequantize(*storage, dtype)` in the compute dtype, no
+    weight gradient, and only the quantised storage saved for backward (dequantised again there)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dequantize: Callable[..., torch.Tensor], *storage: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x)
-        ctx.save_for_backward(data, scale)
-        ctx.dtype, ctx.input_dtype, ctx.block = dtype, x.dtype, block
+        ctx.save_for_backward(*storage)
+        ctx.dtype, ctx.input_dtype, ctx.dequantize, ctx.stored = dtype, x.dtype, dequantize, len(storage)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(dtype), dequantize_rows(data, scale, dtype, block))
+            return F.linear(x.to(dtype), dequantize(*storage, dtype))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        unused = (None,) * (1 + ctx.stored)  # saved tensors are unpacked once: activation checkpointing allows no more
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        data, scale = ctx.saved_tensors
+            return (None, *unused)
         with torch.autocast(grad.device.type, enabled=False):
-            dx = grad.to(ctx.dtype) @ dequantize_rows(data, scale, ctx.dtype, ctx.block)
-        return dx.to(ctx.input_dtype), None, None, None
+            dx = grad.to(ctx.dtype) @ ctx.dequantize(*ctx.saved_tensors, ctx.dtype)
+        return (dx.to(ctx.input_dtype), *unused)
 
 
 class ExpertChunk(NamedTuple):
@@ -240,54 +241,62 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def _grouped_chunks(
     x: torch.Tensor,
-    data: torch.Tensor,
-    scale: torch.Tensor,
-    block: int | None,
+    storage: tuple[torch.Tensor, ...],
+    expert: GroupedWeight,
     chunks: list[ExpertChunk],
     transpose: bool,
 ) -> torch.Tensor:
-    """Σ over chunks of grouped_mm(x rows of the chunk, dequant(W of its experts)), one chunk dequantised at a
-    time; `transpose` multiplies by Wᵀ (forward) rather than W (input gradient)."""
-    out_dim = data.shape[1] if transpose else data.shape[2]
-    parts = []
+    """Σ over chunks of grouped_mm(x rows of the chunk, W of its experts), W = `expert.dequantize` of the chunk's
+    entries of every `storage` tensor, one chunk dequantised at a time; `transpose` multiplies by Wᵀ (forward)
+    rather than W (input gradient)."""
+    dequantize, parts = expert.dequantize, []
     for chunk in chunks:
-        weight = dequantize_rows(chunk.select(data), chunk.select(scale), x.dtype, block)
+        weight = dequantize(*(chunk.select(t) for t in storage), x.dtype)
         rhs = weight.transpose(-2, -1) if transpose else weight
         parts.append(F.grouped_mm(x[chunk.start : chunk.end].contiguous(), rhs, offs=chunk.offs))
         del weight, rhs
-    return torch.cat(parts) if parts else x.new_zeros(0, out_dim)
+    return torch.cat(parts) if parts else x.new_zeros(0, expert.shape[1] if transpose else expert.shape[2])
+
+
+class GroupedWeight(NamedTuple):
+    """How an expert weight is made from its storage: `dequantize(*storage entries, dtype)` gives the chosen experts'
+    weights; `shape` is the whole stack's `[E, rows, columns]`."""
+
+    dequantize: Callable[..., torch.Tensor]
+    shape: tuple[int, int, int]
 
 
 class _FrozenGroupedLinear(torch.autograd.Function):
-    """Per expert group g: y_g = x_g · dequant(W_g)ᵀ, or x_g · dequant(W_g) for `[E, in, out]` weights (rows of x
-    sorted by expert), dequantising the chunks'
-    experts a chunk at a time (`Fp8Experts._chunks`); no weight gradient; saves only the E4M3 bytes and their
-    scales (and the chunks' small index tensors)."""
+    """Per expert group g: y_g = x_g · W_gᵀ, or x_g · W_g for `[E, in, out]` weights (rows of x sorted by expert),
+    W = `expert.dequantize(*storage)` a chunk of experts at a time (`QuantisedExperts._chunks`); no weight gradient;
+    saves only the quantised storage (and the chunks' small index tensors)."""
 
     @staticmethod
     def forward(
         ctx,
         x: torch.Tensor,
-        data: torch.Tensor,
-        scale: torch.Tensor,
-        block: int | None,
+        expert: GroupedWeight,
         chunks: list[ExpertChunk],
         transposed: bool,
+        *storage: torch.Tensor,
     ) -> torch.Tensor:
         dtype = _compute_dtype(x)
-        ctx.save_for_backward(data, scale)
-        ctx.dtype, ctx.input_dtype, ctx.block, ctx.chunks, ctx.transposed = dtype, x.dtype, block, chunks, transposed
+        ctx.save_for_backward(*storage)
+        ctx.dtype, ctx.input_dtype, ctx.expert = dtype, x.dtype, expert
+        ctx.chunks, ctx.transposed, ctx.stored = chunks, transposed, len(storage)
         with torch.autocast(x.device.type, enabled=False):
-            return _grouped_chunks(x.to(dtype), data, scale, block, chunks, transpose=not transposed)
+            return _grouped_chunks(x.to(dtype), storage, expert, chunks, transpose=not transposed)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        unused = (None,) * (3 + ctx.stored)  # saved tensors are unpacked once (see FrozenLinear)
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
-        data, scale = ctx.saved_tensors
+            return (None, *unused)
         with torch.autocast(grad.device.type, enabled=False):
-            dx = _grouped_chunks(grad.to(ctx.dtype), data, scale, ctx.block, ctx.chunks, transpose=ctx.transposed)
-        return dx.to(ctx.input_dtype), None, None, None, None, None
+            dx = _grouped_chunks(
+                grad.to(ctx.dtype), ctx.saved_tensors, ctx.expert, ctx.chunks, transpose=ctx.transposed
+            )
+        return (dx.to(ctx.input_dtype), *unused)
 
 
 def _scale_shape(weight_shape: tuple[int, ...], block: int | None) -> tuple[int, ...]:
@@ -296,16 +305,49 @@ def _scale_shape(weight_shape: tuple[int, ...], block: int | None) -> tuple[int,
     return rows if block is None else (*rows, math.ceil(weight_shape[-1] / block))
 
 
-def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+def frozen_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    """Uninitialised storage of a frozen base, filled from a checkpoint or by quantising."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class Fp8Linear(nn.Linear):
+class QuantisedLinear(nn.Linear):
+    """A frozen linear layer whose weight is held quantised (FP8 here, NF4 in `rayft.model.nf4`; the subclass says
+    how: `_register_storage_`, `storage`, `_dequantize`). It is an `nn.Linear` (`in_features`, `out_features`,
+    `weight`, `bias`) so PEFT wraps it with LoRA as usual; `compute_dtype` is the dtype its weight is dequantised to
+    when no autocast says otherwise (PEFT reads that attribute for quantised bases; `adopt_lora_` then keeps LoRA
+    fp32). The bias stays in the compute dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None):
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a float weight
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        self._register_storage_(device)
+        self.bias = frozen_parameter((out_features,), compute_dtype, device) if bias else None
+
+    def _register_storage_(self, device) -> None:
+        raise NotImplementedError
+
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the weight is held in, as `_dequantize` takes them."""
+        raise NotImplementedError
+
+    def _dequantize(self) -> Callable[..., torch.Tensor]:
+        """`(*storage, dtype) -> weight`."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Frozen storage is filled from a checkpoint or by quantising, never initialised."""
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._dequantize()(*self.storage(), dtype or self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = FrozenLinear.apply(x, self._dequantize(), *self.storage())
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class Fp8Linear(QuantisedLinear):
     """A frozen linear layer stored as E4M3 bytes (`weight`, uint8 `[out, in]`) + fp32 row scales (`weight_scale`,
-    `[out]`, or `[out, ceil(in / block)]` per `block`-wide column block, held as int32 bits: `scales()`). It is an
-    `nn.Linear` (`in_features`, `out_features`, `weight`, `bias`) so PEFT wraps it with LoRA as usual;
-    `compute_dtype` is the dtype its weight is dequantised to when no autocast says otherwise (PEFT reads that
-    attribute for quantised bases; `adopt_lora_` then keeps LoRA fp32)."""
+    `[out]`, or `[out, ceil(in / block)]` per `block`-wide column block, held as int32 bits: `scales()`)."""
 
     def __init__(
         self,
@@ -316,12 +358,13 @@ class Fp8Linear(nn.Linear):
         device=None,
         block: int | None = None,
     ) -> None:
-        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a float weight
-        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         self.block = storage_block(in_features, block)
-        self.weight = _frozen((out_features, in_features), STORAGE, device)
-        self.weight_scale = _frozen(_scale_shape((out_features, in_features), self.block), SCALE_STORAGE, device)
-        self.bias = _frozen((out_features,), compute_dtype, device) if bias else None
+        super().__init__(in_features, out_features, bias, compute_dtype, device)
+
+    def _register_storage_(self, device) -> None:
+        self.weight = frozen_parameter((self.out_features, self.in_features), STORAGE, device)
+        scale_shape = _scale_shape((self.out_features, self.in_features), self.block)
+        self.weight_scale = frozen_parameter(scale_shape, SCALE_STORAGE, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype, block: int | None = None) -> Fp8Linear:
@@ -338,34 +381,33 @@ class Fp8Linear(nn.Linear):
                     layer.bias.copy_(linear.bias)
         return layer
 
-    def reset_parameters(self) -> None:
-        """Frozen storage is filled from a checkpoint, never initialised."""
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        return self.weight, scales(self.weight_scale)
 
-    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(self.weight, scales(self.weight_scale), dtype or self.compute_dtype, self.block)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _FrozenLinear.apply(x, self.weight, scales(self.weight_scale), self.block)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+    def _dequantize(self) -> Callable[..., torch.Tensor]:
+        return functools.partial(dequantize_rows, block=self.block)
 
     def extra_repr(self) -> str:
         blocks = f"+{self.block}-column_block_scales" if self.block else "+row_scales"
         return f"{super().extra_repr()}, storage=float8_e4m3fn{blocks}"
 
 
-class Fp8Experts(nn.Module):
-    """Fused routed experts (transformers' `@use_experts_implementation` layouts) stored in FP8: `gate_up_proj` uint8
-    `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`, `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]`, or
-    GPT-OSS's transposed `[E, H, 2I]` / `[E, I, H]` (scales per row of dim 1 likewise) with its biases kept in the
-    compute dtype, as `Fp8Linear` keeps its bias. The forward is transformers' `grouped_mm` one; the gate is the
-    experts module's own `_apply_gate` (concatenated gate‖up with its activation, or GPT-OSS's interleaved, clamped
-    one), called on a weightless copy of that module.
+class QuantisedExperts(nn.Module):
+    """Fused routed experts (transformers' `@use_experts_implementation` layouts) whose `gate_up_proj` and
+    `down_proj` are held quantised (FP8 here, NF4 in `rayft.model.nf4`; the subclass says how: `_store_`,
+    `_storage`, `_weight`), in `[E, 2I, H]` / `[E, H, I]` or GPT-OSS's transposed `[E, H, 2I]` / `[E, I, H]`, with
+    GPT-OSS's biases kept in the compute dtype. The forward is transformers' `grouped_mm` one, dequantising only the
+    experts the micro-batch routed rows to, a bounded chunk at a time; the gate is the experts module's own
+    `_apply_gate` (concatenated gate‖up with its activation, or GPT-OSS's interleaved, clamped one), called on a
+    weightless copy of that module.
 
     LoRA on the experts (PEFT `target_parameters`) arrives through `Fp8ParamWrapper`, which hands this module the
     low-rank factors: the update is applied as activations (x·Bᵀ·Aᵀ per expert group), never as a weight-sized
-    delta — with an FP8 base PEFT's own path would fold the delta into the E4M3 weight."""
+    delta — with a quantised base PEFT's own path would fold the delta into the stored weight."""
 
-    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, block: int | None = None) -> None:
+    kind = "quantised"  # named in messages
+
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
         super().__init__()
         unsupported = [
             flag
@@ -373,38 +415,36 @@ class Fp8Experts(nn.Module):
             if getattr(experts, flag, not bad) == bad
         ]
         if unsupported:
-            raise ValueError(f"{type(experts).__name__}: FP8 experts support no {', '.join(unsupported)} layout")
+            raise ValueError(
+                f"{type(experts).__name__}: {self.kind} experts support no {', '.join(unsupported)} layout"
+            )
         self.num_experts, self.compute_dtype = experts.num_experts, compute_dtype
         self.is_transposed = bool(getattr(experts, "is_transposed", False))  # PEFT reads it: [E, in, out] when True
         self._apply_gate = _weightless(experts)._apply_gate
+        self.shapes = {name: tuple(getattr(experts, name).shape) for name in EXPERT_WEIGHTS}
         device = experts.gate_up_proj.device
-        self.blocks = {name: storage_block(getattr(experts, name).shape[-1], block) for name in EXPERT_WEIGHTS}
         for name in EXPERT_WEIGHTS:
-            self._store_(name, getattr(experts, name), self.blocks[name])
+            self._store_(name, getattr(experts, name))
             bias = getattr(experts, f"{name}_bias", None) if getattr(experts, "has_bias", False) else None
             if bias is not None:
-                self.register_parameter(f"{name}_bias", _frozen(tuple(bias.shape), compute_dtype, device))
+                self.register_parameter(f"{name}_bias", frozen_parameter(tuple(bias.shape), compute_dtype, device))
                 if device.type != "meta":
                     getattr(self, f"{name}_bias").data.copy_(bias.detach())
         self.lora_factors: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
 
-    def _store_(self, name: str, weight: torch.Tensor, block: int | None) -> None:
-        """Register `name` as E4M3 storage + its scales, quantising `weight` unless it is on the meta device."""
-        shape = tuple(weight.shape)
-        self.register_parameter(name, _frozen(shape, STORAGE, weight.device))
-        self.register_parameter(f"{name}_scale", _frozen(_scale_shape(shape, block), SCALE_STORAGE, weight.device))
-        if weight.device.type != "meta":
-            with torch.no_grad():
-                data, scale = quantize_rows(weight, block)
-                getattr(self, name).copy_(data)
-                self.scale(name).copy_(scale)
+    def _store_(self, name: str, weight: torch.Tensor) -> None:
+        """Register `name`'s storage parameters, quantising `weight` unless it is on the meta device."""
+        raise NotImplementedError
 
-    def scale(self, name: str) -> torch.Tensor:
-        """The fp32 row scales of expert weight `name` (`[E, out]`)."""
-        return scales(getattr(self, f"{name}_scale"))
+    def _storage(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The tensors `name` is held in, each `[E, ...]`, as `_weight(name).dequantize` takes them."""
+        raise NotImplementedError
+
+    def _weight(self, name: str) -> GroupedWeight:
+        raise NotImplementedError
 
     def dequantized_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_rows(getattr(self, name), self.scale(name), dtype or self.compute_dtype, self.blocks[name])
+        return self._weight(name).dequantize(*self._storage(name), dtype or self.compute_dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, top_k = top_k_index.shape
@@ -425,7 +465,7 @@ class Fp8Experts(nn.Module):
         (the empty ones too) with the group ends as a device tensor: no host sync. Otherwise the experts with rows
         are chunked on the host (`counts.tolist()`, the one sync): a 128-expert stack never lives whole in the
         compute dtype, and experts without rows are skipped."""
-        per_expert = {name: getattr(self, name)[0].numel() for name in EXPERT_WEIGHTS}
+        per_expert = {name: math.prod(self.shapes[name][1:]) for name in EXPERT_WEIGHTS}
         if all(self.num_experts <= max(1, EXPERT_DEQUANT_BUDGET // n) for n in per_expert.values()):
             ids = torch.arange(self.num_experts, device=offs.device)
             whole = [ExpertChunk(ids, (0, self.num_experts), 0, rows, offs)]
@@ -436,8 +476,7 @@ class Fp8Experts(nn.Module):
     def _project(
         self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk], expert_ids: torch.Tensor
     ) -> torch.Tensor:
-        weight, scale, block = getattr(self, name), self.scale(name), self.blocks[name]
-        out = _FrozenGroupedLinear.apply(x, weight, scale, block, chunks, self.is_transposed)
+        out = _FrozenGroupedLinear.apply(x, self._weight(name), chunks, self.is_transposed, *self._storage(name))
         bias = getattr(self, f"{name}_bias", None)
         if bias is not None:
             out = out + bias[expert_ids].to(out.dtype)
@@ -448,6 +487,40 @@ class Fp8Experts(nn.Module):
             down = F.grouped_mm(x.to(out.dtype).contiguous(), first.contiguous(), offs=offs)
             out = out + scaling * F.grouped_mm(down, second.contiguous(), offs=offs)
         return out
+
+
+class Fp8Experts(QuantisedExperts):
+    """Routed experts stored in FP8: `gate_up_proj` uint8 `[E, 2I, H]` + `gate_up_proj_scale` `[E, 2I]`,
+    `down_proj` uint8 `[E, H, I]` + `down_proj_scale` `[E, H]` (GPT-OSS's transposed layouts: scales per row of
+    dim 1 likewise), or per row and column block (`blocks`)."""
+
+    kind = "FP8"
+
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, block: int | None = None) -> None:
+        self.blocks = {name: storage_block(getattr(experts, name).shape[-1], block) for name in EXPERT_WEIGHTS}
+        super().__init__(experts, compute_dtype)
+
+    def _store_(self, name: str, weight: torch.Tensor) -> None:
+        """Register `name` as E4M3 storage + its scales, quantising `weight` unless it is on the meta device."""
+        shape, block = tuple(weight.shape), self.blocks[name]
+        self.register_parameter(name, frozen_parameter(shape, STORAGE, weight.device))
+        scale = frozen_parameter(_scale_shape(shape, block), SCALE_STORAGE, weight.device)
+        self.register_parameter(f"{name}_scale", scale)
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                data, scale = quantize_rows(weight, block)
+                getattr(self, name).copy_(data)
+                self.scale(name).copy_(scale)
+
+    def scale(self, name: str) -> torch.Tensor:
+        """The fp32 row scales of expert weight `name` (`[E, out]`)."""
+        return scales(getattr(self, f"{name}_scale"))
+
+    def _storage(self, name: str) -> tuple[torch.Tensor, ...]:
+        return getattr(self, name), self.scale(name)
+
+    def _weight(self, name: str) -> GroupedWeight:
+        return GroupedWeight(functools.partial(dequantize_rows, block=self.blocks[name]), self.shapes[name])
 
 
 def _rank_aligned(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,13 +620,14 @@ def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | No
 
 
 def adopt_lora_(model: nn.Module) -> None:
-    """After PEFT wrapped the model: expert LoRA over FP8 experts goes through `Fp8ParamWrapper`, and every adapter
-    over an FP8 base is fp32, as PEFT keeps it next to a bf16 base: the trainable weights and their AdamW state are
-    the master copy (FSDP's mixed precision casts them for compute), and at LoRA learning rates most updates to a
-    bf16 weight would fall below its ulp and be lost."""
+    """After PEFT wrapped the model: expert LoRA over quantised experts (FP8, NF4) goes through `Fp8ParamWrapper`
+    (PEFT's own path would add the update to the integer storage, and train nothing), and every adapter over an
+    FP8 base is fp32, as PEFT keeps it next to a bf16 base: the trainable weights and their
+    AdamW state are the master copy (FSDP's mixed precision casts them for compute), and at LoRA learning rates most
+    updates to a bf16 weight would fall below its ulp and be lost."""
     for module in model.modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else None
-        if not isinstance(base, (Fp8Linear, Fp8Experts)):
+        if not isinstance(base, (QuantisedLinear, QuantisedExperts)):
             continue
         if isinstance(module, ParamWrapper):
             module.__class__ = Fp8ParamWrapper

@@ -23,6 +23,7 @@ from rayft.config import ConfigError, LoraConfig
 from rayft.model.families import DENSE_TARGETS as DENSE_TARGETS  # re-exported: the sets are named from here too
 from rayft.model.families import FAMILIES
 from rayft.model.families import MLA_TARGETS as MLA_TARGETS
+from rayft.model.fp8_format import EXPERT_WEIGHTS
 
 log = logging.getLogger("rayft")
 
@@ -143,7 +144,7 @@ def expert_parameters(model: nn.Module) -> list[str]:
     found = set()
     for name, param in model.named_parameters():
         module, _, leaf = name.rpartition(".")
-        if param.ndim == 3 and module.endswith("experts"):
+        if param.ndim == 3 and module.endswith("experts") and leaf in EXPERT_WEIGHTS:  # not quantised storage's parts
             found.add(".".join([*module.split(".")[-2:], leaf]))
     return sorted(found)
 

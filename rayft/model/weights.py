@@ -24,14 +24,16 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rayft.model.files import SAFETENSORS_DTYPES
 from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows, rows_scale, scales
-from rayft.model.fp8_format import weight_block
+from rayft.model.fp8_format import EXPERT_WEIGHTS, weight_block
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
+from rayft.model.nf4 import Nf4Experts, Nf4Linear, block_absmax, double_quantize, encode, quantize, storage_of, store_
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
@@ -202,6 +204,7 @@ class _Read:
     scale: tuple[torch.Tensor, int] | None = None  # FP8 storage (`rayft.model.fp8`): its row scales, filled with it
     experts: ExpertParts | None = None
     block: int | None = None  # FP8 storage: the column block width of its scales (None: one per row)
+    nf4: tuple[nn.Module, str] | None = None  # NF4 storage (`rayft.model.nf4`): its module and weight name
 
 
 def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Read]:
@@ -210,15 +213,19 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
     partners = {}
     for head, embedding in tied_parameters(model).items():
         partners[head], partners[embedding] = embedding, head  # either name serves the one tied parameter
-    fp8_scales = fp8_scale_params(model)
-    filled_with_weight = {id(p) for p in fp8_scales.values()}
+    fp8_scales, nf4_weights = fp8_scale_params(model), _nf4_weights(model)
+    filled_with_weight = {id(p) for p in fp8_scales.values()} | {
+        id(p) for module, weight in nf4_weights.values() for p in storage_of(module, weight)[1:]
+    }
     model_type = _model_type(model)
     reads, missing, misfits = [], [], []
     for name, param in model.named_parameters():
         if ".lora_" in name or id(param) in filled_with_weight:
             continue
-        base_name = model_param_name(name)
-        wanted, fp8_storage = _global_shape(model, name, param), name in fp8_scales
+        base_name, nf4 = model_param_name(name), nf4_weights.get(name)
+        wanted, fp8_storage = _global_shape(model, name, param), name in fp8_scales or nf4 is not None
+        if nf4 is not None:  # codes, two a byte: the checkpoint's tensor is the whole weight
+            wanted = (_nf4_shape(*nf4), param.dtype)
         source = _find_source(model_type, base_name, checkpoint) or _find_source(
             model_type, partners.get(base_name), checkpoint
         )
@@ -235,8 +242,9 @@ def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Rea
             misfits += problems
             continue
         local, start = _rows(model, name, param)
-        scale = _rows(model, name, fp8_scales[name]) if fp8_storage else None
-        reads.append(_Read(key, local, start, scale, parts, fp8_block(model, name) if fp8_storage else None))
+        scale = _rows(model, name, fp8_scales[name]) if name in fp8_scales else None
+        block = fp8_block(model, name) if name in fp8_scales else None
+        reads.append(_Read(key, local, start, scale, parts, block, nf4))
     reads += _buffer_reads(model, model_type, checkpoint, misfits)
     if missing:
         raise CheckpointKeyError(
@@ -372,6 +380,9 @@ def _copy_rows_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
     if read.local.ndim == 0:
         read.local.copy_(dequantize(checkpoint.rows(read.key, 0, 1), read.key, checkpoint, 0).reshape(()))
         return
+    if read.nf4 is not None:
+        _fill_nf4_(read, checkpoint)
+        return
     scale = None
     if read.scale is not None:
         scale = scales(read.scale[0])  # fp32 view of the int32 scale storage
@@ -427,6 +438,90 @@ def _fill_fp8_(
         scale.copy_(s)
 
 
+def _nf4_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Full name of each NF4 code parameter → its module and the weight's name there."""
+    found = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        weights = (
+            ("weight",) if isinstance(module, Nf4Linear) else EXPERT_WEIGHTS if isinstance(module, Nf4Experts) else ()
+        )
+        found.update({prefix + weight: (module, weight) for weight in weights})
+    return found
+
+
+def _nf4_shape(module: nn.Module, weight: str) -> list[int]:
+    """The whole weight an NF4 parameter holds the codes of (all experts)."""
+    if isinstance(module, Nf4Linear):
+        return [module.out_features, module.in_features]
+    return list(module.shapes[weight])
+
+
+def _fill_nf4_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
+    """Fill this rank's shards of an NF4 weight: a linear from its rows, experts whole, one at a time, in the dtype
+    the module quantises in (what `from_pretrained` would have loaded)."""
+    module, weight = read.nf4
+    if isinstance(module, Nf4Experts):
+        local = [_local_rows(p)[0] for p in storage_of(module, weight)]
+        expert = torch.empty(module.shapes[weight][1:], dtype=module.quant_dtype, device=read.local.device)
+        for i in range(read.local.shape[0]):
+            for index, key, lo, hi in _expert_pieces(read, checkpoint, i):
+                rows = checkpoint.rows(key, lo, hi).to(expert.device)  # quantised where it will live
+                expert[index].copy_(dequantize(rows, key, checkpoint, lo).reshape(expert[index].shape))
+            store_(tuple(t[i] for t in local), quantize(expert))
+        return
+    _fill_nf4_rows_(read, checkpoint, module)
+
+
+def _expert_pieces(read: _Read, checkpoint: SafetensorsCheckpoint, i: int) -> Iterator[tuple[slice, str, int, int]]:
+    """(rows of the expert, checkpoint key, first row, end row) of local expert `i`: its parts' tensors, or its
+    row of the fused tensor."""
+    expert = read.start + i
+    if read.experts is None:
+        yield slice(None), read.key, expert, expert + 1
+        return
+    offset = 0
+    for key in read.experts.keys(expert):
+        rows = checkpoint.shape(key)[0]
+        yield slice(offset, offset + rows), key, 0, rows
+        offset += rows
+
+
+def _fill_nf4_rows_(read: _Read, checkpoint: SafetensorsCheckpoint, layer: Nf4Linear) -> None:
+    """An NF4 linear's shards from this rank's rows of the weight. The scalers' mean and group factors are over the
+    whole weight: the ranks' block maxima (1/64 of the weight) are all-gathered once, so every rank stores what
+    quantising the whole weight gives, having read only its own rows."""
+    start, count = read.start, read.local.shape[0]
+    rows = checkpoint.rows(read.key, start, start + count).to(read.local.device)  # quantised where it will live
+    rows = dequantize(rows, read.key, checkpoint, start).to(layer.quant_dtype)
+    absmax = block_absmax(rows)
+    whole = _gathered_shards(absmax.view(count, -1), layer.weight, layer.out_features)
+    scalers, factors, mean = double_quantize(whole.flatten())
+    read.local.copy_(encode(rows, absmax).view(count, -1))
+    for param, values in (
+        (layer.weight_scalers, scalers.view(layer.out_features, -1)),
+        (layer.weight_factors, factors),
+        (layer.weight_mean, mean),
+    ):
+        local, first = _local_rows(param)
+        (local if param.dtype == values.dtype else local.view(values.dtype)).copy_(values[first : first + len(local)])
+
+
+def _gathered_shards(local: torch.Tensor, param: torch.Tensor, rows: int) -> torch.Tensor:
+    """The whole of a tensor sharded on dim 0 as `param` is (FSDP2's even chunks, the last ones short or empty):
+    every rank's `local` part, gathered over the param's shard group as bytes (gloo has no bf16)."""
+    if not isinstance(param, DTensor):
+        return local
+    mesh_dim = next(i for i, p in enumerate(param.placements) if isinstance(p, Shard))
+    group = param.device_mesh.get_group(mesh_dim)
+    chunk = -(-rows // group.size())
+    padded = local.new_zeros(chunk, *local.shape[1:])
+    padded[: len(local)] = local
+    parts = [torch.empty_like(padded.view(torch.uint8)) for _ in range(group.size())]
+    dist.all_gather(parts, padded.view(torch.uint8), group=group)
+    return torch.cat(parts).view(local.dtype)[:rows]
+
+
 def _stored_scale(
     rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, start: int, shape: torch.Size, block: int | None
 ) -> torch.Tensor | None:
@@ -446,7 +541,8 @@ def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, 
     block of a block-wise checkpoint."""
     if rows.dtype not in FP8_DTYPES:
         return rows
-    scale, kind = fp8_scale(rows, key, checkpoint, start).to(torch.float32), _scale_kind(key, checkpoint)[1]
+    scale = fp8_scale(rows, key, checkpoint, start).to(rows.device, torch.float32)
+    kind = _scale_kind(key, checkpoint)[1]
     if kind == "block":
         scale = block_scales(scale, checkpoint.weight_block[1], rows.shape[-1])
     elif kind == "row":

@@ -19,10 +19,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from rayft.config import Config, FsdpConfig
-from rayft.model.build import check_fp8_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
+from rayft.model.build import check_quantised_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
 from rayft.model.fp8 import adopt_lora_, to_fp8_
 from rayft.model.fp8_format import weight_block
 from rayft.model.lora import apply_lora
+from rayft.model.nf4 import to_nf4_
 from rayft.model.weights import buffers_kept, load_sharded_
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
@@ -46,22 +47,15 @@ def build_model(
     # `split_experts_` cuts the model to this worker's experts once LoRA is on.
     ep = expert_parallel(dims, model.config) if dims.experts > 1 else None
     fp8 = frozen_fp8(cfg.model)
-    check_fp8_storage(cfg, model, fp8)
-    if fp8:  # before LoRA and FSDP: PEFT wraps the FP8 layers, FSDP shards their bytes
-        block = weight_block(Path(cfg.model.model_name_or_path))  # block-wise scales are kept as they are
-        swapped = to_fp8_(decoder_layers(model), model.dtype, block[1] if block else None)
-        log.info(
-            "frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
-            swapped,
-            cfg.model.frozen_dtype,
-        )
+    check_quantised_storage(cfg, model, fp8)
+    quantize_frozen_base_(cfg, model, fp8)  # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
     if cfg.recomputes_activations:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
         # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
         kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     model = apply_lora(model, cfg.lora)
-    if fp8:
+    if fp8 or cfg.model.frozen_dtype == "nf4":
         adopt_lora_(model)
     if ep is None:
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims)
@@ -84,6 +78,28 @@ def build_model(
             model.to_empty(device=materialization_device(cfg.fsdp, device))
         load_sharded_(model, Path(cfg.model.model_name_or_path))
     return model
+
+
+def quantize_frozen_base_(cfg: Config, model: nn.Module, fp8: bool) -> None:
+    """The decoder's frozen matrices in the storage `model.frozen_dtype` asks for: FP8 (a block-wise checkpoint's
+    scales kept as they are) or NF4; otherwise left as loaded."""
+    if fp8:
+        block = weight_block(Path(cfg.model.model_name_or_path))  # block-wise scales are kept as they are
+        swapped = to_fp8_(decoder_layers(model), model.dtype, block[1] if block else None)
+        log.info(
+            "frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
+            swapped,
+            cfg.model.frozen_dtype,
+        )
+    elif cfg.model.frozen_dtype == "nf4":
+        swapped, kept = to_nf4_(decoder_layers(model), model.dtype)
+        log.info(
+            "frozen base: %d decoder linears and expert stacks stored as NF4 with double-quantised scales (%d of a"
+            " shape NF4 cannot block stay %s)",
+            swapped,
+            kept,
+            model.dtype,
+        )
 
 
 def layout_line(model: nn.Module, ep: ExpertParallel | None) -> str:

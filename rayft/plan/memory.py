@@ -16,6 +16,9 @@ With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (line
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
 for its matmul: + D · c + its fp32 block (≤ 256 MiB) + D bytes (experts gathered when not one range), D =
 the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `fp8_dequantised`).
+With the frozen base in NF4, the N matrices NF4 can block (M of them, an expert counting as one) count 0.5 + 1/64 +
+4/16384 bytes a weight + 4 a matrix, sharded and gathered alike, and the largest of them is dequantised for its
+matmul: + D · c + a block of ≤ 2^24 of its values twice in p (levels, scaled) + its codes gathered (experts).
 Expert parallelism over k workers (rayft.parallel.expert): the routed experts E/k whole per GPU (P_experts · p / k,
 FP8: 1 byte + row scales), the rest sharded over the S GPUs of a node (`fsdp.shard_size` as the planner sets it;
 whole with one GPU a node; its layers and root gathered as above when sharded), LoRA (P_lora_rest / S +
@@ -34,6 +37,8 @@ from rayft.config import Config
 from rayft.gpus import GPUS
 from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET
 from rayft.model.loss import chunk_rows
+from rayft.model.nf4_format import DEQUANT_ROWS_BLOCK
+from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
 from rayft.plan.structure import Structure
 
 GIB = 2**30
@@ -46,7 +51,7 @@ class MemoryPlan:
     world_size: int
     rows: list[tuple[str, float]]  # (component, GiB per GPU)
     gpu: str | None
-    frozen: str = "bf16"  # how the frozen base is stored: bf16, fp32 or fp8
+    frozen: str = "bf16"  # how the frozen base is stored: bf16, fp32, fp8 or nf4
 
     @property
     def total_gib(self) -> float:
@@ -67,9 +72,12 @@ def stored_bytes(cfg: Config) -> int:
     return 4 if cfg.model.torch_dtype == "float32" else 2
 
 
-def base_bytes(cfg: Config, s: Structure, fp8: bool) -> int:
-    """The frozen base as stored: `model.torch_dtype`, or (`fp8`) its decoder matrices in FP8 with fp32 row scales."""
+def base_bytes(cfg: Config, s: Structure, fp8: bool, nf4: bool = False) -> float:
+    """The frozen base as stored: `model.torch_dtype`, or (`fp8`) its decoder matrices in FP8 with fp32 row scales,
+    or (`nf4`) those NF4 can block in NF4."""
     p = stored_bytes(cfg)
+    if nf4:
+        return (s.total - s.nf4) * p + nf4_storage_bytes(s.nf4, s.nf4_matrices)
     return (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows if fp8 else s.total * p
 
 
@@ -86,8 +94,10 @@ def plan_memory(
     gpu: str | None = None,
     fp8: bool = False,
     expert_parallel: int = 1,
+    nf4: bool = False,
 ) -> MemoryPlan:
-    """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8.
+    """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8, or (`nf4`)
+    in NF4 (without expert parallelism, which NF4 storage does not take).
 
     With `expert_parallel` k > 1 each GPU holds E/k routed experts of every MoE layer whole (never gathered) and the
     rest of the model over the `fsdp.shard_size` workers of a node (rayft.parallel.expert), whole with one."""
@@ -95,9 +105,8 @@ def plan_memory(
     shards = cfg.fsdp.shard_group(world_size)
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
     logit_rows = min(tokens, chunk_rows(s.vocab, on_gpu)) if cfg.train.fused_loss else tokens
-    stored = base_bytes(cfg, s, fp8)
-    fp8_layer = (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
-    layer = fp8_layer if fp8 else s.largest_layer * c
+    stored = base_bytes(cfg, s, fp8, nf4)
+    layer = _gathered_layer(s, c, fp8, nf4)
     if expert_parallel > 1:
         weights = _expert_parallel_weights(cfg, s, shards, c, p, fp8, stored, layer, expert_parallel)
     else:
@@ -116,10 +125,25 @@ def plan_memory(
         # its compute-dtype copy, the fp32 block it is made in, and (experts not in one range) their bytes gathered
         transient = dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4 + (dequantised if s.fp8_expert_numel else 0)
         rows.append(("FP8 weight dequantised for its matmul", transient))
+    if nf4:
+        dequantised = fp8_dequantised(s)  # the largest linear or expert chunk (of the matrices NF4 may hold)
+        # its compute-dtype copy, a block's levels and scaled values (quantised dtype), the experts' codes gathered
+        block = min(dequantised, DEQUANT_ROWS_BLOCK) * 2 * p
+        gathered = nf4_storage_bytes(dequantised, 1) if s.fp8_expert_numel else 0
+        rows.append(("NF4 weight dequantised for its matmul", dequantised * c + block + gathered))
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
-    frozen = "fp8" if fp8 else ("fp32" if p == 4 else "bf16")
+    frozen = "nf4" if nf4 else "fp8" if fp8 else ("fp32" if p == 4 else "bf16")
     return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
+
+
+def _gathered_layer(s: Structure, c: int, fp8: bool, nf4: bool) -> float:
+    """Bytes of the largest decoder layer as FSDP gathers it: its quantised matrices as stored, the rest in c."""
+    if nf4:
+        return (s.largest_layer - s.nf4_layer) * c + nf4_storage_bytes(s.nf4_layer, 0)
+    if fp8:
+        return (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
+    return s.largest_layer * c
 
 
 def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, float]:
@@ -170,10 +194,18 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
 
 
-def format_plans(plans: list[MemoryPlan], s: Structure, tokens: int, other: list[MemoryPlan] | None = None) -> str:
+def format_plans(
+    plans: list[MemoryPlan],
+    s: Structure,
+    tokens: int,
+    other: list[MemoryPlan] | None = None,
+    batch: tuple[int, int] | None = None,
+) -> str:
     """The table of `plans`; with `other` (the same runs with the frozen base stored the other way: FP8 / bf16),
     a line of its totals next to them."""
     head = f"{s.architecture}: {s.total / 1e9:.2f}B params, LoRA {s.lora / 1e6:.1f}M trainable, {tokens} tokens/GPU"
+    if batch is not None:
+        head += f" ({batch[0]} x {batch[1]}: per_device_train_batch_size x max_length)"
     head += f", frozen base stored in {plans[0].frozen}"
     names = [name for name, _ in plans[0].rows]
     width = max(len(name) for name in names) + 2

@@ -11,6 +11,7 @@ from torch import nn
 
 from rayft.config import Config
 from rayft.model.fp8_format import EXPERT_WEIGHTS, storage_block, weight_block
+from rayft.model.nf4_format import fits
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Structure:
     fp8_largest: int = 0  # the largest single such tensor
     fp8_linear_largest: int = 0  # the largest FP8 linear weight: dequantised whole for its matmul
     fp8_expert_numel: int = 0  # one routed expert's weight in the largest FP8 expert stack (out · in)
+    nf4: int = 0  # frozen decoder matrices NF4 storage holds (`rayft.model.nf4.to_nf4_`: the shapes it can block)
+    nf4_matrices: int = 0  # how many matrices those are, an expert counting as one
+    nf4_layer: int = 0  # of those, in the largest layer
     layers_lora: int = 0  # trainable parameters inside the decoder layers (the rest are the root's)
     experts: int = 0  # frozen routed-expert weights (fused 3D stacks), all layers
     expert_rows: int = 0  # their rows (FP8 row scales)
@@ -65,6 +69,7 @@ def structure(model: nn.Module, config) -> Structure:
     params = list(model.parameters())
     fp8_per_layer = [fp8_matrices(layer) for layer in layers]
     experts_per_layer = [expert_stacks(layer) for layer in layers]
+    nf4_per_layer = [nf4_matrices(layer) for layer in layers]
     largest = max(range(len(layers)), key=lambda i: sum(p.numel() for p in layers[i].parameters()))
     flops = flop_model(model, config, seq_len=1)
     return Structure(
@@ -85,6 +90,9 @@ def structure(model: nn.Module, config) -> Structure:
         fp8_largest=max((p.numel() for ps in fp8_per_layer for p in ps), default=0),
         fp8_linear_largest=max((p.numel() for ps in fp8_per_layer for p in ps if p.ndim == 2), default=0),
         fp8_expert_numel=max((p[0].numel() for ps in fp8_per_layer for p in ps if p.ndim == 3), default=0),
+        nf4=sum(p.numel() for ps in nf4_per_layer for p in ps),
+        nf4_matrices=sum(p.shape[0] if p.ndim == 3 else 1 for ps in nf4_per_layer for p in ps),
+        nf4_layer=sum(p.numel() for p in nf4_per_layer[largest]),
         layers_lora=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) in in_layers),
         experts=sum(p.numel() for ps in experts_per_layer for p in ps),
         expert_rows=sum(_rows(p) for ps in experts_per_layer for p in ps),
@@ -129,6 +137,22 @@ def fp8_matrices(layer: nn.Module) -> list[nn.Parameter]:
             out.append(module.weight)
         out += [p for n, p in module.named_parameters(recurse=False) if p.ndim == 3 and n in EXPERT_WEIGHTS]
     return [p for p in out if not p.requires_grad]
+
+
+def nf4_matrices(layer: nn.Module) -> list[nn.Parameter]:
+    """The frozen matrices of a decoder layer NF4 storage holds: linear weights and expert stacks whose shapes it
+    can block (what `rayft.model.nf4.to_nf4_` swaps: an experts module only when both its stacks fit)."""
+    out = []
+    for name, module in layer.named_modules():
+        if ".lora_" in f".{name}":
+            continue
+        if isinstance(module, nn.Linear) and not module.weight.requires_grad and fits(module.weight.shape):
+            out.append(module.weight)
+        stacks = [getattr(module, n, None) for n in EXPERT_WEIGHTS]
+        frozen = all(isinstance(p, nn.Parameter) and p.ndim == 3 and not p.requires_grad for p in stacks)
+        if frozen and all(fits(p.shape[1:]) for p in stacks):
+            out += stacks
+    return out
 
 
 def meta_structure(cfg: Config, config=None) -> Structure:

@@ -24,7 +24,9 @@ def test_load_memory_benchmark_runs_and_reports_every_case(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"sharded", "full_from_pretrained", "sharded_fp8_hub_layout"}
+    assert set(report["results"]) == {
+        "sharded", "full_from_pretrained", "sharded_fp8_hub_layout", "sharded_nf4", "sharded_nf4_from_fp8_hub_layout"
+    }  # fmt: skip
     for case in report["results"].values():
         assert len(case["per_rank"]) == 2 and all(r["peak_minus_start_mib"] > 0 for r in case["per_rank"])
     assert report["versions"]["torch"] and report["machine"]["cpus"]

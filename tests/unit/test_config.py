@@ -83,6 +83,15 @@ def test_round_trips_through_a_plain_dict():
         ({"ray": {"preemption": "checkpoints"}}, ["ray.preemption: unknown value", "choose one of checkpoint, ignore"]),
         ({"ray": {"preemption_check_steps": 0}}, ["ray.preemption_check_steps must be >= 1"]),
         ({"ray": {"max_preemptions": -2}}, ["ray.max_preemptions must be >= -1"]),
+        (
+            {"model": {"frozen_dtype": "nf4", "load_mode": "full"}, "lora": {"use_dora": True}},
+            ["lora.use_dora: true", "not model.frozen_dtype nf4"],
+        ),
+        ({"model": {"frozen_dtype": "nf5"}}, ["did you mean 'nf4'"]),
+        (
+            {"model": {"frozen_dtype": "nf4"}, "parallel": {"expert_parallel": 2}, "ray": {"num_workers": 2}},
+            ["model.frozen_dtype nf4 cannot be combined with parallel.expert_parallel 2"],
+        ),
         ({"ray": {"preemption_grace_s": -1}}, ["ray.preemption_grace_s must be >= 0"]),
         ({"ray": {"num_workers": 6, "workers_per_node": 4}}, ["ray.num_workers 6", "multiple of 4"]),
         ({"ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "SPREAD"}}, ["STRICT_SPREAD"]),

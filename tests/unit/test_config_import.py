@@ -167,6 +167,22 @@ def test_a_flat_trl_file_trains_what_trl_would_key_by_key(sft, tmp_path):
     assert (ours.data.hold_out == 0.0) is (theirs.eval_strategy == "no")  # TRL holds nothing out without evaluation
 
 
+def test_trls_qlora_is_the_nf4_base(tmp_path, capsys):
+    """load_in_4bit with bitsandbytes' NF4 and nested (double) quantisation: QLoRA as rayft holds it, no difference."""
+    acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
+    acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
+    qlora = {"model_name_or_path": "/models/m", "use_peft": True, "lora_target_modules": ["q_proj"],
+             "assistant_only_loss": True, "load_in_4bit": True, "use_bnb_nested_quant": True}  # fmt: skip
+    trl.write_text(yaml.safe_dump(qlora))
+    out = tmp_path / "rayft.yaml"
+    result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl), "--out", str(out))
+    assert result.rc == 0, result.err
+    assert yaml.safe_load(out.read_text())["model"]["frozen_dtype"] == "nf4"
+    trl.write_text(yaml.safe_dump({**qlora, "bnb_4bit_quant_type": "fp4"}))
+    result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl), "--out", str(out))
+    assert result.rc == 2 and "bnb_4bit_quant_type fp4: rayft's 4-bit base is NF4" in result.err, result.err
+
+
 def test_what_rayft_would_train_otherwise_than_trl_is_refused_or_listed(tmp_path, capsys):
     """Full fine-tuning (TRL's default without use_peft), a 4-bit base, NEFTune, a chat template file, PEFT's own
     target modules and TRL's whole-conversation loss: refused, each named, unless --accept-differences."""
@@ -176,7 +192,7 @@ def test_what_rayft_would_train_otherwise_than_trl_is_refused_or_listed(tmp_path
                                    "chat_template_path": "t.jinja"}))  # fmt: skip
     result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl))
     assert result.rc == 2, result.err
-    for says in ("use_peft false (TRL's default): full fine-tuning", "load_in_4bit: a 4-bit base",
+    for says in ("use_peft false (TRL's default): full fine-tuning", "use_bnb_nested_quant false (TRL's default)",
                  "neftune_noise_alpha: NEFTune", "chat_template_path:", "lora_target_modules unset",
                  "assistant_only_loss false (TRL's default)", "--accept-differences"):  # fmt: skip
         assert says in result.err, result.err

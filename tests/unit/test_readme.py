@@ -176,12 +176,13 @@ def _model_rows() -> list[list[str]]:
 
 
 def test_the_model_table_is_the_family_table() -> None:
-    """Every family rayft knows has a row, each row's `auto` targets are the family's, and the MoE columns say yes
-    exactly for the families with an MoE block."""
+    """Every family rayft knows has a row, each row's `auto` targets are the family's, the MoE columns say yes
+    exactly for the families with an MoE block, and the two frozen-base columns (FP8, NF4) are filled."""
     from rayft.model.families import FAMILIES
 
     seen = []
-    for family_cell, targets, expert_lora, expert_parallel, _ in _model_rows():
+    for family_cell, targets, expert_lora, expert_parallel, fp8, nf4 in _model_rows():
+        assert fp8.startswith("yes") and nf4.startswith("yes"), family_cell
         model_types = re.findall(r"`(\w+)`", family_cell)
         assert model_types, family_cell
         for model_type in model_types:

@@ -1,0 +1,300 @@
+"""QLoRA: the job over a frozen base held in NF4 (`model.frozen_dtype: nf4`). A tiny Mistral whose every decoder
+linear NF4 can block: its logits are those of the same model with torchao's dequantised weights; each rank of a
+sharded load reads only its rows and stores what torchao's `to_nf4` of the whole weight gives; LoRA over it on two
+gloo ranks with FSDP2 trains as on one. The same for a tiny Mistral-Small-4 from the hub's FP8 layout (routed experts
+and expert LoRA too), which also stops and continues to the uninterrupted result; each MoE family's forward over
+NF4; and the planner's NF4 bytes."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, STEPS, Fixtures, checkpointing_config, free_port, run_cli
+from fixtures.hub_layout import make_tiny_mistral_small4
+from fixtures.local_run import LocalRun, train_locally
+from fixtures.moe_families import COMMON, MOE_FAMILIES, _random_model
+from fixtures.ranks import spawn_ranks
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file
+from test_fp8_job import _numpy_dequantised_text_model
+from test_local_trainer import REORDERED, TOLERANCE, _assert_same_training
+from torch import nn
+from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+from transformers import AutoModelForCausalLM
+
+from rayft.config import Config
+from rayft.demo import make_tiny_mistral
+from rayft.model.build import decoder_layers, empty_model
+from rayft.model.nf4 import Nf4Experts, Nf4Linear, storage_of, to_nf4_
+from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
+from rayft.parallel.parallelize import build_model
+from rayft.plan import meta_structure, plan_memory
+
+# Every decoder linear a whole number of NF4 groups (16,384 weights): 128 × 128 projections, a 256-wide MLP.
+NF4_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 4, "head_dim": 32}
+LINEARS = 2 * 7  # per layer: q, k, v, o, gate, up, down
+
+
+@pytest.fixture(scope="module")
+def nf4_model(tmp_path_factory) -> Path:
+    return make_tiny_mistral(tmp_path_factory.mktemp("nf4") / "m", seed=3, **NF4_SHAPES)
+
+
+def nf4_config(fixtures: Fixtures, model: Path, out: Path, **overrides) -> dict:
+    cfg = checkpointing_config(fixtures, out, **overrides)
+    cfg["model"].update(model_name_or_path=str(model), frozen_dtype="nf4")
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_are_those_of_torchaos_dequantised_weights(nf4_model: Path, dtype: torch.dtype):
+    quantised = AutoModelForCausalLM.from_pretrained(nf4_model, dtype=dtype)
+    reference = AutoModelForCausalLM.from_pretrained(nf4_model, dtype=dtype)
+    assert to_nf4_(decoder_layers(quantised), dtype) == (LINEARS, 0)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(quantised.get_submodule(name), Nf4Linear):
+                module.weight.copy_(nf4_tensor.to_nf4(module.weight).get_original_weight())
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = quantised(ids).logits, reference(ids).logits
+        unquantised = AutoModelForCausalLM.from_pretrained(nf4_model, dtype=dtype)(ids).logits
+    torch.testing.assert_close(got, want)  # the dtype's own tolerance
+    assert (got - unquantised).abs().max() > 10 * (got - want).abs().max()  # the comparison can tell NF4 apart
+
+
+def _sharded_load_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
+    """Build the job's model as a worker does (a sharded load), then gather each NF4 layer's storage whole."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = build_model(Config.from_dict(raw), on_gpu=False, device=torch.device("cpu"))
+        stored = {}
+        for name, module in model.named_modules():
+            if isinstance(module, (Nf4Linear, Nf4Experts)):
+                key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                for weight in ("weight",) if isinstance(module, Nf4Linear) else ("gate_up_proj", "down_proj"):
+                    full = [p.full_tensor() for p in storage_of(module, weight)]
+                    stored[f"{key}.{weight}"] = dict(zip(("codes", "scalers", "factors", "mean"), full, strict=True))
+        if rank == 0:
+            torch.save(stored, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_each_rank_loads_its_rows_and_stores_torchaos_nf4_of_the_whole_weight(
+    fixtures: Fixtures, nf4_model: Path, tmp_path: Path, dtype: str
+):
+    """Three ranks: 128 rows shard 43 + 43 + 42, and a weight's one factor sits on the first rank alone."""
+    raw = nf4_config(fixtures, nf4_model, tmp_path)
+    raw["model"]["torch_dtype"] = dtype
+    out = tmp_path / "stored.pt"
+    spawn_ranks(_sharded_load_rank, args=(3, free_port(), raw, str(out)), nprocs=3)
+    stored = torch.load(out)
+    weights = AutoModelForCausalLM.from_pretrained(nf4_model, dtype=getattr(torch, dtype)).state_dict()
+    assert len(stored) == LINEARS
+    assert_torchaos_nf4(stored, weights)
+
+
+def assert_torchaos_nf4(stored: dict[str, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor]) -> None:
+    """Each stored weight's codes, scalers, factors and mean are torchao's `to_nf4` of the weight (of each expert
+    of a stack) bit for bit."""
+    for name, got in stored.items():
+        weight = weights[name]
+        for i, matrix in enumerate(weight if weight.ndim == 3 else [weight]):
+            want = nf4_tensor.to_nf4(matrix.contiguous())
+            part = {k: (v[i] if weight.ndim == 3 else v) for k, v in got.items()}
+            assert torch.equal(part["codes"].flatten(), want.quantized_data), (name, i)
+            assert torch.equal(part["scalers"].flatten(), want.quantized_scalers), (name, i)
+            assert torch.equal(part["factors"].view(torch.float32).to(want.dtype), want.quantization_factor), name
+            assert torch.equal(part["mean"].view(torch.float32).to(want.dtype)[0], want.scaler_mean), (name, i)
+
+
+# A tiny Mistral-Small-4 in the hub's FP8 layout whose decoder matrices NF4 can block, but for MLA's kv_a_proj_with_mqa
+# ((kv_lora_rank + rope) × hidden = 160 × 128): it stays in torch_dtype.
+NF4_MISTRAL4 = {
+    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "q_lora_rank": 128,
+    "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 64,
+}  # fmt: skip
+MISTRAL4_NF4 = (2 * 8, 2)  # per layer: q_a, q_b, kv_b, o, shared gate/up/down and the experts; kv_a_proj_with_mqa not
+
+
+@pytest.fixture(scope="module")
+def mistral4_nf4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("mistral4-nf4") / "hub"
+    return make_tiny_mistral_small4(directory, tokenizer_from=fixtures.model, **NF4_MISTRAL4)
+
+
+def mistral4_config(fixtures: Fixtures, hub: Path, out: Path, **overrides) -> dict:
+    cfg = nf4_config(fixtures, hub, out, lora__lora_dropout=0.0, lora__target_experts=True, train__bf16=False,
+                     **overrides)  # fmt: skip
+    cfg["lora"]["target_modules"] = ["auto"]
+    cfg["fsdp"] = {"activation_checkpointing": True}  # target_experts needs it
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_fp8_hub_checkpoint_loads_sharded_into_torchaos_nf4_of_its_dequantised_weights(
+    fixtures: Fixtures, mistral4_nf4_hub: Path, tmp_path: Path, dtype: str
+):
+    """Each rank reads and dequantises only its rows (its experts), then quantises: the stored NF4 is torchao's of
+    the hub's weights decoded with numpy (not rayft) and cast to torch_dtype."""
+    raw = mistral4_config(fixtures, mistral4_nf4_hub, tmp_path)
+    raw["model"]["torch_dtype"] = dtype
+    out = tmp_path / "stored.pt"
+    spawn_ranks(_sharded_load_rank, args=(2, free_port(), raw, str(out)), nprocs=2)
+    stored = torch.load(out)
+    decoded = _numpy_dequantised_text_model(mistral4_nf4_hub).state_dict()
+    weights = {name: decoded[name].to(getattr(torch, dtype)) for name in stored}
+    assert len(stored) == 2 * (7 + 2)  # 7 NF4 linears a layer, and its experts' two weights
+    assert_torchaos_nf4(stored, weights)
+
+
+ELASTIC = {"ray__num_workers": [1, 2], "train__learning_rate": 3e-3}  # one global order: the same records at 1 or 2
+
+
+def test_lora_over_nf4_on_two_ranks_trains_as_on_one(fixtures: Fixtures, nf4_model: Path, tmp_path: Path):
+    two_ranks = train_locally(nf4_config(fixtures, nf4_model, tmp_path / "two", **ELASTIC), 2)
+    assert f"frozen base: {LINEARS} decoder linears and expert stacks stored as NF4" in two_ranks.text()
+    one = train_locally(nf4_config(fixtures, nf4_model, tmp_path / "one", **ELASTIC), 1)
+    assert [r["step"] for r in two_ranks.metrics()] == list(range(1, STEPS + 1))
+    _assert_same_training(two_ranks, one, range(1, STEPS + 1), REORDERED)
+    losses = [r["loss"] for r in two_ranks.metrics()]
+    assert losses[-1] < losses[0], losses
+    # The adapter is a plain PEFT adapter of the original (unquantised) base: every key loads into it.
+    base = AutoModelForCausalLM.from_pretrained(nf4_model)
+    adapter = PeftModel.from_pretrained(base, two_ranks.out / "final")
+    loaded = load_file(two_ranks.out / "final" / "adapter_model.safetensors")
+    assert loaded and set_peft_model_state_dict(adapter, loaded).unexpected_keys == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mistral4s_logits_are_those_of_torchaos_dequantised_weights(mistral4_nf4_hub: Path, dtype: torch.dtype):
+    """MLA attention, the shared expert and the routed experts (dequantised a chunk of experts at a time)."""
+    assert_logits_of_torchaos_weights(_numpy_dequantised_text_model(mistral4_nf4_hub).to(dtype), MISTRAL4_NF4)
+
+
+# The other MoE families at shapes NF4 blocks (hidden 128, experts 128 wide; DeepSeek-V3's dense first layer 256).
+NF4_FAMILIES = {
+    "qwen3_moe": ({"moe_intermediate_size": 128, "intermediate_size": 256}, (2 * 5, 0)),
+    "mixtral": ({"intermediate_size": 128}, (2 * 5, 0)),
+    "gpt_oss": ({"intermediate_size": 128}, (2 * 5, 0)),  # transposed, biased experts
+    "deepseek_v3": (
+        {"moe_intermediate_size": 128, "intermediate_size": 256, "q_lora_rank": 128, "kv_lora_rank": 128,
+         "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32},
+        (2 * 4 + 3 + 4, 2),  # MLA's q_a, q_b, kv_b, o; the dense MLP; shared MLP + experts; kv_a_proj_with_mqa not
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(NF4_FAMILIES))
+def test_each_moe_familys_logits_over_nf4_are_those_of_torchaos_dequantised_weights(family: str):
+    overrides, swapped = NF4_FAMILIES[family]
+    fields = {**COMMON, **MOE_FAMILIES[family], "hidden_size": 128, "num_key_value_heads": 4, "head_dim": 32,
+              **overrides}  # fmt: skip
+    assert_logits_of_torchaos_weights(_random_model(family, fields), swapped)
+
+
+def assert_logits_of_torchaos_weights(reference: nn.Module, swapped: tuple[int, int]) -> None:
+    """A copy of `reference` in NF4 (`swapped`: what `to_nf4_` reports) gives the logits of `reference` holding
+    torchao's dequantised weights, and logits the unquantised model does not give."""
+    reference.eval()  # no dropout, no router jitter (Mixtral)
+    dtype = next(reference.parameters()).dtype
+    quantised, unquantised = copy.deepcopy(reference), copy.deepcopy(reference)
+    assert to_nf4_(decoder_layers(quantised), dtype) == swapped
+    with torch.no_grad():
+        for name, module in quantised.named_modules():
+            twin = reference.get_submodule(name)
+            if isinstance(module, Nf4Linear):
+                twin.weight.copy_(nf4_tensor.to_nf4(twin.weight).get_original_weight())
+            elif isinstance(module, Nf4Experts):
+                for weight in (twin.gate_up_proj, twin.down_proj):
+                    weight.copy_(torch.stack([nf4_tensor.to_nf4(m.contiguous()).get_original_weight() for m in weight]))
+        ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+        got, want, before = quantised(ids).logits, reference(ids).logits, unquantised(ids).logits
+    torch.testing.assert_close(got, want)
+    assert (got - before).abs().max() > 10 * (got - want).abs().max()
+
+
+@pytest.fixture(scope="module")
+def mistral4_two_ranks(fixtures: Fixtures, mistral4_nf4_hub: Path, tmp_path_factory) -> LocalRun:
+    out = tmp_path_factory.mktemp("mistral4-nf4-two")
+    run = train_locally(mistral4_config(fixtures, mistral4_nf4_hub, out, **ELASTIC), 2)
+    assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
+    return run
+
+
+def test_lora_over_mistral4_in_nf4_on_two_ranks_trains_as_on_one(
+    fixtures: Fixtures, mistral4_nf4_hub: Path, mistral4_two_ranks: LocalRun, tmp_path: Path
+):
+    """Expert LoRA too (`lora.target_experts`), over the NF4 experts."""
+    swapped, kept = MISTRAL4_NF4
+    assert f"frozen base: {swapped} decoder linears and expert stacks stored as NF4" in mistral4_two_ranks.text()
+    assert f"({kept} of a shape NF4 cannot block stay torch.float32)" in mistral4_two_ranks.text()
+    one = train_locally(mistral4_config(fixtures, mistral4_nf4_hub, tmp_path, **ELASTIC), 1)
+    _assert_same_training(mistral4_two_ranks, one, range(1, STEPS + 1), REORDERED)
+    losses = [r["loss"] for r in mistral4_two_ranks.metrics()]
+    assert losses[-1] < losses[0], losses
+    adapter = load_file(mistral4_two_ranks.out / "final" / "adapter_model.safetensors")
+    experts_b = [v for k, v in adapter.items() if ".experts." in k and "lora_B" in k]
+    assert experts_b and all(v.abs().max() > 0 for v in experts_b)  # expert LoRA trained (it starts at zero)
+
+
+def test_a_stopped_mistral4_nf4_run_continues_to_the_uninterrupted_result(
+    fixtures: Fixtures, mistral4_nf4_hub: Path, mistral4_two_ranks: LocalRun, tmp_path: Path
+):
+    cfg = mistral4_config(fixtures, mistral4_nf4_hub, tmp_path, **ELASTIC)
+    stopped = train_locally(cfg, 2, crash_saving=3)
+    run = train_locally(cfg, 2, resume=stopped.checkpoint(2))
+    assert run.resumes() == [2]
+    _assert_same_training(run, mistral4_two_ranks, range(1, STEPS + 1), TOLERANCE)
+
+
+def test_the_plan_counts_exactly_the_bytes_nf4_storage_holds(mistral4_nf4_hub: Path):
+    """The planner's NF4 figures (from the unswapped meta model) against the swapped model's own parameters."""
+    cfg = Config.from_dict(
+        {
+            "model": {"model_name_or_path": str(mistral4_nf4_hub), "frozen_dtype": "nf4"},
+            "lora": {"target_modules": ["auto"]},
+        }
+    )
+    s = meta_structure(cfg)
+    model = empty_model(cfg.model)
+    assert to_nf4_(decoder_layers(model), torch.bfloat16) == MISTRAL4_NF4
+    held = [m for m in model.modules() if isinstance(m, (Nf4Linear, Nf4Experts))]
+    storage = [p for m in held for p in m.parameters(recurse=False) if p.dtype != torch.bfloat16]  # not a bias
+    codes = [p for m in held for n, p in m.named_parameters(recurse=False) if p.dtype == torch.uint8]
+    assert s.nf4 == 2 * sum(p.numel() for p in codes) > 0
+    stored = sum(p.numel() * p.element_size() for p in storage)
+    assert nf4_storage_bytes(s.nf4, s.nf4_matrices) == stored
+    bf16 = dict(plan_memory(cfg, s, 1, on_gpu=True).rows)
+    nf4 = dict(plan_memory(cfg, s, 1, on_gpu=True, nf4=True).rows)
+    saved = (bf16["sharded weights (/1)"] - nf4["sharded weights (/1)"]) * 2**30
+    assert saved == pytest.approx(s.nf4 * 2 - stored)
+    assert "NF4 weight dequantised for its matmul" in nf4
+
+
+def test_rayft_plan_puts_mistral_small_4_in_nf4_on_one_h200(capsys):
+    """The example QLoRA job on the real model's structure (transformers' Mistral-Small-4 defaults): one H200 holds
+    it, with some 53 GiB more room than FP8 would leave, at the tokens per GPU the head line states."""
+    example = str(REPO / "jobs" / "mistral4-nf4-1xh200.yaml")
+    result = run_cli(
+        capsys, "plan", "--config", example, "--preset", "mistral-small-4", "--gpu", "h200", "--no-layouts"
+    )
+    assert result.rc == 0, result.err
+    table = result.out
+    assert (
+        "frozen base stored in nf4" in table
+        and "4096 tokens/GPU (1 x 4096: per_device_train_batch_size x max_length)" in table
+    ), table
+    fits = re.search(r"on h200 \([\d.]+ GiB\)\s+(\w+)", table)
+    nf4_total = float(re.search(r"total GiB/GPU\s+([\d.]+)", table)[1])
+    fp8_total = float(re.search(r"with fp8 base\s+([\d.]+)", table)[1])
+    assert fits[1] == "fits" and nf4_total < fp8_total - 50, table  # 117.9B weights at 4.127 bits, not 8
