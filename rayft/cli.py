@@ -19,7 +19,7 @@ import yaml
 
 from rayft.config import Config, ConfigError, K8sConfig, load_config
 from rayft.gpus import GPUS
-from rayft.logs import LEVEL_ENV, verbose
+from rayft.logs import LEVEL_ENV, quiet_console, verbose
 
 if typing.TYPE_CHECKING:
     from rayft.plan.comm import Cluster
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if verbose() else logging.INFO, format="%(asctime)s rayft %(message)s", datefmt="%H:%M:%S"
     )
+    quiet_console()
     try:
         if args.command == "export":
             return _export(args)

@@ -37,6 +37,11 @@ CHATTER = tuple(
         r"has constructor arguments in the object store and max_restarts > 0",  # an advisory about Ray's own actors
         r"RayDeprecationWarning: `ExecutionOptions\.exclude_resources` is deprecated",  # Ray Train's own call
         r"FutureWarning: `is_gradient_checkpointing` is deprecated",  # PEFT's own call, on every model it wraps
+        # torchao, where it is installed, imported by transformers in every process: its optional kernels built
+        # for another torch, and torch's advisory about the enums it registers. rayft uses none of it.
+        r"Failed to load \S*torchao\S*\.so: Could not load this library",
+        r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile",
+        r"Detected no triton, on systems without Triton certain kernels will not work",
     )
 )
 # Python warnings print the source line after the message: it goes with a hidden warning. Lines may carry the
@@ -104,13 +109,23 @@ def quiet_ray_data_here() -> None:
         return
     for handler in logging.getLogger("ray.data").handlers:
         console = type(handler).__name__ == "PlainRayHandler"
-        if console and not any(isinstance(f, _ChatterFilter) for f in handler.filters):
-            handler.addFilter(_ChatterFilter())
+        if console and not any(isinstance(f, ChatterFilter) for f in handler.filters):
+            handler.addFilter(ChatterFilter())
 
 
-class _ChatterFilter(logging.Filter):
+class ChatterFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not is_chatter(record.getMessage())
+
+
+def quiet_console() -> None:
+    """This process's own log lines on its console (a CLI's): known chatter dropped, as in the job log."""
+    if verbose():
+        return
+    # the root's handlers, and torch's advisories, which torch prints through handlers of its own
+    for filtered in [*logging.getLogger().handlers, logging.getLogger("torch.utils._pytree")]:
+        if not any(isinstance(f, ChatterFilter) for f in filtered.filters):
+            filtered.addFilter(ChatterFilter())
 
 
 def quiet_worker_rank(rank: int) -> None:

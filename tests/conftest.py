@@ -31,6 +31,7 @@ from fixtures.cluster import (  # noqa: F401  the tests import these from confte
     wait_for_jobs,
     working_dir,
 )
+from fixtures.devices import DEVICES
 
 from rayft import demo
 
@@ -163,6 +164,25 @@ def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: st
         save_adapter(model, Path(out))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(params=DEVICES)
+def device_group(request):
+    """A one-rank process group as a Ray Train worker has: NCCL on GPU 0, or gloo on the CPU (`DEVICES`: the GPU
+    tests' device-independent part runs in CI)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if request.param == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield device
+    dist.destroy_process_group()
 
 
 @pytest.fixture

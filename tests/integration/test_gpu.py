@@ -32,21 +32,6 @@ LOSS_ATOL = 1e-2
 GRAD_RTOL = {"dense": 5e-2, "mistral4-hub": 1e-1}
 
 
-@pytest.fixture(params=DEVICES)
-def device_group(request):
-    """A one-rank process group as a Ray Train worker has: NCCL on GPU 0, or gloo on the CPU."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    if request.param == "cuda":
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield device
-    dist.destroy_process_group()
-
-
 def _raw_config(kind: str, fixtures: Fixtures, hub: Path, out: Path, frozen: str = "auto") -> dict:
     """The demo settings in bf16 on GPU, LoRA (dropout 0) on an explicit list so the reference can copy it; the hub
     model's base kept as `frozen` (auto: FP8, as its checkpoint)."""

@@ -20,17 +20,19 @@ from fixtures.hub_layout import make_tiny_mistral_small4
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import COMMON, MOE_FAMILIES, _random_model
 from fixtures.ranks import spawn_ranks
+from fixtures.torchao_nf4 import to_nf4
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 from test_fp8_job import _numpy_dequantised_text_model
+from test_gpu import GRAD_RTOL, LOSS_ATOL, _batch, _lora_grads, _randomise_lora_b, _relative_error
 from test_local_trainer import REORDERED, TOLERANCE, _assert_same_training
 from torch import nn
-from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 from transformers import AutoModelForCausalLM
 
 from rayft.config import Config
 from rayft.demo import make_tiny_mistral
 from rayft.model.build import decoder_layers, empty_model
+from rayft.model.lora import AUTO_TARGETS
 from rayft.model.nf4 import Nf4Experts, Nf4Linear, storage_of, to_nf4_
 from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
 from rayft.parallel.parallelize import build_model
@@ -60,7 +62,7 @@ def test_the_logits_are_those_of_torchaos_dequantised_weights(nf4_model: Path, d
     with torch.no_grad():
         for name, module in reference.named_modules():
             if isinstance(quantised.get_submodule(name), Nf4Linear):
-                module.weight.copy_(nf4_tensor.to_nf4(module.weight).get_original_weight())
+                module.weight.copy_(to_nf4(module.weight).get_original_weight())
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = quantised(ids).logits, reference(ids).logits
@@ -109,7 +111,7 @@ def assert_torchaos_nf4(stored: dict[str, dict[str, torch.Tensor]], weights: dic
     for name, got in stored.items():
         weight = weights[name]
         for i, matrix in enumerate(weight if weight.ndim == 3 else [weight]):
-            want = nf4_tensor.to_nf4(matrix.contiguous())
+            want = to_nf4(matrix.contiguous())
             part = {k: (v[i] if weight.ndim == 3 else v) for k, v in got.items()}
             assert torch.equal(part["codes"].flatten(), want.quantized_data), (name, i)
             assert torch.equal(part["scalers"].flatten(), want.quantized_scalers), (name, i)
@@ -133,8 +135,8 @@ def mistral4_nf4_hub(fixtures: Fixtures, tmp_path_factory) -> Path:
 
 
 def mistral4_config(fixtures: Fixtures, hub: Path, out: Path, **overrides) -> dict:
-    cfg = nf4_config(fixtures, hub, out, lora__lora_dropout=0.0, lora__target_experts=True, train__bf16=False,
-                     **overrides)  # fmt: skip
+    settings = {"lora__lora_dropout": 0.0, "lora__target_experts": True, "train__bf16": False, **overrides}
+    cfg = nf4_config(fixtures, hub, out, **settings)
     cfg["lora"]["target_modules"] = ["auto"]
     cfg["fsdp"] = {"activation_checkpointing": True}  # target_experts needs it
     return cfg
@@ -213,10 +215,10 @@ def assert_logits_of_torchaos_weights(reference: nn.Module, swapped: tuple[int, 
         for name, module in quantised.named_modules():
             twin = reference.get_submodule(name)
             if isinstance(module, Nf4Linear):
-                twin.weight.copy_(nf4_tensor.to_nf4(twin.weight).get_original_weight())
+                twin.weight.copy_(to_nf4(twin.weight).get_original_weight())
             elif isinstance(module, Nf4Experts):
                 for weight in (twin.gate_up_proj, twin.down_proj):
-                    weight.copy_(torch.stack([nf4_tensor.to_nf4(m.contiguous()).get_original_weight() for m in weight]))
+                    weight.copy_(torch.stack([to_nf4(m.contiguous()).get_original_weight() for m in weight]))
         ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
         got, want, before = quantised(ids).logits, reference(ids).logits, unquantised(ids).logits
     torch.testing.assert_close(got, want)
@@ -298,3 +300,70 @@ def test_rayft_plan_puts_mistral_small_4_in_nf4_on_one_h200(capsys):
     nf4_total = float(re.search(r"total GiB/GPU\s+([\d.]+)", table)[1])
     fp8_total = float(re.search(r"with fp8 base\s+([\d.]+)", table)[1])
     assert fits[1] == "fits" and nf4_total < fp8_total - 50, table  # 117.9B weights at 4.127 bits, not 8
+
+
+def test_a_bf16_lora_step_over_nf4_on_the_device_matches_the_fp32_reference(
+    fixtures: Fixtures, mistral4_nf4_hub: Path, tmp_path: Path, device_group
+):
+    """The worker's model (sharded NF4 load from the hub's FP8 layout onto the device, bf16, FSDP2, LoRA) against
+    transformers' own Mistral4 on CPU in fp32 holding torchao's dequantisation of the same bf16 weights: loss and
+    every LoRA gradient within bf16 error. On a GPU, the load's peak device memory is the rank's share of the model
+    as stored plus one checkpoint tensor dequantised in fp32 (and the encoding's bounded working set)."""
+    cuda = device_group.type == "cuda"
+    raw = mistral4_config(fixtures, mistral4_nf4_hub, tmp_path, lora__target_experts=False, train__bf16=True)
+    raw["model"]["torch_dtype"] = "bfloat16"
+    raw["fsdp"] = {}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device_group)
+    model = build_model(Config.from_dict(raw), on_gpu=cuda, device=device_group)
+    if cuda:
+        share = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        largest = max(p.numel() for p in _numpy_dequantised_text_model(mistral4_nf4_hub).parameters()) * 4
+        peak = torch.cuda.max_memory_allocated(device_group)
+        assert peak <= share + largest + ENCODE_WORKING_SET, (peak, share, largest)
+    _randomise_lora_b(model)
+    reference = _nf4_reference(model, mistral4_nf4_hub, raw)
+    batch = _batch(device_group)
+    loss = model(**batch).loss
+    loss.backward()
+    want = reference(**{k: v.cpu() for k, v in batch.items()}).loss
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), abs=LOSS_ATOL)
+    got = _lora_grads(model)
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert set(got) == set(expected) and got
+    errors = {n: _relative_error(got[n], expected[n]) for n in got}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < GRAD_RTOL["mistral4-hub"], f"{worst}: relative gradient error {errors[worst]:.3g}"
+
+
+ENCODE_WORKING_SET = 128 * 2**20  # `rayft.model.nf4.encode` compares a chunk of 2**20 weights with the 16 levels
+
+
+def _nf4_reference(model: nn.Module, hub: Path, raw: dict) -> nn.Module:
+    """transformers' Mistral4 on CPU in fp32: the hub's weights decoded with numpy and rounded to bf16 (what the
+    worker quantised), each NF4-held one replaced by torchao's dequantisation, with the worker's LoRA weights."""
+    import peft
+
+    base = _numpy_dequantised_text_model(hub).to(torch.bfloat16)
+    base.config.use_cache = False  # as in training: with a cache transformers would not split packed rows
+    held = {name.removeprefix("base_model.model.").replace(".base_layer", "") for name, m in model.named_modules()
+            if isinstance(m, (Nf4Linear, Nf4Experts))}  # fmt: skip
+    with torch.no_grad():
+        for name in held:
+            module = base.get_submodule(name)
+            for weight in [module.weight] if isinstance(module, nn.Linear) else [module.gate_up_proj, module.down_proj]:
+                stack = weight if weight.ndim == 3 else weight[None]
+                weight.copy_(torch.stack([to_nf4(m).get_original_weight() for m in stack]).view(weight.shape))
+    base = base.float()
+    lora = raw["lora"]
+    reference = peft.get_peft_model(
+        base,
+        peft.LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
+                        target_modules=list(AUTO_TARGETS["mistral4"]), task_type=peft.TaskType.CAUSAL_LM),
+    )  # fmt: skip
+    trained = {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    unexpected = reference.load_state_dict(trained, strict=False).unexpected_keys
+    assert not unexpected, unexpected
+    assert {n for n, p in reference.named_parameters() if p.requires_grad} == set(trained)
+    return reference

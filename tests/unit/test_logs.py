@@ -23,6 +23,12 @@ CHATTER = [
     "(TrainController pid=1667) [2026-11-23 06:46:11,472 E 1667 1699] core_worker.cc:2465: Actor with class name: "
     "'PreemptionWatcher' and ID: '9eed' has constructor arguments in the object store and max_restarts > 0. If the "
     "arguments in the object store go out of scope or are lost, the actor restart will fail.",
+    "(RayTrainWorker pid=2040) Failed to load /v/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+    "Could not load this library: /v/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so",
+    "(RayTrainWorker pid=2040) W1129 12:11:42.919000 14164 torch/utils/_pytree.py:630] <enum 'KernelPreference'> is "
+    "an Enum subclass and is now natively supported by torch.compile as an opaque value type. Calling "
+    "register_constant() on Enum subclasses is deprecated and will be an error in a future release.",
+    "(RayTrainWorker pid=2040) Warning: Detected no triton, on systems without Triton certain kernels will not work",
 ]
 DEPRECATION = [
     "(DatasetManager pid=1927) /v/ray/data/_internal/execution/interfaces/execution_options.py:436: "
@@ -76,3 +82,18 @@ def test_verbose_keeps_everything(monkeypatch, level):
     """--verbose / RAYFT_LOG_LEVEL=DEBUG: the filter is not installed at all."""
     monkeypatch.setenv(logs.LEVEL_ENV, level)
     assert logs.verbose() and logs.quiet_worker_output() is False
+
+
+def test_a_cli_console_drops_the_same_chatter_torch_prints_through_its_own_handlers(monkeypatch):
+    """torchao's import noise where it is installed: torch's Enum advisory (printed through torch's handler, so
+    filtered at its logger) and the lines that reach the root's handlers; anything else passes."""
+    import logging
+
+    monkeypatch.delenv(logs.LEVEL_ENV, raising=False)
+    logs.quiet_console()
+    pytree = logging.getLogger("torch.utils._pytree")
+    advisory = logging.makeLogRecord({"msg": CHATTER[-2].split("] ", 1)[1], "name": pytree.name})
+    trouble = logging.makeLogRecord({"msg": "something torch needs you to know", "name": pytree.name})
+    assert not pytree.filter(advisory) and pytree.filter(trouble)
+    for handler in logging.getLogger().handlers:
+        assert not handler.filter(logging.makeLogRecord({"msg": CHATTER[-3].split(") ", 1)[1]}))

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.torchao_nf4 import to_nf4
 from torch import nn
-from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
 from rayft.model.nf4 import Nf4Linear, quantize, to_nf4_
 from rayft.model.nf4_format import fits
-
-
-def torchao_parts(weight: torch.Tensor):
-    return nf4_tensor.to_nf4(weight.detach())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -23,7 +19,7 @@ def test_a_linear_holds_torchaos_codes_and_scales_bit_for_bit(dtype: torch.dtype
     linear = nn.Linear(shape[1], shape[0], bias=False).to(dtype)
     linear.weight.data[0, :64] = 0.0  # an all-zero block, as pruned or padded rows have
     layer = Nf4Linear.from_linear(linear, torch.bfloat16)
-    want = torchao_parts(linear.weight)
+    want = to_nf4(linear.weight)
     assert torch.equal(layer.weight.flatten(), want.quantized_data)
     assert torch.equal(layer.weight_scalers.flatten(), want.quantized_scalers)
     assert torch.equal(layer.weight_factors.view(torch.float32).to(dtype), want.quantization_factor)
@@ -35,7 +31,7 @@ def test_the_layer_computes_with_the_dequantised_weight_and_passes_the_input_gra
     torch.manual_seed(0)
     linear = nn.Linear(256, 128).to(torch.bfloat16)
     layer = Nf4Linear.from_linear(linear, torch.bfloat16)
-    weight = torchao_parts(linear.weight).get_original_weight()
+    weight = to_nf4(linear.weight).get_original_weight()
     x = torch.randn(3, 256, dtype=torch.bfloat16, requires_grad=True)
     got = layer(x)
     got.sum().backward()
