@@ -599,6 +599,13 @@ def fp8_block(model: nn.Module, name: str) -> int | None:
     return module.block if isinstance(module, Fp8Linear) else module.blocks[attr]
 
 
+def fused_experts(module: nn.Module) -> bool:
+    """Whether `module` holds routed experts as fused 3-D weights (transformers' `@use_experts_implementation`)."""
+    return all(isinstance(getattr(module, n, None), nn.Parameter) for n in EXPERT_WEIGHTS) and (
+        module.gate_up_proj.ndim == 3
+    )
+
+
 def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | None = None) -> int:
     """Swap, inside each of `layers` (the decoder layers), every linear and fused-experts module for its FP8 form,
     on the meta device (no memory) or quantising real weights; `block`: the column block width of the checkpoint's
@@ -609,9 +616,7 @@ def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | No
             for child_name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     setattr(parent, child_name, Fp8Linear.from_linear(child, compute_dtype, block))
-                elif all(isinstance(getattr(child, n, None), nn.Parameter) for n in EXPERT_WEIGHTS) and (
-                    child.gate_up_proj.ndim == 3
-                ):
+                elif fused_experts(child):
                     setattr(parent, child_name, Fp8Experts(child, compute_dtype, block))
                 else:
                     continue

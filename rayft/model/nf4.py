@@ -29,7 +29,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from rayft.model.fp8 import SCALE_STORAGE, GroupedWeight, QuantisedExperts, QuantisedLinear, frozen_parameter
+from rayft.model.fp8 import (
+    SCALE_STORAGE,
+    GroupedWeight,
+    QuantisedExperts,
+    QuantisedLinear,
+    frozen_parameter,
+    fused_experts,
+)
 from rayft.model.fp8_format import EXPERT_WEIGHTS
 from rayft.model.nf4_format import BLOCK, DEQUANT_ROWS_BLOCK, GROUP, SCALER_BLOCK, fits
 
@@ -218,12 +225,6 @@ class Nf4Experts(QuantisedExperts):
         return GroupedWeight(functools.partial(_dequantize_stored, quant_dtype=self.quant_dtype), self.shapes[name])
 
 
-def _fused_experts(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Parameter) for n in EXPERT_WEIGHTS) and (
-        module.gate_up_proj.ndim == 3
-    )
-
-
 def to_nf4_(layers: list[nn.Module], compute_dtype: torch.dtype) -> tuple[int, int]:
     """Swap, inside each of `layers` (the decoder layers), every linear and fused-experts module whose weights have
     NF4 storage (`fits`, per expert for experts) for its NF4 form, quantising its real weights (or on the meta
@@ -235,7 +236,7 @@ def to_nf4_(layers: list[nn.Module], compute_dtype: torch.dtype) -> tuple[int, i
             for child_name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     shapes, nf4 = [child.weight.shape], functools.partial(Nf4Linear.from_linear, child)
-                elif _fused_experts(child):
+                elif fused_experts(child):
                     shapes = [getattr(child, n).shape[1:] for n in EXPERT_WEIGHTS]
                     nf4 = functools.partial(Nf4Experts, child)
                 else:
