@@ -437,7 +437,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     nf4 = cfg.model.frozen_dtype == "nf4"
 
-    def plans(fp8: bool, nf4: bool = False) -> list:
+    def plans(storage: tuple[bool, bool]) -> list:
+        fp8, nf4 = storage
         return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8, nf4=nf4) for n in args.num_nodes]
 
     if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
@@ -445,9 +446,9 @@ def _plan(args: argparse.Namespace) -> int:
             f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
             f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)"
         )
-    other = plans(True) if nf4 else plans(not fp8) if s.fp8 else None  # NF4 beside FP8; FP8 and bf16 side by side
+    beside = _storage_beside(fp8, nf4, bool(s.fp8))
     batch = (cfg.train.per_device_train_batch_size, cfg.data.max_length)
-    print(format_plans(plans(fp8, nf4), s, batch[0] * batch[1], other, batch))
+    print(format_plans(plans((fp8, nf4)), s, batch[0] * batch[1], plans(beside) if beside else None, batch))
     if args.layouts and nf4:
         print("\nrayft plan: --layouts ranks layouts with the base in FP8 or bf16; NF4's memory is the table above")
     elif args.layouts:
@@ -459,6 +460,14 @@ def _plan(args: argparse.Namespace) -> int:
             print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
             print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps, (args.gpu, fp8)))
     return EXIT_OK
+
+
+def _storage_beside(fp8: bool, nf4: bool, fp8_holds_any: bool) -> tuple[bool, bool] | None:
+    """The base storage (fp8, nf4) `rayft plan` shows beside the config's, for the choice it is: NF4 beside FP8,
+    FP8 beside bf16 and back; none for a model FP8 would hold nothing of."""
+    if nf4:
+        return True, False
+    return (not fp8, False) if fp8_holds_any else None
 
 
 def _preemption_lines(

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET, EXPERT_WEIGHTS, storage_block
+from rayft.model.frozen import held_weights
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -599,13 +600,6 @@ def fp8_block(model: nn.Module, name: str) -> int | None:
     return module.block if isinstance(module, Fp8Linear) else module.blocks[attr]
 
 
-def fused_experts(module: nn.Module) -> bool:
-    """Whether `module` holds routed experts as fused 3-D weights (transformers' `@use_experts_implementation`)."""
-    return all(isinstance(getattr(module, n, None), nn.Parameter) for n in EXPERT_WEIGHTS) and (
-        module.gate_up_proj.ndim == 3
-    )
-
-
 def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | None = None) -> int:
     """Swap, inside each of `layers` (the decoder layers), every linear and fused-experts module for its FP8 form,
     on the meta device (no memory) or quantising real weights; `block`: the column block width of the checkpoint's
@@ -614,12 +608,12 @@ def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | No
     for layer in layers:
         for parent in list(layer.modules()):
             for child_name, child in list(parent.named_children()):
+                if not held_weights(child, "fp8"):
+                    continue
                 if type(child) is nn.Linear:
                     setattr(parent, child_name, Fp8Linear.from_linear(child, compute_dtype, block))
-                elif fused_experts(child):
-                    setattr(parent, child_name, Fp8Experts(child, compute_dtype, block))
                 else:
-                    continue
+                    setattr(parent, child_name, Fp8Experts(child, compute_dtype, block))
                 swapped += 1
     return swapped
 

@@ -35,9 +35,8 @@ from rayft.model.fp8 import (
     QuantisedExperts,
     QuantisedLinear,
     frozen_parameter,
-    fused_experts,
 )
-from rayft.model.fp8_format import EXPERT_WEIGHTS
+from rayft.model.frozen import fused_experts, held_weights
 from rayft.model.nf4_format import BLOCK, DEQUANT_ROWS_BLOCK, GROUP, SCALER_BLOCK, fits
 
 # The 16 NormalFloat levels: quantiles of N(0, 1) scaled to [-1, 1] with an exact zero (the QLoRA paper), to four
@@ -235,13 +234,12 @@ def to_nf4_(layers: list[nn.Module], compute_dtype: torch.dtype) -> tuple[int, i
         for parent in list(layer.modules()):
             for child_name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    shapes, nf4 = [child.weight.shape], functools.partial(Nf4Linear.from_linear, child)
+                    nf4 = functools.partial(Nf4Linear.from_linear, child)
                 elif fused_experts(child):
-                    shapes = [getattr(child, n).shape[1:] for n in EXPERT_WEIGHTS]
                     nf4 = functools.partial(Nf4Experts, child)
                 else:
                     continue
-                if all(fits(shape) for shape in shapes):
+                if held_weights(child, "nf4"):
                     setattr(parent, child_name, nf4(compute_dtype))
                     swapped += 1
                 else:

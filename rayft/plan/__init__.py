@@ -2,7 +2,7 @@
 takes (steptime.py), from the model's structure on the meta device (structure.py)."""
 
 from rayft.plan.memory import GIB, GPU_GIB, MemoryPlan, format_plans, plan_memory
-from rayft.plan.structure import Structure, fp8_matrices, meta_structure, structure
+from rayft.plan.structure import Structure, meta_structure, structure
 
 __all__ = [
     "GIB",
@@ -10,7 +10,6 @@ __all__ = [
     "MemoryPlan",
     "Structure",
     "format_plans",
-    "fp8_matrices",
     "meta_structure",
     "plan_memory",
     "structure",

@@ -15,7 +15,7 @@ c = bytes of the compute dtype, p = bytes of the stored weights):
 With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (linears, routed experts; R rows) count
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
 for its matmul: + D · c + its fp32 block (≤ 256 MiB) + D bytes (experts gathered when not one range), D =
-the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `fp8_dequantised`).
+the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `dequantised_at_once`).
 With the frozen base in NF4, the N matrices NF4 can block (M of them, an expert counting as one) count 0.5 + 1/64 +
 4/16384 bytes a weight + 4 a matrix, sharded and gathered alike, and the largest of them is dequantised for its
 matmul: + D · c + a block of ≤ 2^24 of its values twice in p (levels, scaled) + its codes gathered (experts).
@@ -121,12 +121,12 @@ def plan_memory(
     if expert_parallel > 1:
         rows += _all_to_all(cfg, s, tokens, c)
     if fp8:
-        dequantised = fp8_dequantised(s, expert_parallel)
+        dequantised = dequantised_at_once(s, expert_parallel)
         # its compute-dtype copy, the fp32 block it is made in, and (experts not in one range) their bytes gathered
         transient = dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4 + (dequantised if s.fp8_expert_numel else 0)
         rows.append(("FP8 weight dequantised for its matmul", transient))
     if nf4:
-        dequantised = fp8_dequantised(s)  # the largest linear or expert chunk (of the matrices NF4 may hold)
+        dequantised = dequantised_at_once(s)  # the largest linear or expert chunk
         # its compute-dtype copy, a block's levels and scaled values (quantised dtype), the experts' codes gathered
         block = min(dequantised, DEQUANT_ROWS_BLOCK) * 2 * p
         gathered = nf4_storage_bytes(dequantised, 1) if s.fp8_expert_numel else 0
@@ -223,10 +223,11 @@ def format_plans(
     return "\n".join(lines)
 
 
-def fp8_dequantised(s: Structure, expert_parallel: int = 1) -> int:
-    """Elements of the largest FP8 weight dequantised at once: a whole linear, or one chunk of a layer's routed
-    experts (`rayft.model.fp8.expert_chunks`: only experts with tokens, at most EXPERT_DEQUANT_BUDGET elements, at
-    least one expert; counted as if every local expert had tokens, as at thousands of tokens per micro-batch)."""
+def dequantised_at_once(s: Structure, expert_parallel: int = 1) -> int:
+    """Elements of the largest quantised weight (FP8 or NF4) dequantised at once: a whole linear, or one chunk of a
+    layer's routed experts (`rayft.model.fp8.expert_chunks`, shared by both storages: only experts with tokens, at
+    most EXPERT_DEQUANT_BUDGET elements, at least one expert; counted as if every local expert had tokens, as at
+    thousands of tokens per micro-batch). Taken over every matrix FP8 would hold, a bound for NF4's subset."""
     experts = 0
     if s.fp8_expert_numel:
         local = max(1, s.num_experts // expert_parallel)

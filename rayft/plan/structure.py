@@ -11,7 +11,7 @@ from torch import nn
 
 from rayft.config import Config
 from rayft.model.fp8_format import EXPERT_WEIGHTS, storage_block, weight_block
-from rayft.model.nf4_format import fits
+from rayft.model.frozen import frozen_matrices
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,9 @@ def structure(model: nn.Module, config) -> Structure:
     block = weight_block(Path(getattr(config, "name_or_path", "") or "."))  # block-wise FP8 scales, kept as filed
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(model.parameters())
-    fp8_per_layer = [fp8_matrices(layer) for layer in layers]
+    fp8_per_layer = [frozen_matrices(layer, "fp8") for layer in layers]
     experts_per_layer = [expert_stacks(layer) for layer in layers]
-    nf4_per_layer = [nf4_matrices(layer) for layer in layers]
+    nf4_per_layer = [frozen_matrices(layer, "nf4") for layer in layers]
     largest = max(range(len(layers)), key=lambda i: sum(p.numel() for p in layers[i].parameters()))
     flops = flop_model(model, config, seq_len=1)
     return Structure(
@@ -124,35 +124,6 @@ def expert_stacks(layer: nn.Module) -> list[nn.Parameter]:
         for n, p in module.named_parameters(recurse=False)
         if p.ndim == 3 and n in EXPERT_WEIGHTS and not p.requires_grad
     ]
-
-
-def fp8_matrices(layer: nn.Module) -> list[nn.Parameter]:
-    """The frozen matrices of a decoder layer that FP8 storage holds: linear weights and fused 3D expert weights
-    (what `rayft.model.fp8.to_fp8_` swaps), LoRA's own excluded."""
-    out = []
-    for name, module in layer.named_modules():
-        if ".lora_" in f".{name}":
-            continue
-        if isinstance(module, nn.Linear):
-            out.append(module.weight)
-        out += [p for n, p in module.named_parameters(recurse=False) if p.ndim == 3 and n in EXPERT_WEIGHTS]
-    return [p for p in out if not p.requires_grad]
-
-
-def nf4_matrices(layer: nn.Module) -> list[nn.Parameter]:
-    """The frozen matrices of a decoder layer NF4 storage holds: linear weights and expert stacks whose shapes it
-    can block (what `rayft.model.nf4.to_nf4_` swaps: an experts module only when both its stacks fit)."""
-    out = []
-    for name, module in layer.named_modules():
-        if ".lora_" in f".{name}":
-            continue
-        if isinstance(module, nn.Linear) and not module.weight.requires_grad and fits(module.weight.shape):
-            out.append(module.weight)
-        stacks = [getattr(module, n, None) for n in EXPERT_WEIGHTS]
-        frozen = all(isinstance(p, nn.Parameter) and p.ndim == 3 and not p.requires_grad for p in stacks)
-        if frozen and all(fits(p.shape[1:]) for p in stacks):
-            out += stacks
-    return out
 
 
 def meta_structure(cfg: Config, config=None) -> Structure:

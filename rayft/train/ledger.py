@@ -54,6 +54,7 @@ class RecordLedger:
         self.run, self.rank, self.world_size = run, rank, world_size
         kept = [] if continues_from is None or rank != 0 else run.read_rows(RECORDS)
         self.rows: list[dict[str, Any]] = [r for r in kept if r.get("step", 0) <= (continues_from or 0)]
+        self.written: int | None = None  # rows in the file as this run last wrote it (None: not written yet)
 
     def add(self, step: int, epoch: int, batches: list[Batch]) -> None:
         """The step's sequences over all ranks, in rank order (an elastic run's: the global batch's order)."""
@@ -64,5 +65,8 @@ class RecordLedger:
             self.rows.append({"step": step, "epoch": epoch, "records": [f for part in parts for f in part]})
 
     def write(self) -> None:
-        if self.rank == 0:
+        """Rank 0 rewrites the file whole (object stores cannot append), and only when steps were added since it
+        last wrote: the final checkpoint's write serves the end of the run too."""
+        if self.rank == 0 and self.written != len(self.rows):
             self.run.write_rows(RECORDS, self.rows)
+            self.written = len(self.rows)

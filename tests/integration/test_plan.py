@@ -218,17 +218,17 @@ def test_expert_parallel_memory_holds_e_over_k_experts_whole():
 def test_fp8_transient_is_one_chunk_of_experts_not_a_whole_stack():
     """rayft.model.fp8 dequantises a layer's experts at most 2**28 elements at a time (whole experts, at least one):
     at Mistral-Small-4's 128 experts of 4096 x 4096 that is 16 experts, not 128; with 16-way EP, all 8 local ones."""
-    from rayft.plan.memory import fp8_dequantised
+    from rayft.plan.memory import dequantised_at_once
 
     s = Structure(architecture="x", total=0, largest_layer=0, layers=1, root=0, lora=0, hidden=1, vocab=1, top_k=4,
                   moe_intermediate=1, num_experts=128, fp8_expert_numel=4096 * 4096,
                   fp8_linear_largest=4096 * 1024)  # fmt: skip
-    assert fp8_dequantised(s) == 16 * 4096 * 4096
-    assert fp8_dequantised(s, expert_parallel=16) == 8 * 4096 * 4096
+    assert dequantised_at_once(s) == 16 * 4096 * 4096
+    assert dequantised_at_once(s, expert_parallel=16) == 8 * 4096 * 4096
     huge = Structure(**{**s.__dict__, "fp8_expert_numel": 2**29})  # one expert over the budget: still whole
-    assert fp8_dequantised(huge) == 2**29
+    assert dequantised_at_once(huge) == 2**29
     dense = Structure(**{**s.__dict__, "num_experts": 0, "fp8_expert_numel": 0})
-    assert fp8_dequantised(dense) == 4096 * 1024
+    assert dequantised_at_once(dense) == 4096 * 1024
 
 
 def test_the_planner_offers_only_expert_parallel_groups_that_keep_to_nodes():

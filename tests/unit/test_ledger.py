@@ -72,3 +72,21 @@ def test_a_continued_run_keeps_the_rows_up_to_its_checkpoint(process_group, tmp_
     fresh = RecordLedger(run, 0, 1, continues_from=None)
     fresh.write()
     assert run.read_rows("records.jsonl") == []
+
+
+def test_the_file_is_written_again_only_after_new_steps(process_group, tmp_path):
+    """The final checkpoint's write serves the end of the run: a second write without new steps leaves the file
+    alone. A continued run writes its cut-back rows even before its first step."""
+    run = RunDir(str(tmp_path))
+    ledger = RecordLedger(run, 0, 1, continues_from=None)
+    for step in (1, 2):
+        ledger.add(step, 0, [batch_of([step])])
+    ledger.write()
+    written = (tmp_path / "records.jsonl").stat().st_ino  # each write is a new file moved into place
+    ledger.write()
+    assert (tmp_path / "records.jsonl").stat().st_ino == written
+    ledger.add(3, 0, [batch_of([3])])
+    ledger.write()
+    assert [r["step"] for r in run.read_rows("records.jsonl")] == [1, 2, 3]
+    RecordLedger(run, 0, 1, continues_from=1).write()
+    assert [r["step"] for r in run.read_rows("records.jsonl")] == [1]
