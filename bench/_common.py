@@ -30,6 +30,15 @@ def reset_peak_rss() -> int:
     return rss_kib("VmRSS")
 
 
+def run_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
+    """`fn(rank, *args)` on `nprocs` processes forked from a server that imported torch, transformers, PEFT and
+    rayft once (the tests' `fixtures.ranks`): a fresh interpreter per rank, as `mp.spawn` starts, would import
+    them again, seconds each. Raises when any rank fails."""
+    from fixtures.ranks import spawn_ranks
+
+    spawn_ranks(fn, args, nprocs)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import cli, free_port, machine
+from _common import cli, free_port, machine, run_ranks
 
 SIZES = {
     "default": {
@@ -126,7 +125,7 @@ def run(size: str) -> dict:
             }
             out = Path(tmp) / f"k{k}"
             out.mkdir()
-            mp.spawn(_rank, args=(2, free_port(), raw, tokens, str(out)), nprocs=2)
+            run_ranks(_rank, (2, free_port(), raw, tokens, str(out)), 2)
             per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
             report["cases"][f"expert_parallel={k}"] = {
                 "step_s_median_per_rank": [r["step_s_median"] for r in per_rank],

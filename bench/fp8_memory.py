@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import MIB, cli, free_port, machine, reset_peak_rss, rss_kib
+from _common import MIB, cli, free_port, machine, reset_peak_rss, rss_kib, run_ranks
 
 SIZES = {
     # 151M routed-expert parameters (302 MiB in bf16) next to 2 × 33.5M embedding/head parameters
@@ -99,7 +98,7 @@ def measure(raw: dict, vocab: int, mmap_threshold: str | None, world: int = 2) -
         os.environ["MALLOC_MMAP_THRESHOLD_"] = mmap_threshold
     try:
         with tempfile.TemporaryDirectory() as results:
-            mp.spawn(_rank, args=(world, free_port(), raw, vocab, results), nprocs=world)
+            run_ranks(_rank, (world, free_port(), raw, vocab, results), world)
             return [json.loads(Path(results, f"rank{r}.json").read_text()) for r in range(world)]
     finally:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)

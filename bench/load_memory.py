@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import MIB, cli, free_port, machine, reset_peak_rss, rss_kib
+from _common import MIB, cli, free_port, machine, reset_peak_rss, rss_kib, run_ranks
 
 SIZES = {
     # ~520 MB bf16 dense Mistral (131k vocab: embeddings and head dominate, as in the real model)
@@ -69,7 +68,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, results: str) -> None:
 
 def measure(raw: dict, world: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory() as results:
-        mp.spawn(_rank, args=(world, free_port(), raw, results), nprocs=world)
+        run_ranks(_rank, (world, free_port(), raw, results), world)
         return [json.loads(Path(results, f"rank{r}.json").read_text()) for r in range(world)]
 
 

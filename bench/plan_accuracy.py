@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import cli, free_port, machine, reset_peak_rss, rss_kib
+from _common import cli, free_port, machine, reset_peak_rss, rss_kib, run_ranks
 
 SIZES = {
     "default": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "max_length": 1024},
@@ -67,7 +66,7 @@ def run(size_name: str) -> dict:
                 "ray": {"use_gpu": False},
             }
             out = Path(tmp) / "rank0.json"
-            mp.spawn(_rank, args=(2, free_port(), raw, str(out)), nprocs=2)
+            run_ranks(_rank, (2, free_port(), raw, str(out)), 2)
             measured = json.loads(out.read_text())["peak_minus_start_mib"]
             cfg = Config.from_dict(raw)
             plan = plan_memory(cfg, meta_structure(cfg), world_size=2, on_gpu=False)

@@ -162,11 +162,10 @@ def _case_raw(model_dir: Path, base: str, k: int, ac: bool) -> dict:
 
 def _worker_main(args: list[str]) -> None:
     """Child process entry: `--case JSON`; its rayft is whatever PYTHONPATH names."""
-    import torch.multiprocessing as mp
-    from _common import free_port
+    from _common import free_port, run_ranks
 
     spec = json.loads(args[args.index("--case") + 1])
-    mp.spawn(_rank, args=(2, free_port(), spec["raw"], spec["tokens"], spec["out"], spec["chunk"]), nprocs=2)
+    run_ranks(_rank, (2, free_port(), spec["raw"], spec["tokens"], spec["out"], spec["chunk"]), 2)
 
 
 def _summarise(per_rank: list[dict], raw: dict, shape: dict, tokens: int) -> dict:

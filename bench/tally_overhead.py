@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import cli, free_port, machine
+from _common import cli, free_port, machine, run_ranks
 
 SIZES = {
     "default": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "max_length": 256, "blocks": 4},
@@ -121,7 +120,7 @@ def run(size_name: str) -> dict:
             "ray": {"use_gpu": False},
         }
         out = Path(tmp) / "rank0.json"
-        mp.spawn(_rank, args=(2, free_port(), raw, blocks, str(out)), nprocs=2)
+        run_ranks(_rank, (2, free_port(), raw, blocks, str(out)), 2)
         got = json.loads(out.read_text())
     plain, counted = (statistics.median(got["times"][k]) for k in ("plain", "counted"))
     # Mistral-Small-4, 16 micro-batches per step: 36 layers x 2 gathers x 16 + 37 reduce-scatters
