@@ -30,6 +30,7 @@ demo: install
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # tests/integration/test_dashboard.py runs a real Prometheus: present already, or Debian's package (root), or a loud failure.
 prometheus:
