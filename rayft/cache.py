@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 CACHE_ENV = "RAYFT_CACHE_DIR"
 CHUNK = 1 << 20
@@ -46,7 +46,7 @@ def content_key(kind: str, files: Iterable[Path], packages: Iterable[str] = (), 
 
 def read_cached(kind: str, key: str) -> dict[str, Any] | None:
     try:
-        return json.loads((cache_dir() / kind / f"{key}.json").read_text())
+        return cast("dict[str, Any]", json.loads((cache_dir() / kind / f"{key}.json").read_text()))
     except (OSError, ValueError):
         return None
 

@@ -22,7 +22,10 @@ from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, quiet_console, verbose
 
 if typing.TYPE_CHECKING:
+    from rayft.deploy.k8s import Deployment
     from rayft.plan.comm import Cluster
+    from rayft.plan.memory import MemoryPlan
+    from rayft.plan.steptime import LayoutPlan
     from rayft.plan.structure import Structure
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -88,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _job_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """train, validate and eval: a config and overrides each, and their own few flags."""
     for name, help_text in (
         ("train", "fine-tune: joins the Ray cluster of `ray job submit` or starts a local one"),
@@ -120,7 +123,7 @@ def _job_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
             )
 
 
-def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     about = (
         "per-GPU memory plan of the run for one or more cluster sizes, and each layout's bytes moved and step "
         "time (no GPU, no weights needed)"
@@ -173,7 +176,7 @@ def _plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     )
 
 
-def _export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     about = "copy a trained adapter, or merge it into a standalone text-only checkpoint"
     p = sub.add_parser("export", help=about, description=about, parents=[common])
     p.add_argument("--adapter", required=True, help="PEFT adapter dir (output_dir/final or a checkpoint's adapter/)")
@@ -185,7 +188,7 @@ def _export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
     )
 
 
-def _config_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _config_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     config = sub.add_parser("config", help="write a rayft config from other tools' files")
     actions = config.add_subparsers(dest="action", required=True)
     about = (
@@ -225,7 +228,7 @@ def _config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _k8s_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _k8s_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     from rayft.deploy.k8s import Deployment
 
     d = Deployment()
@@ -339,7 +342,7 @@ DEPLOYMENT_FLAGS = {
 }
 
 
-def _deployment_flags(p: argparse.ArgumentParser, d) -> None:
+def _deployment_flags(p: argparse.ArgumentParser, d: Deployment) -> None:
     """One flag per `DEPLOYMENT_FLAGS` field: its type and metavar from the Deployment default's."""
     hints = typing.get_type_hints(type(d))
     for field, text in DEPLOYMENT_FLAGS.items():
@@ -437,7 +440,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     nf4 = cfg.model.frozen_dtype == "nf4"
 
-    def plans(storage: tuple[bool, bool]) -> list:
+    def plans(storage: tuple[bool, bool]) -> list[MemoryPlan]:
         fp8, nf4 = storage
         return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8, nf4=nf4) for n in args.num_nodes]
 
@@ -471,7 +474,12 @@ def _storage_beside(fp8: bool, nf4: bool, fp8_holds_any: bool) -> tuple[bool, bo
 
 
 def _preemption_lines(
-    cfg: Config, s: Structure, cluster: Cluster, layouts: list, storage_gbps: float | None, stored: tuple[str, bool]
+    cfg: Config,
+    s: Structure,
+    cluster: Cluster,
+    layouts: list[LayoutPlan],
+    storage_gbps: float | None,
+    stored: tuple[str, bool],
 ) -> str:
     """What a preemption costs the fastest layout that fits (`rayft.plan.preemption`), and how far an elastic run
     can shrink on `stored` (the GPU, and whether the config keeps the base in FP8)."""
@@ -525,7 +533,7 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     return EXIT_OK
 
 
-def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict], K8sConfig, list[str]]:
+def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typing.Any]], K8sConfig, list[str]]:
     """The manifests `rayft k8s render` writes, the platform settings (the config's plus the flags) they are
     rendered for, and the notes to print beside them."""
     from rayft.deploy import patch, platform
@@ -636,7 +644,7 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def eval_summary(result: dict, adapter: bool) -> str:
+def eval_summary(result: dict[str, typing.Any], adapter: bool) -> str:
     """The result line of `rayft eval`; perplexity is null when the loss is not finite (an empty split) or
     overflows exp()."""
     model = "base + adapter" if adapter else "base model"
@@ -697,15 +705,18 @@ def _held_out(cfg: Config) -> str:
     return f"none (holding out {cfg.data.hold_out:.0%} of the training records for evaluation)"
 
 
-def _memory_verdict(plan, where: str, on_gpu: bool, gpu: str) -> str:
+def _memory_verdict(plan: MemoryPlan, where: str, on_gpu: bool, gpu: str) -> str:
     """A GPU verdict only where the run trains on GPUs: CPU workers (ray.use_gpu: false) hold it in host memory."""
     if not on_gpu:
         return f"{plan.total_gib:.1f} GiB of host memory per CPU worker on {where} (ray.use_gpu: false)"
-    verdict = f"fits {gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= plan.capacity_gib else "OOM"
+    # `gpu` is one of GPUS (the flag's choices): its capacity is known, never None
+    verdict = (
+        f"fits {gpu} ({plan.capacity_gib} GiB)" if plan.total_gib <= typing.cast(float, plan.capacity_gib) else "OOM"
+    )
     return f"{plan.total_gib:.1f} GiB per GPU on {where}: {verdict}"
 
 
-def _storage(s, fp8: bool, torch_dtype: str, nf4: bool = False) -> str:
+def _storage(s: Structure, fp8: bool, torch_dtype: str, nf4: bool = False) -> str:
     """How the frozen base is held, with its bytes (model.frozen_dtype)."""
     if nf4:
         from rayft.model.nf4_format import storage_bytes

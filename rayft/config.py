@@ -604,7 +604,7 @@ class K8sConfig:
     def _api_problems(self) -> list[str]:
         """What the API server (or Kueue, for the queue-name label) would refuse when the manifests are applied."""
         apirules = _apirules()
-        found = (
+        found: list[str] = (
             apirules.labels("k8s.labels", self.labels)
             + apirules.annotation_keys("k8s.annotations", self.annotations)
             + apirules.labels("k8s.node_selector", self.node_selector)
@@ -1244,7 +1244,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(f"{key} must not be null (expected {_type_name(hint)})")
     if dataclasses.is_dataclass(hint):  # a nested group of keys (k8s.node, k8s.rdma)
         if isinstance(value, dict):
-            return _build_section(key, hint, value)
+            return _build_section(key, typing.cast(type, hint), value)
     elif hint is Any:  # Kubernetes objects (tolerations, affinity, volumes): the CRD schema checks them once rendered
         return value
     if hint is bool:

@@ -124,7 +124,7 @@ def convert(
     trl: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     accept_differences: bool = False,
-) -> tuple[dict, list]:
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The rayft config (checked) and notes on what was left out; ConfigError for what cannot be carried over (and,
     unless `accept_differences`, for what rayft would do otherwise than TRL)."""
     acc = _mapping(accelerate)
@@ -280,9 +280,10 @@ def _four_bit(raw: dict[str, dict[str, Any]], effective: dict[str, Any], notes: 
 
 def trl_defaults() -> dict[str, Any]:
     """The installed TRL's defaults of `SFTConfig` and `ModelConfig` fields (enums as their values)."""
-    from trl import ModelConfig, SFTConfig
+    # trl re-exports these lazily; its TYPE_CHECKING import lacks `as`, so mypy sees no explicit export
+    from trl import ModelConfig, SFTConfig  # type: ignore[attr-defined]
 
-    found = {}
+    found: dict[str, Any] = {}
     for cls in (SFTConfig, ModelConfig):
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-TINY_MISTRAL = {
+TINY_MISTRAL: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -62,12 +62,13 @@ def make_tiny_mistral(directory: Path, seed: int = 0, **overrides: int) -> Path:
     torch.manual_seed(seed)
     model = MistralForCausalLM(MistralConfig(vocab_size=131072, **{**TINY_MISTRAL, **overrides}))
     shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a one-shard progress bar is the demo log's first line otherwise
+    # a one-shard progress bar is the demo log's first line otherwise (transformers leaves these two unannotated)
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         model.save_pretrained(str(directory))
     finally:
         if shown:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
     return directory
 
 

@@ -15,8 +15,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayft.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from huggingface_hub import CachedRepoInfo
 
 # `org/name`, as the hub spells repo ids today; anything existing on disk is a path first. (A bare legacy `name` is
 # left to the readers: a relative path that does not exist keeps its "does not exist" error.)
@@ -25,7 +31,7 @@ TRUE = {"1", "ON", "YES", "TRUE"}
 LOCK_TIMEOUT_S = 6 * 3600  # a 100+ GB checkpoint over a slow link; a dead holder's lock is released by the OS
 
 
-def is_hub_name(spec: str | None) -> bool:
+def is_hub_name(spec: str | None) -> TypeGuard[str]:
     """A hub repo id rather than a local path: not on disk, not path-like, `org/name`-shaped."""
     if not spec or _path_like(spec) or Path(spec).expanduser().exists():
         return False
@@ -84,7 +90,9 @@ def check_repo_id(key: str, spec: str | None) -> None:
     """A value shaped like `org/name` that is neither on disk nor a valid hub id (a space, a stray character) is
     refused with the hub's own rule, rather than reported as a path that does not exist."""
     from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
+
+    # re-exported lazily; the package's TYPE_CHECKING import lacks `as`, so mypy sees no explicit export
+    from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]
 
     if not spec or spec.count("/") != 1 or _path_like(spec):
         return
@@ -128,7 +136,9 @@ def _not_cached(key: str, repo_id: str, repo_type: str, revision: str | None, ca
 
     where = f"the Hugging Face cache {cache} (HF_HOME; HF_HUB_OFFLINE is set, nothing is downloaded)"
     try:
-        repos = {(r.repo_type, r.repo_id): r for r in scan_cache_dir(cache).repos}
+        repos: dict[tuple[str, str], CachedRepoInfo] = {
+            (r.repo_type, r.repo_id): r for r in scan_cache_dir(cache).repos
+        }
     except CacheNotFound:
         repos = {}
     repo = repos.get((repo_type, repo_id))

@@ -10,7 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 import ray.train
@@ -26,12 +26,16 @@ from rayft.placement import resolve_use_gpu, wait_for_placement
 from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
-from rayft.train.checkpoint_dir import ADAPTER_DIR, TRAINER_STATE, CheckpointFormatError, check_format
+from rayft.train.checkpoint_dir import ADAPTER_DIR, TRAINER_STATE, check_format
 from rayft.train.job import EvalJob, Job
 from rayft.train.run_settings import check_continuation, finished_run, last_step, run_settings
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
+from rayft.train.safe_dcp import CheckpointFormatError
 from rayft.train.steps import StepPlan, plan_steps
 from rayft.workers import eval_worker, train_worker
+
+if TYPE_CHECKING:
+    from ray.train.base_trainer import GenDataset
 
 log = logging.getLogger("rayft")
 
@@ -74,7 +78,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     finished = _finished(cfg, run, plan.total_steps) if resume_from is None else None
     if finished is not None:
         return finished  # no workers: they would load the model to train nothing
-    splits = {"train": datasets.train}
+    splits: dict[str, GenDataset] = {"train": datasets.train}
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
     best = _best_metric(cfg, plan)
@@ -125,7 +129,7 @@ def _data_config(plan: StepPlan) -> ray.train.DataConfig | None:
 
 def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray.train.RunConfig:
     """Where Ray keeps the run, how many checkpoints (ranked by `best`: metric and order), how often it restarts."""
-    return ray.train.RunConfig(
+    return ray.train.RunConfig(  # type: ignore[call-arg]  # a Ray Train v2 field; mypy reads v1's class
         name=cfg.ray.name,
         storage_path=cfg.storage_path,
         checkpoint_config=ray.train.CheckpointConfig(
@@ -133,7 +137,7 @@ def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray
             checkpoint_score_attribute=best[0] if best else None,
             checkpoint_score_order=best[1] if best else "max",
         ),
-        failure_config=ray.train.FailureConfig(
+        failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]  # a Ray Train v2 field; mypy reads v1's class
             max_failures=cfg.ray.max_failures,
             max_preemption_failures=cfg.ray.max_preemptions,
             preemption_grace_s=cfg.ray.preemption_grace_s,
@@ -234,7 +238,9 @@ def _check_checkpoint(source: str) -> None:
         raise ConfigError(f"train.resume_from_checkpoint: {e}") from None
 
 
-def _install_best(best_checkpoints: list, best: tuple[str, str], final: Path) -> None:
+def _install_best(
+    best_checkpoints: list[tuple[ray.train.Checkpoint, dict[str, Any]]], best: tuple[str, str], final: Path
+) -> None:
     """load_best_model_at_end: output_dir/final becomes the best checkpoint's adapter; output_dir/best keeps a
     copy with that checkpoint's trainer_state.json (which step, which score). Each is built beside its target and
     swapped in whole."""
@@ -282,7 +288,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
         train_loop_config={"job": job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
-        run_config=ray.train.RunConfig(
+        run_config=ray.train.RunConfig(  # type: ignore[call-arg]  # a Ray Train v2 field; mypy reads v1's class
             name=f"{cfg.ray.name}-eval",
             storage_path=cfg.storage_path,
             worker_runtime_env=worker_runtime_env(cfg, use_gpu),
@@ -305,8 +311,9 @@ def join_cluster(cfg: Config) -> bool:
 
 def _scaling(cfg: Config, use_gpu: bool) -> ray.train.ScalingConfig:
     r = cfg.ray
-    return ray.train.ScalingConfig(
-        num_workers=(r.fewest_workers, r.num_workers) if r.elastic else r.num_workers,
+    return ray.train.ScalingConfig(  # type: ignore[call-arg]  # a Ray Train v2 field; mypy reads v1's class
+        # Ray Train v2 takes (min, max) for an elastic run; v1's hint, the one mypy reads, says int
+        num_workers=(r.fewest_workers, r.num_workers) if r.elastic else r.num_workers,  # type: ignore[arg-type]
         use_gpu=use_gpu,
         resources_per_worker=r.resources_per_worker,
         placement_strategy=r.ray_placement_strategy(),
@@ -326,7 +333,8 @@ def startup_summary(
 ) -> str:
     """What the run is about to do, in the job log before the workers start."""
     t, lora = cfg.train, checked.lora
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    # ray.nodes is unannotated in Ray 2.60; its untyped call also fails sum()'s overloads (misc)
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call, misc]
     batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * plan.world_size
     tokens = ("" if cfg.data.packing else "≤ ") + f"{batch * cfg.data.max_length:,}"
     return "\n  ".join(
@@ -464,7 +472,7 @@ def local_port(preferred: int) -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            return cast(int, s.getsockname()[1])
     raise OSError("no free local port")  # binding port 0 fails only when the system has none left
 
 

@@ -35,7 +35,7 @@ def lora_rank_warning(cfg: Config, model: nn.Module) -> str | None:
     too_small: dict[str, int] = {}
     for name, module in model.named_modules():
         base = getattr(module, "base_layer", None)
-        sides = (getattr(base, "in_features", None), getattr(base, "out_features", None))
+        sides: tuple[Any, Any] = (getattr(base, "in_features", None), getattr(base, "out_features", None))
         if None in sides or min(sides) >= cfg.lora.r:
             continue
         too_small.setdefault(name.rsplit(".", 1)[-1], min(sides))

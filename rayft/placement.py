@@ -18,7 +18,7 @@ log = logging.getLogger("rayft")
 
 
 def resolve_use_gpu(ray_cfg: RayConfig) -> bool:
-    gpus = ray.cluster_resources().get("GPU", 0)
+    gpus: float = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]  # unannotated in Ray 2.60
     if ray_cfg.use_gpu is None:
         return gpus > 0
     if ray_cfg.use_gpu and gpus == 0:
@@ -113,7 +113,8 @@ UNBOUNDED_NODES = 100_000
 
 def node_totals() -> list[dict[str, float]]:
     """Each live node's total resources (what it can ever offer, not what is free now)."""
-    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+    # ray.nodes is unannotated in Ray 2.60
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
 
 
 def autoscaler_ceiling() -> list[dict[str, float]] | None:

@@ -17,7 +17,7 @@ import tempfile
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -40,6 +40,8 @@ from rayft.train.run_settings import check_checkpoint_shape, check_continuation,
 from rayft.train.rundir import RunDir
 
 if TYPE_CHECKING:  # resolved on a weightless model when the check runs; PEFT is imported only then
+    from transformers import PreTrainedConfig
+
     from rayft.model.lora import LoraTargets
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class Preflight:
 def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     """Every check, in the order a bad input is cheapest to find; `profile` times the three parts."""
 
-    def timed(name: str) -> AbstractContextManager:
+    def timed(name: str) -> AbstractContextManager[None]:
         return profile.stage(name) if profile is not None else nullcontext()
 
     check_torch()  # everything below builds on it
@@ -108,7 +110,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
-        check_max_length(cfg, model.config.get_text_config())
+        check_max_length(cfg, cast("PreTrainedConfig", model.config).get_text_config())
         said = (
             check_attention(cfg, model),
             lora_rank_warning(cfg, model),
@@ -154,7 +156,7 @@ def _weightless_model(cfg: Config) -> tuple[nn.Module, LoraTargets]:
     return weightless_lora_model(cfg)
 
 
-def _check_expert_parallel(cfg: Config, config) -> None:
+def _check_expert_parallel(cfg: Config, config: Any) -> None:
     """`parallel.expert_parallel` k > 1 against the model: routed experts that split into k groups (ConfigError
     naming the valid k), before any worker starts."""
     from rayft.model.families import num_routed_experts
@@ -267,7 +269,9 @@ def _check_model_type(config_json: Path) -> None:
     import difflib
 
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    # the module's table (with its own additions), left out of its __all__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # type: ignore[attr-defined]
 
     check_json_file(config_json)
     model_type = json.loads(config_json.read_bytes()).get("model_type")
