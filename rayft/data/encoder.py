@@ -4,12 +4,15 @@ the records of a batch, read the same way for every source format."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
 from rayft.config import ModelConfig
 from rayft.data.records import decode_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class RecordEncoder:
@@ -21,13 +24,13 @@ class RecordEncoder:
 
         facts = TokenizerFacts(**tokenizer)
         self.model = ModelConfig(**model)
-        self._chat_tokenizer = None
+        self._chat_tokenizer: PreTrainedTokenizerBase | None = None
         self.encode = rust_encoder(facts.rust_file) if facts.rust_file else self._encode_with_transformers
         self.source_format = source_format
         self.bos = [facts.bos_id] if facts.bos_id is not None else []
         self.eos = [facts.eos_id] if facts.eos_id is not None else []
 
-    def chat_tokenizer(self) -> Any:
+    def chat_tokenizer(self) -> PreTrainedTokenizerBase:
         """The transformers tokenizer, loaded on first need (chat templates, or no tokenizer.json to encode with)."""
         if self._chat_tokenizer is None:
             from rayft.data.tokenizer import load_tokenizer
@@ -36,7 +39,7 @@ class RecordEncoder:
         return self._chat_tokenizer
 
     def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
-        return self.chat_tokenizer()(texts, add_special_tokens=False)["input_ids"]
+        return cast("list[list[int]]", self.chat_tokenizer()(texts, add_special_tokens=False)["input_ids"])
 
     def _records(self, batch: pa.Table) -> Iterator[tuple[Any, str]]:
         """(record, why it is unusable or "") per row: JSON/text sources arrive as `_raw` lines, the rest as rows."""

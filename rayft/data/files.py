@@ -13,7 +13,7 @@ import codecs
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rayft.config import ConfigError
 
@@ -66,7 +66,7 @@ def check_parquet(path: Path, columns: Iterable[str], budget: DecodeBudget) -> i
         ) from None
     try:
         _check_row_groups(parquet, path, [c for c in columns if c in parquet.schema_arrow.names], budget)
-        return parquet.metadata.num_rows
+        return cast(int, parquet.metadata.num_rows)  # pyarrow has no type hints
     finally:
         parquet.close()
 
@@ -163,7 +163,7 @@ def first_lines(path: Path, json_array_ok: bool, n: int) -> list[bytes]:
         if json_array_ok and starts_json_array(f.read(SNIFF_BYTES)):
             return split_lines(path.read_bytes(), json_array_ok)[:n]
         f.seek(0)
-        lines = []
+        lines: list[bytes] = []
         for line in f:
             if len(lines) >= n:
                 break

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,8 @@ from rayft.logs import quiet_ray_data_here
 
 if TYPE_CHECKING:
     import torch
+
+    from rayft.train.reference import ReferenceTable
 
 # torch and transformers are imported where they are used: Ray Data task workers unpickle this module's functions
 # and would otherwise each spend seconds importing both just to split lines.
@@ -129,7 +131,8 @@ def build_datasets(
         # Evaluation reruns many times over a small split: tokenize it once and keep it in the object store.
         if validation is None:
             return None
-        return first_rows(finished(tokenize(validation, (val_src or train_src).format), d), d).materialize()
+        validation_rows = first_rows(finished(tokenize(validation, (val_src or train_src).format), d), d)
+        return cast(ray.data.Dataset, validation_rows.materialize())  # Ray's decorator hides its type
 
     # Both executions mostly wait on their tokenizer actors starting: overlap them.
     with ThreadPoolExecutor(2, thread_name_prefix="rayft-data") as pool:
@@ -269,8 +272,8 @@ def tokenize_in_process(
     actor pipeline batches them; returns the rows the workers iterate and what was counted."""
     encoder, kwargs = record_encoder(source_format, fmt, model, data, tokenizer, max_prompt_length)
     encode = encoder(**kwargs)
-    tokens = [encode(records.slice(i, TOKENIZE_BATCH)) for i in range(0, records.num_rows, TOKENIZE_BATCH)]
-    tokens = pa.concat_tables([t for t in tokens if t.num_rows]) if any(t.num_rows for t in tokens) else None
+    encoded = [encode(records.slice(i, TOKENIZE_BATCH)) for i in range(0, records.num_rows, TOKENIZE_BATCH)]
+    tokens = pa.concat_tables([t for t in encoded if t.num_rows]) if any(t.num_rows for t in encoded) else None
     if tokens is None:
         return pa.table({"input_ids": pa.array([], type=pa.list_(pa.int32()))}), SplitStats(records=0)
     batches = [tokens.slice(i, PACK_BATCH) for i in range(0, tokens.num_rows, PACK_BATCH)]
@@ -284,7 +287,7 @@ def _to_object_store(table: pa.Table) -> ray.data.Dataset:
     `from_blocks`, not `from_arrow`: it reads each block's metadata here rather than in a remote task, whose worker
     process was a second of the driver's start-up."""
     blocks = [table.slice(i, RAW_BLOCK_ROWS) for i in range(0, table.num_rows, RAW_BLOCK_ROWS)] or [table]
-    return ray.data.from_blocks(blocks)
+    return cast(ray.data.Dataset, ray.data.from_blocks(blocks))  # from_blocks has no return type hint
 
 
 def build_eval_dataset(
@@ -337,7 +340,7 @@ def actors_at_start(cfg: Config) -> int:
     """Tokenizer actors to start at once: all of data.tokenize_workers when the cluster has CPUs to spare beyond
     the training workers and the read/pack tasks, else one. Actors started up front hold their CPUs: more than the
     cluster can spare would starve the tasks that feed them (a hang, on a small machine)."""
-    cpus = ray.cluster_resources().get("CPU", 0)
+    cpus = ray.cluster_resources().get("CPU", 0)  # type: ignore[no-untyped-call]  # Ray 2.60 leaves it unannotated
     spare = cpus - cfg.ray.num_workers * (cfg.ray.resources_per_worker or {}).get("CPU", 1)
     return max(1, min(cfg.data.tokenize_workers, int(spare // 3)))
 
@@ -508,11 +511,12 @@ class Tokenize(RecordEncoder):
             else:
                 examples.append((found, specials, 1))
         if self.fmt.join_wikitext_articles and examples:
-            articles = join_wikitext_articles([seg[0][0] for seg, _, _ in examples])
+            # plain text records only (rayft.data.records.record_format): one text segment each
+            articles = join_wikitext_articles([cast(str, seg[0][0]) for seg, _, _ in examples])
             examples = [([(text, True)], True, lines) for text, lines in articles]
         return self._encode(examples, skipped)
 
-    def _encode(self, examples, skipped: list[str]) -> pa.Table:
+    def _encode(self, examples: list[tuple[Segments, bool, int]], skipped: list[str]) -> pa.Table:
         texts = [text for found, _, _ in examples for text, _ in found if isinstance(text, str)]
         encoded = iter(self.encode(texts)) if texts else iter(())
         ids_out, masks_out, skip_out, truncated_out, records_out = [], [], [], [], []
@@ -618,7 +622,7 @@ class PadCollate(NumpyBatchCollateFn):
     def __init__(self, pad_id: int, multiple: int = 1, max_length: int | None = None):
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:  # type: ignore[override]  # as PreferenceCollate's
         import torch
 
         seqs = batch["input_ids"]
@@ -643,7 +647,7 @@ class PackedCollate(NumpyBatchCollateFn):
     flash-attention uses them as variable-length boundaries), and the first token of each example is never a
     target of the previous example's last one."""
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:  # type: ignore[override]  # as PreferenceCollate's
         import torch
 
         input_ids = np.concatenate([np.asarray(b) for b in batch["input_ids"]])
@@ -662,12 +666,12 @@ class AsRead(NumpyBatchCollateFn):
     """No collation: the batches as the pipeline reads them, for a reader that keeps only some and collates those
     itself."""
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # type: ignore[override]  # as PreferenceCollate's
         return batch
 
 
 def collate_fn(
-    data: DataConfig, pad_id: int, pairs: bool = False, reference=None, keys: bool = False
+    data: DataConfig, pad_id: int, pairs: bool = False, reference: ReferenceTable | None = None, keys: bool = False
 ) -> NumpyBatchCollateFn:
     """The worker's batches: padding-free packed blocks, padded examples, or (`pairs`) padded preference pairs,
     with their keys (`keys`) or their precomputed reference log-probs (a `reference` table)."""

@@ -15,7 +15,7 @@ import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,11 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 from rayft.data.chat import ChatRefused, chat_tokens
 from rayft.data.encoder import RecordEncoder
 from rayft.data.records import _is_chat
+
+if TYPE_CHECKING:
+    import torch
+
+    from rayft.train.reference import ReferenceTable
 
 IGNORE_INDEX = -100
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_length")
@@ -171,7 +176,7 @@ class PreferenceTokenize(RecordEncoder):
             chat.append(bool(record) and not isinstance(record.get("chosen"), str))
         flat = [t for f in texts if f and isinstance(f[0], str) for t in (f[0], f[0] + f[1], f[0] + f[2])]
         encoded = iter(self.encode(flat)) if flat else iter(())
-        rows = []
+        rows: list[tuple[Pair | None, str, bool]] = []
         for found, reason, is_chat in zip(texts, reasons, chat, strict=True):
             if found is None:
                 rows.append((None, reason, False))
@@ -206,13 +211,20 @@ class PreferenceCollate(NumpyBatchCollateFn):
     lacks the pair) and how many pairs it lacks (`reference_missing`)."""
 
     def __init__(
-        self, pad_id: int, multiple: int = 1, max_length: int | None = None, reference=None, keys: bool = False
+        self,
+        pad_id: int,
+        multiple: int = 1,
+        max_length: int | None = None,
+        reference: ReferenceTable | None = None,
+        keys: bool = False,
     ):
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
         self.reference = reference  # rayft.train.reference.ReferenceTable
         self.keys = keys or reference is not None
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    # Ray 2.60 hints the return as an unbound TypeVar (CollatedData), which no override can match; Ray's docs
+    # return dicts of tensors
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:  # type: ignore[override]
         import torch
 
         seqs = [np.asarray(s) for s in (*batch["chosen_ids"], *batch["rejected_ids"])]

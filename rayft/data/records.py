@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from rayft.config import ConfigError, DataConfig, template_fields
 from rayft.data.chat import ChatRefused, chat_tokens
@@ -183,7 +183,7 @@ def _prompt_completion(record: dict[str, Any], fmt: RecordFormat) -> tuple[Segme
     completion = record.get(fmt.completion_field)
     if fmt.prompt_template is not None:
         try:
-            prompt = fmt.prompt_template.format(**record)
+            prompt: object = fmt.prompt_template.format(**record)
         except (KeyError, IndexError):
             return None, True, "missing_field"
     else:
@@ -197,7 +197,7 @@ def _prompt_completion(record: dict[str, Any], fmt: RecordFormat) -> tuple[Segme
     return [(prompt, False), (completion, True)], True, ""
 
 
-def _is_chat(value: Any) -> bool:
+def _is_chat(value: Any) -> TypeGuard[list[dict[str, Any]]]:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from rayft.config import Config, ConfigError
 from rayft.data.records import SKIPS, RecordFormat, chat_conversation, decode_line, kind_of_record
@@ -58,9 +58,9 @@ class SampleReport:
     checked: int = 0
     whole: bool = True  # every record of the split was checked
     kept: int = 0
-    counts: Counter = field(default_factory=Counter)  # skip reason or NO_SIGNAL → records
+    counts: Counter[str] = field(default_factory=Counter)  # skip reason or NO_SIGNAL → records
     first: dict[str, tuple[str, int]] = field(default_factory=dict)  # same keys → (file, index)
-    kinds: Counter = field(default_factory=Counter)  # record kind → records
+    kinds: Counter[str] = field(default_factory=Counter)  # record kind → records
     first_of_kind: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     @property
@@ -175,7 +175,7 @@ def _trains(row: dict[str, Any], record: Any, fmt: RecordFormat) -> bool:
     """Whether a kept record carries a training signal: a preference pair whose two sides differ; a chat with an
     assistant reply to learn (its end-of-turn token alone teaches the model to say nothing)."""
     if fmt.kind == "preference":
-        return row["chosen_ids"] != row["rejected_ids"]
+        return cast(bool, row["chosen_ids"] != row["rejected_ids"])  # two lists of ids
     conversation = chat_conversation(record, fmt)
     if conversation is None:
         return True

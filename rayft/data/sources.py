@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rayft.config import DEFAULT_VAL_SPLIT, ConfigError, DataConfig
 from rayft.data.files import (
@@ -91,7 +91,8 @@ class SplitSource:
         if self.format == "hf":
             count = min(n, len(self.dataset))
             return self.dataset.with_format("arrow")[0:count], [(self.what, i) for i in range(count)]
-        tables, where = [], []
+        tables: list[pa.Table] = []
+        where: list[tuple[str, int]] = []
         for path in self.paths:
             table = _head_of_file(Path(path), self.format, n - len(where))
             tables.append(table)
@@ -222,12 +223,13 @@ def _as_split(what: str, paths: list[Path]) -> SplitSource:
     if None in formats:
         odd = sorted({p.suffix or p.name for p in paths if p.suffix not in FORMATS})
         raise ConfigError(f"{what}: unsupported file type(s) {', '.join(odd)}; use {', '.join(FORMATS)}")
-    if len(formats) > 1:
-        raise ConfigError(f"{what}: mixes file types ({', '.join(sorted(formats))}); keep one format per split")
+    known = cast("set[str]", formats)  # None is ruled out above
+    if len(known) > 1:
+        raise ConfigError(f"{what}: mixes file types ({', '.join(sorted(known))}); keep one format per split")
     empty = [str(p) for p in paths if p.stat().st_size == 0]
     if empty:
         raise ConfigError(f"{what}: empty file(s): {', '.join(empty)}")
-    return SplitSource(what=what, format=formats.pop(), paths=tuple(str(p.resolve()) for p in paths))
+    return SplitSource(what=what, format=known.pop(), paths=tuple(str(p.resolve()) for p in paths))
 
 
 def _saved_splits(root: Path, data: DataConfig) -> tuple[SplitSource, SplitSource | None]:

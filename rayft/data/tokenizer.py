@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rayft.config import ModelConfig
 
@@ -54,7 +54,7 @@ def load_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
             continue
         token = None
         if ids.get(role) is not None:
-            token = tok.convert_ids_to_tokens(ids[role])
+            token = tok.convert_ids_to_tokens(cast(int, ids[role]))  # not None: checked above
         elif MISTRAL_SPECIALS[role] in vocab:
             token = MISTRAL_SPECIALS[role]
         if token is not None:

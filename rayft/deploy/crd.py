@@ -14,7 +14,7 @@ import gzip
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -112,12 +112,13 @@ def validate(doc: Any, operator: Operator | None = None, directory: Path | None 
         return ["not a mapping"]
     from rayft.deploy import budget, monitoring
 
-    own = {**monitoring.SCHEMAS, **budget.SCHEMAS}.get((doc.get("apiVersion"), doc.get("kind")))
+    api_kind: tuple[Any, Any] = (doc.get("apiVersion"), doc.get("kind"))  # from the manifest: either may be missing
+    own = {**monitoring.SCHEMAS, **budget.SCHEMAS}.get(api_kind)
     if own is not None:  # PodMonitor, ConfigMap, PodDisruptionBudget: rayft's own shape check, no CRD
         errors = sorted(Draft7Validator(own).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
         return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
     operator = operator or Operator()
-    schema = schemas(directory or crd_dir(operator)).get((doc.get("apiVersion"), doc.get("kind")))
+    schema = schemas(directory or crd_dir(operator)).get(api_kind)
     if schema is None:
         return [f"unknown apiVersion/kind {doc.get('apiVersion')}/{doc.get('kind')} (no CRD for it in {operator})"]
     problems = [
@@ -198,10 +199,10 @@ def _rayjob_rules(spec: dict[str, Any], operator: Operator) -> list[str]:
 
 def _cluster_rules(spec: dict[str, Any], at: str) -> list[str]:
     workers = spec.get("workerGroupSpecs", [])
-    groups = [(f"{at}.headGroupSpec", spec["headGroupSpec"], None)]
+    groups: list[tuple[str, dict[str, Any], str | None]] = [(f"{at}.headGroupSpec", spec["headGroupSpec"], None)]
     groups += [(f"{at}.workerGroupSpecs[{i}]", g, g.get("groupName")) for i, g in enumerate(workers)]
     problems = []
-    names = [name for _, _, name in groups[1:]]
+    names = cast("list[str]", [name for _, _, name in groups[1:]])  # workers': the CRD schema requires groupName
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{at}.workerGroupSpecs: group name '{name}' is used more than once")
     for where, group, _ in groups:

@@ -521,6 +521,6 @@ class _PlainDumper(yaml.SafeDumper):
         return True
 
 
-def to_yaml(doc: dict) -> str:
+def to_yaml(doc: dict[str, Any]) -> str:
     """A manifest as block-style YAML in the order it was built, wrapped at 120 columns."""
     return yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False, width=120)

@@ -65,14 +65,14 @@ def strategic_merge(base: Any, patch: Any) -> Any:
     if isinstance(base, list) and isinstance(patch, list):
         key = _merge_key(base + patch)
         if key is not None:
-            out = list(base)
+            merged = list(base)
             for item in patch:
-                at = next((i for i, b in enumerate(out) if b.get(key) == item.get(key)), None)
+                at = next((i for i, b in enumerate(merged) if b.get(key) == item.get(key)), None)
                 if at is None:
-                    out.append(copy.deepcopy(item))
+                    merged.append(copy.deepcopy(item))
                 else:
-                    out[at] = strategic_merge(out[at], item)
-            return out
+                    merged[at] = strategic_merge(merged[at], item)
+            return merged
     return copy.deepcopy(patch)
 
 

@@ -32,6 +32,7 @@ again (`rayft.parallel.alltoall.checkpoint_context`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from rayft.config import Config
 from rayft.gpus import GPUS
@@ -158,7 +159,7 @@ def _all_to_all(cfg: Config, s: Structure, tokens: int, c: int) -> list[tuple[st
     and combine keep for the backward. Each exchange moves a row per (token, expert) pair: the dispatch receives
     s · top_k rows under uniform routing, the combine exactly its own s · top_k back."""
     exchange = tokens * s.top_k * s.hidden * c
-    rows = [("token all-to-all buffers (send + receive)", 2 * exchange)]
+    rows: list[tuple[str, float]] = [("token all-to-all buffers (send + receive)", 2 * exchange)]
     if cfg.recomputes_activations:
         rows.append(
             (f"all-to-all outputs kept for backward ({s.moe_layers} MoE layers x 2)", s.moe_layers * 2 * exchange)
@@ -218,7 +219,8 @@ def format_plans(
         label = f"  with {other[0].frozen} base"
         lines.append(label.ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in other))
     if plans[0].capacity_gib:
-        verdicts = "".join(f"{'fits' if p.total_gib <= p.capacity_gib else 'OOM':>10}" for p in plans)
+        # every plan is for plans[0]'s GPU, so each has its capacity
+        verdicts = "".join(f"{'fits' if p.total_gib <= cast(float, p.capacity_gib) else 'OOM':>10}" for p in plans)
         lines.append(f"on {plans[0].gpu} ({plans[0].capacity_gib} GiB)".ljust(width) + verdicts)
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 from rayft.config import Config, ConfigError
 from rayft.gpus import GPUS
@@ -66,7 +67,7 @@ class Hardware:
     @property
     def intra_bytes_per_s(self) -> float:
         """What one GPU receives per second over NVLink: half the bidirectional GB/s figure."""
-        return self.intra_gbytes * 1e9 / 2
+        return cast(float, self.intra_gbytes) * 1e9 / 2  # set by __post_init__
 
 
 @dataclass(frozen=True)

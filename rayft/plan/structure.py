@@ -6,12 +6,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from rayft.config import Config
 from rayft.model.fp8_format import EXPERT_WEIGHTS, storage_block, weight_block
 from rayft.model.frozen import frozen_matrices
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class Structure:
         return self.lora - self.layers_lora
 
 
-def structure(model: nn.Module, config) -> Structure:
+def structure(model: PeftModel, config: Any) -> Structure:
     """Parameter counts of a (meta) PEFT model with its decoder layers."""
     from rayft.model.build import decoder_layers
     from rayft.model.flops import flop_model
@@ -126,7 +131,7 @@ def expert_stacks(layer: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def meta_structure(cfg: Config, config=None) -> Structure:
+def meta_structure(cfg: Config, config: PretrainedConfig | None = None) -> Structure:
     """Structure of the weightless LoRA model (from `config`, or the config of model.model_name_or_path)."""
     from rayft.model.build import weightless_lora_model
 
