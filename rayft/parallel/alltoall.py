@@ -13,24 +13,34 @@ exchange, and no tally, is repeated in backward. The op's implementation is the 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+# torch imports it from torch._C._distributed_c10d without listing it among its exports
+from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from rayft.parallel.tally import TALLY
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.distributed.distributed_c10d import GroupName
+    from torch.utils.checkpoint import SelectiveCheckpointContext
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Rows `x` (`in_splits[r]` of them for rank r, in rank order) sent out; the rows received, `out_splits[r]`
     from rank r, in rank order. Differentiable in `x`."""
-    return torch.ops.rayft.all_to_all(x, out_splits, in_splits, group.group_name)
+    return cast(torch.Tensor, torch.ops.rayft.all_to_all(x, out_splits, in_splits, group.group_name))
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Equal chunks of an integer vector to every rank of `group` (chunk r to rank r), no autograd: the split sizes
     every rank needs before the rows can move."""
-    return torch.ops.rayft.all_to_all_counts(counts, group.group_name)
+    return cast(torch.Tensor, torch.ops.rayft.all_to_all_counts(counts, group.group_name))
 
 
 def _tally(received: torch.Tensor, out_splits: list[int], group: dist.ProcessGroup) -> None:
@@ -44,7 +54,7 @@ def _tally(received: torch.Tensor, out_splits: list[int], group: dist.ProcessGro
 
 @torch.library.custom_op("rayft::all_to_all", mutates_args=())
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
+    group = _resolve_process_group(cast("GroupName", group_name))
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     _tally(out, out_splits, group)
@@ -56,11 +66,11 @@ def _(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: 
     return x.new_empty((sum(out_splits), *x.shape[1:]))
 
 
-def _setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+def _setup(ctx: Any, inputs: tuple[torch.Tensor, list[int], list[int], str], output: torch.Tensor) -> None:
     _, ctx.out_splits, ctx.in_splits, ctx.group_name = inputs
 
 
-def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
     return torch.ops.rayft.all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group_name), None, None, None
 
 
@@ -69,7 +79,7 @@ _all_to_all.register_autograd(_backward, setup_context=_setup)
 
 @torch.library.custom_op("rayft::all_to_all_counts", mutates_args=())
 def _all_to_all_counts(counts: torch.Tensor, group_name: str) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
+    group = _resolve_process_group(cast("GroupName", group_name))
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts.contiguous(), group=group)
     ranks = dist.get_world_size(group)
@@ -85,10 +95,13 @@ def _(counts: torch.Tensor, group_name: str) -> torch.Tensor:
 SAVED = (torch.ops.rayft.all_to_all.default, torch.ops.rayft.all_to_all_counts.default)
 
 
-def _save_exchanges(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _save_exchanges(ctx: SelectiveCheckpointContext, op: OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_context():
+def checkpoint_context() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """`context_fn` for `torch.utils.checkpoint.checkpoint`: keep the exchanges' outputs, recompute the rest."""
-    return create_selective_checkpoint_contexts(_save_exchanges)
+    # torch leaves create_selective_checkpoint_contexts unannotated; it returns two TorchDispatchModes.
+    contexts: tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
+    contexts = create_selective_checkpoint_contexts(_save_exchanges)  # type: ignore[no-untyped-call]
+    return contexts

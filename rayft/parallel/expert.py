@@ -28,8 +28,9 @@ run resumes with another k and the adapter file is the same either way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,9 @@ class ExpertParallel:
         """Global index of this worker's first expert."""
         return self.rank * self.local
 
-    def route(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, experts: nn.Module):
+    def route(
+        self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, experts: nn.Module
+    ) -> torch.Tensor:
         """The routed experts' output for `hidden` [T, H] with the router's top-k `index`/`weights` [T, K]."""
         tokens, top_k = index.shape
         pairs = index.reshape(-1)
@@ -98,7 +101,7 @@ class ExpertParallel:
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
             ids = ids.new_full((1,), self.local - 1)
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        return experts(rows, ids.unsqueeze(-1), ones)[:n]
+        return cast(torch.Tensor, experts(rows, ids.unsqueeze(-1), ones))[:n]
 
     # -- gradients -------------------------------------------------------------------------------------------
 
@@ -110,7 +113,7 @@ class ExpertParallel:
         for p in experts:  # an expert no token reached still takes its (zero) gradient, as with k = 1
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in experts]
+        grads = cast(list[torch.Tensor], [p.grad for p in experts])  # each one set above
         if grads:
             torch._foreach_div_(grads, dist.get_world_size())
             if self.dp_group is not None:
@@ -133,7 +136,8 @@ class ExpertParallel:
         dist.all_reduce(flat, group=self.dp_group)
         w = dist.get_world_size(self.dp_group)
         TALLY.add("all_reduce", flat.numel() * flat.element_size() * 2 * (w - 1) // w, self.dp_group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        # torch leaves Tensor.split unannotated
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):  # type: ignore[no-untyped-call]
             g.copy_(part.view_as(g))
 
     # -- the expert LoRA in PEFT's layout: checkpoints and the adapter -----------------------------------------
@@ -167,18 +171,18 @@ class ExpertParallel:
         placements = (Replicate(), Shard(0))
         return DTensor.from_local(rows.contiguous(), self.mesh, placements, shape=whole.shape, stride=whole.stride())
 
-    def to_checkpoint(self, state: dict) -> None:
+    def to_checkpoint(self, state: dict[str, Any]) -> None:
         """Replace, in a `_training_state` dict, the local expert LoRA tensors (and their optimizer moments) with
         their `sharded` form."""
         for name, tensor, put in self._expert_entries(state):
             put(self.sharded(name, tensor))
 
-    def from_checkpoint(self, state: dict) -> None:
+    def from_checkpoint(self, state: dict[str, Any]) -> None:
         """The inverse of `to_checkpoint` after DCP has filled the sharded tensors."""
         for name, tensor, put in self._expert_entries(state):
             put(self.local_part(name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor))
 
-    def _expert_entries(self, state: dict):
+    def _expert_entries(self, state: dict[str, Any]) -> list[tuple[str, torch.Tensor, Callable[[torch.Tensor], None]]]:
         """(name, tensor, setter) for every expert LoRA tensor of the model and optimizer state."""
         entries = []
         model, optim = state.get("model", {}), state.get("optim", {}).get("state", {})
@@ -205,8 +209,8 @@ class ExpertParallel:
         return {**full_state, **whole} if full_state else {}
 
 
-def _setter(mapping: dict, key: str):
-    def put(value):
+def _setter(mapping: dict[str, Any], key: str) -> Callable[[torch.Tensor], None]:
+    def put(value: torch.Tensor) -> None:
         mapping[key] = value
 
     return put
@@ -227,7 +231,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """Every parameter (frozen and LoRA) of the routed experts: each worker's own, never FSDP's."""
-    return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
+    return [p for moe in moe_layers(model) for p in cast(nn.Module, moe.experts).parameters()]
 
 
 def check_experts(k: int, num_experts: int, world: int) -> None:
@@ -239,7 +243,7 @@ def check_experts(k: int, num_experts: int, world: int) -> None:
     raise ConfigError(f"parallel.expert_parallel {k} does not divide the model's {what}; valid: {valid}")
 
 
-def expert_parallel(dims: ParallelDims, config) -> ExpertParallel:
+def expert_parallel(dims: ParallelDims, config: Any) -> ExpertParallel:
     """The (dp, ep) mesh and this worker's groups of the layout `dims`; raises ConfigError when its k does not fit
     the model. Each ep-group lies within one node whenever k divides its workers (`ParallelDims.expert_mesh`)."""
     k = dims.experts
@@ -264,6 +268,7 @@ class ExpertParallelMoE(nn.Module):
 
     ep: ExpertParallel
     family: MoeBlock
+    experts: nn.Module  # the block's own routed experts
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         family, shape = self.family, hidden_states.shape
@@ -291,26 +296,29 @@ def split_experts_(model: nn.Module, ep: ExpertParallel) -> int:
         )
     blocks = moe_layers(model)
     for moe in blocks:
-        _cut_experts_(moe.experts, ep)
+        _cut_experts_(cast(nn.Module, moe.experts), ep)
         cls = type(moe)
         moe.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMoE, cls), {"family": block_of(moe)})
-        moe.ep = ep
+        cast(ExpertParallelMoE, moe).ep = ep
     return len(blocks)
 
 
 def _cut_experts_(experts: nn.Module, ep: ExpertParallel) -> None:
     """Keep E/k experts: every [E, ...] parameter of the base experts module, and each PEFT expert-LoRA wrapper's
     factors ([E·r, in] and [out, E·r]) and expert count. Meta tensors: nothing is allocated or drawn."""
-    wrappers, base = [], experts
+    wrappers: list[Any] = []  # PEFT's ParamWrappers: their factors sit in ModuleDicts, typed as plain modules
+    base = experts
     while hasattr(base, "base_layer"):
         wrappers.append(base)
-        base = base.base_layer
+        base = cast(nn.Module, base.base_layer)
     for name, param in list(base.named_parameters(recurse=False)):
         if param.shape and param.shape[0] == ep.num_experts:
             local = torch.empty((ep.local, *param.shape[1:]), dtype=param.dtype, device="meta")
             setattr(base, name, nn.Parameter(local, requires_grad=param.requires_grad))
-    base.num_experts = ep.local
-    base.ep_rows = (ep.first, ep.local, ep.num_experts)  # the rows of the checkpoint's [E, ...] tensors it reads
+    # Plain attributes: the ignores because nn.Module.__setattr__'s hint names only tensors and modules.
+    base.num_experts = ep.local  # type: ignore[assignment]
+    # the rows of the checkpoint's [E, ...] tensors it reads
+    base.ep_rows = (ep.first, ep.local, ep.num_experts)  # type: ignore[assignment]
     for wrapper in wrappers:
         wrapper.num_experts = ep.local
         for adapter in list(wrapper.lora_A):

@@ -12,7 +12,7 @@ that moves kilobytes to gigabytes. The wrappers keep FSDP2's own communication (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,12 @@ class CountedAllGather(AllGather):
     def __init__(self, inner: AllGather | None = None) -> None:
         self.inner = inner or DefaultAllGather()
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         ranks = group.size()
         TALLY.add("all_gather", _nbytes(output_tensor) * (ranks - 1) // ranks, group)
         return self.inner(output_tensor, input_tensor, group, async_op)
@@ -46,10 +48,17 @@ class CountedReduceScatter(ReduceScatter):
     def __init__(self, inner: ReduceScatter | None = None) -> None:
         self.inner = inner or DefaultReduceScatter()
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         ranks = group.size()
         TALLY.add("reduce_scatter", _nbytes(input_tensor) * (ranks - 1) // ranks, group)
         return self.inner(output_tensor, input_tensor, group, op, async_op)
@@ -77,7 +86,7 @@ def _replica_group(model: nn.Module) -> dist.ProcessGroup | None:
     return param.device_mesh.get_group(0)
 
 
-def _all_reduce_counter(group: dist.ProcessGroup):
+def _all_reduce_counter(group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:
     replicas = group.size()
 
     def counted(reduce_output: torch.Tensor) -> None:

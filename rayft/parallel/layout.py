@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -64,7 +65,7 @@ class ParallelDims:
             TALLY.learn(group, ranks, self.topology)
             if dist.get_rank() in ranks:
                 mine = group
-        return mine
+        return cast(dist.ProcessGroup, mine)  # every rank is in one of the groups
 
     def _mesh(self, size: int, names: tuple[str, str]) -> DeviceMesh:
         """Rows of `size` consecutive node-ordered ranks; each dimension's group told to the tally."""
@@ -80,7 +81,7 @@ def parallel_dims(cfg: Config, device_type: str, placed: Topology | None = None)
     parallelism the rest is sharded over each node's workers (`rayft.parallel.expert` says why)."""
     placed = placed or topology.gather()
     world = len(placed.node_ids)
-    TALLY.learn(dist.group.WORLD, list(range(world)), placed)
+    TALLY.learn(cast(dist.ProcessGroup, dist.group.WORLD), list(range(world)), placed)  # set: `gather` ran on it
     k = cfg.parallel.expert_groups()
     shard = cfg.ray.workers_per_node if k > 1 else cfg.fsdp.shard_group(world)
     return ParallelDims(placed, shard, k, device_type)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import peft
 import torch
@@ -30,6 +31,9 @@ from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params
 from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.torch_compat import allow_integer_parameters, check_torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger("rayft")
 
 
@@ -42,6 +46,7 @@ def build_model(
     check_torch()  # a worker's torch is its node image's, which the driver's validation never saw
     sharded = cfg.model.load_mode == "sharded"
     dims = dims or parallel_dims(cfg, "cuda" if on_gpu else "cpu")
+    model: PreTrainedModel | peft.PeftModel  # the base model, then PEFT's around it
     model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
     # k > 1: the layout's meshes and groups; k = 1: FSDP over every expert, as without the setting.
     # `split_experts_` cuts the model to this worker's experts once LoRA is on.
@@ -80,7 +85,7 @@ def build_model(
     return model
 
 
-def quantize_frozen_base_(cfg: Config, model: nn.Module, fp8: bool) -> None:
+def quantize_frozen_base_(cfg: Config, model: PreTrainedModel, fp8: bool) -> None:
     """The decoder's frozen matrices in the storage `model.frozen_dtype` asks for: FP8 (a block-wise checkpoint's
     scales kept as they are) or NF4; otherwise left as loaded."""
     if fp8:
@@ -166,16 +171,17 @@ def apply_fsdp(
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     if not any(p.requires_grad for p in model.parameters() if id(p) not in in_layers):
         # Frozen embeddings + LM head never change: gathered once, not again for every micro-batch.
-        model.set_reshard_after_backward(False, recurse=False)
-    for i, layer in enumerate(layers):
+        cast(FSDPModule, model).set_reshard_after_backward(False, recurse=False)
+    units = cast(list[FSDPModule], layers)  # the layers as fully_shard left them
+    for i, unit in enumerate(units):
         if fsdp.forward_prefetch:
-            ahead = layers[i + 1 : i + 1 + fsdp.forward_prefetch]
+            ahead = units[i + 1 : i + 1 + fsdp.forward_prefetch]
             if ahead:
-                layer.set_modules_to_forward_prefetch(ahead)
+                unit.set_modules_to_forward_prefetch(ahead)
         if fsdp.backward_prefetch:
-            behind = layers[max(0, i - fsdp.backward_prefetch) : i][::-1]
+            behind = units[max(0, i - fsdp.backward_prefetch) : i][::-1]
             if behind:
-                layer.set_modules_to_backward_prefetch(behind)
+                unit.set_modules_to_backward_prefetch(behind)
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -192,4 +198,4 @@ def set_gradient_sync(model: FSDPModule, sync: bool, kept_layers: list[nn.Module
     step: one gather per step instead of one per micro-batch."""
     model.set_requires_gradient_sync(sync)
     for layer in kept_layers:
-        layer.set_reshard_after_backward(sync, recurse=False)
+        cast(FSDPModule, layer).set_reshard_after_backward(sync, recurse=False)  # an FSDP unit since `apply_fsdp`

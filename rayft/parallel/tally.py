@@ -18,6 +18,7 @@ within one node moves nothing over the network.
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 import torch.distributed as dist
 
@@ -43,7 +44,9 @@ class CollectiveTally:
         self._spans[group] = (len(ranks), topology.nodes_spanned(ranks))
         self._remote[group] = tuple(topology.node_ids[r] != here for r in ranks)
 
-    def add(self, kind: str, nbytes: int, group: dist.ProcessGroup | None = None, inter_node: int | None = None):
+    def add(
+        self, kind: str, nbytes: int, group: dist.ProcessGroup | None = None, inter_node: int | None = None
+    ) -> None:
         """`nbytes` received by a collective of `kind` on `group` (None: every rank); `inter_node`: how many of
         them came over the network, when counted rather than modelled (the all-to-all's rows)."""
         if kind not in KINDS:
@@ -56,7 +59,7 @@ class CollectiveTally:
 
     def spans(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
         """(ranks, nodes) of a process group (None: every rank)."""
-        group = group or dist.group.WORLD
+        group = group or cast(dist.ProcessGroup, dist.group.WORLD)  # set: a collective ran on it
         if group not in self._spans:
             self._learn_unplaced(group)
         return self._spans[group]

@@ -58,10 +58,11 @@ def allow_integer_parameters() -> None:
 
     if getattr(FSDPParam, "_rayft_integer_parameters", False):
         return
-    FSDPParam._init_sharded_param = _frozen_if_integer(FSDPParam._init_sharded_param)
-    FSDPParam.to_sharded_post_forward = _frozen_if_integer(FSDPParam.to_sharded_post_forward)
-    FSDPParam.init_dtype_attrs = _never_cast_integers(FSDPParam.init_dtype_attrs)
-    FSDPParam._rayft_integer_parameters = True
+    # A deliberate patch of torch's class (its methods replaced, a mark of rayft's own set), which mypy refuses.
+    FSDPParam._init_sharded_param = _frozen_if_integer(FSDPParam._init_sharded_param)  # type: ignore[method-assign]
+    FSDPParam.to_sharded_post_forward = _frozen_if_integer(FSDPParam.to_sharded_post_forward)  # type: ignore[method-assign]
+    FSDPParam.init_dtype_attrs = _never_cast_integers(FSDPParam.init_dtype_attrs)  # type: ignore[method-assign]
+    FSDPParam._rayft_integer_parameters = True  # type: ignore[attr-defined]
 
 
 @contextmanager
@@ -76,11 +77,12 @@ def _integer_parameters_frozen() -> Iterator[None]:
             requires_grad = False
         return original(cls, data, requires_grad)
 
-    nn.Parameter.__new__ = staticmethod(new)
+    # A deliberate patch of torch's class, which mypy refuses (and torch types `__new__` as Tensor's generic one).
+    nn.Parameter.__new__ = staticmethod(new)  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        nn.Parameter.__new__ = saved
+        nn.Parameter.__new__ = saved  # type: ignore[method-assign]
 
 
 def _frozen_if_integer(method: Callable[..., Any]) -> Callable[..., Any]:
