@@ -12,7 +12,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import peft
@@ -49,6 +49,10 @@ from rayft.train.runtime import Runtime
 from rayft.train.spool import checkpoint_spool
 from rayft.train.steps import StepPlan
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
+    from torch.optim.lr_scheduler import LRScheduler
+
 log = logging.getLogger("rayft")
 
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
@@ -58,7 +62,7 @@ def save_checkpoint(
     directory: Path,
     model: peft.PeftModel,
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    scheduler: LRScheduler,
     progress: Progress,
     metrics: dict[str, Any],
     run_id: str | None = None,
@@ -70,7 +74,8 @@ def save_checkpoint(
         ep.to_checkpoint(state)
     tensors, document = safe_dcp.split(state)
     tensors[DOCUMENT] = {f"rank{dist.get_rank()}": safe_dcp.to_tensor(document)}
-    dcp.save(tensors, checkpoint_id=str(directory / STATE_DIR))
+    # dcp.save is public: torch re-exports it without an __all__, which strict mypy does not count as an export
+    dcp.save(tensors, checkpoint_id=str(directory / STATE_DIR))  # type: ignore[attr-defined]
     save_adapter(model, directory / ADAPTER_DIR)
     if dist.get_rank() == 0:
         trainer_state = {**asdict(progress), "metrics": metrics, "run_id": run_id}
@@ -78,7 +83,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    directory: Path, model: peft.PeftModel, optimizer: torch.optim.Optimizer, scheduler: Any
+    directory: Path, model: peft.PeftModel, optimizer: torch.optim.Optimizer, scheduler: LRScheduler
 ) -> Progress:
     """Collective: each rank reads the shards it owns back into the sharded model and optimizer.
 
@@ -108,7 +113,9 @@ def load_checkpoint(
     return progress
 
 
-def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str, Any]:
+def _training_state(
+    model: peft.PeftModel, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, progress: Progress
+) -> dict[str, Any]:
     """What DCP writes and reads back. RNG states differ per rank, so each rank has its own key."""
     return {
         "model": get_model_state_dict(model, options=_TRAINABLE),
@@ -121,7 +128,8 @@ def _training_state(model, optimizer, scheduler, progress: Progress) -> dict[str
 
 def _rng_state() -> dict[str, Any]:
     """Every generator a step can draw from: LoRA dropout (torch, per device) and anything in Python/NumPy."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy tuple (numpy's hint for the default `legacy=True` also allows the dict of `legacy=False`)
+    name, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -143,8 +151,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
     """Collective: gather every shard of every LoRA tensor (never the frozen base) and write PEFT format."""
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    full = cast(  # the trainable parameters: tensors
+        dict[str, torch.Tensor],
+        get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        ),
     )
     if (ep := expert_parallel_of(model)) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
         full = ep.gather_adapter(model, full)
@@ -179,7 +190,7 @@ def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
     ours = model.state_dict()
     places = adapter_file_keys(model)
     ep = expert_parallel_of(model)
-    state = {}
+    state: dict[str, ValueType] = {}
     for key, tensor in saved.items():
         target = places.get(key)
         if target is None:
@@ -199,7 +210,7 @@ class TrainState:
 
     model: peft.PeftModel
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LRScheduler
     progress: Progress
 
 
@@ -221,7 +232,7 @@ class CheckpointManager:
         self.last_saved = -1
         self.resumed_metrics: dict[str, Any] | None = None  # what this run reported with the checkpoint it resumes
 
-    def restore(self, explicit: str | None, state: TrainState, plan, world_size: int, accum: int) -> bool:
+    def restore(self, explicit: str | None, state: TrainState, plan: StepPlan, world_size: int, accum: int) -> bool:
         """Continue from this run's latest registered checkpoint (a restart after a failure, or the same job run
         again), else from `train.resume_from_checkpoint`, else start fresh. True when something was loaded."""
         own = self.runtime.own_checkpoint()

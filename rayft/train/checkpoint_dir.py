@@ -16,13 +16,16 @@ import json
 import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rayft.train import safe_dcp
 from rayft.train.rundir import RunDir
 from rayft.train.safe_dcp import CheckpointFormatError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 log = logging.getLogger("rayft")
 
@@ -56,7 +59,10 @@ def read_document(directory: Path, rank: int = 0) -> tuple[dict[str, Any], Progr
     key = f"rank{rank}"
     if safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}") is None:
         key = "rank0"
-    buffer = torch.empty(safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}"), dtype=torch.uint8)
+    # rank0's document is there (`check_format`), and this rank's where it is the key
+    buffer = torch.empty(
+        cast(torch.Size, safe_dcp.stored_tensor_size(metadata, f"{DOCUMENT}.{key}")), dtype=torch.uint8
+    )
     safe_dcp.load_tensors({DOCUMENT: {key: buffer}}, directory / STATE_DIR)
     document = safe_dcp.from_tensor(buffer)
     saved = document.get("progress", {})
@@ -71,7 +77,7 @@ _OLDER_FIX = (
 )
 
 
-def check_format(directory: Path):
+def check_format(directory: Path) -> Metadata:
     """The checkpoint's DCP metadata (read without executing anything); CheckpointFormatError, one line naming
     the directory and the fix, for what is not a rayft checkpoint of this format."""
     state = Path(directory) / STATE_DIR
@@ -117,7 +123,7 @@ def remove_unregistered(run: RunDir, run_id: str | None, resumed_step: int) -> l
 def checkpoint_run_id(run: RunDir, name: str) -> str | None:
     """The run id a checkpoint dir's trainer_state.json records; None when absent or unreadable."""
     try:
-        return json.loads(run.read_file(f"{name}/{TRAINER_STATE}")).get("run_id")
+        return cast("str | None", json.loads(run.read_file(f"{name}/{TRAINER_STATE}")).get("run_id"))
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+import typing
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,13 @@ from torch.nn import functional as F
 from rayft.config import DpoConfig
 from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
 from rayft.train.step import MicroBatchLoss, eval_pass
+
+if TYPE_CHECKING:
+    import peft
+    from transformers import PreTrainedModel
+
+    from rayft.train.runtime import Collate, Shard
+    from rayft.train.step import Autocast
 
 log = logging.getLogger("rayft")
 
@@ -48,25 +56,26 @@ class PairScores:
     rejected_logps: torch.Tensor
 
 
-def enable_sequence_logprobs(model) -> None:
+def enable_sequence_logprobs(model: peft.PeftModel) -> None:
     """Teach the PEFT model's causal LM `forward(..., completion_labels=L)`: it then returns (sum of completion
     log-probs per row, scored tokens per row) from the last hidden states, through the model's own call path (so
     FSDP's root hooks run). A plain frozen LM head goes chunk by chunk without keeping logits; a trained one (LoRA
     on `lm_head`) through its module. Other calls reach the forward as it was."""
-    base = model.get_base_model()
+    base = typing.cast("PreTrainedModel", model.get_base_model())  # PEFT's hint says nn.Module: it is the causal LM
     original = base.forward
     backbone = base.base_model
-    fused = why_not_fused(base) is None and type(base.get_output_embeddings()) is torch.nn.Linear  # LoRA: its module
+    # LoRA on the head: its module. (transformers leaves get_output_embeddings unannotated, here and in `forward`.)
+    fused = why_not_fused(base) is None and type(base.get_output_embeddings()) is torch.nn.Linear  # type: ignore[no-untyped-call]
     cast, workspace = FrozenCast(), Workspace()
 
-    def forward(self, *args, completion_labels: torch.Tensor | None = None, **kwargs: Any):
+    def forward(self: PreTrainedModel, *args: Any, completion_labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if completion_labels is None:
             return original(*args, **kwargs)
         for unused in ("labels", "num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states"):
             kwargs.pop(unused, None)
         kwargs["use_cache"] = False
         hidden = backbone(*args, **kwargs).last_hidden_state
-        head = self.get_output_embeddings()
+        head = self.get_output_embeddings()  # type: ignore[no-untyped-call]
         if fused:
             return sequence_logprobs(hidden, completion_labels, weight=cast(head.weight), workspace=workspace)
         return sequence_logprobs(hidden, completion_labels, head=head)
@@ -74,21 +83,22 @@ def enable_sequence_logprobs(model) -> None:
     base.forward = MethodType(forward, base)
 
 
-def logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion log-prob sums, completion token counts) of every row of a pair batch."""
-    return model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], completion_labels=batch["labels"]
+    return typing.cast(
+        tuple[torch.Tensor, torch.Tensor],  # the forward `enable_sequence_logprobs` installed
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], completion_labels=batch["labels"]),
     )
 
 
-def reference_logprobs(model, batch: Batch) -> torch.Tensor:
+def reference_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """The same rows under the base model: the adapter switched off, no gradients."""
     with torch.no_grad(), adapter_off(model):
         return logprobs(model, batch)[0]
 
 
 @contextmanager
-def adapter_off(model) -> Iterator[None]:
+def adapter_off(model: torch.nn.Module) -> Iterator[None]:
     """PEFT's `disable_adapter()` without its `requires_grad` toggling: re-enabling sets it on whichever LoRA
     parameters FSDP2 has registered at that moment (the gathered ones of a unit kept unsharded), so the sharded
     parameters came back frozen — left out of gradient clipping and of checkpoints (a resume then failed on a
@@ -129,7 +139,7 @@ def pair_scores(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Ten
     )
 
 
-def score(model, batch: Batch, dpo: DpoConfig, live: bool = True) -> PairScores:
+def score(model: torch.nn.Module, batch: Batch, dpo: DpoConfig, live: bool = True) -> PairScores:
     """The pairs' scores; the reference scored now (`live`) or carried by the batch (`dpo.reference: precomputed`)."""
     reference = reference_logprobs(model, batch) if live else None
     policy, counts = logprobs(model, batch)
@@ -197,7 +207,7 @@ class PreferenceLoss:
     def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss:
         per_rank, carried = step_pairs(group, world_size)
 
-        def micro_batch_loss(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        def micro_batch_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
             scores = score(model, batch, self.dpo, live=not carried)
             self.sums.add(scores)
             return scores.losses.sum() / per_rank, batch["attention_mask"].sum()
@@ -206,12 +216,12 @@ class PreferenceLoss:
 
 
 def evaluate(
-    model,
-    shard,
+    model: torch.nn.Module,
+    shard: Shard,
     batch_size: int,
-    collate,
+    collate: Collate,
     device: torch.device,
-    autocast: Callable[[], Any] = nullcontext,
+    autocast: Autocast = nullcontext,
     *,
     dpo: DpoConfig,
 ) -> dict[str, float]:

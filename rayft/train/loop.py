@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray.train
 import torch
@@ -40,6 +40,14 @@ from rayft.train.runtime import RayRuntime, Runtime, Shard
 from rayft.train.schedule import build_optimizer, build_scheduler
 from rayft.train.step import NEXT_TOKEN, DataWait, GlobalPart, StepLoss, evaluate, step_groups, train_step
 from rayft.train.steps import StepPlan
+
+if TYPE_CHECKING:
+    import peft
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
+
+    from rayft.train.runtime import Collate
+    from rayft.train.step import Autocast, Batch
 
 log = logging.getLogger("rayft")
 
@@ -154,10 +162,11 @@ class Trainer:
             return shard
         return GlobalPart(shard, self.plan.eval_batches, self.rank, self.world_size)
 
-    def _build(self) -> tuple[TrainState, Any, LossWindow, Any]:
+    def _build(self) -> tuple[TrainState, Autocast, LossWindow, PreTrainedTokenizerBase]:
         """The model, optimizer and window (`_build_state`), the tokenizer loading beside them."""
         import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
 
+        assert self.profile is not None  # set up in __init__; done with only after the first step
         with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
             tokenizer_loading = pool.submit(load_tokenizer, self.cfg.model)  # overlaps the model build and load
             with self.profile.stage("model_build_load"):
@@ -166,11 +175,12 @@ class Trainer:
                 tokenizer = tokenizer_loading.result()
         return state, autocast, window, tokenizer
 
-    def _train_collate(self, run: RunDir):
+    def _train_collate(self, run: RunDir) -> Collate:
         """The training batches' collate: with a precomputed DPO reference, one carrying its table, scored now."""
         if not self.objective.precomputed:
             return self.collate
         pad_id = self.tokenizer.pad_token_id
+        assert self.profile is not None  # set up in __init__; done with only after the first step
         with self.profile.stage("reference"):
             keyed = collate_fn(self.cfg.data, pad_id, pairs=True, keys=True)
             table = reference.precompute(
@@ -206,7 +216,8 @@ class Trainer:
                 seeds=group.seeds,
             )
             if self.profile is not None:
-                self.profile = _first_step_done(self.profile, stepped, self.waited, self.progress_log)
+                _first_step_done(self.profile, stepped, self.waited, self.progress_log)
+                self.profile = None  # done with
             progress = state.progress
             progress.step, progress.batches_in_epoch = progress.step + 1, group.last + 1
             if self.ledger is not None:
@@ -263,6 +274,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         t = self.cfg.train
+        assert self.val_shard is not None  # called only in a run with validation data
         return self.objective.evaluate(
             self.val_shard, t.per_device_eval_batch_size, self.collate, self.device, self.autocast
         )
@@ -329,21 +341,20 @@ def _worker_profile(job: Job, entered: float) -> Profile:
     return profile
 
 
-def _first_step_done(profile: Profile, stepped: float, waited, progress_log) -> None:
+def _first_step_done(profile: Profile, stepped: float, waited: DataWait, progress_log: ProgressLog | None) -> None:
     """After the first optimizer step: the first batch's wait, the step itself, and (rank 0) the whole profile in
-    the log and in metrics.jsonl's first row. Returns None: the profile is done with."""
+    the log and in metrics.jsonl's first row. The profile is done with after it."""
     profile.add("first_batch", waited.first or 0.0)
     profile.add("first_step", time.time() - stepped)
     if progress_log is not None:
         total = profile.since_origin()
         log.info("%s", profile.line(total))
         progress_log.startup = {**profile.stages, "to_first_step_s": total}
-    return None
 
 
 def _build_state(
     cfg: Config, plan: StepPlan, device: torch.device, world_size: int
-) -> tuple[TrainState, Any, LossWindow]:
+) -> tuple[TrainState, Autocast, LossWindow]:
     """The sharded LoRA model, its optimizer and schedule at step 0, the autocast context for CPU bf16, and the
     logging window that measures it (FLOPs per token, the device's peak)."""
     on_gpu = device.type == "cuda"
@@ -368,7 +379,7 @@ def _progress_log(
     state: TrainState,
     run: RunDir,
     resumed: bool,
-    params,
+    params: dict[str, Any],
     runtime: Runtime,
     resumed_row: dict[str, Any] | None,
 ) -> ProgressLog:
@@ -384,20 +395,30 @@ class Objective:
     `rayft.train.dpo`). Gives the step its loss, the evaluation (a dict of eval metrics) and the window's extra
     metrics; the step itself is one for both (`rayft.train.step.train_step`)."""
 
-    def __init__(self, cfg: Config, model, device: torch.device):
+    def __init__(self, cfg: Config, model: peft.PeftModel, device: torch.device):
         self.cfg, self.model, self.dpo = cfg, model, cfg.train.objective == "dpo"
         self.precomputed = self.dpo and cfg.dpo.reference == "precomputed"
-        self.sums = None
+        self.sums: dpo.PreferenceSums | None = None
         self.loss: StepLoss = NEXT_TOKEN
         if self.dpo:
             dpo.enable_sequence_logprobs(model)
             self.sums = dpo.PreferenceSums(device)
             self.loss = dpo.PreferenceLoss(cfg.dpo, self.sums)
 
-    def step(self, model, optimizer, scheduler, group, window: LossWindow, **kwargs) -> torch.Tensor:
+    def step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler,
+        group: list[Batch],
+        window: LossWindow,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         return train_step(model, optimizer, scheduler, group, window, loss=self.loss, **kwargs)
 
-    def evaluate(self, shard, batch_size: int, collate, device, autocast) -> dict[str, Any]:
+    def evaluate(
+        self, shard: Shard, batch_size: int, collate: Collate, device: torch.device, autocast: Autocast
+    ) -> dict[str, Any]:
         if self.dpo:
             return dpo.evaluate(self.model, shard, batch_size, collate, device, autocast, dpo=self.cfg.dpo)
         return _eval_metrics(evaluate(self.model, shard, batch_size, collate, device, autocast))
@@ -451,7 +472,9 @@ def _epoch_position(progress: Progress, plan: StepPlan) -> float:
     return round(progress.epoch + progress.batches_in_epoch / plan.micro_batches_per_epoch, 4)
 
 
-def _window_metrics(window: LossWindow, waited: DataWait, grad_norm, scheduler) -> dict[str, Any]:
+def _window_metrics(
+    window: LossWindow, waited: DataWait, grad_norm: torch.Tensor, scheduler: LRScheduler
+) -> dict[str, Any]:
     """The logging window's training and hardware metrics, and the data pipeline's start-up wait once."""
     metrics = window.take(grad_norm, scheduler, waited.take())
     if (first := waited.take_first()) is not None:
@@ -463,8 +486,8 @@ def _eval_metrics(loss: float) -> dict[str, Any]:
     return {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
 
 
-def _precision_line(model, bf16_on_cpu: bool, on_gpu: bool) -> str:
-    stored = next(p for p in model.parameters() if not p.requires_grad).dtype
+def _precision_line(model: torch.nn.Module, bf16_on_cpu: bool, on_gpu: bool) -> str:
+    stored: torch.dtype | str = next(p for p in model.parameters() if not p.requires_grad).dtype
     if any(fp8_layers(model)):
         stored = f"{stored} (decoder matrices: float8_e4m3fn + row scales)"
     if on_gpu:

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,11 @@ import torch.distributed as dist
 from rayft.model.flops import FlopModel, mfu
 from rayft.parallel.tally import KINDS, TALLIED
 from rayft.train.sinks import Gauges, Trackers
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from rayft.train.rundir import RunDir
 
 GIB = 2**30
 
@@ -75,13 +80,15 @@ def reset_peaks(device: torch.device) -> None:
         pass
 
 
-def nan_to_none(value: float) -> float | None:
+def nan_to_none(value: float | None) -> float | None:
     return None if value is None or math.isnan(value) else value
 
 
 class Stopwatch:
     """Seconds counted while running: the logging window's clock, stopped until training starts and while the loop
     does what is not training (evaluation, checkpoints)."""
+
+    since: float | None  # when the clock started; None while stopped
 
     def __init__(self) -> None:
         self.total, self.since = 0.0, None
@@ -151,7 +158,7 @@ class LossWindow:
         for kind, nbytes in moved.items():
             self.moved[kind] += nbytes
 
-    def take(self, grad_norm, scheduler, data_wait_s: float) -> dict[str, Any]:
+    def take(self, grad_norm: torch.Tensor, scheduler: LRScheduler, data_wait_s: float) -> dict[str, Any]:
         """Window means over all ranks (the loss per target token of each step, tokens/s of the whole group,
         seconds per step, the share of the window the slowest rank spent waiting for data, the bytes collectives
         moved into a rank per step by kind), the hardware's metrics; then a new window."""
@@ -166,7 +173,7 @@ class LossWindow:
         self.sums.zero_()
         self.steps = 0
         self.moved = dict.fromkeys(TALLIED, 0)
-        metrics = {
+        metrics: dict[str, Any] = {
             "loss": totals[0].item() / max(totals[1].item(), 1),
             "learning_rate": scheduler.get_last_lr()[0],
             "grad_norm": norm.item(),
@@ -195,7 +202,12 @@ def moved_per_step(summed: list[float], world: int, steps: int) -> dict[str, flo
 
 
 def hardware_metrics(
-    tokens_per_s: float, world: int, flops: FlopModel, peak: float | None, device, keys_per_token: float | None = None
+    tokens_per_s: float,
+    world: int,
+    flops: FlopModel,
+    peak: float | None,
+    device: torch.device,
+    keys_per_token: float | None = None,
 ) -> dict[str, Any]:
     """Per-worker throughput, the FLOPs per token the MFUs count (attention over `keys_per_token` keys, the
     window's measured mean; full-length documents without one), both MFUs (null without a known GPU peak) and peak
@@ -223,8 +235,9 @@ def perplexity(loss: float) -> float | None:
     return math.exp(loss) if math.isfinite(loss) and loss < 700 else None
 
 
-def flops_line(flops: FlopModel, peak: float | None, device, stated: bool = False) -> str:
+def flops_line(flops: FlopModel, peak: float | None, device: torch.device, stated: bool = False) -> str:
     if stated:
+        assert peak is not None  # the stated peak (train.peak_tflops) is the peak
         where = f"peak {peak / 1e12:g} TFLOP/s per worker (train.peak_tflops)"
     elif peak:
         where = f"peak {peak / 1e12:.0f} TFLOP/s bf16 per GPU"
@@ -242,7 +255,7 @@ class ProgressLog:
 
     def __init__(
         self,
-        run,
+        run: RunDir,
         total_steps: int,
         first_step: int,
         resumed: bool,

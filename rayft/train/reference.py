@@ -20,9 +20,9 @@ import logging
 import math
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,11 @@ from rayft.parallel.parallelize import reshard_all
 from rayft.train.dpo import reference_logprobs
 from rayft.train.rundir import RunDir
 from rayft.train.transfer import to_device
+
+if TYPE_CHECKING:
+    from rayft.config import Config
+    from rayft.train.runtime import Collate, Shard
+    from rayft.train.step import Autocast
 
 log = logging.getLogger("rayft")
 
@@ -75,7 +80,7 @@ class ReferenceTable:
             return cls(stored["keys"], stored["logps"], json.loads(str(stored["identity"])))
 
 
-def table_identity(cfg) -> dict[str, Any]:
+def table_identity(cfg: Config) -> dict[str, Any]:
     """What a stored table's values depend on; a table made under other settings is scored anew."""
     m = cfg.model
     return {
@@ -106,7 +111,7 @@ def stored_table(run: RunDir, identity: dict[str, Any]) -> ReferenceTable | None
 
 @torch.no_grad()
 def score_batches(
-    model, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, autocast: Callable[[], Any]
+    model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, autocast: Autocast
 ) -> tuple[np.ndarray, np.ndarray]:
     """The pairs of these (collated) batches: their keys and reference (chosen, rejected) log-probs."""
     model.eval()
@@ -134,7 +139,16 @@ def agreed_table(run: RunDir, identity: dict[str, Any], rank: int) -> ReferenceT
     return None if shared[0] is None else ReferenceTable.from_bytes(shared[0])
 
 
-def precompute(model, shard, cfg, collate, device, autocast, run: RunDir, rank: int):
+def precompute(
+    model: torch.nn.Module,
+    shard: Shard,
+    cfg: Config,
+    collate: Collate,
+    device: torch.device,
+    autocast: Autocast,
+    run: RunDir,
+    rank: int,
+) -> ReferenceTable:
     """The run's table: read from the run directory (rank 0's view, shared), or scored now on every rank and
     exchanged (then written)."""
     identity = table_identity(cfg)

@@ -13,7 +13,7 @@ import logging
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pyarrow.fs as pafs
 
@@ -48,7 +48,7 @@ class RunDir:
         self.fs, self.path = pafs.FileSystem.from_uri(self.uri)
 
     def exists(self, name: str) -> bool:
-        return self.fs.get_file_info(join(self.path, name)).type != pafs.FileType.NotFound
+        return cast(bool, self.fs.get_file_info(join(self.path, name)).type != pafs.FileType.NotFound)
 
     def has_registered_checkpoints(self) -> bool:
         """True when Ray has a checkpoint of this run to resume from (a new fit() picks it up by itself)."""
@@ -70,7 +70,7 @@ class RunDir:
     def run_id(self) -> str | None:
         """The identity recorded by the run that owns this directory; None for a directory without one."""
         try:
-            return json.loads(self.read_file(IDENTITY))["run_id"]
+            return cast("str | None", json.loads(self.read_file(IDENTITY))["run_id"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -131,4 +131,4 @@ class RunDir:
 
     def read_file(self, name: str) -> bytes:
         with self.fs.open_input_stream(join(self.path, name)) as f:
-            return f.read()
+            return cast(bytes, f.read())

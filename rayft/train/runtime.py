@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     import torch
 
     from rayft.train.sinks import Gauges
+
+# A batch as Ray Data reads it (a dict of numpy arrays) → what the loop trains on.
+Collate = Callable[[dict[str, np.ndarray]], Any]
 
 
 class Shard(Protocol):
@@ -92,12 +95,12 @@ class RayRuntime:
     def shard(self, split: str) -> Shard:
         import ray.train
 
-        return ray.train.get_dataset_shard(split)
+        return cast(Shard, ray.train.get_dataset_shard(split))  # a DataIterator
 
     def own_checkpoint(self) -> ray.train.Checkpoint | None:
         import ray.train
 
-        return ray.train.get_checkpoint()
+        return cast("ray.train.Checkpoint | None", ray.train.get_checkpoint())
 
     def report(self, metrics: dict[str, Any], local: Path, name: str, upload: str) -> None:
         """Ray registers the checkpoint (for retention and resume) only once every rank's copy finished, so a crash

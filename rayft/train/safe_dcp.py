@@ -12,13 +12,18 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+if TYPE_CHECKING:
+    import io
+
+    from torch.distributed.checkpoint.planner import ReadItem
 
 _TENSOR = "__tensor__"  # placeholder in the JSON tree where a tensor sits in the state dict
 _TUPLE = "__tuple__"  # JSON has no tuples; RNG states and optimizer betas must come back as tuples
@@ -107,6 +112,7 @@ class SafeReader(FileSystemReader):
 
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None  # set just above where it was not
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -114,7 +120,7 @@ class SafeReader(FileSystemReader):
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
     """Refuses DCP's pickled (bytes) entries: every value rayft loads is a tensor."""
 
-    def load_bytes(self, read_item, value) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise CheckpointFormatError(f"{read_item.dest_index.fqn}: a pickled entry; rayft loads tensors only")
 
 
@@ -130,4 +136,5 @@ def stored_tensor_size(metadata: Metadata, key: str) -> torch.Size | None:
 
 def load_tensors(tensors: dict[str, Any], checkpoint_id: str | Path) -> None:
     """dcp.load of a tensors-only state dict, in place, with the safe reader and planner."""
-    dcp.load(tensors, storage_reader=SafeReader(str(checkpoint_id)), planner=_TensorsOnlyPlanner())
+    # dcp.load is public: torch re-exports it without an __all__, which strict mypy does not count as an export
+    dcp.load(tensors, storage_reader=SafeReader(str(checkpoint_id)), planner=_TensorsOnlyPlanner())  # type: ignore[attr-defined]

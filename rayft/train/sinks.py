@@ -134,7 +134,9 @@ def tensorboard_writer(logdir: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package; tensorboardX writes the same files
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter as SummaryWriterX
+
+        return SummaryWriterX(logdir)
     return SummaryWriter(logdir)
 
 

@@ -6,10 +6,10 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -25,11 +25,19 @@ from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.steps import StepPlan
 from rayft.train.transfer import to_device
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from rayft.train.runtime import Collate, Shard
+
 log = logging.getLogger("rayft")
 
 Batch = dict[str, torch.Tensor]
 # (model, micro-batch) → (the micro-batch's loss to backpropagate, its attended tokens)
-MicroBatchLoss = Callable[[Any, Batch], tuple[torch.Tensor, torch.Tensor]]
+MicroBatchLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]
+# The context each forward runs in (`rayft.model.build.cpu_autocast`).
+Autocast = Callable[[], AbstractContextManager[Any]]
 
 
 class StepLoss(Protocol):
@@ -47,7 +55,7 @@ class NextTokenLoss:
     def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss:
         per_rank = step_targets(group, world_size)
 
-        def micro_batch_loss(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        def micro_batch_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
             loss = model(**batch, num_items_in_batch=per_rank).loss
             mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
             tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=loss.device)
@@ -60,16 +68,16 @@ NEXT_TOKEN = NextTokenLoss()  # holds nothing between steps
 
 
 def train_step(
-    model,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    scheduler: LRScheduler,
     group: list[Batch],
     window: LossWindow,
     *,
     loss: StepLoss = NEXT_TOKEN,
     world_size: int,
-    kept_layers: list,
-    autocast: Callable[[], Any],
+    kept_layers: list[torch.nn.Module],
+    autocast: Autocast,
     max_grad_norm: float,
     seeds: list[int] | None = None,
 ) -> torch.Tensor:
@@ -82,10 +90,10 @@ def train_step(
         last = i == len(group) - 1
         if seeds is not None:
             torch.manual_seed(seeds[i])
-        set_gradient_sync(model, last, kept_layers)
+        set_gradient_sync(cast("FSDPModule", model), last, kept_layers)  # the model is sharded by fully_shard
         with autocast():
             value, tokens = micro_batch_loss(model, batch)
-        value.backward()
+        value.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         window.add(value.detach(), last, tokens, attended_keys(batch))
     grad_norm = clip_gradients_(model, max_grad_norm)
     optimizer.step()
@@ -95,7 +103,7 @@ def train_step(
     return grad_norm
 
 
-def clip_gradients_(model, max_grad_norm: float) -> torch.Tensor:
+def clip_gradients_(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm and return it; with expert parallelism the expert LoRA's gradients are
     averaged first and its norm summed over the workers holding different experts (`rayft.parallel.expert`)."""
     ep = expert_parallel_of(model)
@@ -105,7 +113,15 @@ def clip_gradients_(model, max_grad_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def eval_pass(model, shard, batch_size: int, collate, device: torch.device, autocast, score: Callable[[Batch], None]):
+def eval_pass(
+    model: torch.nn.Module,
+    shard: Shard,
+    batch_size: int,
+    collate: Collate,
+    device: torch.device,
+    autocast: Autocast,
+    score: Callable[[Batch], None],
+) -> None:
     """`score` every batch of this rank's validation shard in eval mode; then the model as training wants it back.
     Evaluation's collectives are not a training step's: they leave the tally."""
     model.eval()
@@ -119,7 +135,12 @@ def eval_pass(model, shard, batch_size: int, collate, device: torch.device, auto
 
 
 def evaluate(
-    model, shard, batch_size: int, collate, device: torch.device, autocast: Callable[[], Any] = nullcontext
+    model: torch.nn.Module,
+    shard: Shard,
+    batch_size: int,
+    collate: Collate,
+    device: torch.device,
+    autocast: Autocast = nullcontext,
 ) -> float:
     """Token-weighted mean loss over every rank's validation shard."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -141,7 +162,7 @@ def targets(batch: Batch) -> torch.Tensor:
 def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:
     """Next-token targets in this step's micro-batches over all ranks, divided by the ranks (FSDP averages the
     gradients over them); one small all-reduce per step, no host sync."""
-    count = sum(targets(batch) for batch in group).double()
+    count = cast(torch.Tensor, sum(targets(batch) for batch in group)).double()  # a step has micro-batches: not 0
     dist.all_reduce(count)
     TALLY.add("all_reduce", 2 * count.element_size() * (world_size - 1) // world_size, dist.group.WORLD)
     return (count / world_size).clamp_min(1.0)
@@ -158,11 +179,11 @@ class StepGroup:
 
 
 def step_groups(
-    shard,
+    shard: Shard,
     cfg: Config,
     plan: StepPlan,
     progress: Progress,
-    collate,
+    collate: Collate,
     waited: DataWait,
     device: torch.device,
     place: tuple[int, int],
@@ -207,7 +228,7 @@ class Part:
 
 
 def _my_part(
-    batches: Iterator[tuple[int, Any]], collate, part: Part, key: tuple[int, int], device: torch.device
+    batches: Iterator[tuple[int, Any]], collate: Collate, part: Part, key: tuple[int, int], device: torch.device
 ) -> Iterator[StepGroup]:
     """This rank's `part` of each global step's micro-batches, collated, each with a seed drawn from its global
     index: dropout masks then follow the micro-batch, not the rank that happens to train it, so a step's result
@@ -216,6 +237,7 @@ def _my_part(
     for index, batch in batches:
         if part.holds(index):
             group.batches.append(to_device(collate(batch), device))
+            assert group.seeds is not None  # every group here is made with seeds
             group.seeds.append(int(np.random.SeedSequence([*key, index]).generate_state(1)[0]))
         if index % part.per_step == part.per_step - 1:
             group.last = index
@@ -223,7 +245,7 @@ def _my_part(
             group = StepGroup(seeds=[])
 
 
-def epoch_batches(shard, cfg: Config, plan: StepPlan, epoch: int, skip: int, collate) -> Iterator[Any]:
+def epoch_batches(shard: Shard, cfg: Config, plan: StepPlan, epoch: int, skip: int, collate: Collate) -> Iterator[Any]:
     """One epoch of this rank's micro-batches (an elastic run's: the whole stream's), reshuffled per epoch (seeded,
     so a rerun sees the same order).
 
@@ -250,7 +272,7 @@ class GlobalPart:
     rank: int
     world_size: int
 
-    def iter_torch_batches(self, *, batch_size: int, collate_fn, **options) -> Iterator[Any]:
+    def iter_torch_batches(self, *, batch_size: int, collate_fn: Collate, **options: Any) -> Iterator[Any]:
         per_rank = self.batches // self.world_size
         batches = self.stream.iter_torch_batches(batch_size=batch_size, collate_fn=collate_fn, **options)
         return islice(batches, self.rank * per_rank, (self.rank + 1) * per_rank)
@@ -260,7 +282,7 @@ class DataWait:
     """Seconds the loop spent waiting for its next batch since the last `take()`. The wait for the very first
     batch is the pipeline's start-up, kept apart until `take_first()`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seconds = 0.0
         self.started = False
         self.first: float | None = None
