@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import Any, cast
 
 import peft
 import torch
@@ -29,13 +30,13 @@ def fused_loss(model: peft.PeftModel, cfg: Config) -> str | None:
     """Take the loss from the hidden states in chunks (`rayft.model.loss`); returns why not, or None if it does."""
     if not cfg.train.fused_loss:
         return "train.fused_loss is false"
-    return fuse_loss(model.get_base_model())
+    return fuse_loss(cast(PreTrainedModel, model.get_base_model()))
 
 
 def text_config(model_dir: str) -> PretrainedConfig:
     """The causal LM's config; for a vision+text wrapper (Mistral3, llava) its `text_config` — the vision tower
     is never built. The checkpoint's quantization_config is dropped: rayft dequantises while loading."""
-    config = AutoConfig.from_pretrained(model_dir)
+    config: PretrainedConfig = AutoConfig.from_pretrained(model_dir)
     inner = getattr(config, "text_config", None)
     if inner is not None and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         config = inner
@@ -77,7 +78,7 @@ def check_quantised_storage(cfg: Config, model: nn.Module, fp8: bool | None = No
         )
 
 
-def _checkpoint_quantization(model_cfg: ModelConfig) -> dict:
+def _checkpoint_quantization(model_cfg: ModelConfig) -> dict[str, Any]:
     """The checkpoint's quantization_config (top level or the text model's)."""
     config = AutoConfig.from_pretrained(model_cfg.model_name_or_path)
     quant = getattr(config, "quantization_config", None) or getattr(
@@ -94,7 +95,8 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
     if getattr(config, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
     with init_empty_weights(include_buffers=False):
-        model = causal_lm_class(config)._from_config(config, **kwargs)
+        # transformers leaves _from_config unannotated
+        model: PreTrainedModel = causal_lm_class(config)._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
     tie_weights_(model)  # before LoRA and fully_shard: FSDP2 then shards the tied embedding/head as one parameter
     return model
 
@@ -105,7 +107,7 @@ def weightless_lora_model(cfg: Config, config: PretrainedConfig | None = None) -
     config = config if config is not None else text_config(cfg.model.model_name_or_path)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # library deprecation notices, not the user's concern
-        model = causal_lm_class(config)._from_config(config)
+        model = causal_lm_class(config)._from_config(config)  # type: ignore[no-untyped-call]  # as above
         check_moe_family(model, cfg.model.model_name_or_path)
         tie_weights_(model)
         return wrap(model, cfg.lora)
@@ -114,9 +116,10 @@ def weightless_lora_model(cfg: Config, config: PretrainedConfig | None = None) -
 def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
     """The causal-LM class for a config; Mistral4 is missing from AutoModelForCausalLM in transformers 5.x."""
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        # transformers types every auto mapping's value as a tokenizer mapping's (slow, fast) pair: here, the class
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[return-value]
     name = type(config).__name__.removesuffix("Config") + "ForCausalLM"
-    cls = getattr(transformers, name, None)
+    cls: type[PreTrainedModel] | None = getattr(transformers, name, None)
     if cls is None:
         raise ConfigError(
             f"model.model_name_or_path: no causal LM class for {type(config).__name__} (looked for {name})"
@@ -137,7 +140,7 @@ def load_base_model(model_cfg: ModelConfig) -> PreTrainedModel:
 
 def _dtype(model_cfg: ModelConfig, config: PretrainedConfig | None) -> torch.dtype:
     if model_cfg.torch_dtype != "auto":
-        return getattr(torch, model_cfg.torch_dtype)
+        return cast(torch.dtype, getattr(torch, model_cfg.torch_dtype))
     declared = getattr(config, "dtype", None) if config is not None else None
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
@@ -150,12 +153,12 @@ def cpu_bf16(cfg: Config, device: torch.device) -> bool:
     return (
         device.type == "cpu"
         and cfg.train.bf16
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch: unannotated
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
-def cpu_autocast(cfg: Config, device: torch.device) -> Callable[[], AbstractContextManager]:
+def cpu_autocast(cfg: Config, device: torch.device) -> Callable[[], AbstractContextManager[None]]:
     """The context each forward runs in: bf16 autocast per `cpu_bf16`, else a no-op (GPU precision is FSDP's)."""
     return partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=cpu_bf16(cfg, device))
 

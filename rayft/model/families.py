@@ -11,6 +11,7 @@ router's weights, and the config key of the routed expert count.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torch import nn
 
@@ -69,13 +70,13 @@ FAMILIES: dict[str, Family] = {
 MOE_BLOCKS: dict[str, MoeBlock] = {f.moe.block: f.moe for f in FAMILIES.values() if f.moe is not None}
 
 
-def moe_family(config) -> MoeBlock | None:
+def moe_family(config: Any) -> MoeBlock | None:
     """The MoE block of the config's family; None for a dense family or one not in the table."""
     family = FAMILIES.get(getattr(config, "model_type", ""))
     return family.moe if family is not None else None
 
 
-def num_routed_experts(config) -> int:
+def num_routed_experts(config: Any) -> int:
     """The routed experts per MoE layer (0 for a dense model), read from the family's own config key."""
     moe = moe_family(config)
     return int(getattr(config, moe.experts_key, 0) or 0) if moe is not None else 0

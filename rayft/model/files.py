@@ -13,12 +13,15 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from rayft.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -151,7 +154,8 @@ def check_weights_match(model: nn.Module, directory: Path) -> None:
 def check_vocab(tokenizer_size: int | None, model: nn.Module, tokenizer_dir: str) -> None:
     """Token ids the tokenizer can produce must index the embedding: a larger tokenizer fails (on GPU: a device
     assert) at the first rare token, hours in."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    embeddings = cast("PreTrainedModel", model).get_input_embeddings()  # a PeftModel hands the call on
+    rows = cast(torch.Tensor, embeddings.weight).shape[0]
     if tokenizer_size is not None and tokenizer_size > rows:
         raise ConfigError(
             f"model.tokenizer_name_or_path: the tokenizer in {tokenizer_dir} has {tokenizer_size:,} tokens, the "

@@ -17,7 +17,7 @@ Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,10 @@ from torch import nn
 from rayft.gpus import GPUS
 from rayft.model.families import block_of, moe_blocks, num_routed_experts
 from rayft.model.fp8_format import EXPERT_WEIGHTS
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 # Dense bf16 peak per GPU and memory bandwidth, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {name.upper(): gpu.bf16_tflops * 1e12 for name, gpu in GPUS.items()}
@@ -65,8 +69,12 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             seen.update(id(p) for p in module.parameters(recurse=False))
-    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base_model.get_output_embeddings() if hasattr(base_model, "get_output_embeddings") else None
+    base_model = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model
+    head = (
+        cast("PreTrainedModel", base_model).get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers: unannotated
+        if hasattr(base_model, "get_output_embeddings")
+        else None
+    )
     head_weight = getattr(head, "weight", None)
     if head_weight is not None and id(head_weight) in seen and not head_weight.requires_grad:
         base += head_weight.numel()  # a tied head is the embedding matrix, yet a matmul every token goes through
@@ -98,10 +106,11 @@ def routed_expert_counts(model: nn.Module, text: Any) -> dict[int, int]:
     if not blocks:
         return {}
     top_k = text.num_experts_per_tok
-    counts = {}
+    counts: dict[int, int] = {}
     for block in blocks:
-        held = _held_experts(block.experts, num_routed_experts(text))
-        for module in block.experts.modules():
+        experts = cast(nn.Module, block.experts)  # `moe_blocks` picked modules with an `experts` child module
+        held = _held_experts(experts, num_routed_experts(text))
+        for module in experts.modules():
             for name, p in module.named_parameters(recurse=False):
                 matrix = p.requires_grad or name in EXPERT_WEIGHTS
                 counts[id(p)] = p.numel() * top_k // held if matrix else 0
@@ -111,22 +120,23 @@ def routed_expert_counts(model: nn.Module, text: Any) -> dict[int, int]:
 def _held_experts(experts: nn.Module, num_experts: int) -> int:
     """The experts a block's tensors hold on this worker: all of them, or the rows expert parallelism cut them to
     (`ep_rows`: first, count, total, set by `rayft.parallel.expert`)."""
-    cut = next((m.ep_rows for m in experts.modules() if hasattr(m, "ep_rows")), None)
+    cut = next((cast("tuple[int, int, int]", m.ep_rows) for m in experts.modules() if hasattr(m, "ep_rows")), None)
     return cut[1] if cut is not None else num_experts
 
 
 def attention_flops(text: Any, seq_len: int) -> float:
     """2 · L · s · H · (d_qk + d_v): QKᵀ and attention·V, forward, per token attending s keys (MLA: its own q/k and
     v widths)."""
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    d_qk = (
+    heads: int = text.num_attention_heads
+    head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // heads
+    d_qk: int = (
         getattr(text, "qk_head_dim", None)
         or ((getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0))
         or head_dim
     )
-    d_v = getattr(text, "v_head_dim", None) or head_dim
-    return 2.0 * text.num_hidden_layers * seq_len * heads * (d_qk + d_v)
+    d_v: int = getattr(text, "v_head_dim", None) or head_dim
+    layers: int = text.num_hidden_layers
+    return 2.0 * layers * seq_len * heads * (d_qk + d_v)
 
 
 def peak_flops(device: torch.device, stated_tflops: float | None = None) -> float | None:

@@ -35,7 +35,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,7 @@ def quantize_rows(weight: torch.Tensor, block: int | None = None) -> tuple[torch
         amax = w.abs().amax(dim=-1)
     else:
         padded = F.pad(w, (0, -w.shape[-1] % block))
-        amax = padded.unflatten(-1, (-1, block)).abs().amax(dim=-1)
+        amax = padded.unflatten(-1, (-1, block)).abs().amax(dim=-1)  # type: ignore[no-untyped-call]  # torch: unannotated
     scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     data = (w / block_scales(scale, block, w.shape[-1])).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return data.view(STORAGE), scale
@@ -172,7 +172,9 @@ class FrozenLinear(torch.autograd.Function):
     weight gradient, and only the quantised storage saved for backward (dequantised again there)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dequantize: Callable[..., torch.Tensor], *storage: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, dequantize: Callable[..., torch.Tensor], *storage: torch.Tensor
+    ) -> torch.Tensor:
         dtype = _compute_dtype(x)
         ctx.save_for_backward(*storage)
         ctx.dtype, ctx.input_dtype, ctx.dequantize, ctx.stored = dtype, x.dtype, dequantize, len(storage)
@@ -180,7 +182,7 @@ class FrozenLinear(torch.autograd.Function):
             return F.linear(x.to(dtype), dequantize(*storage, dtype))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         unused = (None,) * (1 + ctx.stored)  # saved tensors are unpacked once: activation checkpointing allows no more
         if not ctx.needs_input_grad[0]:
             return (None, *unused)
@@ -274,7 +276,7 @@ class _FrozenGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         x: torch.Tensor,
         expert: GroupedWeight,
         chunks: list[ExpertChunk],
@@ -289,7 +291,7 @@ class _FrozenGroupedLinear(torch.autograd.Function):
             return _grouped_chunks(x.to(dtype), storage, expert, chunks, transpose=not transposed)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         unused = (None,) * (3 + ctx.stored)  # saved tensors are unpacked once (see FrozenLinear)
         if not ctx.needs_input_grad[0]:
             return (None, *unused)
@@ -318,13 +320,21 @@ class QuantisedLinear(nn.Linear):
     when no autocast says otherwise (PEFT reads that attribute for quantised bases; `adopt_lora_` then keeps LoRA
     fp32). The bias stays in the compute dtype."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        compute_dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a float weight
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         self._register_storage_(device)
-        self.bias = frozen_parameter((out_features,), compute_dtype, device) if bias else None
+        # torch infers nn.Linear's bias as a Parameter; nn.Linear itself registers None without one
+        self.bias = frozen_parameter((out_features,), compute_dtype, device) if bias else None  # type: ignore[assignment]
 
-    def _register_storage_(self, device) -> None:
+    def _register_storage_(self, device: torch.device | str | None) -> None:
         raise NotImplementedError
 
     def storage(self) -> tuple[torch.Tensor, ...]:
@@ -342,7 +352,8 @@ class QuantisedLinear(nn.Linear):
         return self._dequantize()(*self.storage(), dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = FrozenLinear.apply(x, self._dequantize(), *self.storage())
+        # torch leaves autograd.Function.apply unannotated
+        out: torch.Tensor = FrozenLinear.apply(x, self._dequantize(), *self.storage())  # type: ignore[no-untyped-call]
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -356,13 +367,13 @@ class Fp8Linear(QuantisedLinear):
         out_features: int,
         bias: bool,
         compute_dtype: torch.dtype,
-        device=None,
+        device: torch.device | str | None = None,
         block: int | None = None,
     ) -> None:
         self.block = storage_block(in_features, block)
         super().__init__(in_features, out_features, bias, compute_dtype, device)
 
-    def _register_storage_(self, device) -> None:
+    def _register_storage_(self, device: torch.device | str | None) -> None:
         self.weight = frozen_parameter((self.out_features, self.in_features), STORAGE, device)
         scale_shape = _scale_shape((self.out_features, self.in_features), self.block)
         self.weight_scale = frozen_parameter(scale_shape, SCALE_STORAGE, device)
@@ -419,11 +430,11 @@ class QuantisedExperts(nn.Module):
             raise ValueError(
                 f"{type(experts).__name__}: {self.kind} experts support no {', '.join(unsupported)} layout"
             )
-        self.num_experts, self.compute_dtype = experts.num_experts, compute_dtype
+        self.num_experts, self.compute_dtype = cast(int, experts.num_experts), compute_dtype
         self.is_transposed = bool(getattr(experts, "is_transposed", False))  # PEFT reads it: [E, in, out] when True
-        self._apply_gate = _weightless(experts)._apply_gate
+        self._apply_gate = cast("Callable[[torch.Tensor], torch.Tensor]", _weightless(experts)._apply_gate)
         self.shapes = {name: tuple(getattr(experts, name).shape) for name in EXPERT_WEIGHTS}
-        device = experts.gate_up_proj.device
+        device = cast(nn.Parameter, experts.gate_up_proj).device
         for name in EXPERT_WEIGHTS:
             self._store_(name, getattr(experts, name))
             bias = getattr(experts, f"{name}_bias", None) if getattr(experts, "has_bias", False) else None
@@ -447,7 +458,9 @@ class QuantisedExperts(nn.Module):
     def dequantized_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self._weight(name).dequantize(*self._storage(name), dtype or self.compute_dtype)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
         routed = hidden_states[perm // top_k]
@@ -477,7 +490,10 @@ class QuantisedExperts(nn.Module):
     def _project(
         self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk], expert_ids: torch.Tensor
     ) -> torch.Tensor:
-        out = _FrozenGroupedLinear.apply(x, self._weight(name), chunks, self.is_transposed, *self._storage(name))
+        # torch leaves autograd.Function.apply unannotated
+        out: torch.Tensor = _FrozenGroupedLinear.apply(  # type: ignore[no-untyped-call]
+            x, self._weight(name), chunks, self.is_transposed, *self._storage(name)
+        )
         bias = getattr(self, f"{name}_bias", None)
         if bias is not None:
             out = out + bias[expert_ids].to(out.dtype)
@@ -505,8 +521,8 @@ class Fp8Experts(QuantisedExperts):
         """Register `name` as E4M3 storage + its scales, quantising `weight` unless it is on the meta device."""
         shape, block = tuple(weight.shape), self.blocks[name]
         self.register_parameter(name, frozen_parameter(shape, STORAGE, weight.device))
-        scale = frozen_parameter(_scale_shape(shape, block), SCALE_STORAGE, weight.device)
-        self.register_parameter(f"{name}_scale", scale)
+        scale_storage = frozen_parameter(_scale_shape(shape, block), SCALE_STORAGE, weight.device)
+        self.register_parameter(f"{name}_scale", scale_storage)
         if weight.device.type != "meta":
             with torch.no_grad():
                 data, scale = quantize_rows(weight, block)
@@ -543,7 +559,7 @@ class Fp8ParamWrapper(ParamWrapper):
 
     @contextmanager
     def _activate_lora(self, active_adapters: list[str]) -> Iterator[None]:
-        base = self.get_base_layer()
+        base = cast(QuantisedExperts, self.get_base_layer())  # `adopt_lora_` gives this class to those alone
         factors = [self.lora_factors(a) for a in active_adapters if a in self.lora_A]
         if factors:
             base.lora_factors[self.parameter_name] = factors
@@ -557,8 +573,9 @@ class Fp8ParamWrapper(ParamWrapper):
         without its cast to the uint8 storage dtype), in the adapter's dtype: `[E, out, r]`·`[E, r, in]`, or for a
         transposed `[E, in, out]` weight `[E, in, r]`·`[E, r, out]`."""
         e = self.num_experts
-        a = self.lora_A[adapter].weight.reshape(e, -1, self.lora_A[adapter].weight.shape[-1])  # [E, r, A's in]
-        b = self.lora_B[adapter].weight
+        lora_a, lora_b = cast(nn.Linear, self.lora_A[adapter]), cast(nn.Linear, self.lora_B[adapter])
+        a = lora_a.weight.reshape(e, -1, lora_a.weight.shape[-1])  # [E, r, A's in]
+        b = lora_b.weight
         b = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)  # [E, B's out, r]
         if not self._did_swap_in_out_features:  # PEFT kept [E, in, out]: A reads dim 1, B writes dim 2
             return a.transpose(-2, -1), b.transpose(-2, -1), self.scaling[adapter]
@@ -597,7 +614,7 @@ def fp8_block(model: nn.Module, name: str) -> int | None:
     """The column block width of FP8 storage parameter `name` (a full name in `model`); None: one scale per row."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
-    return module.block if isinstance(module, Fp8Linear) else module.blocks[attr]
+    return module.block if isinstance(module, Fp8Linear) else cast(Fp8Experts, module).blocks[attr]
 
 
 def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | None = None) -> int:
@@ -630,7 +647,8 @@ def adopt_lora_(model: nn.Module) -> None:
             continue
         if isinstance(module, ParamWrapper):
             module.__class__ = Fp8ParamWrapper
-        for adapters in (module.lora_A, module.lora_B):
+        lora = cast(LoraLayer, module)  # it has a base layer: a LoRA layer
+        for adapters in (lora.lora_A, lora.lora_B):
             for name in list(adapters):
                 adapters[name] = adapters[name].to(torch.float32)
 

@@ -4,7 +4,7 @@ imports no layer of the workers'."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 from torch import nn
 
@@ -24,7 +24,7 @@ def held_weights(module: nn.Module, storage: Storage) -> list[nn.Parameter]:
     """The weights of `module` that `storage` holds: a plain linear's weight or a fused-experts module's stacks. NF4
     takes a module only when it can block every one of them (each expert on its own); the others stay as they are."""
     if type(module) is nn.Linear:  # subclasses carry behaviour a swap would lose
-        weights = [module.weight]
+        weights = [cast(nn.Parameter, module.weight)]  # a Linear's weight is always registered as a Parameter
     elif fused_experts(module):
         weights = [getattr(module, n) for n in EXPERT_WEIGHTS]
     else:

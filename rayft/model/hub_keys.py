@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+
+if TYPE_CHECKING:
+    from transformers.core_model_loading import ConversionOps
 
 PLAIN = re.compile(r"[\w.*]+")  # a pattern that is a literal name (`*`: the expert index), not a regex
 
@@ -31,7 +36,7 @@ class ExpertParts:
     def keys(self, expert: int) -> tuple[str, ...]:
         return tuple(part.replace("*", str(expert)) for part in self.parts)
 
-    def renamed(self, rename) -> ExpertParts:
+    def renamed(self, rename: Callable[..., str]) -> ExpertParts:  # `...`: callers' lambdas bind loop values too
         return ExpertParts(tuple(rename(part) for part in self.parts))
 
 
@@ -45,7 +50,8 @@ class _Layout:
 def _layout(model_type: str) -> _Layout:
     """The renamings and expert merges of `model_type`'s conversion mapping that are plain names."""
     renamings, fused = [], []
-    for transform in get_checkpoint_conversion_mapping(model_type) or ():
+    # transformers leaves get_checkpoint_conversion_mapping unannotated
+    for transform in get_checkpoint_conversion_mapping(model_type) or ():  # type: ignore[no-untyped-call]
         sources, targets = transform.source_patterns, transform.target_patterns
         if not all(PLAIN.fullmatch(p) for p in (*sources, *targets)) or len(targets) != 1:
             continue
@@ -56,7 +62,7 @@ def _layout(model_type: str) -> _Layout:
     return _Layout(tuple(renamings), tuple(fused))
 
 
-def _merges_experts(operations: list) -> bool:
+def _merges_experts(operations: list[ConversionOps]) -> bool:
     """Stack per-expert tensors on a new dim 0, then (several parts) concatenate them along dim 1."""
     kinds = [(type(op), op.dim) for op in operations]
     return kinds in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 import peft
 import torch
@@ -75,7 +76,8 @@ def target_names(lora: LoraConfig, model: nn.Module) -> list[str]:
 def all_linear(model: nn.Module) -> set[str]:
     """The module paths PEFT's `all-linear` picks on this model (its own helper: linear layers, LM head excluded)."""
     probe = peft.LoraConfig(target_modules=ALL_LINEAR, task_type=peft.TaskType.CAUSAL_LM)
-    return set(_maybe_include_all_linear_layers(probe, model).target_modules)
+    # PEFT returns the LoraConfig it was given, its target_modules now the set of matching names (hinted list | str)
+    return set(cast(peft.LoraConfig, _maybe_include_all_linear_layers(probe, model)).target_modules)  # type: ignore[arg-type]
 
 
 def layer_names(model: nn.Module) -> str:

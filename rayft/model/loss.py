@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MethodType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
+    from peft.tuners.lora import Linear as LoraLinear
     from transformers import PreTrainedModel
 
 
@@ -49,11 +50,14 @@ def chunk_rows(vocab: int, on_gpu: bool) -> int:
     return max(ROW_MULTIPLE, rows - rows % ROW_MULTIPLE)
 
 
-def _low_rank_buffers(ctx, u: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+def _low_rank_buffers(
+    ctx: Any, u: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """LoRA on the head: its factors in the compute dtype and the buffers of their gradients (`b`'s transposed, summed
     in fp32), None where there is no LoRA or no gradient is asked for."""
     if u is None:
         return None, None, None, None
+    b = cast(torch.Tensor, b)  # LoRA on the head gives both factors
     u_low, b_low = u.to(dtype), b.to(dtype)
     grad_u = torch.empty_like(u_low) if ctx.needs_input_grad[6] else None
     grad_b_t = torch.zeros(b.shape[::-1], dtype=torch.float32, device=b.device) if ctx.needs_input_grad[7] else None
@@ -66,16 +70,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        hidden,
-        w,
-        targets,
+        ctx: Any,
+        hidden: torch.Tensor,
+        w: torch.Tensor,
+        targets: torch.Tensor,
         num_items: torch.Tensor | None,
         scored_first: bool,
         workspace: Workspace,
         u: torch.Tensor | None = None,
         b: torch.Tensor | None = None,
-    ):
+    ) -> torch.Tensor:
         """`scored_first`: the scored rows come first and only padding follows them (their gradients are garbage
         for the caller to drop); otherwise unscored rows anywhere are masked out."""
         h = hidden.to(w.dtype)  # the weight's dtype is the compute dtype: the caller casts it
@@ -96,7 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 n = len(safe[part])
                 torch.mm(h[part], w.T, out=low[:n])
                 if lora:
-                    low[:n].addmm_(u_low[part], b_low.T)
+                    low[:n].addmm_(cast(torch.Tensor, u_low)[part], cast(torch.Tensor, b_low).T)
                 z = low[:n] if fp32 else logits[:n].copy_(low[:n])
                 lp = torch.log_softmax(z, dim=-1, out=log_probs[:n])
                 nll = -lp.gather(1, safe[part])[:, 0]
@@ -109,20 +113,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     probs.mul_(scored[part, None])
                 if grad_b_t is not None:  # d / d b = probs.T @ u over the scored rows, summed in fp32 (as u.T @ probs)
                     valid = max(0, min(n, n_scored - start)) if scored_first else n
-                    grad_b_t.addmm_(u[part][:valid].float().T, probs[:valid])
+                    grad_b_t.addmm_(cast(torch.Tensor, u)[part][:valid].float().T, probs[:valid])
                 g = probs if fp32 else low[:n].copy_(probs)
                 if grad is not None:
                     torch.mm(g, w, out=grad[part])
                 if grad_u is not None:
-                    torch.mm(g, b_low, out=grad_u[part])
+                    torch.mm(g, cast(torch.Tensor, b_low), out=grad_u[part])
         # As transformers: the sum over scored tokens divided by `num_items_in_batch` when given, else their mean.
         divisor = count if num_items is None else num_items.to(total.device, torch.float32)
-        ctx.dtypes = (hidden.dtype, u.dtype if lora else None, b.dtype if lora else None)
+        ctx.dtypes = (
+            hidden.dtype,
+            cast(torch.Tensor, u).dtype if lora else None,
+            cast(torch.Tensor, b).dtype if lora else None,
+        )
         ctx.save_for_backward(grad, grad_u, grad_b_t.T if grad_b_t is not None else None, divisor)
         return total / divisor
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         *grads, divisor = ctx.saved_tensors
         scale = grad_loss / divisor
         grad, grad_u, grad_b = (
@@ -136,16 +144,16 @@ class LoraHead:
     """PEFT LoRA on the LM head, as the fused loss takes it: logits = h W.T + u B.T with u = scale · A(dropout(h)),
     so the vocabulary-wide product stays inside the chunks and only A's small output is left to autograd."""
 
-    layer: nn.Module  # peft.tuners.lora.Linear
+    layer: LoraLinear
     adapter: str
 
     def low_rank(self, hidden: torch.Tensor) -> torch.Tensor:
-        a, dropout = self.layer.lora_A[self.adapter], self.layer.lora_dropout[self.adapter]
-        return a(dropout(hidden.to(a.weight.dtype))) * self.layer.scaling[self.adapter]
+        a, dropout = cast(nn.Linear, self.layer.lora_A[self.adapter]), self.layer.lora_dropout[self.adapter]
+        return cast(torch.Tensor, a(dropout(hidden.to(a.weight.dtype))) * self.layer.scaling[self.adapter])
 
     @property
     def b(self) -> torch.Tensor:
-        return self.layer.lora_B[self.adapter].weight
+        return cast(nn.Linear, self.layer.lora_B[self.adapter]).weight
 
 
 def lora_head(head: nn.Module) -> LoraHead | None:
@@ -153,8 +161,9 @@ def lora_head(head: nn.Module) -> LoraHead | None:
     plain Linear, and while the adapter is switched off (the DPO reference pass)."""
     if type(head) is nn.Linear or head.disable_adapters or head.merged:
         return None
-    (adapter,) = (a for a in head.active_adapters if a in head.lora_A)
-    return LoraHead(head, adapter)
+    lora = cast("LoraLinear", head)  # `why_not_fused` lets only plain LoRA on a Linear through
+    (adapter,) = (a for a in lora.active_adapters if a in lora.lora_A)
+    return LoraHead(lora, adapter)
 
 
 def _why_not_lora(head: nn.Module) -> str | None:
@@ -174,7 +183,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
     d log p / d hidden = (one-hot(target) − softmax) @ w, kept per row and scaled by the caller's gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, w, targets, workspace: Workspace):
+    def forward(
+        ctx: Any, hidden: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, workspace: Workspace
+    ) -> torch.Tensor:
         h = hidden.to(w.dtype)
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
@@ -199,7 +210,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors
         return (grad * grad_out[:, None].to(grad.dtype)).to(ctx.hidden_dtype), None, None, None
 
@@ -208,7 +219,7 @@ def sequence_logprobs(
     hidden: torch.Tensor,
     labels: torch.Tensor,
     weight: torch.Tensor | None = None,
-    head=None,
+    head: nn.Module | None = None,
     workspace: Workspace | None = None,
     drop_unscored: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,9 +239,10 @@ def sequence_logprobs(
         hidden, targets, rows = hidden[where], targets[where], rows[where]
     wanted = targets.clamp(min=0)  # an unscored position (masked below) looks up any valid id
     if weight is not None:
-        token_logps = _LinearTokenLogProbs.apply(hidden, weight, wanted, workspace or Workspace())
-    else:
-        token_logps = torch.log_softmax(head(hidden).float(), dim=-1).gather(1, wanted[:, None])[:, 0]
+        # torch leaves autograd.Function.apply unannotated
+        token_logps = _LinearTokenLogProbs.apply(hidden, weight, wanted, workspace or Workspace())  # type: ignore[no-untyped-call]
+    else:  # without `weight` the caller gives `head`
+        token_logps = torch.log_softmax(cast(nn.Module, head)(hidden).float(), dim=-1).gather(1, wanted[:, None])[:, 0]
     token_logps = torch.where(targets != IGNORE_INDEX, token_logps, 0.0)
     sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add(0, rows, token_logps)
     return sums, scored.reshape(labels.shape).sum(-1)
@@ -262,9 +274,10 @@ def linear_cross_entropy(
         hidden = F.pad(hidden[keep], (0, 0, 0, pad))
         targets = F.pad(targets[keep], (0, pad), value=IGNORE_INDEX)
     low_rank = (lora.low_rank(hidden), lora.b) if lora is not None else (None, None)
-    return _LinearCrossEntropy.apply(
+    loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]  # torch: unannotated
         hidden, weight, targets, num_items_in_batch, scored_first, workspace or Workspace(), *low_rank
     )
+    return loss
 
 
 class FrozenCast:
@@ -272,7 +285,7 @@ class FrozenCast:
     same: autocast itself would cast it again on every call, as it caches casts of trainable leaves only."""
 
     def __init__(self) -> None:
-        self.key: tuple | None = None
+        self.key: tuple[int, int, torch.dtype] | None = None
         self.cast: torch.Tensor | None = None
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
@@ -282,12 +295,12 @@ class FrozenCast:
         key = (weight.data_ptr(), weight._version, torch.get_autocast_dtype(device))
         if key != self.key:
             self.key, self.cast = key, weight.detach().to(key[2])
-        return self.cast
+        return cast(torch.Tensor, self.cast)  # set by the first call: its key differs from None
 
 
 def why_not_fused(model: PreTrainedModel) -> str | None:
     """Why this causal LM's loss cannot come from `linear_cross_entropy`; None when it can."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers: unannotated
     if type(head) is not nn.Linear:  # LoRA (fused too, `LoraHead`) or modules_to_save on the head wraps it
         reason = _why_not_lora(head)
         if reason is not None:
@@ -318,8 +331,14 @@ def fuse_loss(model: PreTrainedModel, drop_unscored: bool | None = None) -> str 
     head, workspace = FrozenCast(), Workspace()
 
     def forward(
-        self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, **kwargs: Any
-    ):
+        self: PreTrainedModel,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:  # as the model's own forward: its output, or the loss alone (`CausalLMOutputWithPast`)
         if labels is None:
             return original(
                 input_ids=input_ids,
@@ -339,7 +358,7 @@ def fuse_loss(model: PreTrainedModel, drop_unscored: bool | None = None) -> str 
             use_cache=False,
             **kwargs,
         ).last_hidden_state
-        output = self.get_output_embeddings()
+        output = self.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers: unannotated
         weight = head(getattr(output, "base_layer", output).weight)
         loss = linear_cross_entropy(hidden, weight, labels, num_items, workspace, drop_unscored, lora_head(output))
         return CausalLMOutputWithPast(loss=loss)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -151,14 +151,14 @@ def _dequantize_stored(
     mean: torch.Tensor,
     dtype: torch.dtype,
     *,
-    quant_dtype,
+    quant_dtype: torch.dtype,
 ) -> torch.Tensor:
     """`dequantize` of a layer's parameters (factors and mean as their int32 bits), for `FrozenLinear`."""
     parts = Nf4Parts(codes, scalers, factors.view(torch.float32), mean.view(torch.float32))
     return dequantize(parts, quant_dtype, dtype)
 
 
-def _register_storage_(module: nn.Module, name: str, shape: tuple[int, ...], device) -> None:
+def _register_storage_(module: nn.Module, name: str, shape: tuple[int, ...], device: torch.device | str | None) -> None:
     for suffix, (part_shape, dtype) in zip(STORAGE_SUFFIXES, storage_shapes(shape), strict=True):
         module.register_parameter(name + suffix, frozen_parameter(part_shape, dtype, device))
 
@@ -168,8 +168,11 @@ class Nf4Linear(QuantisedLinear):
     `quant_dtype` is the dtype its scales are computed in (the weight's)."""
 
     quant_dtype: torch.dtype
+    weight_scalers: nn.Parameter  # registered by `_register_storage_`, with `weight`
+    weight_factors: nn.Parameter
+    weight_mean: nn.Parameter
 
-    def _register_storage_(self, device) -> None:
+    def _register_storage_(self, device: torch.device | str | None) -> None:
         _register_storage_(self, "weight", (self.out_features, self.in_features), device)
 
     @classmethod
@@ -204,7 +207,7 @@ class Nf4Experts(QuantisedExperts):
     kind = "NF4"
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
-        self.quant_dtype = experts.gate_up_proj.dtype
+        self.quant_dtype = cast(nn.Parameter, experts.gate_up_proj).dtype
         super().__init__(experts, compute_dtype)
 
     def _store_(self, name: str, weight: torch.Tensor) -> None:
@@ -234,7 +237,7 @@ def to_nf4_(layers: list[nn.Module], compute_dtype: torch.dtype) -> tuple[int, i
         for parent in list(layer.modules()):
             for child_name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    nf4 = functools.partial(Nf4Linear.from_linear, child)
+                    nf4: Callable[[torch.dtype], nn.Module] = functools.partial(Nf4Linear.from_linear, child)
                 elif fused_experts(child):
                     nf4 = functools.partial(Nf4Experts, child)
                 else:

@@ -20,8 +20,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,10 @@ from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_
 from rayft.model.fp8_format import EXPERT_WEIGHTS, weight_block
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 from rayft.model.nf4 import Nf4Experts, Nf4Linear, block_absmax, double_quantize, encode, quantize, storage_of, store_
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHUNK_BYTES = 32 * 2**20  # fp32-equivalent size of the rows read (and dequantised) at once
@@ -77,7 +82,7 @@ class SafetensorsCheckpoint:
                 if key != "__metadata__":
                     start = 8 + header_len + info["data_offsets"][0]
                     self.entries[key] = _Entry(file, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), start)
-        self._files: dict[Path, BinaryIO] = {}
+        self._files: dict[Path, BufferedReader] = {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -104,7 +109,8 @@ class SafetensorsCheckpoint:
         else:
             out, first = torch.empty((stop - start, *entry.shape[1:]), dtype=entry.dtype), start
         row_bytes = out[0].numel() * out.element_size() if out.ndim else 0
-        buffer = memoryview(out.view(torch.uint8).numpy() if out.ndim else out.reshape(1).view(torch.uint8).numpy())
+        # numpy arrays export the buffer protocol; numpy 2.3's stubs do not declare it
+        buffer = memoryview(out.view(torch.uint8).numpy() if out.ndim else out.reshape(1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         f = self._files.get(entry.file) or self._files.setdefault(entry.file, open(entry.file, "rb"))  # noqa: SIM115
         f.seek(entry.offset + first * row_bytes)
         done = 0
@@ -141,7 +147,7 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
 
     transformers decides this (`tie_word_embeddings` and the class's `_tied_weights_keys`); a tied head is the same
     parameter as its embedding, so a checkpoint stores it once and needs only one of the two names."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
+    base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
     expand = getattr(base, "get_expanded_tied_weights_keys", None)
     return dict(expand(all_submodels=True)) if expand is not None else {}
 
@@ -153,8 +159,8 @@ def tie_weights_(model: nn.Module) -> None:
     model splits them again (`nn.Module._apply` makes a new parameter per module), which calling this again undoes."""
     owners: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
-        module, _, attr = name.rpartition(".")
-        owners[model_param_name(name)].append((model.get_submodule(module), attr, param))
+        module_name, _, attr = name.rpartition(".")
+        owners[model_param_name(name)].append((model.get_submodule(module_name), attr, param))
     for head, embedding in tied_parameters(model).items():
         if not owners.get(head) or not owners.get(embedding):
             continue
@@ -204,7 +210,7 @@ class _Read:
     scale: tuple[torch.Tensor, int] | None = None  # FP8 storage (`rayft.model.fp8`): its row scales, filled with it
     experts: ExpertParts | None = None
     block: int | None = None  # FP8 storage: the column block width of its scales (None: one per row)
-    nf4: tuple[nn.Module, str] | None = None  # NF4 storage (`rayft.model.nf4`): its module and weight name
+    nf4: tuple[Nf4Linear | Nf4Experts, str] | None = None  # NF4 storage (`rayft.model.nf4`): its module and weight name
 
 
 def plan_reads(model: nn.Module, checkpoint: SafetensorsCheckpoint) -> list[_Read]:
@@ -282,7 +288,7 @@ def _buffer_reads(
 
 
 def _model_type(model: nn.Module) -> str:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
+    base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
     return getattr(getattr(base, "config", None), "model_type", "") or ""
 
 
@@ -396,7 +402,7 @@ def _copy_rows_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
             _fill_fp8_(read.local[index], scale[index], rows, key, checkpoint, lo, read.block)
 
 
-def _pieces(read: _Read, checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[tuple, str, int, int]]:
+def _pieces(read: _Read, checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[tuple[int | slice, ...], str, int, int]]:
     """(index into the local shard, checkpoint key, first row, end row) of each read: bounded chunks of rows of one
     tensor, or for a parameter stored per expert each held expert's parts (a global row is an expert)."""
     local = read.local
@@ -438,19 +444,19 @@ def _fill_fp8_(
         scale.copy_(s)
 
 
-def _nf4_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+def _nf4_weights(model: nn.Module) -> dict[str, tuple[Nf4Linear | Nf4Experts, str]]:
     """Full name of each NF4 code parameter → its module and the weight's name there."""
-    found = {}
+    found: dict[str, tuple[Nf4Linear | Nf4Experts, str]] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         weights = (
             ("weight",) if isinstance(module, Nf4Linear) else EXPERT_WEIGHTS if isinstance(module, Nf4Experts) else ()
         )
-        found.update({prefix + weight: (module, weight) for weight in weights})
+        found.update({prefix + weight: (cast("Nf4Linear | Nf4Experts", module), weight) for weight in weights})
     return found
 
 
-def _nf4_shape(module: nn.Module, weight: str) -> list[int]:
+def _nf4_shape(module: Nf4Linear | Nf4Experts, weight: str) -> list[int]:
     """The whole weight an NF4 parameter holds the codes of (all experts)."""
     if isinstance(module, Nf4Linear):
         return [module.out_features, module.in_features]
@@ -460,6 +466,7 @@ def _nf4_shape(module: nn.Module, weight: str) -> list[int]:
 def _fill_nf4_(read: _Read, checkpoint: SafetensorsCheckpoint) -> None:
     """Fill this rank's shards of an NF4 weight: a linear from its rows, experts whole, one at a time, in the dtype
     the module quantises in (what `from_pretrained` would have loaded)."""
+    assert read.nf4 is not None  # `_copy_rows_` sends NF4 reads alone here
     module, weight = read.nf4
     if isinstance(module, Nf4Experts):
         local = [_local_rows(p)[0] for p in storage_of(module, weight)]
@@ -533,6 +540,7 @@ def _stored_scale(
         return per_row if block is None else per_row.unsqueeze(-1).expand(shape)
     if block is None:
         return scale.squeeze(-1) if scale.shape[-1] == 1 else None
+    assert checkpoint.weight_block is not None  # block-wise scales: `_scale_kind` found the config's block size
     return scale if block == checkpoint.weight_block[1] and scale.shape == shape else None
 
 
@@ -544,6 +552,7 @@ def dequantize(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, 
     scale = fp8_scale(rows, key, checkpoint, start).to(rows.device, torch.float32)
     kind = _scale_kind(key, checkpoint)[1]
     if kind == "block":
+        assert checkpoint.weight_block is not None  # as `_scale_kind` found it
         scale = block_scales(scale, checkpoint.weight_block[1], rows.shape[-1])
     elif kind == "row":
         scale = scale.reshape(scale.shape[0], *[1] * (rows.ndim - 1))
@@ -558,6 +567,7 @@ def fp8_scale(rows: torch.Tensor, key: str, checkpoint: SafetensorsCheckpoint, s
         return checkpoint.rows(scale_key, 0, 1).reshape(())
     if kind == "row":
         return checkpoint.rows(scale_key, start, start + rows.shape[0])
+    assert checkpoint.weight_block is not None  # block-wise scales: `_scale_kind` found the config's block size
     row_block, n = checkpoint.weight_block[0], rows.shape[0]
     first = start // row_block
     blocks = checkpoint.rows(scale_key, first, max(first, (start + n - 1) // row_block + 1))
@@ -599,7 +609,7 @@ def _expert_rows(model: nn.Module, name: str) -> tuple[int, int, int] | None:
     (`rayft.parallel.expert`: the experts module's `ep_rows`), else None."""
     if ".lora_" in name:  # a LoRA factor: its wrapper's base layer (for expert LoRA, the experts)
         wrapper = model.get_submodule(name.split(".lora_")[0])
-        owner = wrapper.get_base_layer() if hasattr(wrapper, "get_base_layer") else wrapper
+        owner = cast("BaseTunerLayer", wrapper).get_base_layer() if hasattr(wrapper, "get_base_layer") else wrapper
     else:
         owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     return getattr(owner, "ep_rows", None)
@@ -668,8 +678,8 @@ def _init_dora_magnitudes_(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if DORA_MAGNITUDE not in name:
             continue
-        weight = model.get_submodule(name.split(DORA_MAGNITUDE)[0]).get_base_layer().weight
-        local_weight, _ = _local_rows(weight)
+        layer = cast("BaseTunerLayer", model.get_submodule(name.split(DORA_MAGNITUDE)[0]))  # DoRA's LoRA layer
+        local_weight, _ = _local_rows(cast(torch.Tensor, layer.get_base_layer().weight))
         local, _ = _local_rows(param)
         local.copy_(torch.linalg.norm(local_weight, dim=1).to(local.dtype))
 
