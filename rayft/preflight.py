@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from torch import nn
-
 from rayft.config import Config, ConfigError, DataConfig, is_uri
 from rayft.data.files import DecodeBudget
 from rayft.data.records import RecordFormat, record_fields, record_format
@@ -40,6 +38,7 @@ from rayft.train.run_settings import check_checkpoint_shape, check_continuation,
 from rayft.train.rundir import RunDir
 
 if TYPE_CHECKING:  # resolved on a weightless model when the check runs; PEFT is imported only then
+    from peft import PeftModel
     from transformers import PreTrainedConfig
 
     from rayft.model.lora import LoraTargets
@@ -150,7 +149,7 @@ def _local_placement(cfg: Config) -> str | None:
     return f"if run without a cluster: {problem}" if problem else None
 
 
-def _weightless_model(cfg: Config) -> tuple[nn.Module, LoraTargets]:
+def _weightless_model(cfg: Config) -> tuple[PeftModel, LoraTargets]:
     from rayft.model.build import weightless_lora_model
 
     return weightless_lora_model(cfg)

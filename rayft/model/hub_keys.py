@@ -63,8 +63,9 @@ def _layout(model_type: str) -> _Layout:
 
 
 def _merges_experts(operations: list[ConversionOps]) -> bool:
-    """Stack per-expert tensors on a new dim 0, then (several parts) concatenate them along dim 1."""
-    kinds = [(type(op), op.dim) for op in operations]
+    """Stack per-expert tensors on a new dim 0, then (several parts) concatenate them along dim 1. (Other
+    operations, such as a transpose with its two dims, make it something else.)"""
+    kinds = [(type(op), getattr(op, "dim", None)) for op in operations]
     return kinds in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)])
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Literal, cast
 
 import peft
 import torch
@@ -32,6 +32,8 @@ log = logging.getLogger("rayft")
 AUTO_TARGETS = {f.model_type: f.targets for f in FAMILIES.values()}
 ADAPTABLE = (nn.Linear, nn.Embedding)
 ALL_LINEAR = "all-linear"
+
+LoraBias = Literal["none", "all", "lora_only"]  # PEFT's `bias` choices
 
 
 @dataclass
@@ -162,7 +164,7 @@ def peft_config(lora: LoraConfig, names: list[str], parameters: list[str] | None
         use_rslora=lora.use_rslora,
         modules_to_save=lora.modules_to_save,
         target_parameters=parameters or None,
-        bias=lora.bias,
+        bias=cast(LoraBias, lora.bias),  # `Config.check` took it only from these values
         task_type=peft.TaskType.CAUSAL_LM,
     )
 

@@ -89,3 +89,20 @@ def test_per_expert_keys_inside_a_vlm_wrapper_are_found(tmp_path):
     want = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_every_model_type_transformers_knows_has_a_readable_key_layout():
+    """The hub-key layouts come from transformers' conversion mappings, whose operations differ by model type (a
+    transpose has two dims, not one): reading any of them must not fail, whatever wrapper a checkpoint names."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from rayft.model.hub_keys import checkpoint_names, expert_parts
+
+    failed = {}
+    for model_type in CONFIG_MAPPING_NAMES:
+        try:
+            expert_parts(model_type, "model.layers.0.mlp.experts.gate_up_proj")
+            checkpoint_names(model_type, "model.layers.0.mlp.gate.weight")
+        except Exception as e:  # every model type's failure is listed at once
+            failed[model_type] = repr(e)
+    assert not failed, failed
