@@ -68,12 +68,14 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
     from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.metrics import LossWindow
+    from rayft.train.objectives import build_objective
     from rayft.train.step import train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = Config.from_dict(raw)
     model = build_model(cfg, on_gpu=False)
+    loss = build_objective(cfg, model, torch.device("cpu")).loss  # the loop's
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     window = LossWindow(torch.device("cpu"), world, FlopModel(0, 0, 0.0), None)
@@ -93,7 +95,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
         for _ in range(STEPS_PER_BLOCK):
             dist.barrier()
             started = time.perf_counter()
-            train_step(model, optimizer, scheduler, group, window, world_size=world, kept_layers=[],
+            train_step(model, optimizer, scheduler, group, window, loss=loss, world_size=world, kept_layers=[],
                        autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
             if block:
                 times["counted" if counted else "plain"].append(time.perf_counter() - started)

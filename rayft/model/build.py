@@ -20,17 +20,18 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from rayft.config import DORA_ON_FP8, Config, ConfigError, ModelConfig
 from rayft.model.families import check_moe_family
 from rayft.model.lora import LoraTargets, modules_to_save, wrap
-from rayft.model.loss import fuse_loss
+from rayft.model.loss import why_not_fused
 from rayft.model.weights import tie_weights_
 
 log = logging.getLogger("rayft")
 
 
 def fused_loss(model: peft.PeftModel, cfg: Config) -> str | None:
-    """Take the loss from the hidden states in chunks (`rayft.model.loss`); returns why not, or None if it does."""
+    """Why the next-token loss of this model cannot be taken from its hidden states in chunks
+    (`rayft.model.loss.CausalLMLoss`); None when it can."""
     if not cfg.train.fused_loss:
         return "train.fused_loss is false"
-    return fuse_loss(cast(PreTrainedModel, model.get_base_model()))
+    return why_not_fused(cast(PreTrainedModel, model.get_base_model()))
 
 
 def text_config(model_dir: str) -> PretrainedConfig:

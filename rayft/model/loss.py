@@ -8,8 +8,8 @@ still at hand: no logits kept for backward, no second matmul pass, two fewer swe
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from types import MethodType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
+# Batch columns that are no input of the model: the targets, and the precomputed DPO reference a pair batch carries.
+NOT_MODEL_INPUTS = ("labels", "reference_logps", "reference_missing")
 ROW_MULTIPLE = 64
 # Config fields that change the logits after the LM head's matmul, or add a loss term the fused path leaves out.
 _LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -308,6 +311,9 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
         head = head.base_layer
     if head.weight.requires_grad or head.bias is not None:
         return "the LM head is trained or has a bias"
+    forward = why_not_fused_forward(model)
+    if forward is not None:
+        return forward
     config = model.config.get_text_config()
     changed = [k for k in _LOGIT_CHANGES if getattr(config, k, None) not in (None, 1.0)]
     if changed:
@@ -317,51 +323,52 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
     return None
 
 
-def fuse_loss(model: PreTrainedModel, drop_unscored: bool | None = None) -> str | None:
-    """Make `model(..., labels=...)` compute its loss with `linear_cross_entropy` (no logits in the output).
-    Returns why it could not, leaving the model as it was. Without labels the forward is the original one.
-    `drop_unscored`: as in `linear_cross_entropy` (None: by device; tests force either branch)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    reason = why_not_fused(model)
-    if reason is not None:
-        return reason
-    original = model.forward
-    backbone = model.base_model  # the decoder stack under the LM head
-    head, workspace = FrozenCast(), Workspace()
-
-    def forward(
-        self: PreTrainedModel,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Any:  # as the model's own forward: its output, or the loss alone (`CausalLMOutputWithPast`)
-        if labels is None:
-            return original(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                **kwargs,
-            )
-        num_items = kwargs.pop("num_items_in_batch", None)
-        for unused in ("return_dict", "output_attentions", "output_hidden_states", "use_cache"):
-            kwargs.pop(unused, None)
-        hidden = backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=False,
-            **kwargs,
-        ).last_hidden_state
-        output = self.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers: unannotated
-        weight = head(getattr(output, "base_layer", output).weight)
-        loss = linear_cross_entropy(hidden, weight, labels, num_items, workspace, drop_unscored, lora_head(output))
-        return CausalLMOutputWithPast(loss=loss)
-
-    model.forward = MethodType(forward, model)
+def why_not_fused_forward(model: PreTrainedModel) -> str | None:
+    """Why the fused loss cannot take this causal LM's last hidden states from its own call without logits
+    (`last_hidden_states`); None when it can."""
+    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+        return f"{type(model).__name__}'s forward has no logits_to_keep"
     return None
+
+
+def model_inputs(batch: Batch) -> Batch:
+    """What of a collated batch the model's forward takes: all but the targets and what objectives carry along."""
+    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+
+
+def last_hidden_states(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The decoder's last hidden states (after its final norm) for `batch`, from the model's own call, so that
+    FSDP's root hooks gather what the root holds, and without logits: transformers' `logits_to_keep` keeps no
+    position and `output_hidden_states=-1` records the last states only. The root's weights (the LM head's among
+    them) stay gathered after the call, for the loss to use: FSDP does not reshard the root after its forward."""
+    none = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
+    out = model(**model_inputs(batch), logits_to_keep=none, output_hidden_states=-1, use_cache=False)
+    return cast(torch.Tensor, out.hidden_states[-1])
+
+
+def lm_head(model: nn.Module) -> nn.Module:
+    """The LM head of a causal LM, or of the one a PEFT model wraps (its LoRA wrapper where it has one)."""
+    head: nn.Module = cast(Any, model).get_output_embeddings()  # transformers leaves it unannotated
+    return head
+
+
+class CausalLMLoss:
+    """The next-token loss of a batch (summed over its target tokens, divided by `num_items` when given, else their
+    mean, as transformers does): fused with the LM head (`linear_cross_entropy` from the last hidden states, no
+    logits kept) where `why_not_fused` allows, else the model's own loss from its logits."""
+
+    def __init__(self, fused: bool, drop_unscored: bool | None = None) -> None:
+        """`drop_unscored`: as in `linear_cross_entropy` (None: by device; tests force either branch)."""
+        self.fused, self.drop_unscored = fused, drop_unscored
+        self.head, self.workspace = FrozenCast(), Workspace()
+
+    def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.fused:
+            return cast(torch.Tensor, model(**batch, num_items_in_batch=num_items).loss)
+        hidden = last_hidden_states(model, batch)
+        output = lm_head(model)
+        weight = self.head(cast(nn.Linear, getattr(output, "base_layer", output)).weight)
+        lora = lora_head(output)
+        return linear_cross_entropy(
+            hidden, weight, batch["labels"], num_items, self.workspace, self.drop_unscored, lora
+        )

@@ -17,17 +17,17 @@ import typing
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from types import MethodType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import AuxiliaryTrainingWrapper
+from torch import nn
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
-from rayft.model.loss import FrozenCast, Workspace, sequence_logprobs, why_not_fused
+from rayft.model.loss import FrozenCast, Workspace, last_hidden_states, lm_head, sequence_logprobs, why_not_fused
 from rayft.train.step import MicroBatchLoss, eval_pass
 
 if TYPE_CHECKING:
@@ -56,42 +56,28 @@ class PairScores:
     rejected_logps: torch.Tensor
 
 
-def enable_sequence_logprobs(model: peft.PeftModel) -> None:
-    """Teach the PEFT model's causal LM `forward(..., completion_labels=L)`: it then returns (sum of completion
-    log-probs per row, scored tokens per row) from the last hidden states, through the model's own call path (so
-    FSDP's root hooks run). A plain frozen LM head goes chunk by chunk without keeping logits; a trained one (LoRA
-    on `lm_head`) through its module. Other calls reach the forward as it was."""
-    base = typing.cast("PreTrainedModel", model.get_base_model())  # PEFT's hint says nn.Module: it is the causal LM
-    original = base.forward
-    backbone = base.base_model
-    # LoRA on the head: its module. (transformers leaves get_output_embeddings unannotated, here and in `forward`.)
-    fused = why_not_fused(base) is None and type(base.get_output_embeddings()) is torch.nn.Linear  # type: ignore[no-untyped-call]
-    cast, workspace = FrozenCast(), Workspace()
+class SequenceLogprobs:
+    """(sum of completion log-probs per row, scored tokens per row) of a pair batch, from the model's last hidden
+    states (`last_hidden_states`: its own call, no logits): a plain frozen LM head chunk by chunk without keeping
+    logits; a trained one (LoRA on `lm_head`) through its module."""
 
-    def forward(self: PreTrainedModel, *args: Any, completion_labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
-        if completion_labels is None:
-            return original(*args, **kwargs)
-        for unused in ("labels", "num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states"):
-            kwargs.pop(unused, None)
-        kwargs["use_cache"] = False
-        hidden = backbone(*args, **kwargs).last_hidden_state
-        head = self.get_output_embeddings()  # type: ignore[no-untyped-call]
-        if fused:
-            return sequence_logprobs(hidden, completion_labels, weight=cast(head.weight), workspace=workspace)
-        return sequence_logprobs(hidden, completion_labels, head=head)
+    def __init__(self, model: nn.Module) -> None:
+        """`model`: the PEFT model."""
+        base = typing.cast("PreTrainedModel", typing.cast("peft.PeftModel", model).get_base_model())
+        self.fused = why_not_fused(base) is None and type(lm_head(base)) is nn.Linear  # LoRA on it: its module
+        self.cast, self.workspace = FrozenCast(), Workspace()
 
-    base.forward = MethodType(forward, base)
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = last_hidden_states(model, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+        head = lm_head(model)
+        if self.fused:
+            return sequence_logprobs(
+                hidden, batch["labels"], weight=self.cast(typing.cast(nn.Linear, head).weight), workspace=self.workspace
+            )
+        return sequence_logprobs(hidden, batch["labels"], head=head)
 
 
-def logprobs(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(completion log-prob sums, completion token counts) of every row of a pair batch."""
-    return typing.cast(
-        tuple[torch.Tensor, torch.Tensor],  # the forward `enable_sequence_logprobs` installed
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], completion_labels=batch["labels"]),
-    )
-
-
-def reference_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def reference_logprobs(model: torch.nn.Module, logprobs: SequenceLogprobs, batch: Batch) -> torch.Tensor:
     """The same rows under the base model: the adapter switched off, no gradients."""
     with torch.no_grad(), adapter_off(model):
         return logprobs(model, batch)[0]
@@ -139,9 +125,11 @@ def pair_scores(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Ten
     )
 
 
-def score(model: torch.nn.Module, batch: Batch, dpo: DpoConfig, live: bool = True) -> PairScores:
+def score(
+    model: torch.nn.Module, logprobs: SequenceLogprobs, batch: Batch, dpo: DpoConfig, live: bool = True
+) -> PairScores:
     """The pairs' scores; the reference scored now (`live`) or carried by the batch (`dpo.reference: precomputed`)."""
-    reference = reference_logprobs(model, batch) if live else None
+    reference = reference_logprobs(model, logprobs, batch) if live else None
     policy, counts = logprobs(model, batch)
     if reference is None:
         reference = batch["reference_logps"].to(policy.dtype)
@@ -201,14 +189,14 @@ class PreferenceLoss:
     grad; skipped where the batches carry precomputed reference log-probs) and the policy pass over chosen +
     rejected, the loss summed over pairs and divided by the step's pairs per rank; TRL's metrics go to `sums`."""
 
-    def __init__(self, dpo: DpoConfig, sums: PreferenceSums):
-        self.dpo, self.sums = dpo, sums
+    def __init__(self, dpo: DpoConfig, sums: PreferenceSums, logprobs: SequenceLogprobs):
+        self.dpo, self.sums, self.logprobs = dpo, sums, logprobs
 
     def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss:
         per_rank, carried = step_pairs(group, world_size)
 
         def micro_batch_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-            scores = score(model, batch, self.dpo, live=not carried)
+            scores = score(model, self.logprobs, batch, self.dpo, live=not carried)
             self.sums.add(scores)
             return scores.losses.sum() / per_rank, batch["attention_mask"].sum()
 
@@ -224,9 +212,14 @@ def evaluate(
     autocast: Autocast = nullcontext,
     *,
     dpo: DpoConfig,
+    logprobs: SequenceLogprobs,
 ) -> dict[str, float]:
     """`eval_loss` and TRL's `eval_rewards/*`, `eval_logps/*`: means over every pair of every rank's shard. For the
     base model alone (no adapter trained yet) policy and reference are the same: rewards 0, loss ln 2 (sigmoid)."""
     sums = PreferenceSums(device)
-    eval_pass(model, shard, batch_size, collate, device, autocast, lambda batch: sums.add(score(model, batch, dpo)))
+
+    def score_pairs(batch: Batch) -> None:
+        sums.add(score(model, logprobs, batch, dpo))
+
+    eval_pass(model, shard, batch_size, collate, device, autocast, score_pairs)
     return sums.take(prefix="eval_")

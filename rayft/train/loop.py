@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config, RayConfig, TrainConfig
-from rayft.data.pipeline import collate_fn
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
 from rayft.model.build import cpu_autocast, cpu_bf16, decoder_layers, fused_loss
@@ -28,26 +27,27 @@ from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
-from rayft.train import dpo, reference, sinks
 from rayft.train import metrics as measured
+from rayft.train import reference, sinks
 from rayft.train.checkpoint import CheckpointManager, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.checkpoint_dir import Progress
 from rayft.train.job import EvalJob, Job
 from rayft.train.ledger import RecordLedger
-from rayft.train.metrics import LossWindow, ProgressLog, perplexity
+from rayft.train.metrics import LossWindow, ProgressLog
+from rayft.train.objectives import Objective, build_objective
 from rayft.train.rundir import EVAL_RESULT, RunDir
 from rayft.train.runtime import RayRuntime, Runtime, Shard
 from rayft.train.schedule import build_optimizer, build_scheduler
-from rayft.train.step import NEXT_TOKEN, DataWait, GlobalPart, StepLoss, evaluate, step_groups, train_step
+from rayft.train.sinks import Gauges
+from rayft.train.step import DataWait, GlobalPart, step_groups, train_step
 from rayft.train.steps import StepPlan
 
 if TYPE_CHECKING:
-    import peft
     from torch.optim.lr_scheduler import LRScheduler
     from transformers import PreTrainedTokenizerBase
 
     from rayft.train.runtime import Collate
-    from rayft.train.step import Autocast, Batch
+    from rayft.train.step import Autocast
 
 log = logging.getLogger("rayft")
 
@@ -76,9 +76,8 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg, rank, device = job.config, runtime.rank, runtime.device
     _setup_logging(rank)
     model = build_model(cfg, device.type == "cuda", device, _layout(cfg, device))
-    fused_loss(model, cfg)
-    objective = Objective(cfg, model, device)
-    collate = collate_fn(cfg.data, load_tokenizer(cfg.model).pad_token_id, pairs=objective.dpo)
+    objective = build_objective(cfg, model, device)
+    collate = objective.collate(load_tokenizer(cfg.model).pad_token_id)
     shard = runtime.shard("validation")
     autocast = cpu_autocast(cfg, device)
 
@@ -117,6 +116,7 @@ class Trainer:
         self.train_shard = runtime.shard("train")
         self.val_shard = self._validation_shard()
         self.state, self.autocast, self.window, self.tokenizer = self._build()
+        self.objective: Objective = build_objective(self.cfg, self.state.model, self.device)
         run = RunDir(self.cfg.run_uri)
         ray_cfg = self.cfg.ray
         accum = self.plan.accumulation(self.world_size, self.cfg.train.gradient_accumulation_steps)
@@ -127,12 +127,12 @@ class Trainer:
                 resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, self.world_size, accum)
             if self.rank == 0:
                 _log_group_size(self.cfg, self.plan, self.world_size, accum)
+                gauges = runtime.gauges(ray_cfg.name, self.objective.gauges)
                 self.progress_log = _progress_log(
-                    self.cfg, self.plan, self.state, run, resumed, job.params, runtime, self.checkpoints.resumed_metrics
+                    self.cfg, self.plan, self.state, run, resumed, job.params, gauges, self.checkpoints.resumed_metrics
                 )
             self.ledger = self._ledger(run, resumed)
-            self.objective = Objective(self.cfg, self.state.model, self.device)
-            self.collate = collate_fn(self.cfg.data, self.tokenizer.pad_token_id, pairs=self.objective.dpo)
+            self.collate = self.objective.collate(self.tokenizer.pad_token_id)
             self.cadence = Cadence(self.cfg.train, self.cfg.ray, self.plan)
             self.waited = DataWait()
             self.kept_layers = [] if self.cfg.fsdp.reshards() else decoder_layers(self.state.model)
@@ -182,11 +182,11 @@ class Trainer:
         pad_id = self.tokenizer.pad_token_id
         assert self.profile is not None  # set up in __init__; done with only after the first step
         with self.profile.stage("reference"):
-            keyed = collate_fn(self.cfg.data, pad_id, pairs=True, keys=True)
+            keyed = self.objective.collate(pad_id, keys=True)
             table = reference.precompute(
                 self.state.model, self.train_shard, self.cfg, keyed, self.device, self.autocast, run, self.rank
             )
-        return collate_fn(self.cfg.data, pad_id, pairs=True, reference=table)
+        return self.objective.collate(pad_id, reference=table)
 
     def train(self) -> None:
         """Optimizer steps until the plan's last; after each, what is due: metrics, evaluation, a checkpoint."""
@@ -203,12 +203,13 @@ class Trainer:
         )
         for group in groups:
             stepped = time.time()
-            grad_norm = self.objective.step(
+            grad_norm = train_step(
                 state.model,
                 state.optimizer,
                 state.scheduler,
                 group.batches,
                 self.window,
+                loss=self.objective.loss,
                 world_size=self.world_size,
                 kept_layers=self.kept_layers,
                 autocast=self.autocast,
@@ -380,54 +381,12 @@ def _progress_log(
     run: RunDir,
     resumed: bool,
     params: dict[str, Any],
-    runtime: Runtime,
+    gauges: Gauges | None,
     resumed_row: dict[str, Any] | None,
 ) -> ProgressLog:
-    """Rank 0's logger, gauges and trackers."""
+    """Rank 0's logger, with the run's gauges and its trackers."""
     trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
-    dpo_run = cfg.train.objective == "dpo"
-    gauges = runtime.gauges(cfg.ray.name, sinks.PREFERENCE_GAUGES if dpo_run else None)
     return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers, resumed_row)
-
-
-class Objective:
-    """What the run optimises, `train.objective`: the next-token loss (sft) or a preference loss on pairs (dpo,
-    `rayft.train.dpo`). Gives the step its loss, the evaluation (a dict of eval metrics) and the window's extra
-    metrics; the step itself is one for both (`rayft.train.step.train_step`)."""
-
-    def __init__(self, cfg: Config, model: peft.PeftModel, device: torch.device):
-        self.cfg, self.model, self.dpo = cfg, model, cfg.train.objective == "dpo"
-        self.precomputed = self.dpo and cfg.dpo.reference == "precomputed"
-        self.sums: dpo.PreferenceSums | None = None
-        self.loss: StepLoss = NEXT_TOKEN
-        if self.dpo:
-            dpo.enable_sequence_logprobs(model)
-            self.sums = dpo.PreferenceSums(device)
-            self.loss = dpo.PreferenceLoss(cfg.dpo, self.sums)
-
-    def step(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: LRScheduler,
-        group: list[Batch],
-        window: LossWindow,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        return train_step(model, optimizer, scheduler, group, window, loss=self.loss, **kwargs)
-
-    def evaluate(
-        self, shard: Shard, batch_size: int, collate: Collate, device: torch.device, autocast: Autocast
-    ) -> dict[str, Any]:
-        if self.dpo:
-            return dpo.evaluate(self.model, shard, batch_size, collate, device, autocast, dpo=self.cfg.dpo)
-        return _eval_metrics(evaluate(self.model, shard, batch_size, collate, device, autocast))
-
-    def window_metrics(self) -> dict[str, Any]:
-        """TRL's reward metrics over the logging window (DPO); the loss itself comes from the LossWindow."""
-        if self.sums is None:
-            return {}
-        return {k: v for k, v in self.sums.take().items() if k != "loss"}
 
 
 @dataclass
@@ -480,10 +439,6 @@ def _window_metrics(
     if (first := waited.take_first()) is not None:
         metrics["first_batch_wait_s"] = round(first, 3)
     return metrics
-
-
-def _eval_metrics(loss: float) -> dict[str, Any]:
-    return {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
 
 
 def _precision_line(model: torch.nn.Module, bf16_on_cpu: bool, on_gpu: bool) -> str:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.parallel.parallelize import reshard_all
-from rayft.train.dpo import reference_logprobs
+from rayft.train.dpo import SequenceLogprobs, reference_logprobs
 from rayft.train.rundir import RunDir
 from rayft.train.transfer import to_device
 
@@ -115,12 +115,13 @@ def score_batches(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The pairs of these (collated) batches: their keys and reference (chosen, rejected) log-probs."""
     model.eval()
+    logprobs = SequenceLogprobs(model)
     keys, logps = [], []
     for batch in batches:
         keys.append(batch.pop("pair_key").numpy())
         batch = to_device(batch, device)
         with autocast():
-            scored = reference_logprobs(model, batch).double().cpu()
+            scored = reference_logprobs(model, logprobs, batch).double().cpu()
         logps.append(torch.stack(scored.chunk(2), dim=1).numpy())
     model.train()
     if not keys:

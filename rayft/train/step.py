@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from rayft.config import Config
 from rayft.data.pipeline import AsRead
+from rayft.model.loss import CausalLMLoss
 from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
@@ -52,19 +53,19 @@ class NextTokenLoss:
     micro-batch (as in transformers' Trainer): each loss is a sum over its tokens divided by the step's count per
     rank."""
 
+    def __init__(self, loss: CausalLMLoss) -> None:
+        self.loss = loss
+
     def for_step(self, group: list[Batch], world_size: int) -> MicroBatchLoss:
         per_rank = step_targets(group, world_size)
 
         def micro_batch_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-            loss = model(**batch, num_items_in_batch=per_rank).loss
+            loss = self.loss(model, batch, per_rank)
             mask = batch.get("attention_mask")  # none in padding-free batches: every token counts
             tokens = mask.sum() if mask is not None else torch.full((), batch["input_ids"].numel(), device=loss.device)
             return loss, tokens
 
         return micro_batch_loss
-
-
-NEXT_TOKEN = NextTokenLoss()  # holds nothing between steps
 
 
 def train_step(
@@ -74,7 +75,7 @@ def train_step(
     group: list[Batch],
     window: LossWindow,
     *,
-    loss: StepLoss = NEXT_TOKEN,
+    loss: StepLoss,
     world_size: int,
     kept_layers: list[torch.nn.Module],
     autocast: Autocast,
@@ -136,18 +137,19 @@ def eval_pass(
 
 def evaluate(
     model: torch.nn.Module,
+    loss: CausalLMLoss,
     shard: Shard,
     batch_size: int,
     collate: Collate,
     device: torch.device,
     autocast: Autocast = nullcontext,
 ) -> float:
-    """Token-weighted mean loss over every rank's validation shard."""
+    """Token-weighted mean `loss` over every rank's validation shard."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
 
     def score(batch: Batch) -> None:
         predicted = targets(batch)
-        totals.add_(torch.stack([model(**batch).loss.double() * predicted, predicted.double()]))
+        totals.add_(torch.stack([loss(model, batch).double() * predicted, predicted.double()]))
 
     eval_pass(model, shard, batch_size, collate, device, autocast, score)
     dist.all_reduce(totals)

@@ -63,8 +63,9 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
     from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
     from rayft.parallel.parallelize import build_model
-    from rayft.train.loop import Objective
     from rayft.train.metrics import LossWindow
+    from rayft.train.objectives import build_objective
+    from rayft.train.step import train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -79,14 +80,14 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
             window = LossWindow(torch.device("cpu"), world, FlopModel(0, 0, 0.0), None)
             kept = [] if cfg.fsdp.reshards() else decoder_layers(model)
-            objective = Objective(cfg, model, torch.device("cpu"))  # the loop's: SFT or DPO by train.objective
-            group = [_micro_batch(cfg, rank, objective.dpo) for _ in range(ACCUM)]
+            objective = build_objective(cfg, model, torch.device("cpu"))  # the loop's: SFT or DPO by train.objective
+            group = [_micro_batch(cfg, rank, cfg.train.objective == "dpo") for _ in range(ACCUM)]
             tallied, witnessed, dequantised, host_copies = [], [], [], []
             for _ in range(STEPS):
                 before = dict(window.moved)
                 with C10dBytes() as witness, WorkCounter() as work:
-                    norm = objective.step(model, optimizer, scheduler, group, window, world_size=world,
-                                          kept_layers=kept, autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
+                    norm = train_step(model, optimizer, scheduler, group, window, loss=objective.loss, world_size=world,
+                                      kept_layers=kept, autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
                 tallied.append({k: window.moved[k] - before[k] for k in KINDS})
                 witnessed.append(witness.take())
                 dequantised.append(sum(work.dequantised))

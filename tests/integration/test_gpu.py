@@ -123,6 +123,7 @@ def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
     """One optimizer step of the worker's model (bf16 FSDP2 + LoRA, fused loss, MoE experts through grouped_mm):
     loss, every LoRA gradient and the loss after the AdamW step equal the fp32 CPU reference within bf16 error."""
     from rayft.model.build import fused_loss
+    from rayft.model.loss import CausalLMLoss
     from rayft.parallel.parallelize import build_model
 
     raw = _raw_config(kind, fixtures, mistral4_hub, tmp_path)
@@ -137,19 +138,19 @@ def test_bf16_fsdp2_lora_step_matches_the_fp32_cpu_reference(
     batch = _batch(device_group)
     cpu_batch = {k: v.cpu() for k, v in batch.items()}
 
-    def step(m, b):
+    def step(m, b, loss_of: CausalLMLoss):
         optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
-        loss = m(**b).loss
+        loss = loss_of(m, b)
         loss.backward()
         grads = _lora_grads(m) if m is model else {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
-            after = m(**b).loss.item()
+            after = loss_of(m, b).item()
         return loss.item(), grads, after
 
-    loss, grads, after = step(model, batch)
-    ref_loss, ref_grads, ref_after = step(reference, cpu_batch)
+    loss, grads, after = step(model, batch, CausalLMLoss(fused=True))  # the worker's loss, fused with the head
+    ref_loss, ref_grads, ref_after = step(reference, cpu_batch, CausalLMLoss(fused=False))
     assert loss == pytest.approx(ref_loss, abs=LOSS_ATOL)
     assert after == pytest.approx(ref_after, abs=LOSS_ATOL)
     assert after < loss  # the step did something, and the same thing on both sides
@@ -164,7 +165,7 @@ def test_fused_loss_equals_full_logits_in_both_branches(packed, fixtures: Fixtur
     """On the worker's model (bf16 on the GPU): transformers' loss over full logits, then rayft's fused loss
     through its GPU branch (masking) and its CPU branch (dropping rows): same loss and LoRA gradients within bf16
     error."""
-    from rayft.model.loss import fuse_loss
+    from rayft.model.loss import CausalLMLoss, why_not_fused
     from rayft.parallel.parallelize import build_model
 
     raw = _raw_config("dense", fixtures, fixtures.model, tmp_path)
@@ -173,19 +174,17 @@ def test_fused_loss_equals_full_logits_in_both_branches(packed, fixtures: Fixtur
     _randomise_lora_b(model)
     batch = _batch(device_group, packed=packed)
 
-    def loss_and_grads():
-        loss = model(**batch).loss
+    def loss_and_grads(loss_of: CausalLMLoss):
+        loss = loss_of(model, batch)
         loss.backward()
         grads = _lora_grads(model)
         model.zero_grad(set_to_none=True)
         return loss.item(), grads
 
-    full_loss, full_grads = loss_and_grads()
-    assert model(**batch).logits is not None
+    full_loss, full_grads = loss_and_grads(CausalLMLoss(fused=False))
+    assert why_not_fused(model.get_base_model()) is None
     for drop_unscored in (False, True):  # the GPU branch first: it is the one GPUs run
-        assert fuse_loss(model.get_base_model(), drop_unscored=drop_unscored) is None
-        loss, grads = loss_and_grads()
-        assert model(**batch).logits is None  # the fused path ran
+        loss, grads = loss_and_grads(CausalLMLoss(fused=True, drop_unscored=drop_unscored))
         assert loss == pytest.approx(full_loss, abs=LOSS_ATOL), drop_unscored
         for name, grad in full_grads.items():
             assert grad.abs().sum() > 0, name

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayft.config import Config, ModelConfig
 from rayft.model.build import empty_model, fused_loss
+from rayft.model.loss import CausalLMLoss
 from rayft.model.weights import (
     CheckpointKeyError,
     CheckpointShapeError,
@@ -296,15 +297,17 @@ def _fused_loss_and_training_problems(model, cfg: Config, case: str, ids: torch.
             problems.append(f"fused loss on soft-capped logits: {why_not}")
     elif why_not is not None:
         problems.append(f"no fused loss: {why_not}")
-    else:
+    loss_of = CausalLMLoss(fused=why_not is None)  # as the trainer takes it
+    batch = {"input_ids": ids, "labels": ids}
+    if why_not is None:
         with torch.no_grad():
-            fused = model(input_ids=ids, labels=ids).loss.item()
+            fused = loss_of(model, batch).item()
         if abs(fused - plain_loss) > 1e-5 * abs(plain_loss):
             problems.append(f"fused loss {fused} != {plain_loss}")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
     losses = []
     for _ in range(2):  # the second loss is after one update
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_of(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -53,6 +53,7 @@ def test_fused_loss_matches_the_full_logits_loss_and_gradients(
     (its low-rank term inside the chunks, A and B trained); eval (no grad) too."""
     from rayft.data.pipeline import PackedCollate, PadCollate
     from rayft.model.build import fused_loss
+    from rayft.model.loss import CausalLMLoss
 
     raw = tiny_config(fixtures, tmp_path)
     targets = [*DENSE, "lm_head"] if head == "lora" else list(DENSE)
@@ -69,25 +70,27 @@ def test_fused_loss_matches_the_full_logits_loss_and_gradients(
     else:
         batch = PadCollate(pad_id=11)({"input_ids": seqs})
 
-    def loss_and_grads(bf16: bool):
+    def loss_and_grads(loss_of: CausalLMLoss, bf16: bool):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch).loss
+            loss = loss_of(model, batch)
         loss.backward()
         grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
         model.zero_grad(set_to_none=True)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            assert model(**batch).loss.item() == pytest.approx(loss.item(), rel=1e-6)
+            assert loss_of(model, batch).item() == pytest.approx(loss.item(), rel=1e-6)
         return loss.item(), grads
 
-    def summed():  # the Trainer's token-weighted gradient accumulation: the sum over targets / a step's count
+    def summed(loss_of: CausalLMLoss):  # the Trainer's token-weighted accumulation: the sum over targets / a count
         with torch.no_grad():
-            return model(**batch, num_items_in_batch=torch.tensor(3.0, dtype=torch.float64)).loss.item()
+            return loss_of(model, batch, torch.tensor(3.0, dtype=torch.float64)).item()
 
-    full, full_summed = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}, summed()
+    plain, chunked = CausalLMLoss(fused=False), CausalLMLoss(fused=True)
+    full, full_summed = {bf16: loss_and_grads(plain, bf16) for bf16 in (False, True)}, summed(plain)
+    assert plain.workspace.kept == ()  # transformers' own loss: no chunk ran
     assert fused_loss(model, Config.from_dict(raw)) is None
-    assert model(**batch).logits is None  # the fused path is the one running
-    fused = {bf16: loss_and_grads(bf16) for bf16 in (False, True)}
-    assert summed() == pytest.approx(full_summed, rel=1e-5)
+    fused = {bf16: loss_and_grads(chunked, bf16) for bf16 in (False, True)}
+    assert chunked.workspace.kept  # the chunked path is the one that ran
+    assert summed(chunked) == pytest.approx(full_summed, rel=1e-5)
     assert full_summed == pytest.approx(full[False][0] * 7 / 3, rel=1e-5)  # 7 targets in either batch
     for bf16, tolerance in ((False, 1e-4), (True, 2e-2)):
         (full_loss, full_grads), (fused_loss_, fused_grads) = full[bf16], fused[bf16]
@@ -102,18 +105,22 @@ def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_p
     from transformers import AutoModelForCausalLM
 
     from rayft.model.build import fused_loss
-    from rayft.model.loss import fuse_loss
+    from rayft.model.loss import why_not_fused
+    from rayft.train.objectives import build_objective
 
     dora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(fixtures.model)),
                                peft.LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))  # fmt: skip
-    assert "DoRA" in fuse_loss(dora.get_base_model())
+    assert "DoRA" in why_not_fused(dora.get_base_model())
     raw = tiny_config(fixtures, tmp_path)
     raw["lora"]["target_modules"] = list(DENSE)
     raw["train"]["fused_loss"] = False
     model = build_model(Config.from_dict(raw), on_gpu=False)
     assert fused_loss(model, Config.from_dict(raw)) == "train.fused_loss is false"
     ids = torch.tensor([[1, 1784, 3937, 2]])
-    assert model(input_ids=ids, labels=ids).logits.shape == (1, 4, 131072)
+    sft = build_objective(Config.from_dict(raw), model, torch.device("cpu"))
+    loss = sft.causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+    assert sft.causal_lm_loss.workspace.kept == ()  # no chunk ran: transformers' loss over the full logits
+    assert loss.item() == model(input_ids=ids, labels=ids).loss.item()
 
 
 def test_replicated_model_trains_like_the_sharded_one(fixtures: Fixtures, tmp_path):

@@ -19,11 +19,13 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from rayft.data.pipeline import PackedCollate, PadCollate, pack
 from rayft.model.flops import flop_model
+from rayft.model.loss import CausalLMLoss
 from rayft.train.metrics import LossWindow, attended_keys
-from rayft.train.step import train_step
+from rayft.train.step import NextTokenLoss, train_step
 
 PEAK = 1e12  # a stated peak (train.peak_tflops 1): MFU exists on CPU
 MAX_LENGTH = 8
+PLAIN = NextTokenLoss(CausalLMLoss(fused=False))  # transformers' own loss, as the tiny model gives it
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def packed_batch(lengths: list[int]) -> dict[str, torch.Tensor]:
 
 def step(tiny, window: LossWindow, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     model, _, optimizer, scheduler = tiny
-    return train_step(model, optimizer, scheduler, [batch], window, world_size=1, kept_layers=[],
+    return train_step(model, optimizer, scheduler, [batch], window, loss=PLAIN, world_size=1, kept_layers=[],
                       autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
 
 
