@@ -90,7 +90,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         run_id=run_id,
         resume_from=resume_from,
         best_metric=best[0] if best else None,
-        params=params,
+        parameter_counts=params,
         profile=profile,
         fit_started=time.time(),
     )

@@ -1,4 +1,6 @@
-"""The model each worker trains: causal LM → PEFT LoRA → FSDP2 (`fully_shard` per decoder layer, then the root)."""
+"""The model each worker trains, before it is parallelised: the causal LM class and its config, built empty (meta)
+or loaded, wrapped in PEFT LoRA; the storage and precision of its frozen base; its decoder layers. The order of
+FP8/NF4, checkpointing, LoRA, expert parallelism and FSDP2 is `rayft.parallel.parallelize`'s."""
 
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ def cpu_bf16(cfg: Config, device: torch.device) -> bool:
     )
 
 
-def cpu_autocast(cfg: Config, device: torch.device) -> Callable[[], AbstractContextManager[None]]:
+def forward_context(cfg: Config, device: torch.device) -> Callable[[], AbstractContextManager[None]]:
     """The context each forward runs in: bf16 autocast per `cpu_bf16`, else a no-op (GPU precision is FSDP's)."""
     return partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=cpu_bf16(cfg, device))
 

@@ -203,7 +203,7 @@ class PreferenceLoss:
         return micro_batch_loss
 
 
-def evaluate(
+def preference_eval(
     model: torch.nn.Module,
     shard: Shard,
     batch_size: int,

@@ -21,7 +21,7 @@ class Job:
     run_id: str | None = None  # the Ray run being continued, when the same job runs again
     resume_from: str | None = None  # a checkpoint to start from (`train.resume_from_checkpoint`), else None
     best_metric: str | None = None  # the metric Ray ranks checkpoints by, when there is one
-    params: dict[str, int] = field(default_factory=dict)  # trainable and total parameter counts, for the log
+    parameter_counts: dict[str, int] = field(default_factory=dict)  # trainable and total, for the log
     profile: Profile = field(default_factory=Profile)  # the driver's start-up stages; the workers add theirs
     fit_started: float | None = None  # wall time of the driver's `fit()`: the workers' start is measured from it
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rayft.config import Config, RayConfig, TrainConfig
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
-from rayft.model.build import cpu_autocast, cpu_bf16, decoder_layers, fused_loss
+from rayft.model.build import cpu_bf16, decoder_layers, forward_context, fused_loss
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel import topology
@@ -79,7 +79,7 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     objective = build_objective(cfg, model, device)
     collate = objective.collate(load_tokenizer(cfg.model).pad_token_id)
     shard = runtime.shard("validation")
-    autocast = cpu_autocast(cfg, device)
+    autocast = forward_context(cfg, device)
 
     def score() -> dict[str, Any]:
         started = time.perf_counter()
@@ -129,7 +129,14 @@ class Trainer:
                 _log_group_size(self.cfg, self.plan, self.world_size, accum)
                 gauges = runtime.gauges(ray_cfg.name, self.objective.gauges)
                 self.progress_log = _progress_log(
-                    self.cfg, self.plan, self.state, run, resumed, job.params, gauges, self.checkpoints.resumed_metrics
+                    self.cfg,
+                    self.plan,
+                    self.state,
+                    run,
+                    resumed,
+                    job.parameter_counts,
+                    gauges,
+                    self.checkpoints.resumed_metrics,
                 )
             self.ledger = self._ledger(run, resumed)
             self.collate = self.objective.collate(self.tokenizer.pad_token_id)
@@ -232,15 +239,17 @@ class Trainer:
         training time in the window."""
         window = self.window
         metrics = (
-            _window_metrics(window, self.waited, grad_norm, self.state.scheduler) if self.cadence.log(progress) else {}
+            _window_metrics(window, self.waited, grad_norm, self.state.scheduler)
+            if self.cadence.log_due(progress)
+            else {}
         )
         if metrics:
             metrics.update(self.objective.window_metrics())
-        if self.val_shard is not None and self.cadence.evaluate(progress, micro):
+        if self.val_shard is not None and self.cadence.evaluation_due(progress, micro):
             with window.paused():  # evaluating and saving are not training: out of the window's time
                 metrics.update(self.evaluate())
             self.cadence.last_evaluated = progress.step
-        saving = self.cadence.save(progress, micro)
+        saving = self.cadence.save_due(progress, micro)
         if metrics or saving:
             metrics.update(step=progress.step, epoch=_epoch_position(progress, self.plan))
         if saving:  # metrics reach Ray with checkpoints only: a report without one is a cross-rank barrier
@@ -249,7 +258,7 @@ class Trainer:
         if self.progress_log is not None and ("loss" in metrics or "eval_loss" in metrics):
             with window.paused():
                 self.progress_log.record(metrics, self.checkpoints.stall_s)
-        if self.cadence.preemption(progress):
+        if self.cadence.preemption_check_due(progress):
             with window.paused():
                 self._checkpoint_if_draining(progress, {k: v for k, v in metrics.items() if k.startswith("eval_")})
 
@@ -371,7 +380,7 @@ def _build_state(
     log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
     log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
     state = TrainState(model, optimizer, scheduler, Progress(world_size=world_size, global_order=plan.global_order))
-    return state, cpu_autocast(cfg, device), LossWindow(device, world_size, flops, peak)
+    return state, forward_context(cfg, device), LossWindow(device, world_size, flops, peak)
 
 
 def _progress_log(
@@ -398,16 +407,16 @@ class Cadence:
     plan: StepPlan
     last_evaluated: int = -1
 
-    def log(self, progress: Progress) -> bool:
+    def log_due(self, progress: Progress) -> bool:
         return progress.step % self.train.logging_steps == 0 or self._done(progress)
 
-    def evaluate(self, progress: Progress, micro: int) -> bool:
+    def evaluation_due(self, progress: Progress, micro: int) -> bool:
         return self._due(self.train.eval_strategy, self.train.eval_steps, progress, micro)
 
-    def save(self, progress: Progress, micro: int) -> bool:
+    def save_due(self, progress: Progress, micro: int) -> bool:
         return self._due(self.train.save_strategy, self.train.save_steps, progress, micro)
 
-    def preemption(self, progress: Progress) -> bool:
+    def preemption_check_due(self, progress: Progress) -> bool:
         """Whether to look at Ray's drain notice after this step (`ray.preemption`, `ray.preemption_check_steps`);
         never after the last step, where the run's own final checkpoint follows, nor in a run that saves none
         (`train.save_strategy: no`)."""

@@ -17,7 +17,7 @@ from rayft.model.build import fused_loss
 from rayft.model.loss import CausalLMLoss
 from rayft.train import dpo, sinks
 from rayft.train.metrics import perplexity
-from rayft.train.step import NextTokenLoss, StepLoss, evaluate
+from rayft.train.step import NextTokenLoss, StepLoss, mean_eval_loss
 
 if TYPE_CHECKING:
     import peft
@@ -67,7 +67,7 @@ class NextTokenObjective:
     def evaluate(
         self, shard: Shard, batch_size: int, collate: Collate, device: torch.device, autocast: Autocast
     ) -> dict[str, Any]:
-        loss = evaluate(self.model, self.causal_lm_loss, shard, batch_size, collate, device, autocast)
+        loss = mean_eval_loss(self.model, self.causal_lm_loss, shard, batch_size, collate, device, autocast)
         return {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
 
     def window_metrics(self) -> dict[str, Any]:
@@ -94,7 +94,7 @@ class PreferenceObjective:
     def evaluate(
         self, shard: Shard, batch_size: int, collate: Collate, device: torch.device, autocast: Autocast
     ) -> dict[str, Any]:
-        return dpo.evaluate(
+        return dpo.preference_eval(
             self.model, shard, batch_size, collate, device, autocast, dpo=self.cfg.dpo, logprobs=self.logprobs
         )
 

@@ -37,7 +37,7 @@ log = logging.getLogger("rayft")
 Batch = dict[str, torch.Tensor]
 # (model, micro-batch) → (the micro-batch's loss to backpropagate, its attended tokens)
 MicroBatchLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]
-# The context each forward runs in (`rayft.model.build.cpu_autocast`).
+# The context each forward runs in (`rayft.model.build.forward_context`).
 Autocast = Callable[[], AbstractContextManager[Any]]
 
 
@@ -135,7 +135,7 @@ def eval_pass(
     TALLY.take()
 
 
-def evaluate(
+def mean_eval_loss(
     model: torch.nn.Module,
     loss: CausalLMLoss,
     shard: Shard,

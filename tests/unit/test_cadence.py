@@ -17,7 +17,7 @@ PLAN = StepPlan(world_size=2, train_rows=80, validation_rows=0, micro_batches_pe
 def looks(**sections) -> list[int]:
     cfg = Config.from_dict({"model": {"model_name_or_path": "m"}, "data": {"dataset_name_or_path": "d"}, **sections})
     cadence = Cadence(cfg.train, cfg.ray, PLAN)
-    return [step for step in range(1, PLAN.total_steps + 1) if cadence.preemption(Progress(step=step))]
+    return [step for step in range(1, PLAN.total_steps + 1) if cadence.preemption_check_due(Progress(step=step))]
 
 
 @pytest.mark.parametrize(

@@ -100,3 +100,27 @@ def test_the_formatter_is_skipped_only_for_tables():
             if "# fmt: skip" in line and number not in tables:
                 elsewhere.append(f"{path.relative_to(PACKAGE)}:{number}")
     assert elsewhere == []
+
+
+def test_no_forward_is_replaced_at_run_time():
+    """An objective computes its loss outside the model (`rayft.train.objectives`), from what the model's own call
+    returns: nothing in the package assigns a module's `forward`, by attribute or `setattr`, nor binds a method to
+    an instance (`types.MethodType`)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            assigned = any(isinstance(t, ast.Attribute) and t.attr == "forward" for t in targets)
+            set_by_name = (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "setattr"
+                and len(node.args) > 1
+                and getattr(node.args[1], "value", None) == "forward"
+            )
+            bound = isinstance(node, ast.Attribute | ast.Name) and "MethodType" in (
+                getattr(node, "attr", None),
+                getattr(node, "id", None),
+            )
+            if assigned or set_by_name or bound:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == [], found
