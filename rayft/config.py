@@ -20,9 +20,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
+import pydantic.dataclasses
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Strict, ValidationError
+from pydantic_core import ErrorDetails
 
 
 def is_uri(path: str) -> bool:
@@ -102,6 +105,59 @@ def _location(key: str, source: str, where: dict[str, str]) -> str:
     return "" if source == "defaults" else f"{source}: "
 
 
+# The sections are pydantic dataclasses: pydantic reads a YAML mapping into one, and reports every key it cannot read
+# (`_section` turns its errors into rayft's problems). `dataclasses.fields/asdict/replace` work on them as on any
+# dataclass. Unknown keys are errors; instances stay mutable, and assignment is not validated, as before.
+SECTION_CONFIG = ConfigDict(extra="forbid")
+
+
+def _integral(value: Any) -> Any:
+    """`2.0` for an integer field: YAML writes a whole number either way."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _parsed_number(value: Any) -> Any:
+    """`1e-4` for a number: YAML 1.1 reads an exponent without a dot as a string."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _number_as_text(value: Any) -> Any:
+    """`5` for a string field (a revision, a name): the text the user typed."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _unquoted_no(value: Any) -> Any:
+    """`no` for a `*_strategy`: YAML 1.1 reads it unquoted as false."""
+    return "no" if value is False else value
+
+
+def _one_as_list(value: Any) -> Any:
+    """A single name where a list of them is expected (`report_to: wandb`)."""
+    return [value] if isinstance(value, str) else list(value) if isinstance(value, tuple) else value
+
+
+def _keys_as_text(value: Any) -> Any:
+    """A mapping's keys as strings: YAML reads a key written `1` as an integer."""
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+
+
+# The field types. Strict: pydantic's lax mode would also read "yes" or 1 as true and "5" as an integer, which
+# rayft refuses; each BeforeValidator admits one lenient form that YAML produces.
+Flag = Annotated[bool, Strict()]
+Integer = Annotated[int, Strict(), BeforeValidator(_integral)]
+Number = Annotated[float, Strict(), BeforeValidator(_parsed_number)]
+Text = Annotated[str, Strict(), BeforeValidator(_number_as_text)]
+Strategy = Annotated[str, Strict(), BeforeValidator(_number_as_text), BeforeValidator(_unquoted_no)]
+_T = TypeVar("_T")
+Listed = Annotated[list[_T], Strict(), BeforeValidator(_one_as_list)]
+Keyed = Annotated[dict[str, _T], BeforeValidator(_keys_as_text)]
+
+
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -127,26 +183,26 @@ PLACEMENT_STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 BEST_METRICS = ("eval_loss",)
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class ModelConfig:
     # A local directory, or a hub id (`org/name`) resolved through the Hugging Face cache (HF_HOME; rayft/hub.py).
-    model_name_or_path: str = "/data/input/Models/Mistral-Small-4-119B-2603"
+    model_name_or_path: Text = "/data/input/Models/Mistral-Small-4-119B-2603"
     # Branch, tag or commit of a hub model; null = main.
-    revision: str | None = None
-    torch_dtype: str = "bfloat16"
+    revision: Text | None = None
+    torch_dtype: Text = "bfloat16"
     # Accepted for seed compatibility only: FSDP decides placement, so "auto" device maps are ignored.
-    device_map: str | None = "auto"
-    use_cache: bool = False
-    attn_implementation: str | None = None
+    device_map: Text | None = "auto"
+    use_cache: Flag = False
+    attn_implementation: Text | None = None
     # Where the tokenizer lives when it is not next to the weights.
-    tokenizer_name_or_path: str | None = None
+    tokenizer_name_or_path: Text | None = None
     # sharded: each rank reads only its own FSDP shards from the safetensors files (no rank holds the model);
     # full: every rank loads the whole model with from_pretrained, then shards it (needs host RAM for all of it).
-    load_mode: str = "sharded"
+    load_mode: Text = "sharded"
     # Storage of the frozen decoder matrices (linears, routed experts): auto = FP8 (E4M3 + row scales) when the
     # checkpoint is FP8, else torch_dtype; float8_e4m3fn also quantises a bf16/fp32 checkpoint at load (per row);
     # nf4 = QLoRA's 4-bit NormalFloat with double-quantised scales for the decoder's linears.
-    frozen_dtype: str = "auto"
+    frozen_dtype: Text = "auto"
 
 
 DORA_ON_FP8 = (
@@ -156,83 +212,83 @@ DORA_ON_FP8 = (
 )
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class LoraConfig:
-    r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
+    r: Integer = 16
+    lora_alpha: Integer = 32
+    lora_dropout: Number = 0.05
     # "auto" = the right set for the architecture (see rayft.lora.AUTO_TARGETS); "all-linear" = every linear layer
     # but the LM head (PEFT's shorthand); else module names.
-    target_modules: list[str] = field(default_factory=lambda: ["auto"])
-    bias: str = "none"
-    task_type: str = "CAUSAL_LM"
+    target_modules: Listed[Text] = field(default_factory=lambda: ["auto"])
+    bias: Text = "none"
+    task_type: Text = "CAUSAL_LM"
     # Also adapt the routed experts (fused 3D parameters, via PEFT target_parameters): one LoRA per expert.
-    target_experts: bool = False
+    target_experts: Flag = False
     # PEFT's options of the same names: DoRA (a trained magnitude per output row), rank-stabilised scaling
     # (lora_alpha / sqrt(r)), and modules trained in full beside the adapter (e.g. [lm_head, embed_tokens]).
-    use_dora: bool = False
-    use_rslora: bool = False
-    modules_to_save: list[str] | None = None
+    use_dora: Flag = False
+    use_rslora: Flag = False
+    modules_to_save: Listed[Text] | None = None
 
 
 DEFAULT_VAL_SPLIT = "validation"
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class DataConfig:
     # A local file, directory or glob, or a hub dataset id (`org/name`) resolved through the Hugging Face cache.
-    dataset_name_or_path: str = "/data/input/Datasets/wikitext"
+    dataset_name_or_path: Text = "/data/input/Datasets/wikitext"
     # Branch, tag or commit of a hub dataset; null = main.
-    revision: str | None = None
-    dataset_config_name: str | None = "wikitext-2-raw-v1"
-    text_field: str = "text"
-    train_split: str = "train"
+    revision: Text | None = None
+    dataset_config_name: Text | None = "wikitext-2-raw-v1"
+    text_field: Text = "text"
+    train_split: Text = "train"
     # The split evaluated; where the dataset lacks the default, `validation`, and has `test` (TRL's default), that.
-    val_split: str | None = DEFAULT_VAL_SPLIT
-    max_length: int = 1024
+    val_split: Text | None = DEFAULT_VAL_SPLIT
+    max_length: Integer = 1024
     # Instruction data: a str.format template over the record's fields that renders the prompt, e.g.
     # "### Question:\n{question}\n\n### Answer:\n"; the completion comes from `completion_field`.
-    prompt_template: str | None = None
-    completion_field: str = "completion"
+    prompt_template: Text | None = None
+    completion_field: Text = "completion"
     # Chat records: a list of {role, content} messages rendered with the tokenizer's chat template.
-    messages_field: str = "messages"
+    messages_field: Text = "messages"
     # auto: prompt_template → template; a messages column → chat; prompt + completion columns → prompt/completion;
     # otherwise plain text from text_field.
-    format: str = "auto"
+    format: Text = "auto"
     # Loss only on completion / assistant tokens (null = true for instruction and chat data).
-    completion_only_loss: bool | None = None
+    completion_only_loss: Flag | None = None
     # Concatenate examples and cut max_length blocks; positions restart per document (padding-free batches).
-    packing: bool = False
+    packing: Flag = False
     # Padded (unpacked) batches: the length rounded up to a multiple of this (at most max_length), so kernels see a
     # few shapes rather than one per batch (CPU bf16 matmuls compile a kernel for every new shape).
-    pad_to_multiple_of: int = 64
+    pad_to_multiple_of: Integer = 64
     # Wikitext stores one paragraph per record: join each article's lines (split at ` = Title = ` headings).
-    join_wikitext_articles: bool = False
+    join_wikitext_articles: Flag = False
     # Keep the tokenized training split in Ray's object store (spilling to disk if needed) instead of re-reading
     # and re-tokenizing it every epoch; null = when the source is at most 2 GiB.
-    cache_tokenized: bool | None = None
+    cache_tokenized: Flag | None = None
     # Records that cannot become an example (missing field, not text, not UTF-8, bad JSON): skip and count them,
     # or stop before training with the counts.
-    bad_records: str = "skip"
+    bad_records: Text = "skip"
     # Examples longer than max_length without packing: truncate or skip them (counted either way).
-    overlong: str = "truncate"
+    overlong: Text = "truncate"
     # Before any cluster resource, the job (and `rayft validate`) runs its record pipeline over the first 1,000
     # records of each split. A split where more than this share would be skipped is refused; fewer are a warning.
-    max_skipped_share: float = 0.5
+    max_skipped_share: Number = 0.5
     # Likewise for records that would train on nothing: a chat whose assistant replies are all empty, a preference
     # pair whose chosen and rejected tokenize alike. Any is a warning with the count; more than this share refused.
-    max_no_signal_share: float = 0.1
+    max_no_signal_share: Number = 0.1
     # Share of the training records held out for evaluation when there is no validation split. null = 0.05 where
     # the dataset has no named splits (a single file, a glob); where it has named splits, a `val_split` it lacks
     # is an error unless this is set (a typo must not silently hold out training data).
-    val_ratio: float | None = None
+    val_ratio: Number | None = None
     # Evaluate on the first N validation rows only (after tokenization and packing), as transformers' example
     # scripts' max_eval_samples: quicker evaluations while iterating on a config. null = the whole split.
-    max_eval_samples: int | None = None
+    max_eval_samples: Integer | None = None
     # Ray Data actors that tokenize in parallel with training (each holds one tokenizer).
-    tokenize_workers: int = 2
+    tokenize_workers: Integer = 2
     # Rows each worker shuffles locally while streaming; 0 keeps the read order.
-    shuffle_buffer_size: int = 1000
+    shuffle_buffer_size: Integer = 1000
 
     @property
     def hold_out(self) -> float:
@@ -240,101 +296,101 @@ class DataConfig:
         return DEFAULT_VAL_RATIO if self.val_ratio is None else self.val_ratio
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class TrainConfig:
-    output_dir: str = "/data/output/Models/mistral4small-lora-fsdp"
-    num_train_epochs: int = 1
+    output_dir: Text = "/data/output/Models/mistral4small-lora-fsdp"
+    num_train_epochs: Integer = 1
     # Stops after this many optimizer steps when > 0, whatever num_train_epochs says.
-    max_steps: int = -1
-    per_device_train_batch_size: int = 1
-    per_device_eval_batch_size: int = 1
-    gradient_accumulation_steps: int = 16
-    gradient_checkpointing: bool = False
-    optim: str = "adamw_torch"
-    learning_rate: float = 1e-4
-    lr_scheduler_type: str = "cosine"
-    warmup_ratio: float = 0.05
+    max_steps: Integer = -1
+    per_device_train_batch_size: Integer = 1
+    per_device_eval_batch_size: Integer = 1
+    gradient_accumulation_steps: Integer = 16
+    gradient_checkpointing: Flag = False
+    optim: Text = "adamw_torch"
+    learning_rate: Number = 1e-4
+    lr_scheduler_type: Text = "cosine"
+    warmup_ratio: Number = 0.05
     # Takes precedence over warmup_ratio when > 0 (the newer transformers spelling).
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
+    warmup_steps: Integer = 0
+    weight_decay: Number = 0.01
+    max_grad_norm: Number = 1.0
     # Dense peak of one worker's device in TFLOP/s, for MFU where rayft does not know it (another GPU, a CPU);
     # None = rayft's table of GPUs (H100/H200/B200...). Overrides the table when set.
-    peak_tflops: float | None = None
+    peak_tflops: Number | None = None
     # Loss straight from the hidden states, chunk by chunk, never the full logits (see rayft/loss.py).
-    fused_loss: bool = True
+    fused_loss: Flag = True
     # GPU: FSDP2 computes in bf16 (fp32 gradients reduced). CPU: bf16 autocast where the CPU has bf16 instructions.
-    bf16: bool = True
-    fp16: bool = False
-    logging_steps: int = 25
-    eval_strategy: str = "steps"
-    eval_steps: int = 200
-    save_strategy: str = "steps"
-    save_steps: int = 200
+    bf16: Flag = True
+    fp16: Flag = False
+    logging_steps: Integer = 25
+    eval_strategy: Strategy = "steps"
+    eval_steps: Integer = 200
+    save_strategy: Strategy = "steps"
+    save_steps: Integer = 200
     # Checkpoints Ray keeps on the storage path (the best by metric_for_best_model plus the latest).
-    save_total_limit: int | None = 3
+    save_total_limit: Integer | None = 3
     # At the end, output_dir/final is the best checkpoint's adapter (output_dir/best says which step).
-    load_best_model_at_end: bool = False
+    load_best_model_at_end: Flag = False
     # Ranks checkpoints for retention and load_best_model_at_end; HF spelling ("loss" means "eval_loss").
-    metric_for_best_model: str | None = "eval_loss"
+    metric_for_best_model: Text | None = "eval_loss"
     # None = lower is better for a loss, higher otherwise (as in transformers).
-    greater_is_better: bool | None = None
+    greater_is_better: Flag | None = None
     # Start from a checkpoint directory (also another run's), or "latest" = insist on continuing this run.
     # A run whose storage already has checkpoints always continues from its own latest one.
-    resume_from_checkpoint: str | None = None
+    resume_from_checkpoint: Text | None = None
     # Continuing a run whose recorded settings differ from this config (rayft/train/run_settings.py): auto refuses
     # it before anything starts; continue goes on with the new data/schedule settings (a changed model or LoRA
     # shape is refused either way).
-    resume: str = "auto"
+    resume: Text = "auto"
     # Experiment trackers besides Ray's own metrics: none | tensorboard (output_dir/runs/<ray.name>) | mlflow |
     # wandb (output_dir/wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads them).
-    report_to: list[str] | None = None
+    report_to: Listed[Text] | None = None
     # records.jsonl in the run directory: per optimizer step, a fingerprint of each sequence it trained on (an audit
     # of the data behind the adapter; one small gather a step while on).
-    record_ledger: bool = False
-    seed: int = 42
+    record_ledger: Flag = False
+    seed: Integer = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
-    ddp_find_unused_parameters: bool = False
+    ddp_find_unused_parameters: Flag = False
     # sft: next-token loss on the records; dpo: preference tuning on chosen/rejected pairs (the `dpo` section).
-    objective: str = "sft"
+    objective: Text = "sft"
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class DpoConfig:
     """Preference tuning (`train.objective: dpo`), names and meanings as TRL's DPOConfig."""
 
     # Strength of the pull towards the reference: the implicit reward is beta · (log π − log π_ref).
-    beta: float = 0.1
+    beta: Number = 0.1
     # sigmoid: DPO (with label_smoothing > 0: conservative DPO); robust: robust DPO; ipo: IPO (length-averaged).
-    loss_type: str = "sigmoid"
+    loss_type: Text = "sigmoid"
     # Assumed share of flipped preference labels (sigmoid, robust); 0 = plain DPO.
-    label_smoothing: float = 0.0
+    label_smoothing: Number = 0.0
     # adapter_off: the reference is the same sharded base with the LoRA adapter switched off (no second model);
     # precomputed: that base scores every training pair once before the first step, then one forward per pair.
-    reference: str = "adapter_off"
+    reference: Text = "adapter_off"
     # Prompts longer than this keep their last max_prompt_length tokens; null = only data.max_length limits them.
-    max_prompt_length: int | None = None
+    max_prompt_length: Integer | None = None
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class FsdpConfig:
     # Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward (ZeRO-2), and across
     # the micro-batches of a step. None: True, even over a shard group of one worker, where FSDP2's "gathered" copy is
     # a second copy of the weights: kept, the whole base would be held twice for the step.
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: Flag | None = None
     # Compute dtype of gathered weights; "auto" = bfloat16 on GPU when train.bf16, float32 on CPU.
-    param_dtype: str = "auto"
-    reduce_dtype: str = "float32"
-    cpu_offload: bool = False
+    param_dtype: Text = "auto"
+    reduce_dtype: Text = "float32"
+    cpu_offload: Flag = False
     # Recompute each decoder layer in backward (train.gradient_checkpointing turns this on too).
-    activation_checkpointing: bool = False
+    activation_checkpointing: Flag = False
     # Layers whose all-gather is issued ahead of time; 0 leaves it to FSDP2's implicit prefetching.
-    forward_prefetch: int = 1
-    backward_prefetch: int = 1
+    forward_prefetch: Integer = 1
+    backward_prefetch: Integer = 1
     # Workers each weight is sharded over; None = all of them (FSDP). 1 = every worker holds the whole model and no
     # weight is ever gathered (DDP-like, for models that fit one worker); k = HSDP: sharded within groups of k
     # workers (a node), replicated across the groups, so only the LoRA gradients cross between groups.
-    shard_size: int | None = None
+    shard_size: Integer | None = None
 
     def shard_group(self, world_size: int) -> int:
         """Workers that together hold one copy of the weights."""
@@ -346,49 +402,49 @@ class FsdpConfig:
         return self.reshard_after_forward if self.reshard_after_forward is not None else True
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class RayConfig:
     # Cluster to join; None = the one `ray job submit` runs us in (RAY_ADDRESS), else a new local one.
-    address: str | None = None
+    address: Text | None = None
     # The worker group's size; `[min, max]` makes the run elastic (see min_workers).
-    num_workers: int = 2
+    num_workers: Integer = 2
     # Elastic run: the smallest group it goes on with when nodes are lost or drained (Ray restarts it at the size
     # the cluster has, from the latest checkpoint, and grows it back up to num_workers as nodes return). The global
     # batch stays that of num_workers: each size accumulates more micro-batches. None: always num_workers.
-    min_workers: int | None = None
+    min_workers: Integer | None = None
     # Seconds between an elastic run's looks for capacity to grow back onto (each growth is a restart).
-    resize_check_s: float = 60.0
+    resize_check_s: Number = 60.0
     # Workers (GPUs) on each node; num_workers = nodes × workers_per_node. 1: one worker per node
     # (placement_strategy STRICT_SPREAD). More: each node's workers placed together (PACK), exactly this many a node.
-    workers_per_node: int = 1
+    workers_per_node: Integer = 1
     # None = use GPUs when the cluster has any.
-    use_gpu: bool | None = None
-    resources_per_worker: dict[str, float] | None = None
+    use_gpu: Flag | None = None
+    resources_per_worker: Keyed[Number] | None = None
     # One worker per node by default: each worker owns a whole node's GPU(s) and its NIC.
-    placement_strategy: str = "STRICT_SPREAD"
+    placement_strategy: Strategy = "STRICT_SPREAD"
     # None = train.output_dir, so checkpoints land next to the final adapter on the shared volume.
-    storage_path: str | None = None
-    name: str = "ray_run"
+    storage_path: Text | None = None
+    name: Text = "ray_run"
     # Worker-group restarts after a failure (a dead worker, a lost node); each resumes from the latest checkpoint.
-    max_failures: int = 1
+    max_failures: Integer = 1
     # async: training goes on while the checkpoint is copied to storage_path; sync: it waits for the copy.
-    checkpoint_upload: str = "async"
+    checkpoint_upload: Text = "async"
     # A drain notice for one of the run's nodes (a spot reclaim, a scale-down): checkpoint saves one at once and
     # trains on until Ray restarts the run from it; ignore leaves the loss to the periodic checkpoints.
-    preemption: str = "checkpoint"
+    preemption: Text = "checkpoint"
     # Optimizer steps between two looks at Ray's drain notice (each look is a barrier across the workers).
-    preemption_check_steps: int = 1
+    preemption_check_steps: Integer = 1
     # Restarts after a preemption, counted apart from max_failures; -1: any number.
-    max_preemptions: int = -1
+    max_preemptions: Integer = -1
     # Seconds the workers may train on past a drain's deadline, until its node is gone (0: Ray restarts the run
     # at the deadline, whether or not the node is still there).
-    preemption_grace_s: float = 0.0
+    preemption_grace_s: Number = 0.0
     # Logical CPUs of the local cluster started when there is none to join (more than cores, so
     # Ray Data tasks are not starved by the training workers).
-    local_num_cpus: int = 8
+    local_num_cpus: Integer = 8
     # Seconds to wait, before training starts, for a cluster that cannot place the workers yet to grow (nodes
     # joining, an autoscaler); then the run is refused. A cluster that can never place them is refused at once.
-    placement_timeout_s: int = 600
+    placement_timeout_s: Integer = 600
 
     @classmethod
     def shorthand(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -443,11 +499,11 @@ def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
     return workers_per_node % k == 0 or k % workers_per_node == 0
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class ParallelConfig:
     # Expert parallelism: the routed experts of every MoE layer split over groups of k workers, each holding E/k
     # experts whole (frozen, never gathered); tokens travel to their experts by all-to-all. 1 = FSDP only.
-    expert_parallel: int | str = 1
+    expert_parallel: Integer | Annotated[str, Strict()] = 1  # `auto` or k (a number is no word: 2.5 is refused)
 
     def expert_groups(self) -> int:
         """k as an integer (`check` has refused anything else; preflight has resolved `auto`)."""
@@ -456,7 +512,7 @@ class ParallelConfig:
         return int(self.expert_parallel)
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class NcclConfig:
     """NCCL's fabric settings, given to every training worker on a GPU cluster through Ray's runtime environment
     (so they reach workers on any Ray cluster, not only pods rendered by `rayft k8s render`). None leaves a variable
@@ -464,18 +520,18 @@ class NcclConfig:
 
     # NCCL_IB_HCA: '=mlx5_0,mlx5_1' names exact adapters (':1' a port); a bare 'mlx5' is a prefix match that
     # also takes Ethernet/RoCE ports of the same driver.
-    ib_hca: str | None = None
+    ib_hca: Text | None = None
     # NCCL_IB_GID_INDEX: RoCE fabrics need the GID of the RoCE v2 address (commonly 3); InfiniBand needs none.
-    ib_gid_index: int | None = None
+    ib_gid_index: Integer | None = None
     # NCCL_SOCKET_IFNAME: the interface for NCCL's bootstrap and socket fallback (e.g. net1, ^lo,docker).
-    socket_ifname: str | None = None
+    socket_ifname: Text | None = None
     # NCCL_DEBUG: WARN reports problems only; INFO prints per-rank set-up lines (which transport, NET/IB or
     # NET/Socket) and is worth it only while a fabric is being brought up.
-    debug: str = "WARN"
+    debug: Text = "WARN"
     # NCCL_DEBUG_SUBSYS with debug INFO, e.g. INIT,NET.
-    debug_subsys: str | None = None
+    debug_subsys: Text | None = None
     # Any other NCCL_* variable, e.g. NCCL_IB_QPS_PER_CONNECTION: "1".
-    env: dict[str, str] = field(default_factory=dict)
+    env: Keyed[Text] = field(default_factory=dict)
 
 
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
@@ -486,98 +542,98 @@ CONFIG_DELIVERY = ("path", "inline", "working_dir")
 FABRICS = ("none", "infiniband", "roce")
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class RdmaConfig:
     """How GPU pods reach an RDMA fabric (`k8s.fabric: infiniband` or `roce`); nothing of it is rendered without one,
     as each setting names something a particular site has installed."""
 
     # The device plugin's extended resource that hands a pod the adapters; null: rdma/rdma_shared_device_a (the RDMA
     # shared device plugin's); e.g. nvidia.com/hostdev, openshift.io/mellanoxnics; '' for none (hostNetwork sites).
-    resource: str | None = None
+    resource: Text | None = None
     # A Multus NetworkAttachmentDefinition that gives each pod an interface on the fabric; null: none.
-    network: str | None = None
+    network: Text | None = None
     # NCCL_SOCKET_IFNAME: that interface in the pod; null: net1 (Multus's first secondary one) with a network,
     # else NCCL's own choice.
-    interface: str | None = None
+    interface: Text | None = None
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class NodeShape:
     """The GPU nodes worker pods land on. A pod gets the node's CPUs and memory in proportion to its GPUs, so pods
     of any size fill a node together; `count` lets the renderer refuse a job whose pods would not all fit."""
 
-    gpus: int = 8
+    gpus: Integer = 8
     # What pods may use of one node: its Allocatable (`kubectl describe node`) less what DaemonSets take.
-    cpus: int = 96
-    memory: str = "960Gi"
+    cpus: Integer = 96
+    memory: Text = "960Gi"
     # Nodes of this shape the job may use; null: not checked.
-    count: int | None = None
+    count: Integer | None = None
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class K8sConfig:
     """What a platform requires of every pod, for `rayft k8s render` (training ignores this section). Flags of
     `rayft k8s render` add to or override these keys; `patches` covers anything no key does."""
 
     # Queueing: kueue (the RayJob labelled with `queue` and created suspended), volcano or runai (their
     # scheduler and `queue`); none = the default scheduler, or `scheduler_name`.
-    queueing: str = "none"
-    queue: str | None = None
-    scheduler_name: str | None = None
-    priority_class_name: str | None = None
-    service_account_name: str | None = None
-    image_pull_secrets: list[str] = field(default_factory=list)
+    queueing: Text = "none"
+    queue: Text | None = None
+    scheduler_name: Text | None = None
+    priority_class_name: Text | None = None
+    service_account_name: Text | None = None
+    image_pull_secrets: Listed[Text] = field(default_factory=list)
     # The network NCCL uses between GPU pods: none (the pod network, as the cluster provides it), infiniband or
     # roce (the RDMA device, IPC_LOCK, the IB transport settings, and what `rdma` names).
-    fabric: str = "none"
+    fabric: Text = "none"
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
     # The GPU nodes, which size the worker pods (one pod holds ray.workers_per_node GPUs).
     node: NodeShape = field(default_factory=NodeShape)
     # At most one worker pod a node (required anti-affinity), so that each pod has a node's NIC to itself.
-    one_pod_per_node: bool = False
+    one_pod_per_node: Flag = False
     # When Kubernetes stops a GPU worker pod (its node drained for a spot reclaim, a scale-down, maintenance), the
     # pod first drains its Ray node with this deadline, so the run checkpoints at once (`ray.preemption`), and stays
     # up that long; its termination grace period covers it. 0: no notice.
-    preemption_notice_s: int = 30
+    preemption_notice_s: Integer = 30
     # GPU worker placement (the head and the submitter go where the cluster puts CPU pods; `head_node_selector`
     # pins the head). `affinity` is added to rayft's own (`one_pod_per_node`).
-    node_selector: dict[str, str] = field(default_factory=dict)
-    head_node_selector: dict[str, str] = field(default_factory=dict)
-    affinity: dict[str, Any] = field(default_factory=dict)
+    node_selector: Keyed[Text] = field(default_factory=dict)
+    head_node_selector: Keyed[Text] = field(default_factory=dict)
+    affinity: Keyed[Any] = field(default_factory=dict)
     # On every pod (head, workers, submitter), besides the GPU taint rayft tolerates on the workers.
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    labels: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(default_factory=dict)
+    tolerations: Listed[Keyed[Any]] = field(default_factory=list)
+    labels: Keyed[Text] = field(default_factory=dict)
+    annotations: Keyed[Text] = field(default_factory=dict)
     # Pod securityContext of every pod; IPC_LOCK is added to the GPU containers only where RDMA is on.
-    run_as_user: int | None = None
-    run_as_group: int | None = None
-    fs_group: int | None = None
-    run_as_non_root: bool | None = None
+    run_as_user: Integer | None = None
+    run_as_group: Integer | None = None
+    fs_group: Integer | None = None
+    run_as_non_root: Flag | None = None
     # Extra environment of every Ray container and the submitter; extra volumes (Kubernetes Volume objects) on
     # head and workers, mounted by `volume_mounts` (VolumeMount objects) in their Ray containers.
-    env: dict[str, str] = field(default_factory=dict)
-    volumes: list[dict[str, Any]] = field(default_factory=list)
-    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
+    env: Keyed[Text] = field(default_factory=dict)
+    volumes: Listed[Keyed[Any]] = field(default_factory=list)
+    volume_mounts: Listed[Keyed[Any]] = field(default_factory=list)
     # The Hugging Face cache of head and workers (HF_HOME, where hub model and dataset names resolve); null =
     # <mount path>/hf-cache on the PVC. hf_offline sets HF_HUB_OFFLINE=1: names resolve from a pre-seeded cache only.
-    hf_home: str | None = None
-    hf_offline: bool = False
+    hf_home: Text | None = None
+    hf_offline: Flag = False
     # The KubeRay operator's version, 1.4 to 1.7 (any patch release): the manifests use what it has and are
     # checked against its CRDs. From 1.6, preRunningDeadlineSeconds, and deletion rules (on failure the GPU
     # workers go at once, the cluster after the TTL; not for Kueue's suspended jobs); 1.5 has the rules only
     # with its RayJobDeletionPolicy feature gate on, named in kuberay_feature_gates. Older, or unknown (null):
     # the form every supported operator accepts (1.4's), shutdownAfterJobFinishes + ttlSecondsAfterFinished,
     # and the time to Running bounded by the active deadline only.
-    kuberay_version: str | None = None
+    kuberay_version: Text | None = None
     # Feature gates the operator runs with beyond its release's defaults; rayft reads RayJobDeletionPolicy.
-    kuberay_feature_gates: list[str] = field(default_factory=list)
+    kuberay_feature_gates: Listed[Text] = field(default_factory=list)
     # How the job finds this config: path (in the image under jobs/, or on the PVC), inline (the config's YAML
     # carried in the RayJob's runtimeEnvYAML), working_dir (a runtime_env working_dir URI holding it).
-    config_delivery: str = "path"
-    working_dir: str | None = None
+    config_delivery: Text = "path"
+    working_dir: Text | None = None
     # Strategic-merge (YAML mapping, kind + name select the manifest) or RFC 6902 JSON patch files (a list of
     # operations; `target: rayjob|raycluster` beside it), applied after rendering and validated after.
-    patches: list[str] = field(default_factory=list)
+    patches: Listed[Text] = field(default_factory=list)
 
     def check(self) -> None:
         _one_of("k8s.queueing", self.queueing, QUEUEING)
@@ -685,7 +741,7 @@ SECTIONS: dict[str, type] = {
 }
 
 
-@dataclass
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -709,13 +765,13 @@ class Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)}), got {raw!r}")
         with gather_problems(source, where):
-            sections = {}
+            sections: dict[str, Any] = {}
             for name, values in raw.items():
                 section_type = SECTIONS.get(name)
                 if section_type is None:
                     _problem(f"unknown section '{name}'{_suggest(str(name), SECTIONS)}", key=str(name))
                     continue
-                sections[name] = _build_section(name, section_type, values)
+                sections[name] = _section(name, section_type, values)
             cfg = cls(**sections)
             cfg.check()
         return cfg
@@ -1203,96 +1259,102 @@ def set_nested(raw: dict[str, Any], keys: list[str], value: Any, source: str) ->
     node[keys[-1]] = value
 
 
-def _build_section(name: str, section_type: type, values: Any) -> Any:
-    """The section's dataclass; keys that are unknown or of the wrong type are reported and left at default."""
+_Section = TypeVar("_Section")
+
+
+def _section(name: str, section_type: type[_Section], values: Any) -> _Section:
+    """The section's dataclass, validated by pydantic; keys that are unknown or of the wrong type are reported and
+    left at their defaults (validated again without them), so the checks of the other keys still run."""
     if values is None:
         return section_type()
     if not isinstance(values, dict):
         _problem(f"section '{name}' must be a mapping of keys, got {values!r}", key=name)
         return section_type()
-    if hasattr(section_type, "shorthand"):  # forms a section reads beside its own keys
-        values = section_type.shorthand(values)
-    hints = typing.get_type_hints(section_type)
-    known = {f.name for f in dataclasses.fields(section_type)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in known:
-            _problem(f"unknown key '{name}.{key}'{_suggest(str(key), known)}", key=f"{name}.{key}")
-            continue
+    shorthand = getattr(section_type, "shorthand", None)
+    if shorthand is not None:  # forms a section reads beside its own keys
+        values = shorthand(values)
+    values = {str(k): v for k, v in values.items()}
+    while True:
         try:
-            kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
-        except ConfigError as e:
-            _problem(str(e), key=f"{name}.{key}")
-    return section_type(**kwargs)
+            return section_type(**values)
+        except ValidationError as e:
+            unreadable: set[tuple[int | str, ...]] = set()
+            order = {key: i for i, key in enumerate(values)}  # the file's order, not the fields'
+            for error in sorted(e.errors(), key=lambda error: order.get(str(error["loc"][0]), len(order))):
+                path, owner = _unreadable(section_type, values, error["loc"])
+                if path not in unreadable:  # one problem a key, as a user fixes it: the first of a list's items
+                    unreadable.add(path)
+                    key = _dotted(name, values, error["loc"])
+                    _problem(_mistake(key, error, owner, path[-1]), key=key)
+            narrower = _without(values, unreadable)
+            if narrower == values:  # nothing left to drop: the mistake is in rayft's own defaults
+                raise
+            values = narrower
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against the field's annotation; accept the lenient forms YAML produces (e.g. '1e-4')."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        for arg in args[1:]:  # `int | str`: the first type that takes the value, else the first type's error
-            try:
-                return _coerce(value, args[0], key)
-            except ConfigError:
-                if arg is str and isinstance(value, str):
-                    return value
-        return _coerce(value, args[0], key)
+def _unreadable(owner: type, values: dict[Any, Any], loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type]:
+    """The key to leave out for an error at `loc`, and the dataclass that has it: the section's field, or the key
+    inside a nested group (`k8s.node.gpus`), so that the group's other keys still count."""
+    head = loc[0]
+    inner = typing.get_type_hints(owner).get(str(head))
+    if len(loc) > 1 and dataclasses.is_dataclass(inner) and isinstance(values.get(str(head)), dict):
+        path, found = _unreadable(typing.cast(type, inner), values[str(head)], loc[1:])
+        return (head, *path), found
+    return (head,), owner
+
+
+def _dotted(name: str, values: Any, loc: tuple[int | str, ...]) -> str:
+    """The error's key as messages name it, `k8s.node.gpus` or `lora.target_modules[2]`; the names pydantic gives
+    a union's members (`parallel.expert_parallel`: int, str) are no keys and left out."""
+    key, node = name, values
+    for part in loc:
+        if isinstance(node, dict):
+            found = [k for k in node if str(k) == str(part)]
+            if found:
+                key, node = f"{key}.{part}", node[found[0]]
+        elif isinstance(part, int):
+            key, node = f"{key}[{part}]", node[part] if isinstance(node, list) and part < len(node) else None
+    return key
+
+
+# What a field of each kind takes, by the error pydantic reports for a value it cannot read.
+EXPECTED = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+}
+
+
+def _mistake(key: str, error: ErrorDetails, owner: type, name: int | str) -> str:
+    """rayft's message for one of pydantic's errors: the key, what it takes, and what the file gives."""
+    kind, value = error["type"], error["input"]
+    if kind in ("unexpected_keyword_argument", "invalid_key"):
+        return f"unknown key '{key}'{_suggest(str(name), [f.name for f in dataclasses.fields(owner)])}"
+    expected = EXPECTED.get(kind)
+    if kind == "dataclass_type":  # a nested group of keys (k8s.node, k8s.rdma)
+        group = typing.get_type_hints(owner)[str(name)]
+        expected = f"a mapping of {', '.join(f.name for f in dataclasses.fields(group))}"
+    if expected is None:
+        return f"{key}: {error['msg']}"
     if value is None:
-        raise ConfigError(f"{key} must not be null (expected {_type_name(hint)})")
-    if dataclasses.is_dataclass(hint):  # a nested group of keys (k8s.node, k8s.rdma)
-        if isinstance(value, dict):
-            return _build_section(key, typing.cast(type, hint), value)
-    elif hint is Any:  # Kubernetes objects (tolerations, affinity, volumes): the CRD schema checks them once rendered
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-        if value is False and key.endswith("_strategy"):  # YAML 1.1 reads an unquoted `no` as false
-            return "no"
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-    elif origin is list:
-        (item_type,) = typing.get_args(hint)
-        if isinstance(value, str):
-            value = [value]
-        if isinstance(value, (list, tuple)):
-            return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict:
-        _, value_type = typing.get_args(hint)
-        if isinstance(value, dict):
-            return {str(k): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
-    raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+        return f"{key} must not be null (expected {expected})"
+    return f"{key} must be {expected}, got {value!r} ({type(value).__name__})"
 
 
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    if origin is dict:
-        return f"a mapping of names to {_type_name(typing.get_args(hint)[1])}"
-    if dataclasses.is_dataclass(hint):
-        return f"a mapping of {', '.join(f.name for f in dataclasses.fields(hint))}"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return names.get(hint, str(hint))
+def _without(values: dict[Any, Any], paths: set[tuple[int | str, ...]]) -> dict[Any, Any]:
+    """`values` less the keys at `paths` (the nested mappings on the way copied, not changed)."""
+    kept = dict(values)
+    for path in paths:
+        node = kept
+        for part in path[:-1]:
+            node[part] = dict(node[part])
+            node = node[part]
+        node.pop(path[-1], None)
+    return kept
 
 
 def _suggest(word: str, choices: Any) -> str:
