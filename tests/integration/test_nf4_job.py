@@ -18,11 +18,12 @@ import torch.distributed as dist
 from conftest import REPO, STEPS, Fixtures, checkpointing_config, free_port, run_cli
 from fixtures.hub_layout import make_tiny_mistral_small4
 from fixtures.local_run import LocalRun, train_locally
-from fixtures.moe_families import COMMON, MOE_FAMILIES, _random_model
+from fixtures.moe_families import COMMON, MOE_FAMILIES, _random_model, make_block_fp8, make_hub_moe
 from fixtures.ranks import spawn_ranks
 from fixtures.torchao_nf4 import to_nf4
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
+from test_block_fp8 import _references
 from test_fp8_job import _numpy_dequantised_text_model
 from test_gpu import GRAD_RTOL, LOSS_ATOL, _batch, _lora_grads, _randomise_lora_b, _relative_error
 from test_local_trainer import REORDERED, TOLERANCE, _assert_same_training
@@ -223,6 +224,27 @@ def assert_logits_of_torchaos_weights(reference: nn.Module, swapped: tuple[int, 
         got, want, before = quantised(ids).logits, reference(ids).logits, unquantised(ids).logits
     torch.testing.assert_close(got, want)
     assert (got - before).abs().max() > 10 * (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deepseeks_block_fp8_checkpoint_loads_sharded_into_torchaos_nf4_of_its_decoded_weights(
+    fixtures: Fixtures, tmp_path: Path, dtype: str
+):
+    """DeepSeek-V3 as its hub checkpoint ships (per-expert keys, FP8 with a scale per 128 × 128 block): each rank
+    decodes its rows (its experts) with their blocks' scales and quantises them; the stored NF4 is torchao's of the
+    file's values, decoded with numpy (not rayft) and cast to torch_dtype."""
+    overrides, swapped = NF4_FAMILIES["deepseek_v3"]
+    shape = {"hidden_size": 128, "num_key_value_heads": 4, "head_dim": 32, **overrides}
+    model_dir = make_block_fp8(make_hub_moe("deepseek_v3", tmp_path / "bf16", **shape), tmp_path / "fp8", (128, 128))
+    raw = mistral4_config(fixtures, model_dir, tmp_path / "out")  # expert LoRA too, as a DeepSeek job would run
+    raw["model"]["torch_dtype"] = dtype
+    out = tmp_path / "stored.pt"
+    spawn_ranks(_sharded_load_rank, args=(2, free_port(), raw, str(out)), nprocs=2)
+    stored = torch.load(out)
+    decoded, fp8_keys = _references(model_dir, (128, 128))
+    assert len(stored) == swapped[0] + 1  # the experts module holds two stacks
+    assert any(".experts." in key for key in fp8_keys) and any("self_attn" in key for key in fp8_keys)
+    assert_torchaos_nf4(stored, {name: decoded[name].to(getattr(torch, dtype)) for name in stored})
 
 
 @pytest.fixture(scope="module")
