@@ -23,6 +23,9 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # layers (the routed experts are fused 3D parameters, not modules: `lora.target_experts` adapts them).
 MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLA_MOE_TARGETS = (*MLA_TARGETS, "gate_proj", "up_proj", "down_proj")
+# DeepSeek-V3's `auto` leaves its shared and dense MLPs out: PEFT reads gate_proj/up_proj/down_proj on the models
+# transformers converts from the per-expert layout as the routed experts' old names, and adapts the routed experts
+# instead (`rayft.model.lora.check_peft_keeps_targets`).
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ FAMILIES: dict[str, Family] = {
         Family("gemma2", "Gemma 2", DENSE_TARGETS),
         Family("gemma3_text", "Gemma 3", DENSE_TARGETS),
         Family("mistral4", "Mistral-Small-4", MLA_MOE_TARGETS, _MLA_MOE),
-        Family("deepseek_v3", "DeepSeek-V3", MLA_MOE_TARGETS, replace(_MLA_MOE, block="DeepseekV3MoE")),
+        Family("deepseek_v3", "DeepSeek-V3", MLA_TARGETS, replace(_MLA_MOE, block="DeepseekV3MoE")),
         Family("qwen3_moe", "Qwen3-MoE", ATTENTION_TARGETS, MoeBlock("Qwen3MoeSparseMoeBlock", "num_experts")),
         Family("mixtral", "Mixtral", ATTENTION_TARGETS, MoeBlock("MixtralSparseMoeBlock", "num_local_experts",
                                                                  jitter="jitter_noise")),

@@ -10,6 +10,7 @@ that match nothing are reported loudly with the model's real module names; a lis
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Literal, cast
@@ -169,9 +170,46 @@ def peft_config(lora: LoraConfig, names: list[str], parameters: list[str] | None
     )
 
 
+def check_peft_keeps_targets(model: nn.Module, config: peft.LoraConfig) -> None:
+    """Refuse module targets PEFT would move onto the routed experts. On the MoE models transformers converts from
+    the per-expert layout (DeepSeek-V3, Qwen3-MoE), PEFT reads gate_proj/up_proj/down_proj (and `all-linear`) as the
+    experts' transformers-4 names and adapts the fused experts instead of the shared and dense MLPs those names also
+    match: not what `rayft validate`, the plan and the log say; with dropout it fails outright."""
+    moved = _moved_by_peft(model, config)
+    if moved is not None:
+        raise ConfigError(
+            f"lora.target_modules on {type(model).__name__}: {moved}. PEFT {peft.__version__} reads gate_proj, "
+            "up_proj and down_proj on this model as the routed experts' transformers-4 names and adapts the routed "
+            "experts instead of the shared and dense MLPs; leave them out of lora.target_modules (`auto` does), and "
+            "set lora.target_experts: true (with lora.lora_dropout: 0) for LoRA on the routed experts"
+        )
+
+
+def _moved_by_peft(model: nn.Module, config: peft.LoraConfig) -> str | None:
+    """What PEFT's transformers-4 compatibility would make of these targets, or None where it keeps them."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a PEFT without it keeps every target as given
+        return None
+
+    probe = copy.deepcopy(config)
+    try:
+        convert_peft_config_for_transformers(probe, model=model, conversions=None)
+    except ValueError as e:  # half of a fused pair (gate_proj without up_proj): PEFT refuses to map it
+        return str(e).rstrip(".")
+    added = sorted(set(probe.target_parameters or ()) - set(config.target_parameters or ()))
+    if not added:
+        return None
+    asked = config.target_modules
+    names = asked if isinstance(asked, str) else ", ".join(sorted(set(asked or ()) - set(probe.target_modules or ())))
+    return f"{names} would become LoRA on {', '.join(added)}"
+
+
 def wrap(model: nn.Module, lora: LoraConfig) -> tuple[peft.PeftModel, LoraTargets]:
     targets = resolve_targets(model, lora)
-    return peft.get_peft_model(model, peft_config(lora, targets.names, targets.parameters)), targets
+    config = peft_config(lora, targets.names, targets.parameters)
+    check_peft_keeps_targets(model, config)
+    return peft.get_peft_model(model, config), targets
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig) -> peft.PeftModel:

@@ -60,6 +60,42 @@ def test_auto_targets_match_modules_of_every_moe_family(model_type: str):
     assert {p.rsplit(".", 1)[-1] for p in targets.parameters} == {"gate_up_proj", "down_proj"}
 
 
+def _adapted(peft_model: torch.nn.Module) -> set[str]:
+    """The modules PEFT gave an adapter: their paths in the base model (an experts module once, however many of its
+    parameters it adapts)."""
+    wrapped = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    return {n.replace(".base_layer", "") for n in wrapped}
+
+
+@pytest.mark.parametrize("target_experts", [False, True])
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_peft_adapts_exactly_what_auto_says_on_every_moe_family(model_type: str, target_experts: bool):
+    """What `auto` resolves to (the modules the log and the plan name, the expert parameters) is what PEFT adapts:
+    PEFT maps transformers-4 expert names (gate_proj, up_proj, down_proj) onto the fused experts of the models
+    transformers converts from that layout, which would move the dense and shared MLPs' adapters onto the routed
+    experts."""
+    from rayft.model.frozen import fused_experts
+    from rayft.model.lora import wrap
+
+    model = _model(model_type, CONFIGS[model_type])
+    experts = {n for n, m in model.named_modules() if fused_experts(m)} if target_experts else set()
+    lora = LoraConfig(target_modules=["auto"], target_experts=target_experts, lora_dropout=0.0)
+    peft_model, targets = wrap(model, lora)
+    assert _adapted(peft_model) == set(targets.modules) | experts
+
+
+@pytest.mark.parametrize("target", ["gate_proj", "up_proj", "down_proj", "all-linear"])
+def test_expert_names_peft_would_move_onto_the_routed_experts_are_refused(target: str):
+    """Explicit targets PEFT would rewrite (DeepSeek-V3's shared and dense MLPs) are refused before PEFT wraps
+    anything, naming them and the way to LoRA on the experts; PEFT itself would adapt the routed experts instead,
+    or fail on the dropout."""
+    from rayft.model.lora import wrap
+
+    targets = [target] if target == "all-linear" else ["q_a_proj", target]
+    with pytest.raises(ConfigError, match=r"lora\.target_modules on .*routed experts.*lora\.target_experts: true"):
+        wrap(_model("deepseek_v3", CONFIGS["deepseek_v3"]), LoraConfig(target_modules=targets))
+
+
 @pytest.mark.parametrize("model_type", sorted(UNKNOWN_MOE))
 def test_an_unknown_moe_block_is_refused_naming_the_key(model_type: str):
     model = _model(model_type, {**COMMON, **UNKNOWN_MOE[model_type]})
