@@ -194,3 +194,24 @@ def test_the_model_table_is_the_family_table() -> None:
                 assert family.name in family_cell, model_type
         seen += model_types
     assert sorted(seen) == sorted(FAMILIES)
+
+
+def test_the_configuration_reference_names_every_key_of_every_section() -> None:
+    """docs/configuration.md's key table against the config's sections: each section's row names each of its keys
+    (`k8s` points to docs/kubernetes.md, whose own list is checked beside the renderer)."""
+    import dataclasses
+
+    from rayft.config import SECTIONS
+
+    rows = {}
+    for line in (ROOT / "docs" / "configuration.md").read_text().splitlines():
+        row = re.match(r"\| \**`(\w+)`\** \|(.*)\|$", line)
+        if row and row.group(1) in SECTIONS:
+            rows[row.group(1)] = set(re.findall(r"`(\w+)`", row.group(2)))
+    assert set(rows) == set(SECTIONS), set(SECTIONS) ^ set(rows)
+    missing = {
+        name: [f.name for f in dataclasses.fields(SECTIONS[name]) if f.name not in rows[name]]
+        for name in SECTIONS
+        if name != "k8s"
+    }
+    assert all(not keys for keys in missing.values()), missing
