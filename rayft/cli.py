@@ -17,12 +17,13 @@ from pathlib import Path
 
 import yaml
 
-from rayft.config import Config, ConfigError, K8sConfig, load_config
+from rayft.config import Config, ConfigError, load_config
 from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, quiet_console, verbose
 
 if typing.TYPE_CHECKING:
     from rayft.deploy.k8s import Deployment
+    from rayft.deploy.platform import K8sConfig
     from rayft.plan.comm import Cluster
     from rayft.plan.memory import MemoryPlan
     from rayft.plan.steptime import LayoutPlan
@@ -497,10 +498,15 @@ def _preemption_lines(
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
     from rayft.deploy.k8s import operator, to_yaml
+    from rayft.deploy.platform import K8sConfig
+    from rayft.schema import checked
 
     if args.action == "validate":
-        plat = K8sConfig(kuberay_version=args.kuberay_version, kuberay_feature_gates=args.kuberay_feature_gates)
-        plat.check()
+        plat = checked(
+            "k8s",
+            K8sConfig,
+            {"kuberay_version": args.kuberay_version, "kuberay_feature_gates": args.kuberay_feature_gates or []},
+        )
         try:
             problems = [p for f in args.files for p in validate_file(f, operator(plat))]
         except ManifestError as e:

@@ -19,6 +19,7 @@ import torch
 from rayft.config import DTYPES, Config, ConfigError, ModelConfig
 from rayft.data.tokenizer import copy_tokenizer_files, has_tokenizer
 from rayft.model.files import ADAPTER_CONFIG, INDEX_FILE, check_adapter, check_safetensors_dir, check_weights_match
+from rayft.schema import checked
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -113,7 +114,8 @@ def _merge(adapter: Path, base: Path, out: Path, dtype: torch.dtype) -> None:
     from rayft.model.build import empty_model
     from rayft.model.weights import buffers_kept, load_sharded_
 
-    model = empty_model(ModelConfig(model_name_or_path=str(base), torch_dtype=str(dtype).removeprefix("torch.")))
+    section = {"model_name_or_path": str(base), "torch_dtype": str(dtype).removeprefix("torch.")}
+    model = empty_model(checked("model", ModelConfig, section))
     with buffers_kept(model):
         model.to_empty(device=torch.device("cpu"))
     load_sharded_(model, base)  # one process: whole tensors, dequantised

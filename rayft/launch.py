@@ -17,7 +17,7 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft import ray_private
-from rayft.config import Config, ConfigError, RayConfig, is_uri
+from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, with_adapter_shape
@@ -304,7 +304,7 @@ def join_cluster(cfg: Config) -> bool:
     started_locally = connect(cfg.ray)
     use_gpu = resolve_use_gpu(cfg.ray)
     if not use_gpu:
-        cfg.check_cpu_precision()
+        check_cpu_precision(cfg.fsdp)
     wait_for_placement(cfg.ray, _worker_bundle(cfg, use_gpu), started_locally)
     return use_gpu
 

@@ -10,8 +10,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from rayft.config import ConfigError, NodeShape, RayConfig
+from rayft.config import ConfigError, RayConfig
 from rayft.deploy.apirules import memory_quantity, quantity_bytes
+from rayft.deploy.platform import NodeShape
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A platform's requirements laid onto rendered KubeRay manifests: queues, schedulers, placement, security.
+"""A platform's requirements, the config's `k8s` section, and how they are laid onto rendered KubeRay manifests:
+queues, schedulers, placement, security, the RDMA fabric and the nodes' shape.
 
 Kept apart from the renderer (which derives pods from the training config) because these settings come from the
 cluster's owners, not from the run: the same labels, tolerations and security context on every pod KubeRay
@@ -8,9 +9,228 @@ creates, the head's, the GPU workers' and the submitter's, so that a policy admi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any, Literal, Self
 
-from rayft.config import ConfigError, K8sConfig
+import pydantic.dataclasses
+from annotated_types import Ge
+from pydantic import ValidationInfo, model_validator
+
+from rayft.deploy import apirules, kuberay
+from rayft.schema import (
+    SECTION_CONFIG,
+    Broken,
+    ConfigError,
+    Flag,
+    Hint,
+    Integer,
+    Keyed,
+    Listed,
+    Text,
+    broken,
+    checked,
+    obeyed,
+)
+
+
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
+class RdmaConfig:
+    """How GPU pods reach an RDMA fabric (`k8s.fabric: infiniband` or `roce`); nothing of it is rendered without one,
+    as each setting names something a particular site has installed."""
+
+    # The device plugin's extended resource that hands a pod the adapters; null: rdma/rdma_shared_device_a (the RDMA
+    # shared device plugin's); e.g. nvidia.com/hostdev, openshift.io/mellanoxnics; '' for none (hostNetwork sites).
+    resource: Text | None = None
+    # A Multus NetworkAttachmentDefinition that gives each pod an interface on the fabric; null: none.
+    network: Text | None = None
+    # NCCL_SOCKET_IFNAME: that interface in the pod; null: net1 (Multus's first secondary one) with a network,
+    # else NCCL's own choice.
+    interface: Text | None = None
+
+    def broken(self) -> list[Broken | None]:
+        if self.network is None:
+            return []
+        return [
+            broken(p, "network") for p in apirules.dns_subdomain("k8s.rdma.network", self.network.rpartition("/")[2])
+        ]
+
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo) -> Self:
+        return obeyed("k8s.rdma", self, info)
+
+
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
+class NodeShape:
+    """The GPU nodes worker pods land on. A pod gets the node's CPUs and memory in proportion to its GPUs, so pods
+    of any size fill a node together; `count` lets the renderer refuse a job whose pods would not all fit."""
+
+    gpus: Annotated[Integer, Ge(1)] = 8
+    # What pods may use of one node: its Allocatable (`kubectl describe node`) less what DaemonSets take.
+    cpus: Annotated[Integer, Ge(1)] = 96
+    memory: Text = "960Gi"
+    # Nodes of this shape the job may use; null: not checked.
+    count: Annotated[Integer, Ge(1), Hint("(or null: not checked)")] | None = None
+
+    def broken(self) -> list[Broken | None]:
+        try:
+            apirules.quantity_bytes(self.memory)
+        except ValueError as e:
+            return [broken(f"k8s.node.memory: {e}", "memory")]
+        return []
+
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo) -> Self:
+        return obeyed("k8s.node", self, info)
+
+
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
+class K8sConfig:
+    """What a platform requires of every pod, for `rayft k8s render` (training ignores this section). Flags of
+    `rayft k8s render` add to or override these keys; `patches` covers anything no key does."""
+
+    # Queueing: kueue (the RayJob labelled with `queue` and created suspended), volcano or runai (their
+    # scheduler and `queue`); none = the default scheduler, or `scheduler_name`.
+    queueing: Literal["none", "kueue", "volcano", "runai"] = "none"
+    queue: Text | None = None
+    scheduler_name: Text | None = None
+    priority_class_name: Text | None = None
+    service_account_name: Text | None = None
+    image_pull_secrets: Listed[Text] = field(default_factory=list)
+    # The network NCCL uses between GPU pods: none (the pod network, as the cluster provides it), infiniband or
+    # roce (the RDMA device, IPC_LOCK, the IB transport settings, and what `rdma` names).
+    fabric: Literal["none", "infiniband", "roce"] = "none"
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    # The GPU nodes, which size the worker pods (one pod holds ray.workers_per_node GPUs).
+    node: NodeShape = field(default_factory=NodeShape)
+    # At most one worker pod a node (required anti-affinity), so that each pod has a node's NIC to itself.
+    one_pod_per_node: Flag = False
+    # When Kubernetes stops a GPU worker pod (its node drained for a spot reclaim, a scale-down, maintenance), the
+    # pod first drains its Ray node with this deadline, so the run checkpoints at once (`ray.preemption`), and stays
+    # up that long; its termination grace period covers it. 0: no notice.
+    preemption_notice_s: Annotated[Integer, Ge(0)] = 30
+    # GPU worker placement (the head and the submitter go where the cluster puts CPU pods; `head_node_selector`
+    # pins the head). `affinity` is added to rayft's own (`one_pod_per_node`).
+    node_selector: Keyed[Text] = field(default_factory=dict)
+    head_node_selector: Keyed[Text] = field(default_factory=dict)
+    affinity: Keyed[Any] = field(default_factory=dict)
+    # On every pod (head, workers, submitter), besides the GPU taint rayft tolerates on the workers.
+    tolerations: Listed[Keyed[Any]] = field(default_factory=list)
+    labels: Keyed[Text] = field(default_factory=dict)
+    annotations: Keyed[Text] = field(default_factory=dict)
+    # Pod securityContext of every pod; IPC_LOCK is added to the GPU containers only where RDMA is on.
+    run_as_user: Integer | None = None
+    run_as_group: Integer | None = None
+    fs_group: Integer | None = None
+    run_as_non_root: Flag | None = None
+    # Extra environment of every Ray container and the submitter; extra volumes (Kubernetes Volume objects) on
+    # head and workers, mounted by `volume_mounts` (VolumeMount objects) in their Ray containers.
+    env: Keyed[Text] = field(default_factory=dict)
+    volumes: Listed[Keyed[Any]] = field(default_factory=list)
+    volume_mounts: Listed[Keyed[Any]] = field(default_factory=list)
+    # The Hugging Face cache of head and workers (HF_HOME, where hub model and dataset names resolve); null =
+    # <mount path>/hf-cache on the PVC. hf_offline sets HF_HUB_OFFLINE=1: names resolve from a pre-seeded cache only.
+    hf_home: Text | None = None
+    hf_offline: Flag = False
+    # The KubeRay operator's version, 1.4 to 1.7 (any patch release): the manifests use what it has and are
+    # checked against its CRDs. From 1.6, preRunningDeadlineSeconds, and deletion rules (on failure the GPU
+    # workers go at once, the cluster after the TTL; not for Kueue's suspended jobs); 1.5 has the rules only
+    # with its RayJobDeletionPolicy feature gate on, named in kuberay_feature_gates. Older, or unknown (null):
+    # the form every supported operator accepts (1.4's), shutdownAfterJobFinishes + ttlSecondsAfterFinished,
+    # and the time to Running bounded by the active deadline only.
+    kuberay_version: Text | None = None
+    # Feature gates the operator runs with beyond its release's defaults; rayft reads RayJobDeletionPolicy.
+    kuberay_feature_gates: Listed[Text] = field(default_factory=list)
+    # How the job finds this config: path (in the image under jobs/, or on the PVC), inline (the config's YAML
+    # carried in the RayJob's runtimeEnvYAML), working_dir (a runtime_env working_dir URI holding it).
+    config_delivery: Literal["path", "inline", "working_dir"] = "path"
+    working_dir: Text | None = None
+    # Strategic-merge (YAML mapping, kind + name select the manifest) or RFC 6902 JSON patch files (a list of
+    # operations; `target: rayjob|raycluster` beside it), applied after rendering and validated after.
+    patches: Listed[Text] = field(default_factory=list)
+
+    def broken(self) -> list[Broken | None]:
+        names = {v.get("name") for v in self.volumes}
+        return [
+            broken(f"k8s.queue: k8s.queueing: {self.queueing} needs the queue's name", "queueing", "queue")
+            if self.queueing != "none" and not self.queue
+            else None,
+            broken("k8s.queue: given without k8s.queueing; set k8s.queueing: kueue, volcano or runai", "queue")
+            if self.queueing == "none" and self.queue
+            else None,
+            broken(
+                "k8s.working_dir: needed with k8s.config_delivery: working_dir, and only then",
+                "working_dir",
+                "config_delivery",
+            )
+            if (self.config_delivery == "working_dir") != bool(self.working_dir)
+            else None,
+            broken(f"k8s.hf_home: '{self.hf_home}' must be an absolute path in the pods (on the PVC)", "hf_home")
+            if self.hf_home is not None and not self.hf_home.startswith("/")
+            else None,
+            *(
+                broken(f"k8s.volume_mounts[{i}]: name '{m.get('name')}' is none of k8s.volumes", "volume_mounts")
+                for i, m in enumerate(self.volume_mounts)
+                if m.get("name") not in names
+            ),
+            *self._kuberay_broken(),
+            *self._fabric_broken(),
+            *self._api_broken(),
+        ]
+
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo) -> Self:
+        return obeyed("k8s", self, info)
+
+    def _api_broken(self) -> list[Broken]:
+        """What the API server (or Kueue, for the queue-name label) would refuse when the manifests are applied."""
+        found = [
+            *(broken(p, "labels") for p in apirules.labels("k8s.labels", self.labels)),
+            *(broken(p, "annotations") for p in apirules.annotation_keys("k8s.annotations", self.annotations)),
+            *(broken(p, "node_selector") for p in apirules.labels("k8s.node_selector", self.node_selector)),
+            *(
+                broken(p, "head_node_selector")
+                for p in apirules.labels("k8s.head_node_selector", self.head_node_selector)
+            ),
+            *(broken(p, "tolerations") for p in apirules.tolerations("k8s.tolerations", self.tolerations)),
+        ]
+        named = {
+            key: getattr(self, key)
+            for key in ("queue", "priority_class_name", "service_account_name", "scheduler_name")
+        }
+        named.update({f"image_pull_secrets[{i}]": s for i, s in enumerate(self.image_pull_secrets)})
+        for key, value in named.items():
+            if value is not None:
+                found += [broken(p, key.partition("[")[0]) for p in apirules.dns_subdomain(f"k8s.{key}", value)]
+        if self.queue and not apirules.dns_subdomain("k8s.queue", self.queue):
+            # Kueue's queue-name label holds it
+            found += [broken(p, "queue") for p in apirules.label_value("k8s.queue", self.queue)]
+        return found
+
+    def _fabric_broken(self) -> list[Broken]:
+        if self.fabric != "none":
+            return []
+        return [
+            broken(
+                f"k8s.rdma.{key}: '{value}' is given but k8s.fabric is none, which renders no RDMA; set k8s.fabric: "
+                "infiniband or roce (or --fabric)",
+                f"rdma.{key}",
+                "fabric",
+            )
+            for key, value in dataclasses.asdict(self.rdma).items()
+            if value is not None
+        ]
+
+    def _kuberay_broken(self) -> list[Broken]:
+        try:
+            release = kuberay.minor(self.kuberay_version) or kuberay.OLDEST
+        except ValueError as e:
+            return [broken(f"k8s.kuberay_version: {e}", "kuberay_version")]
+        return [
+            broken(f"k8s.kuberay_feature_gates: {problem}", "kuberay_feature_gates")
+            for gate in self.kuberay_feature_gates
+            if (problem := kuberay.gate_problem(gate, release))
+        ]
+
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # KubeRay's batch-scheduler integration reads this label on the RayCluster / RayJob (operator flag
@@ -36,9 +256,7 @@ def with_flags(base: K8sConfig, **flags: Any) -> K8sConfig:
             changes[key] = [*current, *value]
         else:
             changes[key] = value
-    merged = dataclasses.replace(base, **changes)
-    merged.check()
-    return merged
+    return checked("k8s", K8sConfig, {**dataclasses.asdict(base), **changes})
 
 
 def fabric_and_node(
@@ -62,8 +280,8 @@ def fabric_and_node(
     node = _given(gpus=node_gpus, cpus=node_cpus, memory=node_memory, count=nodes)
     return {
         "fabric": fabric,
-        "rdma": dataclasses.replace(base.rdma, **rdma) if rdma else None,
-        "node": dataclasses.replace(base.node, **node) if node else None,
+        "rdma": {**dataclasses.asdict(base.rdma), **rdma} if rdma else None,
+        "node": {**dataclasses.asdict(base.node), **node} if node else None,
     }
 
 

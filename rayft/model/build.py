@@ -61,7 +61,7 @@ def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bo
 def check_quantised_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) -> None:
     """What quantised storage of the decoder matrices (`model.frozen_dtype` float8 or nf4, or auto on an FP8
     checkpoint) rules out: DoRA (PEFT's magnitude is the norm of each bf16/fp32 row) and a trainable full copy
-    (`modules_to_save`) of a stored matrix. `Config.check` refuses the explicit settings with DoRA; this reads the
+    (`modules_to_save`) of a stored matrix. The config's rules refuse the explicit settings with DoRA; this reads the
     checkpoint."""
     if not (cfg.lora.use_dora or cfg.lora.modules_to_save):
         return

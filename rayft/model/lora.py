@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import cast
 
 import peft
 import torch
@@ -33,8 +33,6 @@ log = logging.getLogger("rayft")
 AUTO_TARGETS = {f.model_type: f.targets for f in FAMILIES.values()}
 ADAPTABLE = (nn.Linear, nn.Embedding)
 ALL_LINEAR = "all-linear"
-
-LoraBias = Literal["none", "all", "lora_only"]  # PEFT's `bias` choices
 
 
 @dataclass
@@ -165,7 +163,7 @@ def peft_config(lora: LoraConfig, names: list[str], parameters: list[str] | None
         use_rslora=lora.use_rslora,
         modules_to_save=lora.modules_to_save,
         target_parameters=parameters or None,
-        bias=cast(LoraBias, lora.bias),  # `Config.check` took it only from these values
+        bias=lora.bias,
         task_type=peft.TaskType.CAUSAL_LM,
     )
 

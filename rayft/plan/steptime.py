@@ -25,6 +25,7 @@ longer than its compute and dequantisation.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import cast
@@ -163,7 +164,8 @@ def plan_layouts(
 
 
 def _memory(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, fp8: bool) -> MemoryPlan:
-    sharded = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, shard_size=layout.shard))
+    sharded = copy.copy(cfg)  # a layout the planner tries, not the user's: the config's rules are not asked
+    sharded.fsdp = dataclasses.replace(cfg.fsdp, shard_size=layout.shard)
     return plan_memory(sharded, s, cluster.world, True, hw.gpu, fp8=fp8, expert_parallel=layout.expert_parallel)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import SEED_CONFIG
+from pydantic import ValidationError
 
-from rayft.config import ConfigError, load_config
+from rayft.config import Config, ConfigError, FsdpConfig, LoraConfig, RayConfig, load_config
+from rayft.schema import checked
 
 FOUR_MISTAKES = """\
 train:
@@ -76,3 +78,49 @@ def test_an_accelerate_config_as_config_names_the_converter():
         load_config(accelerate)
     assert "this is an accelerate config (compute_environment" in str(err.value)
     assert f"rayft config from-accelerate {accelerate}" in str(err.value)
+
+
+RULES_BROKEN = """\
+k8s:
+  queueing: kueue
+  config_delivery: working_dir
+data:
+  prompt_template: "### Question: {}"
+ray:
+  num_workers: 6
+  workers_per_node: 4
+fsdp:
+  shard_size: 4
+"""
+
+
+def test_a_broken_rule_points_at_the_line_of_a_key_the_file_sets(tmp_path):
+    """A rule over several keys is reported at the first of them the file sets (here the key the message names is
+    the one left out), and a section that breaks its own rules keeps the file's values for the rules between
+    sections."""
+    path = tmp_path / "rules.yaml"
+    path.write_text(RULES_BROKEN)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: 5 problems:"), message
+    for needle in (
+        f"{path}:2: k8s.queue: k8s.queueing: kueue needs the queue's name",
+        f"{path}:3: k8s.working_dir: needed with k8s.config_delivery: working_dir",
+        f"{path}:5: data.prompt_template: use named placeholders of record fields, e.g. '### Question:\\n{{question}}",
+        f"{path}:7: ray.num_workers 6 must be nodes × ray.workers_per_node 4",
+        f"{path}:10: fsdp.shard_size 4 must divide ray.num_workers 6",
+    ):
+        assert needle in message, message
+
+
+def test_sections_built_in_code_keep_their_rules():
+    """A section or config built in code is held to the same rules as one read from a file: pydantic's
+    ValidationError names the rule; `checked` (for flags) gives the user's ConfigError."""
+    with pytest.raises(ValidationError, match=r"ray\.num_workers 3 must be nodes × ray\.workers_per_node 2"):
+        RayConfig(num_workers=3, workers_per_node=2)
+    with pytest.raises(ValidationError, match=r"fsdp\.shard_size 3 must divide ray\.num_workers 4"):
+        Config(fsdp=FsdpConfig(shard_size=3), ray=RayConfig(num_workers=4))
+    with pytest.raises(ConfigError, match=r"lora\.lora_dropout must be in \[0, 1\), got 1\.5"):
+        checked("lora", LoraConfig, {"lora_dropout": 1.5})
+    assert checked("lora", LoraConfig, {"lora_dropout": 0, "target_experts": True}).target_experts

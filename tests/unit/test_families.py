@@ -54,7 +54,7 @@ def test_each_moe_entry_describes_the_block_transformers_builds(model_type: str)
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_auto_targets_match_modules_of_every_moe_family(model_type: str):
     model = _model(model_type, CONFIGS[model_type])
-    targets = resolve_targets(model, LoraConfig(target_modules=["auto"], target_experts=True))
+    targets = resolve_targets(model, LoraConfig(target_modules=["auto"], target_experts=True, lora_dropout=0.0))
     assert not targets.unmatched, targets.unmatched
     assert any(".self_attn." in m for m in targets.modules)
     assert {p.rsplit(".", 1)[-1] for p in targets.parameters} == {"gate_up_proj", "down_proj"}

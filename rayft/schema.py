@@ -1,0 +1,378 @@
+"""What rayft's config sections are made of: pydantic field types that read YAML as users write it, rules that refuse
+a combination of values, and pydantic's errors turned into rayft's problems (one line each, naming the key, with the
+closest valid key or value).
+
+A section is a pydantic dataclass: its fields' types, choices (`Literal`) and ranges (`Ge`, `Lt`, ...) are checked by
+pydantic; a combination of values is checked by the section's `model_validator`, which `refuse`s what it breaks; one
+section's values against another's by the `Config`'s. `read_section` reads a file's section so that a user sees every
+problem of the file at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, ValidationInfo
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration or paths; the message is meant to be shown as is."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str  # dotted, `train.learning_rate`: where the file sets it is looked up by this
+    message: str
+
+
+# Unknown keys are errors; instances stay mutable, and assignment is not validated.
+SECTION_CONFIG = ConfigDict(extra="forbid")
+
+
+def _integral(value: Any) -> Any:
+    """`2.0` for an integer field: YAML writes a whole number either way."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _parsed_number(value: Any) -> Any:
+    """`1e-4` for a number: YAML 1.1 reads an exponent without a dot as a string."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _number_as_text(value: Any) -> Any:
+    """`5` for a string field (a revision, a name): the text the user typed."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _unquoted_no(value: Any) -> Any:
+    """`no` for a `*_strategy`: YAML 1.1 reads it unquoted as false."""
+    return "no" if value is False else value
+
+
+def _one_as_list(value: Any) -> Any:
+    """A single name where a list of them is expected (`report_to: wandb`)."""
+    return [value] if isinstance(value, str) else list(value) if isinstance(value, tuple) else value
+
+
+def _keys_as_text(value: Any) -> Any:
+    """A mapping's keys as strings: YAML reads a key written `1` as an integer."""
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+
+
+# The field types. Strict: pydantic's lax mode would also read "yes" or 1 as true and "5" as an integer, which
+# rayft refuses; each BeforeValidator admits one lenient form that YAML produces.
+Flag = Annotated[bool, Strict()]
+Integer = Annotated[int, Strict(), BeforeValidator(_integral)]
+Number = Annotated[float, Strict(), BeforeValidator(_parsed_number)]
+Text = Annotated[str, Strict(), BeforeValidator(_number_as_text)]
+_T = TypeVar("_T")
+Listed = Annotated[list[_T], Strict(), BeforeValidator(_one_as_list)]
+Keyed = Annotated[dict[str, _T], BeforeValidator(_keys_as_text)]
+Strategy = Annotated[Literal["no", "steps", "epoch"], BeforeValidator(_unquoted_no)]
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What else a bounded key takes, added to its range message: `(or null to keep every checkpoint)`."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A rule the values break: its message, and the keys it involves, relative to the section whose rule it is
+    (`shard_size`, `rdma.network`) or, for the config's own rules, dotted from its top (`fsdp.shard_size`). The
+    message is placed at the first of them the file sets."""
+
+    message: str
+    keys: tuple[str, ...]
+
+
+def broken(message: str, *keys: str) -> Broken:
+    return Broken(message, keys)
+
+
+RULE = "rayft_rule"  # a broken rule: its section is read once more without its rules (see `read_section`)
+VALUE = "rayft_value"  # a value no field type can say is wrong (a bad `[min, max]`): its key is left at its default
+_WITHOUT_RULES = {"rules": False}
+
+
+def rules_apply(info: ValidationInfo) -> bool:
+    """False while a section that broke its rules is read once more, so that the config's other rules see its values."""
+    return bool((info.context or {}).get("rules", True))
+
+
+class Ruled(typing.Protocol):
+    def broken(self) -> list[Broken | None]: ...
+
+
+_Ruled = TypeVar("_Ruled", bound=Ruled)
+
+
+def obeyed(owner: str, section: _Ruled, info: ValidationInfo) -> _Ruled:
+    """A section's `model_validator`: the section, once every rule its `broken` states holds."""
+    if rules_apply(info):
+        refuse(owner, section.broken())
+    return section
+
+
+def refuse(owner: str, found: Iterable[Broken | None]) -> None:
+    """Raise every broken rule in one pydantic ValidationError, each at its first key, so that pydantic reports them
+    beside the fields' own errors (a nested section's under its path)."""
+    errors = [_error(RULE, b.message, b.keys) for b in found if b is not None]
+    if errors:
+        raise ValidationError.from_exception_data(owner, errors)
+
+
+def refuse_value(owner: str, key: str, message: str) -> typing.NoReturn:
+    """A value of `key` that its type cannot refuse (read in a `before` validator)."""
+    raise ValidationError.from_exception_data(owner, [_error(VALUE, message, (key,))])
+
+
+def _error(kind: str, message: str, keys: tuple[str, ...]) -> InitErrorDetails:
+    # the message goes in the context: a template would read the braces of a `{field}` placeholder in it
+    error = PydanticCustomError(kind, "{message}", {"message": message, "keys": list(keys)})
+    return InitErrorDetails(type=error, loc=tuple(keys[0].split(".")), input=None)
+
+
+_Section = TypeVar("_Section")
+
+
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+
+
+def _adapter(section_type: type) -> TypeAdapter[Any]:
+    """pydantic's validator of a section, built once."""
+    if section_type not in _ADAPTERS:
+        _ADAPTERS[section_type] = TypeAdapter(section_type)
+    return _ADAPTERS[section_type]
+
+
+def read_section(name: str, section_type: type[_Section], values: Any) -> tuple[_Section, list[Problem]]:
+    """The section from a file's mapping, and every problem with it. A key that is unknown or cannot be read is left
+    at its default and the section read again, so that its rules still run; a section that breaks a rule is read a
+    last time without its rules, so that the config's rules see the user's values."""
+    if values is None:
+        return section_type(), []
+    if not isinstance(values, dict):
+        return section_type(), [Problem(name, f"section '{name}' must be a mapping of keys, got {values!r}")]
+    values = {str(k): v for k, v in values.items()}
+    problems: list[Problem] = []
+    context: dict[str, bool] | None = None
+    while True:
+        try:
+            return _adapter(section_type).validate_python(values, context=context), problems
+        except ValidationError as e:
+            if context is not None:  # without rules, a mistake can only be in rayft's own defaults
+                raise
+            unreadable: set[tuple[int | str, ...]] = set()
+            order = {key: i for i, key in enumerate(values)}  # the file's order, not the fields'
+            for error in sorted(e.errors(), key=lambda error: order.get(str(error["loc"][0]), len(order))):
+                if error["type"] == RULE:
+                    problem = rule_problem(name, values, error)
+                else:
+                    path, owner = _unreadable(section_type, values, error["loc"])
+                    if path in unreadable:  # one problem a key, as a user fixes it: the first of a list's items
+                        continue
+                    unreadable.add(path)
+                    key = _dotted(name, values, error["loc"])
+                    problem = Problem(key, _mistake(key, error, owner, path[-1]))
+                if problem not in problems:  # a rule of a nested group is met again when its section is read again
+                    problems.append(problem)
+            if not unreadable:
+                context = _WITHOUT_RULES
+                continue
+            narrower = _without(values, unreadable)
+            if narrower == values:  # nothing left to drop: the mistake is in rayft's own defaults
+                raise
+            values = narrower
+
+
+def combined(config_type: type[_Section], sections: Mapping[str, Any]) -> _Section:
+    """The config of sections `read_section` has read: their own rules were asked there (pydantic validates them
+    again here, without their rules), the config's own rules are asked here."""
+    return typing.cast(_Section, _adapter(config_type).validate_python(dict(sections), context=_WITHOUT_RULES))
+
+
+def checked(name: str, section_type: type[_Section], values: Mapping[str, Any]) -> _Section:
+    """The section, or a ConfigError with all its problems: for sections built from command-line flags."""
+    section, problems = read_section(name, section_type, dict(values))
+    if problems:
+        raise problems_error(name, problems)
+    return section
+
+
+def rule_problem(name: str, values: Mapping[str, Any], error: ErrorDetails) -> Problem:
+    """A broken rule as a problem, keyed by the first key it involves that `values` (what the file gives) sets."""
+    ctx = error.get("ctx") or {}
+    keys: list[str] = ctx.get("keys", [])
+    first = keys[0].split(".") if keys else []
+    prefix = [str(part) for part in error["loc"][: len(error["loc"]) - len(first)]]  # a nested group's path
+    paths = [[*prefix, *key.split(".")] for key in keys]
+    given = next((path for path in paths if _sets(values, path)), paths[0] if paths else prefix)
+    return Problem(".".join([name, *given] if name else given), str(ctx.get("message", error["msg"])))
+
+
+def config_problems(values: Mapping[str, Any], error: ValidationError) -> list[Problem]:
+    """The config's own (cross-section) rules that its sections break."""
+    return [rule_problem("", values, e) for e in error.errors()]
+
+
+def _sets(values: Any, path: list[str]) -> bool:
+    for part in path:
+        if not isinstance(values, Mapping) or part not in values:
+            return False
+        values = values[part]
+    return True
+
+
+def problems_error(source: str, problems: list[Problem], where: Mapping[str, str] | None = None) -> ConfigError:
+    """One ConfigError listing every problem, each with the file and line (`where`: dotted key → `path:line`, or
+    `--override`) that sets its key."""
+    located = [f"{_location(p.key, source, where or {})}{p.message}" for p in problems]
+    if len(located) == 1:
+        return ConfigError(located[0])
+    return ConfigError(f"{source}: {len(problems)} problems:\n" + "\n".join(f"  - {line}" for line in located))
+
+
+def _location(key: str, source: str, where: Mapping[str, str]) -> str:
+    """`path:line: ` of the key, or of the closest section above it that the file names; else the source."""
+    parts = re.sub(r"\[\d+\]", "", key).split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in where:
+            return f"{where['.'.join(parts[:n])]}: "
+    return "" if source == "defaults" else f"{source}: "
+
+
+def _unreadable(owner: type, values: dict[Any, Any], loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type]:
+    """The key to leave out for an error at `loc`, and the dataclass that has it: the section's field, or the key
+    inside a nested group (`k8s.node.gpus`), so that the group's other keys still count."""
+    head = loc[0]
+    inner = typing.get_type_hints(owner).get(str(head))
+    if len(loc) > 1 and dataclasses.is_dataclass(inner) and isinstance(values.get(str(head)), dict):
+        path, found = _unreadable(typing.cast(type, inner), values[str(head)], loc[1:])
+        return (head, *path), found
+    return (head,), owner
+
+
+def _dotted(name: str, values: Any, loc: tuple[int | str, ...]) -> str:
+    """The error's key as messages name it, `k8s.node.gpus` or `lora.target_modules[2]`; the names pydantic gives
+    a union's members (`parallel.expert_parallel`: int, str) are no keys and left out."""
+    key, node = name, values
+    for part in loc:
+        if isinstance(node, dict):
+            found = [k for k in node if str(k) == str(part)]
+            if found:
+                key, node = f"{key}.{part}", node[found[0]]
+        elif isinstance(part, int):
+            key, node = f"{key}[{part}]", node[part] if isinstance(node, list) and part < len(node) else None
+    return key
+
+
+# What a field of each kind takes, by the error pydantic reports for a value it cannot read.
+EXPECTED = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+}
+BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _mistake(key: str, error: ErrorDetails, owner: type, name: int | str) -> str:
+    """rayft's message for one of pydantic's errors: the key, what it takes, and what the file gives."""
+    kind, value = error["type"], error["input"]
+    field = getattr(owner, "__pydantic_fields__", {}).get(str(name))
+    if kind in ("unexpected_keyword_argument", "invalid_key"):
+        return f"unknown key '{key}'{suggest(str(name), [f.name for f in dataclasses.fields(owner)])}"
+    if kind == VALUE:
+        return str((error.get("ctx") or {})["message"])
+    if kind == "literal_error":
+        return unknown_value(key, value, _choices(field.annotation if field else None))
+    if kind in BOUNDS:
+        metadata = field.metadata if field else []
+        if field is not None and float in (field.annotation, *typing.get_args(field.annotation)):
+            value = float(value)  # `2` in a number field reads as 2.0
+        hint = "".join(f" {m.text}" for m in metadata if isinstance(m, Hint))
+        return f"{key} must be {_range(metadata, error)}, got {value}{hint}"
+    expected = EXPECTED.get(kind)
+    if kind == "dataclass_type":  # a nested group of keys (k8s.node, k8s.rdma)
+        group = typing.get_type_hints(owner)[str(name)]
+        expected = f"a mapping of {', '.join(f.name for f in dataclasses.fields(group))}"
+    if expected is None:
+        return f"{key}: {error['msg']}"
+    if value is None:
+        return f"{key} must not be null (expected {expected})"
+    return f"{key} must be {expected}, got {value!r} ({type(value).__name__})"
+
+
+def _range(metadata: list[Any], error: ErrorDetails) -> str:
+    """`>= 1`, `> 0`, `in [0, 1)`: the field's bounds as written where it has them, else the bound the error names
+    (a mapping's values)."""
+    bounds = [m for m in metadata if isinstance(m, (Ge, Gt, Le, Lt))]
+    if not bounds:
+        bounds = [{"ge": Ge, "gt": Gt, "le": Le, "lt": Lt}[k](v) for k, v in (error.get("ctx") or {}).items()]
+    low = next((b for b in bounds if isinstance(b, (Ge, Gt))), None)
+    high = next((b for b in bounds if isinstance(b, (Le, Lt))), None)
+    if low is not None and high is not None:
+        left = f"[{low.ge}" if isinstance(low, Ge) else f"({low.gt}"
+        right = f"{high.le}]" if isinstance(high, Le) else f"{high.lt})"
+        return f"in {left}, {right}"
+    if isinstance(low, Ge) or isinstance(high, Le):
+        return f">= {low.ge}" if isinstance(low, Ge) else f"<= {high.le}"  # type: ignore[union-attr]  # one is set
+    return f"> {low.gt}" if isinstance(low, Gt) else f"< {high.lt}"  # type: ignore[union-attr]  # one is set
+
+
+def _choices(annotation: Any) -> tuple[str, ...]:
+    """The values of the `Literal` inside a field's type (under `| None`, `list[...]`, `Annotated[...]`)."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    for inner in typing.get_args(annotation):
+        found = _choices(inner)
+        if found:
+            return found
+    return ()
+
+
+def unknown_value(key: str, value: Any, choices: Iterable[str]) -> str:
+    choices = list(choices)
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"{key}: unknown value '{value}'{hint}; choose one of {', '.join(choices)}"
+
+
+def suggest(word: str, choices: Iterable[str]) -> str:
+    """The closest valid name, or the list of them."""
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f"; valid: {', '.join(sorted(choices))}"
+
+
+def _without(values: dict[Any, Any], paths: set[tuple[int | str, ...]]) -> dict[Any, Any]:
+    """`values` less the keys at `paths` (the nested mappings on the way copied, not changed)."""
+    kept = dict(values)
+    for path in paths:
+        node = kept
+        for part in path[:-1]:
+            node[part] = dict(node[part])
+            node = node[part]
+        node.pop(path[-1], None)
+    return kept
