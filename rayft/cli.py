@@ -230,6 +230,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _k8s_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, add_flags
     from rayft.deploy.k8s import Deployment
 
     d = Deployment()
@@ -250,70 +251,12 @@ def _k8s_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common
     _deployment_flags(p, d)
     about = "also render a PodMonitor (head and workers) and rayft's Grafana dashboard as a ConfigMap"
     p.add_argument("--monitoring", action="store_true", default=None, help=about)
-    _platform_flags(p.add_argument_group("platform (add to or override the config's k8s: section)"))
+    group = p.add_argument_group("platform (add to or override the config's k8s: section)")
+    add_flags(group, (*PLATFORM_FLAGS, *KUBERAY_FLAGS))
     about = "check manifests against the KubeRay CRDs (strict) and the operator's rules"
     p = actions.add_parser("validate", help=about, description=about, parents=[common])
     p.add_argument("files", nargs="+", type=Path)
-    _kuberay_flags(p)
-
-
-def _platform_flags(g: argparse._ArgumentGroup) -> None:
-    """`rayft k8s render`'s flags for the config's `k8s:` section."""
-    g.add_argument("--queueing", choices=["none", "kueue", "volcano", "runai"], help="k8s.queueing")
-    g.add_argument("--queue", help="k8s.queue: the Kueue LocalQueue, Volcano queue or Run:ai project queue")
-    g.add_argument("--scheduler-name", help="k8s.scheduler_name: schedulerName of every pod")
-    g.add_argument("--priority-class", dest="priority_class_name", help="k8s.priority_class_name")
-    g.add_argument("--service-account", dest="service_account_name", help="k8s.service_account_name")
-    g.add_argument("--image-pull-secret", dest="image_pull_secrets", action="append", default=[], metavar="NAME")
-    for flag in ("--run-as-user", "--run-as-group", "--fs-group"):
-        g.add_argument(flag, type=int, metavar="ID", help=f"k8s.{flag[2:].replace('-', '_')}: pod securityContext")
-    g.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE", help="GPU worker pods")
-    g.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]", help="every pod")
-    g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="every pod and object")
-    g.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE", help="every pod and object")
-    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="every Ray container")
-    _fabric_and_node_flags(g)
-    g.add_argument("--hf-home", help="k8s.hf_home: the pods' shared Hugging Face cache (default <mount>/hf-cache)")
-    g.add_argument(
-        "--hf-offline",
-        action="store_const",
-        const=True,
-        help="k8s.hf_offline: HF_HUB_OFFLINE=1 (hub names from the pre-seeded cache only)",
-    )
-    _kuberay_flags(g)
-    g.add_argument(
-        "--config-delivery",
-        choices=["path", "inline", "working_dir"],
-        help="k8s.config_delivery: inline carries the config in the RayJob (no image rebuild)",
-    )
-    g.add_argument("--working-dir", help="k8s.working_dir: runtime_env working_dir URI holding the config")
-    g.add_argument(
-        "--patch",
-        dest="patches",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="strategic-merge or JSON patch file applied after rendering (validated after)",
-    )
-
-
-def _kuberay_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The operator that `rayft k8s render` renders for and both subcommands validate against."""
-    p.add_argument(
-        "--kuberay-version",
-        help="k8s.kuberay_version: the operator's version, 1.4 to 1.7 (default: the "
-        "form every supported release accepts); the manifests use its fields and are checked against "
-        "its CRDs",
-    )
-    p.add_argument(
-        "--kuberay-feature-gate",
-        dest="kuberay_feature_gates",
-        action="append",
-        default=[],
-        metavar="GATE",
-        help="k8s.kuberay_feature_gates: one the operator runs with beyond its "
-        "release's defaults (RayJobDeletionPolicy: deletion rules on KubeRay 1.5)",
-    )
+    add_flags(p, KUBERAY_FLAGS)
 
 
 # `rayft k8s render` flags, one per field of rayft.deploy.k8s.Deployment (its default shown in the help).
@@ -353,49 +296,6 @@ def _deployment_flags(p: argparse.ArgumentParser, d: Deployment) -> None:
         metavar = "SECONDS" if field.endswith("_s") else "N" if kind is int else "VALUE"
         shown = "" if default is None or "default" in text else f" (default {default})"
         p.add_argument(flag, dest=field, type=kind, metavar=metavar, help=f"{text}{shown}")
-
-
-FABRIC_AND_NODE_FLAGS = ("fabric", "network", "ib_resource", "socket_ifname", "node_gpus", "node_cpus",
-                         "node_memory", "nodes")  # fmt: skip
-
-
-def _fabric_and_node_flags(g: argparse._ArgumentGroup) -> None:
-    """The fabric NCCL uses and the GPU nodes that size the worker pods (k8s.fabric, k8s.rdma, k8s.node)."""
-    g.add_argument(
-        "--fabric",
-        choices=["none", "infiniband", "roce"],
-        help="k8s.fabric: none (default: the pod "
-        "network), or an RDMA fabric: the RDMA device, IPC_LOCK and NCCL's IB settings",
-    )
-    g.add_argument("--network", help="k8s.rdma.network: a Multus NetworkAttachmentDefinition on the fabric")
-    g.add_argument(
-        "--ib-resource",
-        help="k8s.rdma.resource: the RDMA extended resource (default with a fabric: "
-        "rdma/rdma_shared_device_a; or nvidia.com/hostdev, openshift.io/mellanoxnics, none)",
-    )
-    g.add_argument(
-        "--socket-ifname",
-        help="k8s.rdma.interface: NCCL_SOCKET_IFNAME, the pods' interface on the fabric (default: net1 with --network)",
-    )
-    g.add_argument("--node-gpus", type=int, metavar="N", help="k8s.node.gpus: GPUs of a GPU node (default 8)")
-    g.add_argument(
-        "--node-cpus", type=int, metavar="N", help="k8s.node.cpus: CPUs pods may use on a GPU node (default 96)"
-    )
-    g.add_argument(
-        "--node-memory", metavar="QUANTITY", help="k8s.node.memory: memory pods may use on a GPU node (default 960Gi)"
-    )
-    g.add_argument(
-        "--nodes",
-        type=int,
-        metavar="N",
-        help="k8s.node.count: GPU nodes the job may use; pods they cannot hold are refused",
-    )
-    g.add_argument(
-        "--one-pod-per-node",
-        action="store_const",
-        const=True,
-        help="k8s.one_pod_per_node: at most one worker pod a node (required anti-affinity)",
-    )
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -497,16 +397,13 @@ def _preemption_lines(
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
+    from rayft.deploy.flags import KUBERAY_FLAGS, given
     from rayft.deploy.k8s import operator, to_yaml
     from rayft.deploy.platform import K8sConfig
     from rayft.schema import checked
 
     if args.action == "validate":
-        plat = checked(
-            "k8s",
-            K8sConfig,
-            {"kuberay_version": args.kuberay_version, "kuberay_feature_gates": args.kuberay_feature_gates or []},
-        )
+        plat = checked("k8s", K8sConfig, given(args, KUBERAY_FLAGS))
         try:
             problems = [p for f in args.files for p in validate_file(f, operator(plat))]
         except ManifestError as e:
@@ -543,6 +440,7 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typi
     """The manifests `rayft k8s render` writes, the platform settings (the config's plus the flags) they are
     rendered for, and the notes to print beside them."""
     from rayft.deploy import patch, platform
+    from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, given
     from rayft.deploy.k8s import JobSource, check_fits, config_in_cluster, deployment_from_flags, notes, render
 
     cfg = load_config(args.config, args.override)
@@ -550,37 +448,7 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typi
     base = dataclasses.replace(  # the config's patch files are relative to the config, the flags' to here
         cfg.k8s, patches=[str(Path(args.config).parent / p) for p in cfg.k8s.patches]
     )
-    plat = platform.with_flags(
-        base,
-        **{
-            k: getattr(args, k)
-            for k in (
-                "queueing",
-                "queue",
-                "scheduler_name",
-                "priority_class_name",
-                "service_account_name",
-                "image_pull_secrets",
-                "run_as_user",
-                "run_as_group",
-                "fs_group",
-                "kuberay_version",
-                "kuberay_feature_gates",
-                "hf_home",
-                "hf_offline",
-                "config_delivery",
-                "working_dir",
-                "patches",
-            )
-        },
-        **platform.fabric_and_node(base, **{k: getattr(args, k) for k in FABRIC_AND_NODE_FLAGS}),
-        one_pod_per_node=args.one_pod_per_node,
-        node_selector=platform.key_values("--node-selector", args.node_selector),
-        tolerations=[platform.toleration(t) for t in args.toleration],
-        labels=platform.key_values("--label", args.label),
-        annotations=platform.key_values("--annotation", args.annotation),
-        env=platform.key_values("--env", args.env),
-    )
+    plat = platform.with_flags(base, given(args, (*PLATFORM_FLAGS, *KUBERAY_FLAGS)))
     if plat.config_delivery == "inline":
         job = JobSource("", tuple(args.override), inline=Path(args.config).read_text())
     elif plat.config_delivery == "working_dir":

@@ -9,6 +9,7 @@ creates, the head's, the GPU workers' and the submitter's, so that a policy admi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import field
 from typing import Annotated, Any, Literal, Self
 
@@ -243,50 +244,23 @@ RUNAI_QUEUE_LABEL = "runai/queue"
 SUBMITTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 
 
-def with_flags(base: K8sConfig, **flags: Any) -> K8sConfig:
-    """The config's `k8s:` section with `rayft k8s render` flags on top: scalars replace, mappings and lists add."""
-    changes: dict[str, Any] = {}
+def with_flags(base: K8sConfig, flags: Mapping[str, Any]) -> K8sConfig:
+    """The config's `k8s:` section with `rayft k8s render` flags (by dotted key, `rdma.network`) on top: scalars
+    replace, mappings and lists add; checked as the section is."""
+    values = dataclasses.asdict(base)
     for key, value in flags.items():
-        if value is None or value == [] or value == {}:
-            continue
-        current = getattr(base, key)
+        *path, last = key.split(".")
+        node = values
+        for part in path:
+            node = node[part]
+        current = node[last]
         if isinstance(current, dict):
-            changes[key] = {**current, **value}
+            node[last] = {**current, **value}
         elif isinstance(current, list):
-            changes[key] = [*current, *value]
+            node[last] = [*current, *value]
         else:
-            changes[key] = value
-    return checked("k8s", K8sConfig, {**dataclasses.asdict(base), **changes})
-
-
-def fabric_and_node(
-    base: K8sConfig,
-    fabric: str | None = None,
-    network: str | None = None,
-    ib_resource: str | None = None,
-    socket_ifname: str | None = None,
-    node_gpus: int | None = None,
-    node_cpus: int | None = None,
-    node_memory: str | None = None,
-    nodes: int | None = None,
-) -> dict[str, Any]:
-    """The fabric and node-shape flags (named as `rayft k8s render` names them) as `with_flags` changes: the
-    config's `k8s.rdma` and `k8s.node` with the given flags on top ('none' leaves out a network or RDMA resource)."""
-    rdma = _given(network=network, resource=ib_resource, interface=socket_ifname)
-    if rdma.get("network", "").lower() == "none":
-        rdma["network"] = None
-    if rdma.get("resource", "").lower() == "none":
-        rdma["resource"] = ""
-    node = _given(gpus=node_gpus, cpus=node_cpus, memory=node_memory, count=nodes)
-    return {
-        "fabric": fabric,
-        "rdma": {**dataclasses.asdict(base.rdma), **rdma} if rdma else None,
-        "node": {**dataclasses.asdict(base.node), **node} if node else None,
-    }
-
-
-def _given(**values: Any) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is not None}
+            node[last] = value
+    return checked("k8s", K8sConfig, values)
 
 
 def key_values(flag: str, items: list[str]) -> dict[str, str]:

@@ -449,3 +449,45 @@ def test_an_elastic_run_keeps_its_pods_and_may_go_on_with_fewer(capsys, tmp_path
         assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (3, 2, 3)
     fixed = worker_of(render(capsys, *args, "--kuberay-version", version))[0]
     assert (fixed["replicas"], fixed["minReplicas"], fixed["maxReplicas"]) == (3, 3, 3)
+
+
+# Keys set only in the config file: structured values (Kubernetes objects) or settings no site changes per run.
+FILE_ONLY_KEYS = {
+    "head_node_selector",
+    "affinity",
+    "run_as_non_root",
+    "volumes",
+    "volume_mounts",
+    "preemption_notice_s",
+}
+
+
+def test_render_flags_follow_the_k8s_keys_they_set():
+    """Each platform flag is made from its key: its choices and type are the key's, and every key but the file-only
+    ones has one (a key added to the section without a flag, or a choice added to a key, shows here)."""
+    import argparse
+    import dataclasses
+    import typing
+
+    from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, add_flags, given
+    from rayft.deploy.platform import K8sConfig
+
+    hints = typing.get_type_hints(K8sConfig)
+    keys = set()
+    for name, kind in hints.items():
+        keys |= {f"{name}.{f.name}" for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {name}
+    flags = (*PLATFORM_FLAGS, *KUBERAY_FLAGS)
+    assert keys - {f.key for f in flags} == FILE_ONLY_KEYS
+    parser = argparse.ArgumentParser()
+    add_flags(parser, flags)
+    by_dest = {a.dest: a for a in parser._actions}
+    for key in ("queueing", "fabric", "config_delivery"):
+        assert by_dest[key].choices == list(typing.get_args(hints[key])), key
+    argv = ["--queueing", "kueue", "--queue", "q", "--node-gpus", "4", "--label", "a=b", "--network", "none"]
+    assert given(parser.parse_args(argv), flags) == {
+        "queueing": "kueue",
+        "queue": "q",
+        "node.gpus": 4,
+        "labels": {"a": "b"},
+        "rdma.network": None,
+    }
