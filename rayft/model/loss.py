@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-Batch = dict[str, torch.Tensor]
+Batch = dict[str, torch.Tensor]  # a collated micro-batch: input_ids, labels, attention or position ids
 IGNORE_INDEX = -100
 # Batch columns that are no input of the model: the targets, and the precomputed DPO reference a pair batch carries.
 NOT_MODEL_INPUTS = ("labels", "reference_logps", "reference_missing")

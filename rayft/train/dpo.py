@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayft.config import DpoConfig
-from rayft.model.loss import FrozenCast, Workspace, last_hidden_states, lm_head, sequence_logprobs, why_not_fused
+from rayft.model.loss import Batch, FrozenCast, Workspace, last_hidden_states, lm_head, sequence_logprobs, why_not_fused
 from rayft.train.step import MicroBatchLoss, eval_pass
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rayft")
 
-Batch = dict[str, torch.Tensor]
 # TRL's metric names, in the order they are shown.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # fmt: skip

@@ -13,14 +13,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rayft.train.rundir import RECORDS, RunDir
 
-Batch = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    from rayft.model.loss import Batch
 
 
 def fingerprint(token_ids: torch.Tensor) -> str:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rayft.config import Config, RayConfig, TrainConfig
 from rayft.data.tokenizer import load_tokenizer
 from rayft.logs import quiet_worker_rank, verbose
-from rayft.model.build import cpu_bf16, decoder_layers, forward_context, fused_loss
+from rayft.model.build import cpu_bf16, decoder_layers, forward_context
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel import topology
@@ -370,14 +370,12 @@ def _build_state(
     on_gpu = device.type == "cuda"
     model = build_model(cfg, on_gpu, device, _layout(cfg, device))
     count_fsdp_collectives(model)  # one Python call per collective: always on
-    not_fused = fused_loss(model, cfg)
     model.train()
     optimizer = build_optimizer(model, cfg.train, on_gpu)
     scheduler = build_scheduler(optimizer, cfg.train, plan)
     flops = flop_model(model, model.config, cfg.data.max_length)
     peak = peak_flops(device, cfg.train.peak_tflops)
     log.info("%s", measured.flops_line(flops, peak, device, stated=cfg.train.peak_tflops is not None))
-    log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
     log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
     state = TrainState(model, optimizer, scheduler, Progress(world_size=world_size, global_order=plan.global_order))
     return state, forward_context(cfg, device), LossWindow(device, world_size, flops, peak)

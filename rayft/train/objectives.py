@@ -5,6 +5,7 @@ evaluation and the metrics it adds to the logging window. The step itself is one
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
     from rayft.train.runtime import Collate, Shard
     from rayft.train.step import Autocast
+
+log = logging.getLogger(__name__)
 
 
 class Objective(Protocol):
@@ -58,7 +61,9 @@ class NextTokenObjective:
 
     def __init__(self, cfg: Config, model: nn.Module, device: torch.device) -> None:
         self.cfg, self.model = cfg, model
-        self.causal_lm_loss = CausalLMLoss(fused=fused_loss(cast("peft.PeftModel", model), cfg) is None)
+        not_fused = fused_loss(cast("peft.PeftModel", model), cfg)
+        log.info("loss: %s", f"from full logits ({not_fused})" if not_fused else "fused with the LM head, chunked")
+        self.causal_lm_loss = CausalLMLoss(fused=not_fused is None)
         self.loss: StepLoss = NextTokenLoss(self.causal_lm_loss)
 
     def collate(self, pad_id: int, **options: Any) -> NumpyBatchCollateFn:
@@ -85,6 +90,8 @@ class PreferenceObjective:
         self.cfg, self.model = cfg, model
         self.precomputed = cfg.dpo.reference == "precomputed"
         self.logprobs = dpo.SequenceLogprobs(model)
+        fused = "fused with the LM head, chunked" if self.logprobs.fused else "from full logits"
+        log.info("loss: %s preference loss; sequence log-probs %s", cfg.dpo.loss_type, fused)
         self.sums = dpo.PreferenceSums(device)
         self.loss: StepLoss = dpo.PreferenceLoss(cfg.dpo, self.sums, self.logprobs)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rayft.config import Config
 from rayft.data.pipeline import AsRead
-from rayft.model.loss import CausalLMLoss
+from rayft.model.loss import Batch, CausalLMLoss
 from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rayft")
 
-Batch = dict[str, torch.Tensor]
 # (model, micro-batch) → (the micro-batch's loss to backpropagate, its attended tokens)
 MicroBatchLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]
 # The context each forward runs in (`rayft.model.build.forward_context`).

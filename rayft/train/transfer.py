@@ -7,9 +7,12 @@ batch is already where it trains, and pinning would need an accelerator.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-Batch = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    from rayft.model.loss import Batch
 
 
 def pins(device: torch.device, tensor: torch.Tensor) -> bool:
