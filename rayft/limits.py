@@ -69,3 +69,12 @@ def local_placement_problem(cfg: Config) -> str | None:
         return None
     where = "the local Ray cluster this run would start (no ray.address / RAY_ADDRESS)"
     return f"{request.refusal([node], where)} (its CPUs: ray.local_num_cpus {cfg.ray.local_num_cpus})"
+
+
+def local_placement(cfg: Config) -> str | None:
+    """Refused for a CPU run (a config for this machine); a warning otherwise: a GPU config checked on a laptop is
+    usually meant for `ray job submit`, which gives it a cluster (RAY_ADDRESS) only then."""
+    problem = local_placement_problem(cfg)
+    if problem and cfg.ray.use_gpu is False:
+        raise ConfigError(problem)
+    return f"if run without a cluster: {problem}" if problem else None

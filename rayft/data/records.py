@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from rayft.config import ConfigError, DataConfig, template_fields
+from rayft.config import Config, ConfigError, DataConfig, template_fields
 from rayft.data.chat import ChatRefused, chat_tokens
 
 # Why a record was skipped, in the order the driver reports them.
@@ -214,3 +214,15 @@ def join_wikitext_articles(texts: list[str]) -> list[tuple[str, int]]:
     if lines:
         articles.append(("\n".join(lines), len(lines)))
     return articles
+
+
+def check_objective(cfg: Config, records: RecordFormat, what: str) -> None:
+    """DPO trains on preference pairs and only on them; SFT cannot use pairs."""
+    preference = records.kind == "preference"
+    if cfg.train.objective == "dpo" and not preference:
+        raise ConfigError(
+            f"train.objective: dpo needs preference records (fields chosen and rejected, prompt optional); {what} "
+            f"holds {records.kind} records"
+        )
+    if cfg.train.objective != "dpo" and preference:
+        raise ConfigError(f"{what} holds preference records (chosen/rejected): set train.objective: dpo for them")

@@ -5,6 +5,9 @@ record's file and index, a split mixing record kinds, and records that would tra
 The records go through the same encoder class the tokenizer actors run (`rayft.data.pipeline.record_encoder`), one
 record at a time so that every verdict has its record. A split of at most `SAMPLE_RECORDS` records is checked
 whole; a larger one by its first `SAMPLE_RECORDS`, and the report says which.
+
+Before them, `check_data` is the data's part of preflight: the files by content, the record fields, the objective
+the records fit, and the first records' chat encoding (or that a hold-out split can be cut).
 """
 
 from __future__ import annotations
@@ -14,11 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from rayft.config import Config, ConfigError
-from rayft.data.records import SKIPS, RecordFormat, chat_conversation, decode_line, kind_of_record
-from rayft.data.sources import SplitSource
-from rayft.data.tokenizer import TokenizerFacts
+from rayft.data.chat import ChatRefused, chat_tokens
+from rayft.data.files import DecodeBudget
+from rayft.data.records import (
+    SKIPS,
+    RecordFormat,
+    chat_conversation,
+    check_objective,
+    decode_line,
+    kind_of_record,
+    record_fields,
+    record_format,
+)
+from rayft.data.sources import SplitSource, check_hold_out
+from rayft.data.tokenizer import TokenizerFacts, load_tokenizer
 
 SAMPLE_RECORDS = 1000
+CHAT_SAMPLE = 64  # records of each split encoded by `rayft validate` (about a second with a chat template)
 NO_SIGNAL = "no_signal"  # kept, but nothing in it trains (not a skip: the job would train on it)
 
 # What each skip reason means for a record, and what to change.
@@ -191,3 +206,52 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+def check_data(cfg: Config, train: SplitSource, validation: SplitSource | None) -> RecordFormat:
+    """Files by content first (a UTF-16 file must not be scanned as UTF-8 JSON), then the record fields across
+    every record, then that a hold-out split can be cut."""
+    d = cfg.data
+    wanted = record_fields(d)
+    budget = DecodeBudget()
+    for source in (train, validation):
+        if source is not None:
+            source.check_content(wanted, budget)
+    records = record_format(d, train.columns(wanted), train.what)
+    check_objective(cfg, records, train.what)
+    if validation is not None:
+        record_format(d, validation.columns(wanted), validation.what)
+    if records.kind in ("messages", "prompt_completion"):
+        _check_chat_sample(cfg, records, [s for s in (train, validation) if s is not None])
+    elif cfg.train.eval_strategy != "no":
+        check_hold_out(d, train)
+    return records
+
+
+def check_samples(
+    cfg: Config, records: RecordFormat, tokenizer: TokenizerFacts, sources: list[SplitSource]
+) -> tuple[list[SampleReport], list[str]]:
+    """Each split's first records through the job's own pipeline (`sample_report`): the reports, and the
+    warnings for records it would leave out or train on without a signal."""
+    reports = [sample_report(cfg, source, records, tokenizer) for source in sources]
+    return reports, [w for report in reports for w in check_sample(cfg, report, records)]
+
+
+def _check_chat_sample(cfg: Config, records: RecordFormat, sources: list[SplitSource]) -> None:
+    """The first records of each split through the tokenizer's own chat encoding, as the job would encode them: a
+    role the template does not know, a last turn that is not the assistant's or an empty loss mask is answered
+    here, with the record, rather than counted as skipped after the cluster started."""
+    tokenizer = None
+    for source in sources:
+        for where, index, record in source.sample(CHAT_SAMPLE):
+            conversation = chat_conversation(record, records)
+            if conversation is None:
+                continue
+            tokenizer = tokenizer or load_tokenizer(cfg.model)
+            try:
+                chat_tokens(conversation[0], tokenizer, conversation[1])
+            except ChatRefused as e:
+                raise ConfigError(
+                    f"{where}: record {index} ({records.kind} in {source.what}): {e}; fix or drop the record, or "
+                    f"point model.tokenizer_name_or_path at a tokenizer whose chat format fits"
+                ) from None

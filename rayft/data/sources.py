@@ -324,3 +324,16 @@ def _json_array_length(path: Path) -> int:
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     return len(records) if isinstance(records, list) else 1
+
+
+def check_hold_out(d: DataConfig, train: SplitSource) -> None:
+    """Ray's train_test_split needs at least one training record left after holding out (as Ray computes it)."""
+    if d.hold_out <= 0:
+        return
+    rows = train.rows()
+    if int(rows * (1 - d.hold_out)) < 1:
+        raise ConfigError(
+            f"data: {train.what} has {rows} record(s) and there is no validation split: too few to hold out "
+            f"{d.hold_out:.0%} for evaluation; add records or a validation split (data.val_split), or set "
+            "data.val_ratio: 0 (no evaluation)"
+        )

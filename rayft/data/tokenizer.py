@@ -1,4 +1,5 @@
-"""Tokenizer loading with the special tokens Mistral checkpoints often leave unset."""
+"""Tokenizer loading with the special tokens Mistral checkpoints often leave unset, and the preflight check that the
+tokenizer is there, its JSON files parse and it loads (before any cluster resource is held)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from rayft.config import ModelConfig
+from rayft.config import Config, ConfigError, ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -147,3 +148,37 @@ def _rust_encoder(path: str, mtime_ns: int, size: int) -> Callable[[list[str]], 
 
     rust = Tokenizer.from_file(path)
     return lambda texts: [e.ids for e in rust.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def check_tokenizer(cfg: Config) -> TokenizerFacts:
+    """The tokenizer the run would load, before any cluster: its files present, parseable and loading; its facts."""
+    path = Path(tokenizer_path(cfg.model)).expanduser()
+    if not path.is_dir() or not has_tokenizer(path):
+        raise ConfigError(
+            f"model.tokenizer_name_or_path: no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
+            "set model.tokenizer_name_or_path to the directory that has one"
+        )
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json"):
+        check_json_file(path / name)
+    try:
+        return tokenizer_facts(cfg.model)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.tokenizer_name_or_path: the tokenizer in {path} does not load ({type(e).__name__}: {first}); "
+            "copy its tokenizer files again from the model's source"
+        ) from None
+
+
+def check_json_file(path: Path) -> None:
+    """A JSON file of the tokenizer that does not parse (cut short by a copy, most often), named, with the fix:
+    the loaders' own message is the parser's, without the file."""
+    if path.suffix != ".json" or not path.is_file():
+        return
+    try:
+        json.loads(path.read_bytes())
+    except ValueError as e:
+        raise ConfigError(
+            f"{path}: not valid JSON ({e}; {path.stat().st_size:,} bytes): cut short or damaged; copy it again from "
+            "the model's source"
+        ) from None

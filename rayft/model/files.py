@@ -1,4 +1,5 @@
-"""Checks of weight files that cost only their headers: run on the driver before any cluster resource is held.
+"""Checks of a model directory and its weight files that cost only their headers: run on the driver before any
+cluster resource is held (a directory with a config.json of a model_type transformers knows, and weights).
 
 A safetensors file is an 8-byte header length, a JSON header (dtype, shape and byte range of every tensor), then
 the data; a file cut short still has a readable header, so the header's byte ranges are compared with the size
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from rayft.config import Config, ConfigError
+from rayft.data.sources import check_link
+from rayft.data.tokenizer import check_json_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -231,3 +234,42 @@ def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
             + f" that its {ADAPTER_CONFIG} targets; the adapter is incomplete: copy it again"
         )
     return model
+
+
+def check_model_dir(path: Path) -> None:
+    """A local Hugging Face model directory: no dangling link, a config.json of a known model_type, weights."""
+    key = "model.model_name_or_path"
+    check_link(path, key)
+    if not path.exists():
+        raise ConfigError(
+            f"{key}: {path} does not exist (a local model directory is expected; download hub models to the "
+            "shared volume first)"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: {path} has no config.json; point it at a Hugging Face model directory")
+    _check_model_type(path / "config.json")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ConfigError(f"{key}: {path} has no *.safetensors weights")
+
+
+def _check_model_type(config_json: Path) -> None:
+    """The model_type transformers builds the model from: one it knows (rayft runs no code shipped with a model)."""
+    import difflib
+
+    import transformers
+
+    # the module's table (with its own additions), left out of its __all__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # type: ignore[attr-defined]
+
+    check_json_file(config_json)
+    model_type = json.loads(config_json.read_bytes()).get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    if model_type is None:
+        raise ConfigError(f"{config_json}: no model_type; the model's own config.json names its architecture")
+    near = difflib.get_close_matches(str(model_type), CONFIG_MAPPING_NAMES, n=3)
+    hint = f" (close: {', '.join(near)})" if near else ""
+    raise ConfigError(
+        f"{config_json}: model_type '{model_type}' is not one transformers {transformers.__version__} knows{hint}; "
+        "fix it, or upgrade transformers if the architecture is newer"
+    )

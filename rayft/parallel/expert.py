@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from rayft.config import ConfigError
+from rayft.config import Config, ConfigError
 from rayft.model.families import MOE_BLOCKS, MoeBlock, block_of, moe_blocks, num_routed_experts, unsupported_moe
 from rayft.model.fp8 import expert_counts
 from rayft.parallel.alltoall import exchange, exchange_counts
@@ -241,6 +241,18 @@ def check_experts(k: int, num_experts: int, world: int) -> None:
     valid = [d for d in range(1, math.gcd(num_experts, world) + 1) if num_experts % d == 0 and world % d == 0]
     what = f"{num_experts} routed experts" if num_experts % k else f"{world} workers"
     raise ConfigError(f"parallel.expert_parallel {k} does not divide the model's {what}; valid: {valid}")
+
+
+def check_expert_parallel(cfg: Config, config: Any) -> None:
+    """`parallel.expert_parallel` k > 1 against the model: routed experts that split into k groups (ConfigError
+    naming the valid k), before any worker starts."""
+    k = cfg.parallel.expert_groups()
+    if k == 1:
+        return
+    experts = num_routed_experts(config)
+    if not experts:
+        raise ConfigError(f"parallel.expert_parallel {k}: the model ({config.model_type}) has no routed experts; use 1")
+    check_experts(k, experts, cfg.ray.num_workers)
 
 
 def expert_parallel(dims: ParallelDims, config: Any) -> ExpertParallel:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import cast
 
@@ -37,6 +38,7 @@ from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, pla
 from rayft.plan.memory import GPU_GIB, MemoryPlan, compute_bytes, plan_memory, tokens_per_micro_batch
 from rayft.plan.structure import Structure
 
+log = logging.getLogger(__name__)
 DEFAULT_MFU = 0.4
 DEFAULT_INTER_GBITS = 400.0  # per GPU, each direction (one 400 Gb/s NDR InfiniBand NIC per GPU)
 
@@ -188,3 +190,18 @@ def choose_expert_parallel(cfg: Config, s: Structure, cluster: Cluster, hw: Hard
             f"node(s) x {cluster.gpus_per_node} GPU(s); see `rayft plan` for the memory of each"
         )
     return best.layout.expert_parallel
+
+
+def planned_expert_parallel(cfg: Config, s: Structure, fp8: bool) -> int:
+    """`parallel.expert_parallel: auto`: the planner's fastest layout that fits (`rayft plan` prints the table).
+    The cluster is the config's: `ray.workers_per_node` workers on each of `ray.nodes` nodes; the GPU is an H200
+    (the target; `rayft plan --gpu` compares others)."""
+    cluster = Cluster(nodes=cfg.ray.nodes, gpus_per_node=cfg.ray.workers_per_node)
+    k = choose_expert_parallel(cfg, s, cluster, Hardware("h200"), fp8)
+    log.info(
+        "parallel.expert_parallel: auto → %d (the planner's fastest layout that fits %d x %d H200)",
+        k,
+        cluster.nodes,
+        cluster.gpus_per_node,
+    )
+    return k

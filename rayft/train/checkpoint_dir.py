@@ -7,7 +7,8 @@ A checkpoint directory holds:
                          hyperparameters and its RNG states, so a resumed run continues exactly where this one stood
   adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered on rank 0
   trainer_state.json     step, epoch, the metrics reported with it and the id of the run that wrote it
-The frozen base model is never written.
+The frozen base model is never written. Preflight checks a `train.resume_from_checkpoint` directory here: DCP state
+that its `.metadata` describes completely, of this model and adapter shape.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from rayft.config import Config, ConfigError, is_uri
 from rayft.train import safe_dcp
+from rayft.train.run_settings import check_checkpoint_shape
 from rayft.train.rundir import RunDir
 from rayft.train.safe_dcp import CheckpointFormatError
 
@@ -145,3 +148,33 @@ def missing_state_files(directory: Path) -> list[str]:
         elif path.stat().st_size < size:
             problems.append(f"{name} ({path.stat().st_size:,} of {size:,} bytes)")
     return problems
+
+
+def check_resume_source(cfg: Config) -> None:
+    """A checkpoint dir is rayft's: DCP training state under state/ (the adapter alone cannot resume), complete,
+    and of this model and adapter shape (as its run recorded them)."""
+    source = cfg.train.resume_from_checkpoint
+    if source in (None, "latest") or is_uri(source):
+        return
+    path = Path(source).expanduser()
+    key = "train.resume_from_checkpoint"
+    if not (path / STATE_DIR / ".metadata").is_file():
+        found = "does not exist" if not path.exists() else f"has no {STATE_DIR}/.metadata (not a rayft checkpoint)"
+        raise ConfigError(
+            f"{key}: {path} {found}; give a checkpoint-NNNNNN directory from a run's "
+            "storage path, 'latest' to continue this run, or null"
+        )
+    try:
+        problems = missing_state_files(path)
+    except Exception as e:  # a damaged .metadata: unpickling can fail in many ways
+        raise ConfigError(
+            f"{key}: {path / STATE_DIR / '.metadata'} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+            "damaged: resume from an earlier checkpoint-NNNNNN"
+        ) from None
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise ConfigError(
+            f"{key}: {path} is incomplete: {path / STATE_DIR}/{problems[0]}{more}, which its .metadata references; "
+            "resume from an earlier checkpoint-NNNNNN (or copy this one again)"
+        )
+    check_checkpoint_shape(cfg, RunDir(str(path.parent)).settings(), str(path))

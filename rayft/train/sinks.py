@@ -1,11 +1,15 @@
 """Where a run's numbers go besides the job log: Ray metrics (Prometheus → the Ray dashboard and Grafana), the
-trackers of `train.report_to` (TensorBoard, MLflow, Weights & Biases), and the loss plot in the run directory."""
+trackers of `train.report_to` (TensorBoard, MLflow, Weights & Biases), and the loss plot in the run directory.
+Preflight checks each tracker here first: its package installed, its credentials and endpoint as rank 0 would use
+them."""
 
 from __future__ import annotations
 
 import math
 import os
 from typing import Any
+
+from rayft.config import Config, ConfigError
 
 # The Prometheus gauges (Ray prefixes `ray_`), set by rank 0 at every logging step.
 GAUGES = {
@@ -213,6 +217,34 @@ def _answers(url: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def check_trackers(trackers: list[str]) -> None:
+    """Every tracker of `train.report_to` installed here: a missing one is named with its pip package."""
+    for name in trackers:
+        package = missing_tracker(name)
+        if package:
+            raise ConfigError(
+                f"train.report_to: {name} needs the {package} package, which is not installed; pip install "
+                f"{package} (in the cluster's image too), or set train.report_to: none"
+            )
+
+
+def check_tracker_access(cfg: Config) -> list[str]:
+    """Credentials and endpoints of the trackers, as rank 0 would use them. A local cluster's workers inherit this
+    environment, so a missing key is refused; a cluster joined (ray.address, RAY_ADDRESS) has its own, so there it
+    is a warning."""
+    joins = cfg.ray.cluster_address() is not None
+    warnings = []
+    for name in cfg.trackers:
+        found = tracker_problem(name, dict(os.environ))
+        if found is None:
+            continue
+        problem, fatal = found
+        if fatal and not joins:
+            raise ConfigError(problem)
+        warnings.append(problem + (" (unless the cluster's workers have it)" if fatal else ""))
+    return warnings
 
 
 def plot_losses(rows: list[dict[str, Any]]) -> bytes:

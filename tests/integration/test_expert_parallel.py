@@ -250,7 +250,7 @@ def test_auto_takes_expert_parallelism_where_the_network_would_bind_fsdp(tmp_pat
     from transformers import Mistral4Config
 
     from rayft.plan import meta_structure
-    from rayft.preflight import planned_expert_parallel
+    from rayft.plan.steptime import planned_expert_parallel
 
     raw = {"data": {"max_length": 4096}, "fsdp": {"activation_checkpointing": True},
            "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
@@ -264,16 +264,16 @@ def test_auto_takes_expert_parallelism_where_the_network_would_bind_fsdp(tmp_pat
 def test_preflight_refuses_k_that_does_not_split_the_experts(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path):
     """Before any worker starts: 8 routed experts do not split 3 ways, and a dense model has none to split."""
     from rayft.model.build import text_config
-    from rayft.preflight import _check_expert_parallel
+    from rayft.parallel.expert import check_expert_parallel
 
     raw = tiny_config(fixtures, tmp_path)
     raw["ray"]["num_workers"] = 6
     raw["parallel"] = {"expert_parallel": 3}
     cfg = Config.from_dict(raw)
     with pytest.raises(ConfigError, match=r"does not divide the model's 8 routed experts; valid: \[1, 2\]"):
-        _check_expert_parallel(cfg, text_config(str(mistral4_hub)))
+        check_expert_parallel(cfg, text_config(str(mistral4_hub)))
     with pytest.raises(ConfigError, match="has no routed experts"):
-        _check_expert_parallel(cfg, text_config(str(fixtures.model)))
+        check_expert_parallel(cfg, text_config(str(fixtures.model)))
 
 
 def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:

@@ -39,7 +39,7 @@ def test_auto_expert_parallelism_is_never_chosen_for_an_offloaded_run(tmp_path: 
     from transformers import Mistral4Config
 
     from rayft.plan import meta_structure
-    from rayft.preflight import planned_expert_parallel
+    from rayft.plan.steptime import planned_expert_parallel
 
     raw = {"data": {"max_length": 4096}, "fsdp": {"activation_checkpointing": True},
            "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
