@@ -34,7 +34,7 @@ from rayft.train.checkpoint_dir import check_resume_source
 from rayft.train.run_settings import check_continuation, finished_run, last_step
 from rayft.train.rundir import RunDir
 from rayft.train.sinks import check_tracker_access, check_trackers
-from rayft.train.writable import check_remote_writable, check_writable
+from rayft.train.writable import check_run_writable
 
 if TYPE_CHECKING:  # of the weightless model the checks build; PEFT (rayft.model.lora's) is imported only then
     from transformers import PreTrainedConfig
@@ -81,11 +81,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         train, validation = resolve_splits(cfg.data)
         records = check_data(cfg, train, validation)
         samples, data_warnings = check_samples(cfg, records, tokenizer, [s for s in (train, validation) if s])
-        check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
-        if cfg.ray.storage_path and not is_uri(cfg.ray.storage_path):
-            check_writable("ray.storage_path", Path(cfg.ray.storage_path).expanduser())
-        elif cfg.ray.storage_path:
-            check_remote_writable("ray.storage_path", cfg.ray.storage_path)
+        check_run_writable(cfg)
         check_resume_source(cfg)
         check_trackers(cfg.trackers)
         tracker_warnings = check_tracker_access(cfg)

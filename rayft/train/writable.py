@@ -7,9 +7,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rayft.config import ConfigError
+from rayft.config import Config, ConfigError, is_uri
 
 STORAGE_PROBE_S = 30.0  # a remote storage_path's write probe; longer than the S3 client's own retries
+
+
+def check_run_writable(cfg: Config) -> None:
+    """`train.output_dir` and `ray.storage_path` (a local path or a remote URI) take writes."""
+    check_writable("train.output_dir", Path(cfg.train.output_dir).expanduser())
+    storage = cfg.ray.storage_path
+    if storage and is_uri(storage):
+        check_remote_writable("ray.storage_path", storage)
+    elif storage:
+        check_writable("ray.storage_path", Path(storage).expanduser())
 
 
 def check_writable(key: str, path: Path) -> None:
