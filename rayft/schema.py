@@ -270,15 +270,16 @@ def _unreadable(owner: type, values: dict[Any, Any], loc: tuple[int | str, ...])
 
 def _dotted(name: str, values: Any, loc: tuple[int | str, ...]) -> str:
     """The error's key as messages name it, `k8s.node.gpus` or `lora.target_modules[2]`; the names pydantic gives
-    a union's members (`parallel.expert_parallel`: int, str) are no keys and left out."""
+    a union's members (`parallel.expert_parallel`: int, str) are no keys and left out, and so is the index of a
+    single item the file gives without its list (`report_to: comet`)."""
     key, node = name, values
     for part in loc:
         if isinstance(node, dict):
             found = [k for k in node if str(k) == str(part)]
             if found:
                 key, node = f"{key}.{part}", node[found[0]]
-        elif isinstance(part, int):
-            key, node = f"{key}[{part}]", node[part] if isinstance(node, list) and part < len(node) else None
+        elif isinstance(part, int) and isinstance(node, list):  # a single item written without its list has no index
+            key, node = f"{key}[{part}]", node[part] if part < len(node) else None
     return key
 
 

@@ -80,6 +80,8 @@ def test_round_trips_through_a_plain_dict():
         ),
         ({"train": {"metric_for_best_model": "accuracy"}}, ["train.metric_for_best_model", "eval_loss"]),
         ({"ray": {"checkpoint_upload": "lazy"}}, ["ray.checkpoint_upload", "async"]),
+        ({"train": {"report_to": "comet"}}, ["train.report_to: unknown value 'comet'"]),  # one, without its list
+        ({"train": {"report_to": ["wandb", "comet"]}}, ["train.report_to[1]: unknown value 'comet'"]),
         ({"ray": {"preemption": "checkpoints"}}, ["ray.preemption: unknown value", "choose one of checkpoint, ignore"]),
         ({"ray": {"preemption_check_steps": 0}}, ["ray.preemption_check_steps must be >= 1"]),
         ({"ray": {"max_preemptions": -2}}, ["ray.max_preemptions must be >= -1"]),
