@@ -147,10 +147,10 @@ def given(args: argparse.Namespace, flags: Iterable[KeyFlag]) -> dict[str, Any]:
 
 
 def _key_type(key: str) -> Any:
-    owner: Any = K8sConfig
+    """The type of a dotted key of the section (`rdma.network`: `RdmaConfig.network`'s)."""
+    kind: Any = K8sConfig
     for part in key.split("."):
-        kind = typing.get_type_hints(owner)[part]
-        owner = kind
+        kind = typing.get_type_hints(kind)[part]
     return kind
 
 
