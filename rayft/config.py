@@ -16,12 +16,12 @@ import string
 import typing
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import pydantic.dataclasses
 import yaml
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import Strict, ValidationError, ValidationInfo, model_validator
+from pydantic import Strict, ValidationError, model_validator
 
 from rayft.deploy.platform import K8sConfig
 from rayft.parallel.backend import NcclConfig
@@ -35,12 +35,12 @@ from rayft.schema import (
     Listed,
     Number,
     Problem,
+    Section,
     Strategy,
     Text,
     broken,
     combined,
     config_problems,
-    obeyed,
     problems_error,
     read_section,
     refuse,
@@ -97,7 +97,8 @@ DEFAULT_VAL_SPLIT = "validation"
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class ModelConfig:
+class ModelConfig(Section):
+    section: ClassVar[str] = "model"
     # A local directory, or a hub id (`org/name`) resolved through the Hugging Face cache (HF_HOME; rayft/hub.py).
     model_name_or_path: Text = "/data/input/Models/Mistral-Small-4-119B-2603"
     # Branch, tag or commit of a hub model; null = main.
@@ -130,10 +131,6 @@ class ModelConfig:
             else None
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("model", self, info)
-
 
 DORA_ON_FP8 = (
     "lora.use_dora: true needs the frozen weights in bf16/fp32: DoRA's magnitude is the norm of each row of W + BA, "
@@ -143,7 +140,8 @@ DORA_ON_FP8 = (
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class LoraConfig:
+class LoraConfig(Section):
+    section: ClassVar[str] = "lora"
     r: Count = 16
     lora_alpha: Annotated[Integer, Gt(0)] = 32
     lora_dropout: Share = 0.05
@@ -196,13 +194,10 @@ class LoraConfig:
             else None,
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("lora", self, info)
-
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class DataConfig:
+class DataConfig(Section):
+    section: ClassVar[str] = "data"
     # A local file, directory or glob, or a hub dataset id (`org/name`) resolved through the Hugging Face cache.
     dataset_name_or_path: Text = "/data/input/Datasets/wikitext"
     # Branch, tag or commit of a hub dataset; null = main.
@@ -281,13 +276,10 @@ class DataConfig:
             else None,
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("data", self, info)
-
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class TrainConfig:
+class TrainConfig(Section):
+    section: ClassVar[str] = "train"
     output_dir: Text = "/data/output/Models/mistral4small-lora-fsdp"
     num_train_epochs: Count = 1
     # Stops after this many optimizer steps when > 0, whatever num_train_epochs says.
@@ -396,10 +388,6 @@ class TrainConfig:
             else None,
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("train", self, info)
-
 
 def optimizer_problem(name: str) -> Broken | None:
     """`train.optim`: one of OPTIMIZERS; a bitsandbytes name gets why not, and what to use instead."""
@@ -419,8 +407,10 @@ def optimizer_problem(name: str) -> Broken | None:
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class DpoConfig:
+class DpoConfig(Section):
     """Preference tuning (`train.objective: dpo`), names and meanings as TRL's DPOConfig."""
+
+    section: ClassVar[str] = "dpo"
 
     # Strength of the pull towards the reference: the implicit reward is beta · (log π − log π_ref).
     beta: Annotated[Number, Gt(0)] = 0.1
@@ -445,13 +435,10 @@ class DpoConfig:
             else None
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("dpo", self, info)
-
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class FsdpConfig:
+class FsdpConfig(Section):
+    section: ClassVar[str] = "fsdp"
     # Free each layer's gathered weights after forward (ZeRO-3); False keeps them until backward (ZeRO-2), and across
     # the micro-batches of a step. None: True, even over a shard group of one worker, where FSDP2's "gathered" copy is
     # a second copy of the weights: kept, the whole base would be held twice for the step.
@@ -500,7 +487,8 @@ def check_cpu_precision(fsdp: FsdpConfig) -> None:
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class RayConfig:
+class RayConfig(Section):
+    section: ClassVar[str] = "ray"
     # Cluster to join; None = the one `ray job submit` runs us in (RAY_ADDRESS), else a new local one.
     address: Text | None = None
     # The worker group's size; `[min, max]` makes the run elastic (see min_workers).
@@ -626,10 +614,6 @@ class RayConfig:
             else None,
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("ray", self, info)
-
 
 def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
     """Whether groups of k consecutive node-ordered workers keep to node boundaries."""
@@ -637,7 +621,8 @@ def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class ParallelConfig:
+class ParallelConfig(Section):
+    section: ClassVar[str] = "parallel"
     # Expert parallelism: the routed experts of every MoE layer split over groups of k workers, each holding E/k
     # experts whole (frozen, never gathered); tokens travel to their experts by all-to-all. 1 = FSDP only.
     expert_parallel: Count | Annotated[str, Strict()] = 1  # `auto` or k (a number is no word: 2.5 is refused)
@@ -659,10 +644,6 @@ class ParallelConfig:
             if isinstance(k, str) and k != "auto"
             else None
         ]
-
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("parallel", self, info)
 
 
 SECTIONS: dict[str, type] = {

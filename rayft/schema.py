@@ -16,10 +16,11 @@ import re
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
+import pydantic.dataclasses
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, ValidationInfo
+from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, ValidationInfo, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 
@@ -115,18 +116,21 @@ def rules_apply(info: ValidationInfo) -> bool:
     return bool((info.context or {}).get("rules", True))
 
 
-class Ruled(typing.Protocol):
-    def broken(self) -> list[Broken | None]: ...
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
+class Section:
+    """A config section: pydantic reads its fields, then asks the rules its `broken` states (all of them at once)."""
 
+    section: ClassVar[str]  # the key it is read from, `k8s.node` for a nested group
 
-_Ruled = TypeVar("_Ruled", bound=Ruled)
+    def broken(self) -> list[Broken | None]:
+        """The rules over several of its keys that its values break (None for each that holds)."""
+        return []
 
-
-def obeyed(owner: str, section: _Ruled, info: ValidationInfo) -> _Ruled:
-    """A section's `model_validator`: the section, once every rule its `broken` states holds."""
-    if rules_apply(info):
-        refuse(owner, section.broken())
-    return section
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo) -> Self:
+        if rules_apply(info):
+            refuse(self.section, self.broken())
+        return self
 
 
 def refuse(owner: str, found: Iterable[Broken | None]) -> None:

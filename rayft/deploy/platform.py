@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import field
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic.dataclasses
 from annotated_types import Ge
-from pydantic import ValidationInfo, model_validator
 
 from rayft.deploy import apirules, kuberay
 from rayft.schema import (
@@ -27,17 +26,19 @@ from rayft.schema import (
     Integer,
     Keyed,
     Listed,
+    Section,
     Text,
     broken,
     checked,
-    obeyed,
 )
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class RdmaConfig:
+class RdmaConfig(Section):
     """How GPU pods reach an RDMA fabric (`k8s.fabric: infiniband` or `roce`); nothing of it is rendered without one,
     as each setting names something a particular site has installed."""
+
+    section: ClassVar[str] = "k8s.rdma"
 
     # The device plugin's extended resource that hands a pod the adapters; null: rdma/rdma_shared_device_a (the RDMA
     # shared device plugin's); e.g. nvidia.com/hostdev, openshift.io/mellanoxnics; '' for none (hostNetwork sites).
@@ -55,15 +56,13 @@ class RdmaConfig:
             broken(p, "network") for p in apirules.dns_subdomain("k8s.rdma.network", self.network.rpartition("/")[2])
         ]
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("k8s.rdma", self, info)
-
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class NodeShape:
+class NodeShape(Section):
     """The GPU nodes worker pods land on. A pod gets the node's CPUs and memory in proportion to its GPUs, so pods
     of any size fill a node together; `count` lets the renderer refuse a job whose pods would not all fit."""
+
+    section: ClassVar[str] = "k8s.node"
 
     gpus: Annotated[Integer, Ge(1)] = 8
     # What pods may use of one node: its Allocatable (`kubectl describe node`) less what DaemonSets take.
@@ -79,15 +78,13 @@ class NodeShape:
             return [broken(f"k8s.node.memory: {e}", "memory")]
         return []
 
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("k8s.node", self, info)
-
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class K8sConfig:
+class K8sConfig(Section):
     """What a platform requires of every pod, for `rayft k8s render` (training ignores this section). Flags of
     `rayft k8s render` add to or override these keys; `patches` covers anything no key does."""
+
+    section: ClassVar[str] = "k8s"
 
     # Queueing: kueue (the RayJob labelled with `queue` and created suspended), volcano or runai (their
     # scheduler and `queue`); none = the default scheduler, or `scheduler_name`.
@@ -177,10 +174,6 @@ class K8sConfig:
             *self._fabric_broken(),
             *self._api_broken(),
         ]
-
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("k8s", self, info)
 
     def _api_broken(self) -> list[Broken]:
         """What the API server (or Kueue, for the queue-name label) would refuse when the manifests are applied."""

@@ -8,13 +8,12 @@ tensors and NCCL for device tensors (`cpu:gloo,cuda:nccl`, which Ray Train passe
 from __future__ import annotations
 
 from dataclasses import field
-from typing import TYPE_CHECKING, Annotated, Literal, Self
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import pydantic.dataclasses
 from annotated_types import Ge
-from pydantic import ValidationInfo, model_validator
 
-from rayft.schema import SECTION_CONFIG, Broken, Integer, Keyed, Text, broken, obeyed
+from rayft.schema import SECTION_CONFIG, Broken, Integer, Keyed, Section, Text, broken
 
 if TYPE_CHECKING:
     from rayft.config import Config
@@ -23,10 +22,12 @@ MIXED_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class NcclConfig:
+class NcclConfig(Section):
     """The config's `nccl` section: NCCL's fabric settings, given to every training worker on a GPU cluster through
     Ray's runtime environment (so they reach workers on any Ray cluster, not only pods rendered by `rayft k8s
     render`). None leaves a variable to the pod's environment or NCCL's own detection."""
+
+    section: ClassVar[str] = "nccl"
 
     # NCCL_IB_HCA: '=mlx5_0,mlx5_1' names exact adapters (':1' a port); a bare 'mlx5' is a prefix match that
     # also takes Ethernet/RoCE ports of the same driver.
@@ -49,10 +50,6 @@ class NcclConfig:
             for name in self.env
             if not name.startswith("NCCL_")
         ]
-
-    @model_validator(mode="after")
-    def _rules(self, info: ValidationInfo) -> Self:
-        return obeyed("nccl", self, info)
 
 
 def process_group_backend(cfg: Config, use_gpu: bool) -> str:

@@ -474,7 +474,7 @@ def test_render_flags_follow_the_k8s_keys_they_set():
 
     hints = typing.get_type_hints(K8sConfig)
     keys = set()
-    for name, kind in hints.items():
+    for name, kind in ((f.name, hints[f.name]) for f in dataclasses.fields(K8sConfig)):
         keys |= {f"{name}.{f.name}" for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {name}
     flags = (*PLATFORM_FLAGS, *KUBERAY_FLAGS)
     assert keys - {f.key for f in flags} == FILE_ONLY_KEYS
