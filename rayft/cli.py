@@ -397,13 +397,13 @@ def _preemption_lines(
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
-    from rayft.deploy.flags import KUBERAY_FLAGS, given
+    from rayft.deploy.flags import KUBERAY_FLAGS, flags_set, given
     from rayft.deploy.k8s import operator, to_yaml
     from rayft.deploy.platform import K8sConfig
     from rayft.schema import checked
 
     if args.action == "validate":
-        plat = checked("k8s", K8sConfig, given(args, KUBERAY_FLAGS))
+        plat = checked("k8s", K8sConfig, given(args, KUBERAY_FLAGS), flags_set(args, KUBERAY_FLAGS))
         try:
             problems = [p for f in args.files for p in validate_file(f, operator(plat))]
         except ManifestError as e:
@@ -440,7 +440,7 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typi
     """The manifests `rayft k8s render` writes, the platform settings (the config's plus the flags) they are
     rendered for, and the notes to print beside them."""
     from rayft.deploy import patch, platform
-    from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, given
+    from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, flags_set, given
     from rayft.deploy.k8s import JobSource, check_fits, config_in_cluster, deployment_from_flags, notes, render
 
     cfg = load_config(args.config, args.override)
@@ -448,7 +448,8 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typi
     base = dataclasses.replace(  # the config's patch files are relative to the config, the flags' to here
         cfg.k8s, patches=[str(Path(args.config).parent / p) for p in cfg.k8s.patches]
     )
-    plat = platform.with_flags(base, given(args, (*PLATFORM_FLAGS, *KUBERAY_FLAGS)))
+    flags = (*PLATFORM_FLAGS, *KUBERAY_FLAGS)
+    plat = platform.with_flags(base, given(args, flags), flags_set(args, flags))
     if plat.config_delivery == "inline":
         job = JobSource("", tuple(args.override), inline=Path(args.config).read_text())
     elif plat.config_delivery == "working_dir":

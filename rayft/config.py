@@ -16,12 +16,12 @@ import string
 import typing
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic.dataclasses
 import yaml
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import Strict, ValidationError, model_validator
+from pydantic import Strict, model_validator
 
 from rayft.deploy.platform import K8sConfig
 from rayft.parallel.backend import NcclConfig
@@ -40,10 +40,8 @@ from rayft.schema import (
     Text,
     broken,
     combined,
-    config_problems,
     problems_error,
     read_section,
-    refuse,
     refuse_value,
     suggest,
     unknown_value,
@@ -661,7 +659,11 @@ SECTIONS: dict[str, type] = {
 
 
 @pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class Config:
+class Config(Section):
+    """The run's settings, one section a key; its own rules relate one section to another."""
+
+    section: ClassVar[str] = "config"
+
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -676,13 +678,15 @@ class Config:
 
     @classmethod
     def from_dict(
-        cls, raw: dict[str, Any] | None, source: str = "config", where: dict[str, str] | None = None
+        cls, raw: dict[str, Any] | None, source: str | None = "config", where: dict[str, str] | None = None
     ) -> Config:
         """The checked config; every problem of `raw` (unknown keys, wrong types, bad values, broken rules) in one
         ConfigError. A key that cannot be read keeps its default, so the checks of the others still run."""
         raw = raw or {}
         if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)}), got {raw!r}")
+            raise ConfigError(
+                f"{source or 'config'}: expected a mapping of sections ({', '.join(SECTIONS)}), got {raw!r}"
+            )
         sections: dict[str, Any] = {}
         problems: list[Problem] = []
         for name, values in raw.items():
@@ -692,10 +696,8 @@ class Config:
                 continue
             sections[name], found = read_section(name, section_type, values)
             problems += found
-        try:
-            cfg = combined(cls, sections)
-        except ValidationError as e:
-            problems += config_problems(raw, e)
+        cfg, found = combined(cls, sections, raw)
+        problems += found
         if problems:
             raise problems_error(source, problems, where)
         return cfg
@@ -728,13 +730,10 @@ class Config:
     def best_metric(self) -> tuple[str, str] | None:
         return self.train.best_metric
 
-    @model_validator(mode="after")
-    def _sections_agree(self) -> Self:
-        """The rules that relate one section to another (a section's own are its `broken`): asked whenever a config
-        is built, also where its sections were read without theirs (`rayft.schema.combined`)."""
+    def broken(self) -> list[Broken | None]:
+        """The rules that relate one section to another (a section's own are its `broken`)."""
         rules = (self._lora_broken, self._dpo_broken, self._layout_broken, self._expert_broken, self._elastic_broken)
-        refuse("config", [found for rule in rules for found in rule()])
-        return self
+        return [found for rule in rules for found in rule()]
 
     def _lora_broken(self) -> list[Broken | None]:
         lo, frozen, k = self.lora, self.model.frozen_dtype, self.parallel.expert_parallel
@@ -940,7 +939,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         keys, value = parse_override(item)
         set_nested(raw, keys, value, source)
         where[".".join(keys)] = "--override"
-    return Config.from_dict(raw, source, where)
+    return Config.from_dict(raw, source if path is not None else None, where)  # defaults: the key alone
 
 
 ACCELERATE_KEYS = ("compute_environment", "distributed_type", "fsdp_config", "num_processes", "mixed_precision")

@@ -106,13 +106,13 @@ def broken(message: str, *keys: str) -> Broken:
     return Broken(message, keys)
 
 
-RULE = "rayft_rule"  # a broken rule: its section is read once more without its rules (see `read_section`)
+RULE = "rayft_rule"  # a broken rule of a section built in code
 VALUE = "rayft_value"  # a value no field type can say is wrong (a bad `[min, max]`): its key is left at its default
 _WITHOUT_RULES = {"rules": False}
 
 
-def rules_apply(info: ValidationInfo) -> bool:
-    """False while a section that broke its rules is read once more, so that the config's other rules see its values."""
+def _rules_apply(info: ValidationInfo) -> bool:
+    """False where a file's section is read (`read_section`): its rules are asked after, all at once."""
     return bool((info.context or {}).get("rules", True))
 
 
@@ -128,12 +128,12 @@ class Section:
 
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> Self:
-        if rules_apply(info):
-            refuse(self.section, self.broken())
+        if _rules_apply(info):
+            _refuse(self.section, self.broken())
         return self
 
 
-def refuse(owner: str, found: Iterable[Broken | None]) -> None:
+def _refuse(owner: str, found: Iterable[Broken | None]) -> None:
     """Raise every broken rule in one pydantic ValidationError, each at its first key, so that pydantic reports them
     beside the fields' own errors (a nested section's under its path)."""
     errors = [_error(RULE, b.message, b.keys) for b in found if b is not None]
@@ -166,73 +166,81 @@ def _adapter(section_type: type) -> TypeAdapter[Any]:
 
 
 def read_section(name: str, section_type: type[_Section], values: Any) -> tuple[_Section, list[Problem]]:
-    """The section from a file's mapping, and every problem with it. A key that is unknown or cannot be read is left
-    at its default and the section read again, so that its rules still run; a section that breaks a rule is read a
-    last time without its rules, so that the config's rules see the user's values."""
+    """The section from a file's mapping, and every problem with it. It is read without its rules: a key that is
+    unknown or cannot be read is left at its default and the section read again, and then the rules of the section
+    and of its nested groups are asked of the values read, all of them (a group breaking its rule would otherwise
+    stop pydantic before the section's own rules)."""
     if values is None:
         return section_type(), []
     if not isinstance(values, dict):
         return section_type(), [Problem(name, f"section '{name}' must be a mapping of keys, got {values!r}")]
-    values = {str(k): v for k, v in values.items()}
-    problems: list[Problem] = []
-    context: dict[str, bool] | None = None
+    given = {str(k): v for k, v in values.items()}
+    values, problems = given, []
+    order = {key: i for i, key in enumerate(given)}  # the file's order, not the fields'
     while True:
         try:
-            return _adapter(section_type).validate_python(values, context=context), problems
+            section = _adapter(section_type).validate_python(values, context=_WITHOUT_RULES)
         except ValidationError as e:
-            if context is not None:  # without rules, a mistake can only be in rayft's own defaults
-                raise
             unreadable: set[tuple[int | str, ...]] = set()
-            order = {key: i for i, key in enumerate(values)}  # the file's order, not the fields'
             for error in sorted(e.errors(), key=lambda error: order.get(str(error["loc"][0]), len(order))):
-                if error["type"] == RULE:
-                    problem = rule_problem(name, values, error)
-                else:
-                    path, owner = _unreadable(section_type, values, error["loc"])
-                    if path in unreadable:  # one problem a key, as a user fixes it: the first of a list's items
-                        continue
-                    unreadable.add(path)
-                    key = _dotted(name, values, error["loc"])
-                    problem = Problem(key, _mistake(key, error, owner, path[-1]))
-                if problem not in problems:  # a rule of a nested group is met again when its section is read again
-                    problems.append(problem)
-            if not unreadable:
-                context = _WITHOUT_RULES
-                continue
+                path, owner = _unreadable(section_type, values, error["loc"])
+                if path in unreadable:  # one problem a key, as a user fixes it: the first of a list's items
+                    continue
+                unreadable.add(path)
+                key = _dotted(name, values, error["loc"])
+                problems.append(Problem(key, _mistake(key, error, owner, path[-1])))
             narrower = _without(values, unreadable)
             if narrower == values:  # nothing left to drop: the mistake is in rayft's own defaults
                 raise
             values = narrower
+        else:
+            rules = sorted(
+                _group_rules(name, given, section), key=lambda p: order.get(_top_key(name, p.key), len(order))
+            )
+            return section, problems + rules
 
 
-def combined(config_type: type[_Section], sections: Mapping[str, Any]) -> _Section:
-    """The config of sections `read_section` has read: their own rules were asked there (pydantic validates them
-    again here, without their rules), the config's own rules are asked here."""
-    return typing.cast(_Section, _adapter(config_type).validate_python(dict(sections), context=_WITHOUT_RULES))
+def _top_key(name: str, key: str) -> str:
+    """`node` of `k8s.node.memory` in section `k8s`: the key of the section's mapping."""
+    return re.split(r"[.\[]", key.removeprefix(f"{name}."), maxsplit=1)[0]
 
 
-def checked(name: str, section_type: type[_Section], values: Mapping[str, Any]) -> _Section:
-    """The section, or a ConfigError with all its problems: for sections built from command-line flags."""
+def _group_rules(name: str, given: Mapping[str, Any], section: Any, prefix: tuple[str, ...] = ()) -> list[Problem]:
+    """The rules a section and its nested groups break, each at the first of its keys the file sets."""
+    found = [_placed(name, given, prefix, b) for b in section.broken() if b is not None]
+    for field in dataclasses.fields(section):
+        inner = getattr(section, field.name)
+        if isinstance(inner, Section):
+            found += _group_rules(name, given, inner, (*prefix, field.name))
+    return found
+
+
+def combined(
+    config_type: type[_Section], sections: Mapping[str, Any], given: Mapping[str, Any]
+) -> tuple[_Section, list[Problem]]:
+    """The config of sections `read_section` has read (their own rules were asked there), and the rules between
+    sections that it breaks, each at the first of its keys `given` (the file) sets."""
+    config = _adapter(config_type).validate_python(dict(sections), context=_WITHOUT_RULES)
+    return config, [_placed("", given, (), b) for b in config.broken() if b is not None]
+
+
+def checked(
+    name: str, section_type: type[_Section], values: Mapping[str, Any], where: Mapping[str, str] | None = None
+) -> _Section:
+    """The section, or a ConfigError with all its problems: for sections built from command-line flags (`where`:
+    dotted key → the flag that sets it, named before the problem)."""
     section, problems = read_section(name, section_type, dict(values))
     if problems:
-        raise problems_error(name, problems)
+        raise problems_error(None, problems, where)
     return section
 
 
-def rule_problem(name: str, values: Mapping[str, Any], error: ErrorDetails) -> Problem:
-    """A broken rule as a problem, keyed by the first key it involves that `values` (what the file gives) sets."""
-    ctx = error.get("ctx") or {}
-    keys: list[str] = ctx.get("keys", [])
-    first = keys[0].split(".") if keys else []
-    prefix = [str(part) for part in error["loc"][: len(error["loc"]) - len(first)]]  # a nested group's path
-    paths = [[*prefix, *key.split(".")] for key in keys]
-    given = next((path for path in paths if _sets(values, path)), paths[0] if paths else prefix)
-    return Problem(".".join([name, *given] if name else given), str(ctx.get("message", error["msg"])))
-
-
-def config_problems(values: Mapping[str, Any], error: ValidationError) -> list[Problem]:
-    """The config's own (cross-section) rules that its sections break."""
-    return [rule_problem("", values, e) for e in error.errors()]
+def _placed(name: str, given: Mapping[str, Any], prefix: tuple[str, ...], rule: Broken) -> Problem:
+    """A broken rule as a problem, keyed by the first key it involves that the file sets (`prefix`: the path of the
+    nested group whose rule it is)."""
+    paths = [[*prefix, *key.split(".")] for key in rule.keys]
+    at = next((path for path in paths if _sets(given, path)), paths[0] if paths else list(prefix))
+    return Problem(".".join([name, *at] if name else at), rule.message)
 
 
 def _sets(values: Any, path: list[str]) -> bool:
@@ -243,22 +251,23 @@ def _sets(values: Any, path: list[str]) -> bool:
     return True
 
 
-def problems_error(source: str, problems: list[Problem], where: Mapping[str, str] | None = None) -> ConfigError:
+def problems_error(source: str | None, problems: list[Problem], where: Mapping[str, str] | None = None) -> ConfigError:
     """One ConfigError listing every problem, each with the file and line (`where`: dotted key → `path:line`, or
-    `--override`) that sets its key."""
+    `--override`) that sets its key; `source` (a file) where none does, None for nothing more than the key."""
     located = [f"{_location(p.key, source, where or {})}{p.message}" for p in problems]
     if len(located) == 1:
         return ConfigError(located[0])
-    return ConfigError(f"{source}: {len(problems)} problems:\n" + "\n".join(f"  - {line}" for line in located))
+    head = f"{source}: " if source else ""
+    return ConfigError(f"{head}{len(problems)} problems:\n" + "\n".join(f"  - {line}" for line in located))
 
 
-def _location(key: str, source: str, where: Mapping[str, str]) -> str:
+def _location(key: str, source: str | None, where: Mapping[str, str]) -> str:
     """`path:line: ` of the key, or of the closest section above it that the file names; else the source."""
     parts = re.sub(r"\[\d+\]", "", key).split(".")
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in where:
             return f"{where['.'.join(parts[:n])]}: "
-    return "" if source == "defaults" else f"{source}: "
+    return f"{source}: " if source else ""
 
 
 def _unreadable(owner: type, values: dict[Any, Any], loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type]:

@@ -146,6 +146,11 @@ def given(args: argparse.Namespace, flags: Iterable[KeyFlag]) -> dict[str, Any]:
     return out
 
 
+def flags_set(args: argparse.Namespace, flags: Iterable[KeyFlag]) -> dict[str, str]:
+    """Dotted key (`k8s.node.gpus`) → the flag that sets it on this command line: where a problem is reported."""
+    return {f"k8s.{f.key}": f.flag for f in flags if f.dest in vars(args)}
+
+
 def _key_type(key: str) -> Any:
     """The type of a dotted key of the section (`rdma.network`: `RdmaConfig.network`'s)."""
     kind: Any = K8sConfig

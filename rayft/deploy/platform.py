@@ -237,9 +237,9 @@ RUNAI_QUEUE_LABEL = "runai/queue"
 SUBMITTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 
 
-def with_flags(base: K8sConfig, flags: Mapping[str, Any]) -> K8sConfig:
+def with_flags(base: K8sConfig, flags: Mapping[str, Any], where: Mapping[str, str] | None = None) -> K8sConfig:
     """The config's `k8s:` section with `rayft k8s render` flags (by dotted key, `rdma.network`) on top: scalars
-    replace, mappings and lists add; checked as the section is."""
+    replace, mappings and lists add; checked as the section is (`where`: the flag that sets a key)."""
     values = dataclasses.asdict(base)
     for key, value in flags.items():
         *path, last = key.split(".")
@@ -253,7 +253,7 @@ def with_flags(base: K8sConfig, flags: Mapping[str, Any]) -> K8sConfig:
             node[last] = [*current, *value]
         else:
             node[last] = value
-    return checked("k8s", K8sConfig, values)
+    return checked("k8s", K8sConfig, values, where)
 
 
 def key_values(flag: str, items: list[str]) -> dict[str, str]:

@@ -124,3 +124,32 @@ def test_sections_built_in_code_keep_their_rules():
     with pytest.raises(ConfigError, match=r"lora\.lora_dropout must be in \[0, 1\), got 1\.5"):
         checked("lora", LoraConfig, {"lora_dropout": 1.5})
     assert checked("lora", LoraConfig, {"lora_dropout": 0, "target_experts": True}).target_experts
+
+
+NESTED_AND_OWN_RULES = """\
+k8s:
+  queueing: volcano
+  fabric: roce
+  node:
+    memory: lots
+  rdma:
+    network: Not_A_Name
+"""
+
+
+def test_a_group_breaking_its_rule_hides_no_rule_of_its_section(tmp_path):
+    """A nested group's broken rule (`k8s.node`, `k8s.rdma`) and its section's own (`k8s`) are all reported in one
+    round: a user who fixes the one should not meet the other only on the next try."""
+    path = tmp_path / "nested.yaml"
+    path.write_text(NESTED_AND_OWN_RULES)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: 3 problems:"), message
+    for needle in (
+        f"{path}:2: k8s.queue: k8s.queueing: volcano needs the queue's name",
+        f"{path}:5: k8s.node.memory: 'lots' is not a memory quantity",
+        f"{path}:7: k8s.rdma.network: 'Not_A_Name' is not a valid object name",
+    ):
+        assert needle in message, message
+    assert message.index(":5: k8s.node") < message.index(":7: k8s.rdma"), "in the file's order"

@@ -350,6 +350,16 @@ def test_fabric_flags_override_the_config_and_need_a_fabric(capsys, tmp_path):
     assert container["resources"]["limits"]["openshift.io/mellanoxnics"] == "1"
 
 
+def test_a_flags_problem_names_the_flag_that_sets_it(capsys, tmp_path):
+    """A value a flag gives is reported at the flag, as a file's is at its line; a key the config sets, at its key."""
+    config = config_with(tmp_path, {})
+    args = ("--config", str(config), "--config-in-cluster", "/data/job.yaml")
+    err = render_error(capsys, *args, "--node-gpus", "0", "--queueing", "kueue")
+    assert "2 problems:" in err and "k8s:" not in err, err
+    assert "  - --node-gpus: k8s.node.gpus must be >= 1, got 0" in err, err
+    assert "  - --queueing: k8s.queue: k8s.queueing: kueue needs the queue's name" in err, err
+
+
 NODE = {"gpus": 4, "cpus": 100, "memory": "1000Gi"}
 
 
