@@ -10,10 +10,8 @@ what to change.
 from __future__ import annotations
 
 import codecs
-import errno
 import glob
 import json
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from rayft.data.files import (
     starts_json_array,
 )
 from rayft.data.records import decode_line
+from rayft.file_checks import check_link
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -197,25 +196,6 @@ def _split_files(base: Path, split: str) -> list[Path]:
     for path in found:
         check_link(path, f"split '{split}'")
     return sorted(found)
-
-
-def check_link(path: Path, what: str) -> None:
-    """A symbolic link that leads nowhere, named as what it is (not "does not exist")."""
-    if not path.is_symlink() or path.exists():
-        return
-    try:
-        path.resolve(strict=True)
-    except RuntimeError:  # Python < 3.13 reports a loop so
-        problem = "a symbolic link loop"
-    except OSError as e:
-        problem = (
-            "a symbolic link loop"
-            if e.errno == errno.ELOOP
-            else f"a symbolic link to {os.readlink(path)}, which does not exist"
-        )
-    else:
-        return
-    raise ConfigError(f"{what}: {path} is {problem}; copy the file again or fix the link")
 
 
 def _as_split(what: str, paths: list[Path]) -> SplitSource:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from rayft.config import Config, ConfigError, ModelConfig
+from rayft.file_checks import check_json_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -167,18 +168,4 @@ def check_tokenizer(cfg: Config) -> TokenizerFacts:
         raise ConfigError(
             f"model.tokenizer_name_or_path: the tokenizer in {path} does not load ({type(e).__name__}: {first}); "
             "copy its tokenizer files again from the model's source"
-        ) from None
-
-
-def check_json_file(path: Path) -> None:
-    """A JSON file of the tokenizer that does not parse (cut short by a copy, most often), named, with the fix:
-    the loaders' own message is the parser's, without the file."""
-    if path.suffix != ".json" or not path.is_file():
-        return
-    try:
-        json.loads(path.read_bytes())
-    except ValueError as e:
-        raise ConfigError(
-            f"{path}: not valid JSON ({e}; {path.stat().st_size:,} bytes): cut short or damaged; copy it again from "
-            "the model's source"
         ) from None

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from rayft.config import Config, ConfigError
-from rayft.data.sources import check_link
-from rayft.data.tokenizer import check_json_file
+from rayft.file_checks import check_json_file, check_link
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
