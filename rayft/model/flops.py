@@ -25,10 +25,10 @@ from torch import nn
 from rayft.gpus import GPUS
 from rayft.model.families import block_of, moe_blocks, num_routed_experts
 from rayft.model.fp8_format import EXPERT_WEIGHTS
+from rayft.model.loss import lm_head
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedModel
 
 # Dense bf16 peak per GPU and memory bandwidth, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {name.upper(): gpu.bf16_tflops * 1e12 for name, gpu in GPUS.items()}
@@ -70,11 +70,7 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
         if isinstance(module, nn.Embedding):
             seen.update(id(p) for p in module.parameters(recurse=False))
     base_model = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model
-    head = (
-        cast("PreTrainedModel", base_model).get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers: unannotated
-        if hasattr(base_model, "get_output_embeddings")
-        else None
-    )
+    head = lm_head(base_model) if hasattr(base_model, "get_output_embeddings") else None
     head_weight = getattr(head, "weight", None)
     if head_weight is not None and id(head_weight) in seen and not head_weight.requires_grad:
         base += head_weight.numel()  # a tied head is the embedding matrix, yet a matmul every token goes through

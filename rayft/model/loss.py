@@ -303,7 +303,7 @@ class FrozenCast:
 
 def why_not_fused(model: PreTrainedModel) -> str | None:
     """Why this causal LM's loss cannot come from `linear_cross_entropy`; None when it can."""
-    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers: unannotated
+    head: Any = lm_head(model)  # a LoRA or modules_to_save wrapper: its `base_layer` is read below
     if type(head) is not nn.Linear:  # LoRA (fused too, `LoraHead`) or modules_to_save on the head wraps it
         reason = _why_not_lora(head)
         if reason is not None:
