@@ -554,10 +554,8 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     for sample in checked.samples:
         print(f"  checked with the job's pipeline: {sample.describe()}")
     lora = checked.lora
-    print(f"  model: {lora.architecture}, {checked.total_params:,} params")
-    print(
-        f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.trainable_params:,}"
-    )
+    print(f"  model: {lora.architecture}, {checked.structure.params:,} params")
+    print(f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.structure.lora:,}")
     r = cfg.ray
     world = r.fewest_workers  # an elastic run's fewest workers hold the largest shares: its worst case
     where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")

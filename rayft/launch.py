@@ -82,7 +82,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     if plan.has_validation and datasets.validation is not None:
         splits["validation"] = datasets.validation
     best = _best_metric(cfg, plan)
-    params = {"trainable_params": checked.trainable_params, "total_params": checked.total_params}
+    params = {"trainable_params": checked.structure.lora, "total_params": checked.structure.params}
     job = Job(
         config=cfg,
         plan=plan,
@@ -332,7 +332,7 @@ def startup_summary(
     cfg: Config, checked: Preflight, plan: StepPlan, use_gpu: bool, profile: Profile | None = None
 ) -> str:
     """What the run is about to do, in the job log before the workers start."""
-    t, lora = cfg.train, checked.lora
+    t, lora, counts = cfg.train, checked.lora, checked.structure
     # ray.nodes is unannotated in Ray 2.60; its untyped call also fails sum()'s overloads (misc)
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call, misc]
     batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * plan.world_size
@@ -341,9 +341,9 @@ def startup_summary(
         [
             f"run {cfg.ray.name}: {plan.world_size} workers ({'GPU' if use_gpu else 'CPU'}) on a {nodes}-node "
             f"Ray cluster, storage {cfg.run_uri}",
-            f"model {lora.architecture} ({cfg.model.model_name_or_path}): {checked.total_params:,} params, "
+            f"model {lora.architecture} ({cfg.model.model_name_or_path}): {counts.params:,} params, "
             f"LoRA r={cfg.lora.r} on {len(lora.modules)} modules ({', '.join(lora.names)}), "
-            f"{checked.trainable_params:,} trainable ({100 * checked.trainable_params / checked.total_params:.3f}%)",
+            f"{counts.lora:,} trainable ({100 * counts.lora / counts.params:.3f}%)",
             f"effective batch {batch} = {t.per_device_train_batch_size} per device × {t.gradient_accumulation_steps} "
             f"accumulation × {plan.world_size} workers; {tokens} tokens per step ({cfg.data.max_length} per row)",
             f"data {plan.train_rows:,} train / {plan.validation_rows:,} validation rows → {plan.total_steps} steps "

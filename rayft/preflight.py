@@ -53,14 +53,6 @@ class Preflight:
     samples: list[SampleReport]  # what the job's record pipeline made of each split's first records
     warnings: list[str]  # settings that run but are likely a mistake (validate prints them)
 
-    @property
-    def trainable_params(self) -> int:
-        return self.structure.lora
-
-    @property
-    def total_params(self) -> int:
-        return self.structure.total + self.structure.lora
-
 
 def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
     """Every check, in the order a bad input is cheapest to find; `profile` times the three parts."""

@@ -62,6 +62,11 @@ class Structure:
     def root_lora(self) -> int:
         return self.lora - self.layers_lora
 
+    @property
+    def params(self) -> int:
+        """Every parameter of the model with its adapter: frozen and trainable."""
+        return self.total + self.lora
+
 
 def structure(model: PeftModel, config: Any) -> Structure:
     """Parameter counts of a (meta) PEFT model with its decoder layers."""

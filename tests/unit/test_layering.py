@@ -124,3 +124,29 @@ def test_no_forward_is_replaced_at_run_time():
             if assigned or set_by_name or bound:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert found == [], found
+
+
+def test_the_driver_enters_preflight_once_for_its_checks(fixtures, tmp_path, capsys):
+    """Preflight is the ordered list of the checks, entered once; what the driver reads of its result is data, not
+    more calls into it. Traced on `rayft validate`, the driver's path without a cluster: into rayft/preflight.py
+    from outside it, the checks and the run a config would continue (nothing else)."""
+    from conftest import run_cli, tiny_config, write_yaml
+
+    preflight_py = str(PACKAGE / "preflight.py")
+    entered: list[str] = []
+
+    def trace(frame, event, arg):
+        code, caller = frame.f_code, frame.f_back
+        outside = caller is not None and caller.f_code.co_filename != preflight_py
+        imported = code.co_name == "<module>"
+        if event == "call" and code.co_filename == preflight_py and outside and not imported:
+            entered.append(code.co_name)
+
+    config = write_yaml(tmp_path / "job.yaml", tiny_config(fixtures, tmp_path / "out"))
+    sys.setprofile(trace)
+    try:
+        result = run_cli(capsys, "validate", "--config", str(config))
+    finally:
+        sys.setprofile(None)
+    assert result.rc == 0, result.err
+    assert entered == ["preflight", "check_continued_run"], entered
