@@ -3,9 +3,10 @@ a combination of values, and pydantic's errors turned into rayft's problems (one
 closest valid key or value).
 
 A section is a pydantic dataclass: its fields' types, choices (`Literal`) and ranges (`Ge`, `Lt`, ...) are checked by
-pydantic; a combination of values is checked by the section's `model_validator`, which `refuse`s what it breaks; one
-section's values against another's by the `Config`'s. `read_section` reads a file's section so that a user sees every
-problem of the file at once.
+pydantic; the combinations of values it refuses are its `broken` rules (the `Config`'s relate one section to
+another). A section built in code is refused by its `model_validator`; `read_section` reads a file's section without
+them and then asks every rule, of the section and its nested groups, so that a user sees every problem of the file
+at once.
 """
 
 from __future__ import annotations
