@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from rayft.schema import ConfigError
+from rayft.config import ConfigError
 
 
 def check_link(path: Path, what: str) -> None:
