@@ -36,6 +36,11 @@ FIRST_WITH_ACTIVATION_CHECKPOINTING = "5.23.0"
 # Likewise: peft 0.17.x imports `HybridCache` from transformers, which transformers 5 no longer has, and 0.18.x's
 # ParamWrapper has no `_did_swap_in_out_features`, which expert LoRA on an FP8 base reads (AttributeError there).
 PEFT_FLOOR_FOR_FP8_EXPERTS = "0.19.0"
+# peft 0.19.x turns `all-linear` on DeepSeek-V3 (its transformers-5 MoE conversion) into a set of letters and fails
+# with "Target modules {'a', 'l', ...} not found"; 0.20.0 resolves the shorthand (tests/unit/test_families.py).
+PEFT_FLOOR_FOR_ALL_LINEAR_ON_MOE = "0.20.0"
+# pydantic 2.5 to 2.8 refuse `Strict` on a list (rayft.schema's `Listed`) when rayft.config is imported.
+PYDANTIC_FLOOR_FOR_STRICT_LISTS = "2.9.0"
 
 
 def test_transformers_floor_has_the_activation_checkpointing_api():
@@ -47,6 +52,13 @@ def test_peft_floor_runs_expert_lora_on_an_fp8_base():
     """`peft>=0.17` admitted a release that cannot be imported beside any transformers rayft accepts, and one that
     fails the default Mistral-Small-4 path (expert LoRA on the FP8 base)."""
     assert floor(requirements()["peft"]) >= Version(PEFT_FLOOR_FOR_FP8_EXPERTS)
+
+
+def test_peft_and_pydantic_floors_run_what_rayft_asks_of_them():
+    """`peft>=0.19` admitted a release on which `all-linear` fails on DeepSeek-V3; `pydantic>=2.5` admitted releases
+    on which rayft's config does not import."""
+    assert floor(requirements()["peft"]) >= Version(PEFT_FLOOR_FOR_ALL_LINEAR_ON_MOE)
+    assert floor(requirements()["pydantic"]) >= Version(PYDANTIC_FLOOR_FOR_STRICT_LISTS)
 
 
 def test_libraries_whose_internals_rayft_reads_have_an_upper_bound():
@@ -66,7 +78,7 @@ FLOORS_REQUIRE = {
     ("transformers", "5.23"): {"huggingface-hub": ">=1.31.0,<3.0", "safetensors": ">=0.8.0"},
     ("trl", "1.0"): {"datasets": ">=4.7.0", "accelerate": ">=1.4.0", "transformers": ">=4.56.2"},
     ("datasets", "4.7"): {"pyarrow": ">=21.0.0", "huggingface-hub": ">=0.25.0,<2.0", "filelock": ""},
-    ("peft", "0.19"): {"accelerate": ">=0.21.0", "huggingface-hub": ">=0.25.0", "transformers": ""},
+    ("peft", "0.20"): {"accelerate": ">=0.21.0", "huggingface-hub": ">=0.25.0", "transformers": ""},
     ("accelerate", "1.10"): {"huggingface-hub": ">=0.21.0", "safetensors": ">=0.4.3", "pyyaml": ""},
 }
 NUMPY_1_ONLY = {"matplotlib": "3.8"}  # its wheels require numpy<2, which no other pinned library installs with
