@@ -24,6 +24,7 @@ from rayft.logs import LEVEL_ENV, quiet_console, verbose
 if typing.TYPE_CHECKING:
     from rayft.deploy.k8s import Deployment
     from rayft.deploy.platform import K8sConfig
+    from rayft.model.frozen import Held
     from rayft.plan.comm import Cluster
     from rayft.plan.memory import MemoryPlan
     from rayft.plan.steptime import LayoutPlan
@@ -311,7 +312,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from rayft.model.build import frozen_fp8
+    from rayft.model.build import checkpoint_held, held_as
     from rayft.plan import format_plans, meta_structure, plan_memory
     from rayft.plan.comm import Cluster
     from rayft.plan.report import format_layouts
@@ -337,41 +338,37 @@ def _plan(args: argparse.Namespace) -> int:
         )
     s = meta_structure(cfg, config)
     # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8.
-    fp8 = frozen_fp8(cfg.model, checkpoint_fp8=True if args.preset else None)
+    checkpoint_fp8 = True if args.preset else None
+    held, filed = held_as(cfg.model, checkpoint_fp8), checkpoint_held(cfg.model, checkpoint_fp8)
 
-    nf4 = cfg.model.frozen_dtype == "nf4"
-
-    def plans(storage: tuple[bool, bool]) -> list[MemoryPlan]:
-        fp8, nf4 = storage
-        return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, fp8=fp8, nf4=nf4) for n in args.num_nodes]
+    def plans(held: Held) -> list[MemoryPlan]:
+        return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, held=held) for n in args.num_nodes]
 
     if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
         print(
             f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
             f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)"
         )
-    beside = _storage_beside(fp8, nf4, bool(s.fp8))
+    beside = _storage_beside(held, bool(s.fp8))
     batch = (cfg.train.per_device_train_batch_size, cfg.data.max_length)
-    print(format_plans(plans((fp8, nf4)), s, batch[0] * batch[1], plans(beside) if beside else None, batch))
-    if args.layouts and nf4:
-        print("\nrayft plan: --layouts ranks layouts with the base in FP8 or bf16; NF4's memory is the table above")
-    elif args.layouts:
+    print(format_plans(plans(held), s, batch[0] * batch[1], plans(beside) if beside else None, batch))
+    if args.layouts:
         given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
         hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
         for nodes in args.num_nodes:
             cluster = Cluster(nodes, args.gpus_per_node)
-            layouts = [p for f in ([fp8, not fp8] if s.fp8 else [fp8]) for p in plan_layouts(cfg, s, cluster, hw, f)]
+            layouts = [p for h in (held, beside) if h for p in plan_layouts(cfg, s, cluster, hw, h)]
             print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
-            print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps, (args.gpu, fp8)))
+            print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps, (args.gpu, held, filed)))
     return EXIT_OK
 
 
-def _storage_beside(fp8: bool, nf4: bool, fp8_holds_any: bool) -> tuple[bool, bool] | None:
-    """The base storage (fp8, nf4) `rayft plan` shows beside the config's, for the choice it is: NF4 beside FP8,
-    FP8 beside bf16 and back; none for a model FP8 would hold nothing of."""
-    if nf4:
-        return True, False
-    return (not fp8, False) if fp8_holds_any else None
+def _storage_beside(held: Held, fp8_holds_any: bool) -> Held | None:
+    """The base storage `rayft plan` shows beside the config's, for the choice it is: FP8 beside NF4, FP8 beside
+    bf16 and back; none for a model FP8 would hold nothing of."""
+    if held == "nf4":
+        return "fp8"
+    return ("dtype" if held == "fp8" else "fp8") if fp8_holds_any else None
 
 
 def _preemption_lines(
@@ -380,17 +377,17 @@ def _preemption_lines(
     cluster: Cluster,
     layouts: list[LayoutPlan],
     storage_gbps: float | None,
-    stored: tuple[str, bool],
+    stored: tuple[str, Held, Held],
 ) -> str:
     """What a preemption costs the fastest layout that fits (`rayft.plan.preemption`), and how far an elastic run
-    can shrink on `stored` (the GPU, and whether the config keeps the base in FP8)."""
+    can shrink on `stored`: the GPU, how the config holds the base, and how the checkpoint's files hold it."""
     from rayft.plan.preemption import STORAGE_GBYTES_S, format_preemption, preemption_cost, smallest_group
     from rayft.plan.steptime import fastest_fitting
 
+    gpu, held, filed = stored
     best = fastest_fitting(layouts) or layouts[0]
-    cost = preemption_cost(cfg, s, best.fp8, best.layout, cluster, storage_gbps or STORAGE_GBYTES_S)
-    gpu, fp8 = stored
-    smallest = smallest_group(cfg, s, gpu, fp8) if cfg.ray.elastic else None
+    cost = preemption_cost(cfg, s, filed, best.layout, cluster, storage_gbps or STORAGE_GBYTES_S)
+    smallest = smallest_group(cfg, s, gpu, held) if cfg.ray.elastic else None
     step_s = best.time.predicted_s if best.fits else None
     return format_preemption(cfg, cost, cluster.world, step_s, smallest, gpu)
 
@@ -539,7 +536,7 @@ def eval_summary(result: dict[str, typing.Any], adapter: bool) -> str:
 
 
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
-    from rayft.model.build import frozen_fp8
+    from rayft.model.build import held_as
     from rayft.plan import plan_memory
     from rayft.preflight import check_continued_run, preflight
 
@@ -559,11 +556,10 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     r = cfg.ray
     world = r.fewest_workers  # an elastic run's fewest workers hold the largest shares: its worst case
     where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")
-    fp8 = frozen_fp8(cfg.model)
+    held = held_as(cfg.model)
     on_gpu = r.use_gpu is not False
-    nf4 = cfg.model.frozen_dtype == "nf4"
-    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, fp8=fp8, nf4=nf4)
-    print(f"  frozen base: {_storage(checked.structure, fp8, cfg.model.torch_dtype, nf4)}")
+    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, held=held)
+    print(f"  frozen base: {_storage(checked.structure, held, cfg.model.torch_dtype)}")
     print(f"  memory plan: {_memory_verdict(plan, where, on_gpu, args.gpu)} (rayft plan for details)")
     for warning in [lora.warning, *checked.warnings, finished]:
         if warning:
@@ -589,9 +585,9 @@ def _memory_verdict(plan: MemoryPlan, where: str, on_gpu: bool, gpu: str) -> str
     return f"{plan.total_gib:.1f} GiB per GPU on {where}: {verdict}"
 
 
-def _storage(s: Structure, fp8: bool, torch_dtype: str, nf4: bool = False) -> str:
+def _storage(s: Structure, held: Held, torch_dtype: str) -> str:
     """How the frozen base is held, with its bytes (model.frozen_dtype)."""
-    if nf4:
+    if held == "nf4":
         from rayft.model.nf4_format import storage_bytes
 
         size = storage_bytes(s.nf4, s.nf4_matrices)
@@ -599,7 +595,7 @@ def _storage(s: Structure, fp8: bool, torch_dtype: str, nf4: bool = False) -> st
             f"NF4 for {s.nf4:,} decoder-matrix params ({_size(size)}: 4.127 bits each, double-quantised scales), "
             f"the other {s.total - s.nf4:,} in {torch_dtype}"
         )
-    if not fp8:
+    if held == "dtype":
         return f"{torch_dtype} (model.frozen_dtype; FP8 would hold {s.fp8:,} of its matrices' params in 1 byte)"
     size = s.fp8 + 4 * s.fp8_rows
     shown = _size(size)

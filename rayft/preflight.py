@@ -85,10 +85,10 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         check_quantised_storage(cfg, model)
         counts = structure(model, model.config)  # walked once: the planner's `auto` and the memory plan read it
         if cfg.parallel.expert_parallel == "auto":
-            from rayft.model.build import frozen_fp8
+            from rayft.model.build import held_as
             from rayft.plan.steptime import planned_expert_parallel
 
-            cfg.parallel.expert_parallel = planned_expert_parallel(cfg, counts, frozen_fp8(cfg.model))
+            cfg.parallel.expert_parallel = planned_expert_parallel(cfg, counts, held_as(cfg.model))
         check_expert_parallel(cfg, model.config)
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import DORA_ON_FP8, Config, ConfigError, ModelConfig
 from rayft.model.families import check_moe_family
+from rayft.model.frozen import Held
 from rayft.model.lora import LoraTargets, modules_to_save, wrap
 from rayft.model.loss import why_not_fused
 from rayft.model.weights import tie_weights_
@@ -53,9 +54,21 @@ def frozen_fp8(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> bo
     read from its config unless `checkpoint_fp8` says)."""
     if model_cfg.frozen_dtype in ("bfloat16", "float32", "nf4"):
         return False
+    return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_held(model_cfg, checkpoint_fp8) == "fp8"
+
+
+def held_as(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> Held:
+    """How the frozen base is held (`model.frozen_dtype`): NF4, FP8 (`frozen_fp8`), or in `model.torch_dtype`."""
+    if model_cfg.frozen_dtype == "nf4":
+        return "nf4"
+    return "fp8" if frozen_fp8(model_cfg, checkpoint_fp8) else "dtype"
+
+
+def checkpoint_held(model_cfg: ModelConfig, checkpoint_fp8: bool | None = None) -> Held:
+    """How the checkpoint's files hold the base, what a (re)start reads: FP8 or `model.torch_dtype`."""
     if checkpoint_fp8 is None:
         checkpoint_fp8 = _checkpoint_quantization(model_cfg).get("quant_method") == "fp8"
-    return model_cfg.frozen_dtype == "float8_e4m3fn" or checkpoint_fp8
+    return "fp8" if checkpoint_fp8 else "dtype"
 
 
 def check_quantised_storage(cfg: Config, model: nn.Module, fp8: bool | None = None) -> None:

@@ -11,7 +11,9 @@ from torch import nn
 from rayft.model.fp8_format import EXPERT_WEIGHTS
 from rayft.model.nf4_format import fits
 
-Storage = Literal["fp8", "nf4"]
+Storage = Literal["fp8", "nf4"]  # a quantised base's storage
+# How the frozen base is held: in `model.torch_dtype` ("dtype"), or its decoder matrices in a quantised Storage.
+Held = Literal["dtype", "fp8", "nf4"]
 
 
 def fused_experts(module: nn.Module) -> bool:

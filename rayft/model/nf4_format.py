@@ -18,6 +18,16 @@ def storage_bytes(weights: int, matrices: int) -> float:
     return weights * (0.5 + 1 / BLOCK + 4 / GROUP) + 4 * matrices
 
 
+def dequant_bytes_per_weight(quant: int, compute: int) -> float:
+    """Memory traffic per weight of `rayft.model.nf4.dequantize`, eager ops each reading its inputs and writing its
+    output once, for `quant`- and `compute`-byte dtypes: each nibble split off (1 byte), widened to an int64 index
+    (4.5) and looked up (4 + quant / 2); the halves stacked (2·quant) and scaled (2·quant + quant / 64), converted
+    where the dtypes differ (quant + compute) and copied into the output (2·compute)."""
+    nibbles = 2 * (1 + 4.5 + 4) + quant
+    scaled = 2 * quant + 2 * quant + quant / BLOCK
+    return nibbles + scaled + (quant + compute if quant != compute else 0) + 2 * compute
+
+
 def fits(shape: tuple[int, ...]) -> bool:
     """Whether a weight of `shape` has NF4 storage: its rows whole blocks, its element count whole groups."""
     return shape[-1] % BLOCK == 0 and math.prod(shape) % GROUP == 0

@@ -14,7 +14,8 @@ Layouts:
               default; the last layer stays gathered from its forward to its backward, and the
               recompute of activation checkpointing reuses the backward gather): per micro-batch
               (2 − 1/L)·G_layers·(S−1)/S, L = decoder layers, G_layers = frozen layer weights as gathered (c bytes
-              each; FP8 storage: 1 byte + a 4-byte row scale per row) + layer LoRA·c. Without
+              each; FP8 storage: 1 byte + a 4-byte row scale per row; NF4: half a byte, an int8 scaler per 64
+              weights, a 4-byte factor per 16,384 and a 4-byte mean per matrix) + layer LoRA·c. Without
               reshard_after_forward: once per step.
               The root (embeddings, norm, head) is gathered once and kept when it holds no LoRA, else once per
               micro-batch. Per step: LoRA gradients reduce-scattered, LoRA·r·(S−1)/S (on the last micro-batch).
@@ -42,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rayft.config import Config, expert_groups_follow_nodes
+from rayft.model.frozen import Held
+from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
 from rayft.plan.memory import compute_bytes, tokens_per_micro_batch
 from rayft.plan.structure import Structure
 
@@ -126,14 +129,17 @@ def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     return out
 
 
-def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gpu: bool, fp8: bool) -> CommPlan:
-    """The collectives of one optimizer step of `layout` on `cluster`, with their bytes per GPU."""
+def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gpu: bool, held: Held) -> CommPlan:
+    """The collectives of one optimizer step of `layout` on `cluster`, with their bytes per GPU, the frozen base
+    `held` as the job holds it (NF4 never with expert parallelism: the config refuses it)."""
     plan = CommPlan(layout, cfg.train.gradient_accumulation_steps)
     c, r = compute_bytes(cfg, on_gpu), _reduce_bytes(cfg)
     k, w = layout.expert_parallel, cluster.world
-    experts_as_gathered = (s.experts + s.expert_rows * 4 if fp8 else s.experts * c) if k > 1 else 0
+    if held == "nf4" and k > 1:
+        raise ValueError("NF4 storage takes no expert parallelism")
+    experts_as_gathered = (s.experts + s.expert_rows * 4 if held == "fp8" else s.experts * c) if k > 1 else 0
     expert_lora = s.expert_lora if k > 1 else 0
-    layers = _gathered_layers(s, c, fp8) - experts_as_gathered - expert_lora * c
+    layers = _gathered_layers(s, c, held) - experts_as_gathered - expert_lora * c
     plan.transfers += _sharded(cfg, s, layout, cluster, layers, s.lora - expert_lora, c, r)
     if k > 1:  # ep-groups: k consecutive ranks; dp-groups: W/k ranks k apart holding the same experts
         dp = w // k
@@ -150,9 +156,15 @@ def _reduce_bytes(cfg: Config) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.fsdp.reduce_dtype, 4)
 
 
-def _gathered_layers(s: Structure, c: int, fp8: bool) -> float:
-    """G_layers: every decoder layer's parameters as FSDP gathers them (frozen + LoRA), all layers."""
-    frozen = (s.layers_frozen - s.fp8) * c + s.fp8 + s.fp8_rows * 4 if fp8 else s.layers_frozen * c
+def _gathered_layers(s: Structure, c: int, held: Held) -> float:
+    """G_layers: every decoder layer's parameters as FSDP gathers them (frozen + LoRA), all layers: the quantised
+    matrices as stored, the rest in c."""
+    if held == "nf4":
+        frozen = (s.layers_frozen - s.nf4) * c + nf4_storage_bytes(s.nf4, s.nf4_matrices)
+    elif held == "fp8":
+        frozen = (s.layers_frozen - s.fp8) * c + s.fp8 + s.fp8_rows * 4
+    else:
+        frozen = s.layers_frozen * c
     return frozen + s.layers_lora * c
 
 

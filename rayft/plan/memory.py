@@ -37,6 +37,7 @@ from typing import cast
 from rayft.config import Config
 from rayft.gpus import GPUS
 from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET
+from rayft.model.frozen import Held
 from rayft.model.loss import chunk_rows
 from rayft.model.nf4_format import DEQUANT_ROWS_BLOCK
 from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
@@ -73,13 +74,13 @@ def stored_bytes(cfg: Config) -> int:
     return 4 if cfg.model.torch_dtype == "float32" else 2
 
 
-def base_bytes(cfg: Config, s: Structure, fp8: bool, nf4: bool = False) -> float:
-    """The frozen base as stored: `model.torch_dtype`, or (`fp8`) its decoder matrices in FP8 with fp32 row scales,
-    or (`nf4`) those NF4 can block in NF4."""
+def base_bytes(cfg: Config, s: Structure, held: Held) -> float:
+    """The frozen base as `held`: `model.torch_dtype`, or its decoder matrices in FP8 with fp32 row scales, or those
+    NF4 can block in NF4."""
     p = stored_bytes(cfg)
-    if nf4:
+    if held == "nf4":
         return (s.total - s.nf4) * p + nf4_storage_bytes(s.nf4, s.nf4_matrices)
-    return (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows if fp8 else s.total * p
+    return (s.total - s.fp8) * p + s.fp8 + 4 * s.fp8_rows if held == "fp8" else s.total * p
 
 
 def tokens_per_micro_batch(cfg: Config) -> int:
@@ -93,12 +94,11 @@ def plan_memory(
     world_size: int,
     on_gpu: bool,
     gpu: str | None = None,
-    fp8: bool = False,
+    held: Held = "dtype",
     expert_parallel: int = 1,
-    nf4: bool = False,
 ) -> MemoryPlan:
-    """The plan with the frozen base stored as `torch_dtype`, or (`fp8`) its decoder matrices in FP8, or (`nf4`)
-    in NF4 (without expert parallelism, which NF4 storage does not take).
+    """The plan with the frozen base `held` in `torch_dtype`, or its decoder matrices in FP8, or in NF4 (without
+    expert parallelism, which NF4 storage does not take).
 
     With `expert_parallel` k > 1 each GPU holds E/k routed experts of every MoE layer whole (never gathered) and the
     rest of the model over the `fsdp.shard_size` workers of a node (rayft.parallel.expert), whole with one."""
@@ -106,10 +106,10 @@ def plan_memory(
     shards = cfg.fsdp.shard_group(world_size)
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
     logit_rows = min(tokens, chunk_rows(s.vocab, on_gpu)) if cfg.train.fused_loss else tokens
-    stored = base_bytes(cfg, s, fp8, nf4)
-    layer = _gathered_layer(s, c, fp8, nf4)
+    stored = base_bytes(cfg, s, held)
+    layer = _gathered_layer(s, c, held)
     if expert_parallel > 1:
-        weights = _expert_parallel_weights(cfg, s, shards, c, p, fp8, stored, layer, expert_parallel)
+        weights = _expert_parallel_weights(cfg, s, shards, c, p, held == "fp8", stored, layer, expert_parallel)
     else:
         gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards() else s.layers
         weights = [
@@ -121,12 +121,12 @@ def plan_memory(
     rows = [*weights, _activations(cfg, s, tokens, c), ("logits + loss", logit_rows * s.vocab * (c + 8))]
     if expert_parallel > 1:
         rows += _all_to_all(cfg, s, tokens, c)
-    if fp8:
+    if held == "fp8":
         dequantised = dequantised_at_once(s, expert_parallel)
         # its compute-dtype copy, the fp32 block it is made in, and (experts not in one range) their bytes gathered
         transient = dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4 + (dequantised if s.fp8_expert_numel else 0)
         rows.append(("FP8 weight dequantised for its matmul", transient))
-    if nf4:
+    if held == "nf4":
         dequantised = dequantised_at_once(s)  # the largest linear or expert chunk
         # its compute-dtype copy, a block's levels and scaled values (quantised dtype), the experts' codes gathered
         block = min(dequantised, DEQUANT_ROWS_BLOCK) * 2 * p
@@ -134,15 +134,15 @@ def plan_memory(
         rows.append(("NF4 weight dequantised for its matmul", dequantised * c + block + gathered))
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
-    frozen = "nf4" if nf4 else "fp8" if fp8 else ("fp32" if p == 4 else "bf16")
+    frozen = held if held != "dtype" else ("fp32" if p == 4 else "bf16")
     return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
 
 
-def _gathered_layer(s: Structure, c: int, fp8: bool, nf4: bool) -> float:
+def _gathered_layer(s: Structure, c: int, held: Held) -> float:
     """Bytes of the largest decoder layer as FSDP gathers it: its quantised matrices as stored, the rest in c."""
-    if nf4:
+    if held == "nf4":
         return (s.largest_layer - s.nf4_layer) * c + nf4_storage_bytes(s.nf4_layer, 0)
-    if fp8:
+    if held == "fp8":
         return (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
     return s.largest_layer * c
 

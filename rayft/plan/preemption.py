@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayft.config import Config
+from rayft.model.frozen import Held
 from rayft.plan.comm import Cluster, Layout
 from rayft.plan.memory import base_bytes, plan_memory, stored_bytes
 from rayft.plan.structure import Structure
@@ -36,31 +37,34 @@ class PreemptionCost:
 
 
 def preemption_cost(
-    cfg: Config, s: Structure, fp8: bool, layout: Layout, cluster: Cluster, storage_gbytes_s: float = STORAGE_GBYTES_S
+    cfg: Config, s: Structure, filed: Held, layout: Layout, cluster: Cluster, storage_gbytes_s: float = STORAGE_GBYTES_S
 ) -> PreemptionCost:
+    """`filed`: how the checkpoint's files hold the base (`rayft.model.build.checkpoint_held`), what a restart
+    reads whatever the job then holds in memory."""
     return PreemptionCost(
         checkpoint_bytes=s.lora * CHECKPOINT_BYTES_PER_LORA,
-        base_bytes=restart_reads(cfg, s, fp8, layout, cluster),
+        base_bytes=restart_reads(cfg, s, filed, layout, cluster),
         storage_bytes_per_s=storage_gbytes_s * GB,
         steps_after_notice=cfg.ray.preemption_check_steps,
     )
 
 
-def restart_reads(cfg: Config, s: Structure, fp8: bool, layout: Layout, cluster: Cluster) -> float:
-    """The base's bytes the restarted ranks read: each copy the layout keeps is read once, its shards by their
-    ranks (one copy for FSDP, one per group of `shard` workers, the routed experts one per group of k)."""
-    base = base_bytes(cfg, s, fp8)
+def restart_reads(cfg: Config, s: Structure, filed: Held, layout: Layout, cluster: Cluster) -> float:
+    """The base's bytes the restarted ranks read from files holding it as `filed`: each copy the layout keeps is
+    read once, its shards by their ranks (one copy for FSDP, one per group of `shard` workers, the routed experts
+    one per group of k)."""
+    base = base_bytes(cfg, s, filed)
     if layout.expert_parallel == 1:
         return base * cluster.world / layout.shard
-    experts = s.experts + 4 * s.expert_rows if fp8 else s.experts * stored_bytes(cfg)
+    experts = s.experts + 4 * s.expert_rows if filed == "fp8" else s.experts * stored_bytes(cfg)
     return (base - experts) * cluster.world / layout.shard + experts * cluster.world / layout.expert_parallel
 
 
-def smallest_group(cfg: Config, s: Structure, gpu: str, fp8: bool) -> int | None:
+def smallest_group(cfg: Config, s: Structure, gpu: str, held: Held) -> int | None:
     """The fewest workers of an elastic run's range (`ray.num_workers: [min, max]`) whose memory plan fits `gpu`:
     how far the run can shrink and go on; None where no size of the range fits."""
     for workers in cfg.ray.sizes():
-        plan = plan_memory(cfg, s, workers, True, gpu, fp8=fp8, expert_parallel=cfg.parallel.expert_groups())
+        plan = plan_memory(cfg, s, workers, True, gpu, held=held, expert_parallel=cfg.parallel.expert_groups())
         if plan.capacity_gib is None or plan.total_gib <= plan.capacity_gib:
             return workers
     return None

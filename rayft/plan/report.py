@@ -24,8 +24,12 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
         f"{tokens} tokens/GPU per micro-batch, {m} per step, {flops_per_token(cfg, s) / 1e9:.1f} GFLOP/token; "
         "GB received per GPU per step (network: the part over the inter-node links); seconds per step",
     ]
-    if any(plan.fp8 for plan in plans):
-        head.append(f"compute of an FP8 base includes its dequantisation at {hw.hbm_bytes_per_s / 1e12:g} TB/s HBM")
+    quantised = sorted({plan.held.upper() for plan in plans} - {"DTYPE"})
+    if quantised:
+        head.append(
+            f"compute of an {' or '.join(quantised)} base includes its dequantisation at "
+            f"{hw.hbm_bytes_per_s / 1e12:g} TB/s HBM"
+        )
     columns = [
         "layout",
         "base",
@@ -61,7 +65,8 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
     lines.append(
         f"* fastest that fits: {best.layout.name(cluster)}, {best.memory.frozen} base"
         if best
-        else "* no layout fits: more nodes, FP8 base, activation checkpointing or fewer tokens per micro-batch"
+        else "* no layout fits: more nodes, a quantised base (FP8, NF4), activation checkpointing or fewer tokens "
+        "per micro-batch"
     )
     return "\n".join(lines)
 

@@ -8,12 +8,14 @@ weights), so 4·N_active — not the 6·N of full training. The LoRA matrices ge
 Activation checkpointing recomputes the forward: + 2·N_active + 2·N_lora + A. Compute time = tokens · FLOPs per
 token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU.
 
-An FP8 base is dequantised before each matmul that uses it, once per pass (forward, input gradient, recompute):
-every FP8 linear whole, and the routed experts a GPU holds that got tokens (uniform routing: each of the E/k local
-experts is hit by one of the s · top_k · k token slots its expert-parallel group routes with probability
-1 − (1 − 1/E)^(s·top_k·k)). The compiled kernel reads each E4M3 byte and writes c bytes, in the GPU's memory
-bandwidth, on the compute stream: dequantisation time adds to compute. The first layer's projections of the
-embeddings need no input gradient, which the count ignores (an upper bound by one of them per pass).
+An FP8 or NF4 base is dequantised before each matmul that uses it, once per pass (forward, input gradient,
+recompute): every quantised linear whole, and the routed experts a GPU holds that got tokens (uniform routing: each
+of the E/k local experts is hit by one of the s · top_k · k token slots its expert-parallel group routes with
+probability 1 − (1 − 1/E)^(s·top_k·k)). FP8's compiled kernel reads each E4M3 byte and writes c bytes; NF4's eager
+ops move far more per weight (`rayft.model.nf4_format.dequant_bytes_per_weight`: int64 indices, looked-up levels
+and their scaled copy). Either runs at the GPU's memory bandwidth, on the compute stream: dequantisation time adds
+to compute. The first layer's projections of the embeddings need no input gradient, which the count ignores (an
+upper bound by one of them per pass).
 
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
 (received per GPU, comm.py). FSDP's gathers and gradient reductions run on their own streams, prefetched a layer
@@ -34,8 +36,10 @@ from typing import cast
 from rayft.config import Config, ConfigError
 from rayft.gpus import GPUS
 from rayft.model.flops import HBM_BYTES_PER_S, PEAK_BF16_FLOPS
+from rayft.model.frozen import Held, Storage
+from rayft.model.nf4_format import dequant_bytes_per_weight as nf4_dequant_bytes
 from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
-from rayft.plan.memory import GPU_GIB, MemoryPlan, compute_bytes, plan_memory, tokens_per_micro_batch
+from rayft.plan.memory import GPU_GIB, MemoryPlan, compute_bytes, plan_memory, stored_bytes, tokens_per_micro_batch
 from rayft.plan.structure import Structure
 
 log = logging.getLogger(__name__)
@@ -78,7 +82,7 @@ class StepTime:
     compute_s: float  # matmuls and attention at the assumed MFU
     overlapped_comm_s: float  # FSDP gathers, gradient reductions
     all_to_all_s: float
-    dequant_s: float = 0.0  # FP8 weights dequantised for their matmuls, on the compute stream
+    dequant_s: float = 0.0  # FP8 or NF4 weights dequantised for their matmuls, on the compute stream
 
     @property
     def comm_s(self) -> float:
@@ -105,7 +109,7 @@ class StepTime:
 @dataclass(frozen=True)
 class LayoutPlan:
     layout: Layout
-    fp8: bool
+    held: Held  # the frozen base's storage
     memory: MemoryPlan
     comm: CommPlan
     time: StepTime
@@ -123,25 +127,32 @@ def flops_per_token(cfg: Config, s: Structure) -> float:
     return (4 + 2 * ac) * s.active_base + (6 + 2 * ac) * lora + (3 + ac) * attention
 
 
-def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int = 1) -> float:
-    """FP8 weight elements one GPU dequantises per micro-batch (module docstring): every pass over the FP8 linears
-    and over its E/k routed experts that got tokens."""
+def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int = 1, held: Storage = "fp8") -> float:
+    """Quantised weight elements one GPU dequantises per micro-batch (module docstring): every pass over the FP8 (or
+    NF4) linears and over its E/k routed experts that got tokens."""
     passes = 2 + cfg.recomputes_activations
-    linears = s.fp8 - s.experts
+    quantised, experts = (s.nf4, s.nf4_experts) if held == "nf4" else (s.fp8, s.experts)
+    linears = quantised - experts
     hit = 0.0
     if s.num_experts:
         slots = tokens_per_micro_batch(cfg) * s.top_k * expert_parallel
         hit = 1 - (1 - 1 / s.num_experts) ** slots
-    return passes * (linears + s.experts / expert_parallel * hit)
+    return passes * (linears + experts / expert_parallel * hit)
 
 
-def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, fp8: bool = False) -> StepTime:
+def dequant_bytes(cfg: Config, held: Storage) -> float:
+    """Bytes of memory traffic per quantised weight dequantised on a GPU (module docstring)."""
+    c = compute_bytes(cfg, True)
+    return 1 + c if held == "fp8" else nf4_dequant_bytes(stored_bytes(cfg), c)  # FP8: the compiled kernel
+
+
+def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, held: Held = "dtype") -> StepTime:
     m = cfg.train.gradient_accumulation_steps
     compute = m * tokens_per_micro_batch(cfg) * flops_per_token(cfg, s) / (hw.peak * hw.mfu)
     dequant = 0.0
-    if fp8:  # the compiled kernel: 1 byte read and c written per weight
-        dequant = m * dequantised_per_micro_batch(cfg, s, comm.layout.expert_parallel) * (1 + compute_bytes(cfg, True))
-        dequant /= hw.hbm_bytes_per_s
+    if held != "dtype":
+        dequantised = dequantised_per_micro_batch(cfg, s, comm.layout.expert_parallel, held)
+        dequant = m * dequantised * dequant_bytes(cfg, held) / hw.hbm_bytes_per_s
     overlapped = all_to_all = 0.0
     for t in comm.transfers:
         seconds = t.inter_node / hw.inter_bytes_per_s + (t.received - t.inter_node) / hw.intra_bytes_per_s
@@ -154,21 +165,24 @@ def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, fp8: bool
 
 
 def plan_layouts(
-    cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, fp8: bool, candidates: list[Layout] | None = None
+    cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, held: Held, candidates: list[Layout] | None = None
 ) -> list[LayoutPlan]:
-    """Memory, bytes moved and step time of every layout on `cluster` (GPU, the frozen base as `fp8` says)."""
+    """Memory, bytes moved and step time of every layout on `cluster` (GPU, the frozen base `held` so); an NF4
+    base's layouts are those without expert parallelism, which it does not take."""
+    if candidates is None:
+        candidates = [lo for lo in layouts(cluster, s) if held != "nf4" or lo.expert_parallel == 1]
     out = []
-    for layout in candidates if candidates is not None else layouts(cluster, s):
-        memory = _memory(cfg, s, layout, cluster, hw, fp8)
-        comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, fp8=fp8)
-        out.append(LayoutPlan(layout, fp8, memory, comm, step_time(cfg, s, comm, hw, fp8)))
+    for layout in candidates:
+        memory = _memory(cfg, s, layout, cluster, hw, held)
+        comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held)
+        out.append(LayoutPlan(layout, held, memory, comm, step_time(cfg, s, comm, hw, held)))
     return out
 
 
-def _memory(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, fp8: bool) -> MemoryPlan:
+def _memory(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, held: Held) -> MemoryPlan:
     sharded = copy.copy(cfg)  # a layout the planner tries, not the user's: the config's rules are not asked
     sharded.fsdp = dataclasses.replace(cfg.fsdp, shard_size=layout.shard)
-    return plan_memory(sharded, s, cluster.world, True, hw.gpu, fp8=fp8, expert_parallel=layout.expert_parallel)
+    return plan_memory(sharded, s, cluster.world, True, hw.gpu, held=held, expert_parallel=layout.expert_parallel)
 
 
 def fastest_fitting(plans: list[LayoutPlan]) -> LayoutPlan | None:
@@ -177,13 +191,13 @@ def fastest_fitting(plans: list[LayoutPlan]) -> LayoutPlan | None:
     return min(fitting, key=lambda p: (round(p.time.predicted_s, 6), p.time.serial_s)) if fitting else None
 
 
-def choose_expert_parallel(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, fp8: bool) -> int:
+def choose_expert_parallel(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, held: Held) -> int:
     """`parallel.expert_parallel: auto`: the expert-parallel degree of the fastest layout that fits the GPU
     (1: no expert parallelism). Only `fsdp.shard_size` as configured is considered for k = 1."""
     candidates = [Layout(shard=cfg.fsdp.shard_group(cluster.world))]
     if not cfg.fsdp.cpu_offload:  # offloading reaches only FSDP's parameters, never expert-parallel experts
         candidates += [layout for layout in layouts(cluster, s) if layout.expert_parallel > 1]
-    best = fastest_fitting(plan_layouts(cfg, s, cluster, hw, fp8, candidates))
+    best = fastest_fitting(plan_layouts(cfg, s, cluster, hw, held, candidates))
     if best is None:
         raise ConfigError(
             f"parallel.expert_parallel: auto: no layout fits {hw.gpu} ({GPU_GIB[hw.gpu]} GiB) on {cluster.nodes} "
@@ -192,12 +206,12 @@ def choose_expert_parallel(cfg: Config, s: Structure, cluster: Cluster, hw: Hard
     return best.layout.expert_parallel
 
 
-def planned_expert_parallel(cfg: Config, s: Structure, fp8: bool) -> int:
+def planned_expert_parallel(cfg: Config, s: Structure, held: Held) -> int:
     """`parallel.expert_parallel: auto`: the planner's fastest layout that fits (`rayft plan` prints the table).
     The cluster is the config's: `ray.workers_per_node` workers on each of `ray.nodes` nodes; the GPU is an H200
     (the target; `rayft plan --gpu` compares others)."""
     cluster = Cluster(nodes=cfg.ray.nodes, gpus_per_node=cfg.ray.workers_per_node)
-    k = choose_expert_parallel(cfg, s, cluster, Hardware("h200"), fp8)
+    k = choose_expert_parallel(cfg, s, cluster, Hardware("h200"), held)
     log.info(
         "parallel.expert_parallel: auto → %d (the planner's fastest layout that fits %d x %d H200)",
         k,

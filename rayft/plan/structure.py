@@ -43,6 +43,7 @@ class Structure:
     nf4: int = 0  # frozen decoder matrices NF4 storage holds (`rayft.model.nf4.to_nf4_`: the shapes it can block)
     nf4_matrices: int = 0  # how many matrices those are, an expert counting as one
     nf4_layer: int = 0  # of those, in the largest layer
+    nf4_experts: int = 0  # of those, routed-expert weights
     layers_lora: int = 0  # trainable parameters inside the decoder layers (the rest are the root's)
     experts: int = 0  # frozen routed-expert weights (fused 3D stacks), all layers
     expert_rows: int = 0  # their rows (FP8 row scales)
@@ -103,6 +104,7 @@ def structure(model: PeftModel, config: Any) -> Structure:
         nf4=sum(p.numel() for ps in nf4_per_layer for p in ps),
         nf4_matrices=sum(p.shape[0] if p.ndim == 3 else 1 for ps in nf4_per_layer for p in ps),
         nf4_layer=sum(p.numel() for p in nf4_per_layer[largest]),
+        nf4_experts=sum(p.numel() for ps in nf4_per_layer for p in ps if p.ndim == 3),
         layers_lora=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) in in_layers),
         experts=sum(p.numel() for ps in experts_per_layer for p in ps),
         expert_rows=sum(_rows(p) for ps in experts_per_layer for p in ps),

@@ -19,7 +19,7 @@ from fixtures.work import WorkCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rayft.config import Config
-from rayft.model.build import frozen_fp8
+from rayft.model.build import held_as
 from rayft.parallel.tally import KINDS
 from rayft.plan import meta_structure
 from rayft.plan.comm import Cluster, Layout, plan_comm
@@ -168,13 +168,13 @@ def test_measured_bytes_per_step_match_the_planner_for_fsdp_and_ep(fixtures: Fix
             assert all(not copies for copies in got["host_copies"][1:]), got["host_copies"]
             continue
         s = meta_structure(cfg)
-        fp8 = frozen_fp8(cfg.model)
+        held = held_as(cfg.model)
         k = cfg.parallel.expert_groups()
         layout = Layout(shard=1, expert_parallel=k) if k > 1 else Layout(shard=cfg.fsdp.shard_group(WORLD))
-        predicted = plan_comm(cfg, s, layout, Cluster(1, WORLD), False, fp8)
+        predicted = plan_comm(cfg, s, layout, Cluster(1, WORLD), False, held)
         steady = got["tallied"][-1]
         print(label, {k: (steady[k], round(predicted.per_step(k))) for k in KINDS})
-        if fp8:
+        if held == "fp8":
             _check_dequantised_against_the_planner(label, cfg, s, k, got["dequantised"])
         for kind in KINDS:
             want = predicted.per_step(kind)

@@ -258,7 +258,7 @@ def test_auto_takes_expert_parallelism_where_the_network_would_bind_fsdp(tmp_pat
     for workers, expected in ((2, 2), (3, 1)):
         raw["ray"] = {"num_workers": workers}
         cfg = Config.from_dict(raw)
-        assert planned_expert_parallel(cfg, meta_structure(cfg, Mistral4Config()), fp8=True) == expected, workers
+        assert planned_expert_parallel(cfg, meta_structure(cfg, Mistral4Config()), "fp8") == expected, workers
 
 
 def test_preflight_refuses_k_that_does_not_split_the_experts(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path):
@@ -401,12 +401,12 @@ def test_the_memory_plan_counts_the_all_to_all_outputs_checkpointing_keeps(one_f
     its pairs back from the combine, and the two ranks' dispatches receive every pair once between them, so the
     mean over the ranks is the planner's uniform routing exactly, however skewed the router. Without
     checkpointing nothing holds them."""
-    from rayft.model.build import frozen_fp8
+    from rayft.model.build import held_as
     from rayft.plan import meta_structure, plan_memory
 
     for label, (raw, ranks) in one_forward_each.items():
         cfg = Config.from_dict(raw)
-        plan = plan_memory(cfg, meta_structure(cfg), 2, on_gpu=False, fp8=frozen_fp8(cfg.model), expert_parallel=2)
+        plan = plan_memory(cfg, meta_structure(cfg), 2, on_gpu=False, held=held_as(cfg.model), expert_parallel=2)
         planned = sum(gib for name, gib in plan.rows if name.startswith("all-to-all outputs kept")) * 2**30
         kept = [r["kept"] for r in ranks]
         print(label, "all-to-all outputs kept per rank", kept, "planned", planned)

@@ -300,8 +300,8 @@ def test_the_plan_counts_exactly_the_bytes_fp8_storage_holds(mistral4_hub):
     scales = [p for n, p in model.named_parameters() if n.endswith("_scale")]
     assert s.fp8 == sum(p.numel() for p in storage) > 0
     assert s.fp8_rows == sum(p.numel() for p in scales)
-    bf16 = dict(plan_memory(cfg, s, 2, on_gpu=True, fp8=False).rows)
-    fp8 = dict(plan_memory(cfg, s, 2, on_gpu=True, fp8=True).rows)
+    bf16 = dict(plan_memory(cfg, s, 2, on_gpu=True, held="dtype").rows)
+    fp8 = dict(plan_memory(cfg, s, 2, on_gpu=True, held="fp8").rows)
     saved = (bf16["sharded weights (/2)"] - fp8["sharded weights (/2)"]) * 2**30 * 2
     assert saved == pytest.approx(s.fp8 * 2 - (s.fp8 + 4 * s.fp8_rows))
 

@@ -299,7 +299,7 @@ def test_the_plan_counts_exactly_the_bytes_nf4_storage_holds(mistral4_nf4_hub: P
     stored = sum(p.numel() * p.element_size() for p in storage)
     assert nf4_storage_bytes(s.nf4, s.nf4_matrices) == stored
     bf16 = dict(plan_memory(cfg, s, 1, on_gpu=True).rows)
-    nf4 = dict(plan_memory(cfg, s, 1, on_gpu=True, nf4=True).rows)
+    nf4 = dict(plan_memory(cfg, s, 1, on_gpu=True, held="nf4").rows)
     saved = (bf16["sharded weights (/1)"] - nf4["sharded weights (/1)"]) * 2**30
     assert saved == pytest.approx(s.nf4 * 2 - stored)
     assert "NF4 weight dequantised for its matmul" in nf4

@@ -12,6 +12,7 @@ from conftest import REPO, Fixtures
 
 from rayft import cli
 from rayft.config import Config
+from rayft.model.frozen import Held
 from rayft.plan import Structure, meta_structure, plan_memory
 from rayft.plan.comm import Cluster, Layout, plan_comm
 from rayft.plan.preemption import preemption_cost
@@ -77,6 +78,31 @@ def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
     assert re.search(r"^\*replicated\s+fp8 .* comp$", three, re.M), three
 
 
+def test_plan_layouts_of_an_nf4_base_beside_fp8():
+    """The QLoRA example on two single-GPU nodes: NF4's layouts (no expert parallelism, which NF4 does not take)
+    beside FP8's, each with what it gathers and what its dequantisation costs the compute stream."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "plan", "--config", "jobs/mistral4-nf4-1xh200.yaml", "--preset",
+         "mistral-small-4", "--num-nodes", "2", "--override", "train.gradient_accumulation_steps=1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = result.stdout.split("layouts on ")[1]
+    assert "compute of an FP8 or NF4 base includes its dequantisation" in table
+    rows = {
+        (m[1].strip(" *"), m[2]): m[3].split() for m in re.finditer(r"^([ *][\w +]+?)\s+(fp8|nf4)\s+(.+)$", table, re.M)
+    }
+    assert {layout for layout, base in rows if base == "nf4"} == {"FSDP", "replicated"}, rows
+    assert ("EP 2", "fp8") in rows, rows
+    # columns: GiB/GPU fits gather r-scatter all-red a2a network compute comm step serial bound
+    nf4, fp8 = rows[("FSDP", "nf4")], rows[("FSDP", "fp8")]
+    # the routed experts as FSDP gathers them on 2 ranks, (2 - 1/36) / 2 copies per micro-batch: 36 layers x 128 x
+    # 3 x 4096 x 2048 weights at half a byte, an int8 scaler per 64 weights and an fp32 factor per 16,384
+    experts = 36 * 128 * 3 * 4096 * 2048 * (0.5 + 1 / 64 + 4 / 16_384) / 1e9 * (2 - 1 / 36) / 2
+    assert experts < float(nf4[2]) < 1.05 * experts, nf4
+    assert float(nf4[0]) < float(fp8[0]) and float(nf4[7]) > float(fp8[7]), (nf4, fp8)  # less memory, more work
+
+
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
     raw = {"model": {"model_name_or_path": str(fixtures.model), "torch_dtype": "float32"}, "data": {"max_length": 512}}
     cfg = Config.from_dict(raw)
@@ -98,9 +124,11 @@ TOY = Structure(
     architecture="Toy", total=10_000, largest_layer=5_000, layers=2, root=1_100, lora=300, hidden=16, vocab=64,
     top_k=2, moe_intermediate=8, fp8=7_000, fp8_rows=500, fp8_layer=3_500, fp8_layer_rows=250, fp8_largest=1_500,
     layers_lora=200, experts=6_000, expert_rows=400, experts_layer=3_000, expert_lora=100, num_experts=4,
-    moe_layers=2, active_base=2_000, attention_per_position=10.0,
+    moe_layers=2, active_base=2_000, attention_per_position=10.0, nf4=6_500, nf4_matrices=10, nf4_layer=3_250,
+    nf4_experts=6_000,
 )  # fmt: skip
-# frozen: 9,000 in layers, 1,000 in the root; LoRA: 200 in layers (100 of it on experts), 100 in the root
+# frozen: 9,000 in layers, 1,000 in the root; LoRA: 200 in layers (100 of it on experts), 100 in the root. NF4 holds
+# the 8 experts and 2 of the linears (500 weights); FP8 every linear.
 
 
 def _toy_cfg() -> Config:
@@ -111,8 +139,8 @@ def _toy_cfg() -> Config:
 def test_comm_model_against_hand_computed_bytes():
     cfg, two_by_two = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2)
 
-    def plan(layout: Layout, fp8: bool = False):
-        return plan_comm(cfg, TOY, layout, two_by_two, on_gpu=True, fp8=fp8)
+    def plan(layout: Layout, held: Held = "dtype"):
+        return plan_comm(cfg, TOY, layout, two_by_two, on_gpu=True, held=held)
 
     # FSDP over 4: layers (9,000 + 200) x 2 B gathered forward + backward, but the last of the 2 layers only once
     # (kept from its forward to its backward): 1.5 x, 3/4 from others, x 2 micro-batches; the root holds LoRA, so
@@ -126,7 +154,7 @@ def test_comm_model_against_hand_computed_bytes():
     assert fsdp.per_step(inter_node=True) == 2 * (1.5 * 18_400 / 4 + 2_200 / 4) + 1_200 / 4 + 2 * 8 / 4 == 15_204
     # FP8: 7,000 matrix weights at 1 B + 500 row scales at 4 B (fp32, never cast), the other 2,000 frozen at 2 B,
     # LoRA 400 B
-    assert plan(Layout(shard=4), fp8=True).per_step("all_gather") == 2 * (1.5 * 13_400 * 3 / 4 + 1_650) == 33_450
+    assert plan(Layout(shard=4), "fp8").per_step("all_gather") == 2 * (1.5 * 13_400 * 3 / 4 + 1_650) == 33_450
     # HSDP: gathered within the node (1/2 from the other GPU), gradient shards all-reduced across the 2 nodes
     hsdp = plan(Layout(shard=2))
     assert hsdp.per_step("all_gather") == 2 * (1.5 * 18_400 / 2 + 2_200 / 2) == 29_800
@@ -161,31 +189,31 @@ def test_step_time_and_the_layout_auto_picks():
     hw = Hardware("h200", mfu=0.5, inter_gbits=8, intra_gbytes=4)
     # FLOPs/token: 4 x 2,000 frozen + 6 x (200 LoRA + 100 expert LoRA x 2/4) + 3 x 10 x 32 attention = 10,460
     compute = 2 * 32 * 10_460 / (989e12 * 0.5)
-    fsdp = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), hw)
+    fsdp = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, "dtype"), hw)
     assert math.isclose(fsdp.compute_s, compute)
     assert math.isclose(fsdp.overlapped_comm_s, 15_204 / 1e9 + (45_612 - 15_204) / 2e9)
     assert math.isclose(fsdp.predicted_s, fsdp.overlapped_comm_s) and fsdp.comm_bound
     assert math.isclose(fsdp.serial_s, compute + fsdp.overlapped_comm_s)
-    ep = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(2, 2), cluster, True, False), hw)
+    ep = step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(2, 2), cluster, True, "dtype"), hw)
     assert math.isclose(ep.all_to_all_s, 16_384 / 2e9)  # the EP pair is one node's: all of it over NVLink
     assert math.isclose(ep.predicted_s, 604 / 1e9 + (12_512 - 604) / 2e9 + 16_384 / 2e9)
     # EP 4: 12,312 B of gathers and reductions (404 B over the network) + 24,576 B of all-to-all (16,384 B over the
     # network): 2.68e-5 s against EP 2's 1.47e-5 s and FSDP's 3.04e-5 s; everything fits (the toy is KiB): `auto`
     # takes the node-local 2
-    assert choose_expert_parallel(cfg, TOY, cluster, hw, fp8=False) == 2
+    assert choose_expert_parallel(cfg, TOY, cluster, hw, "dtype") == 2
     # and a GPU fast enough to hide FSDP's bytes behind compute makes the layout compute-bound
     slow = Hardware("h200", mfu=1e-9, inter_gbits=8, intra_gbytes=4)
-    assert not step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, False), slow).comm_bound
+    assert not step_time(cfg, TOY, plan_comm(cfg, TOY, Layout(shard=4), cluster, True, "dtype"), slow).comm_bound
 
 
 def test_an_fp8_base_adds_its_dequantisation_at_memory_bandwidth_to_compute():
     cfg, cluster, hw = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2), Hardware("h200")
     per_weight = (1 + 2) / 4.8e12  # the compiled kernel reads the E4M3 byte and writes bf16, at the H200's 4.8 TB/s
 
-    def timed(layout: Layout, fp8: bool, config: Config = cfg):
-        return step_time(config, TOY, plan_comm(config, TOY, layout, cluster, True, fp8), hw, fp8)
+    def timed(layout: Layout, held: Held, config: Config = cfg):
+        return step_time(config, TOY, plan_comm(config, TOY, layout, cluster, True, held), hw, held)
 
-    bf16, fp8 = timed(Layout(shard=4), False), timed(Layout(shard=4), True)
+    bf16, fp8 = timed(Layout(shard=4), "dtype"), timed(Layout(shard=4), "fp8")
     assert bf16.dequant_s == 0 and fp8.compute_s == bf16.compute_s
     # 2 micro-batches x 2 passes (forward, input gradient) x (1,000 linear weights + 6,000 expert weights, each of
     # the 4 experts hit by one of 32 tokens x top-2 = 64 slots with probability 1 - (3/4)^64)
@@ -193,12 +221,27 @@ def test_an_fp8_base_adds_its_dequantisation_at_memory_bandwidth_to_compute():
     assert math.isclose(fp8.busy_s, fp8.compute_s + fp8.dequant_s)
     assert math.isclose(fp8.predicted_s, max(fp8.busy_s, fp8.overlapped_comm_s) + fp8.all_to_all_s)
     # EP 2: each GPU holds 2 of the 4 experts, hit by the pair's 128 slots
-    assert math.isclose(timed(Layout(2, 2), True).dequant_s, 2 * 2 * (1_000 + 3_000 * (1 - 0.75**128)) * per_weight)
+    assert math.isclose(timed(Layout(2, 2), "fp8").dequant_s, 2 * 2 * (1_000 + 3_000 * (1 - 0.75**128)) * per_weight)
     # 2 tokens a micro-batch: 4 slots leave an expert idle with probability (3/4)^4; the recompute is a third pass
     short = Config.from_dict({"data": {"max_length": 2}, "train": {"gradient_accumulation_steps": 2},
                               "fsdp": {"activation_checkpointing": True}})  # fmt: skip
-    assert math.isclose(timed(Layout(shard=4), True, short).dequant_s,
+    assert math.isclose(timed(Layout(shard=4), "fp8", short).dequant_s,
                         2 * 3 * (1_000 + 6_000 * (1 - 0.75**4)) * per_weight)  # fmt: skip
+
+
+def test_an_nf4_base_gathers_its_codes_and_pays_its_eager_dequantisation():
+    cfg, cluster, hw = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2), Hardware("h200")
+    comm = plan_comm(cfg, TOY, Layout(shard=4), cluster, True, "nf4")
+    # Gathered per layer set: 6,500 NF4 weights at half a byte + an int8 scaler per 64 + a 4-byte factor per 16,384,
+    # a 4-byte mean for each of the 10 matrices; the other 2,500 frozen at 2 B, LoRA 400 B. FSDP over 4 as for bf16.
+    layers = 6_500 * (0.5 + 1 / 64 + 4 / 16_384) + 10 * 4 + 2_500 * 2 + 400
+    assert math.isclose(comm.per_step("all_gather"), 2 * (1.5 * layers * 3 / 4 + 1_650))
+    nf4 = step_time(cfg, TOY, comm, hw, "nf4")
+    # 2 micro-batches x 2 passes x (500 linear weights + 6,000 expert weights hit as FP8's are), each moving the
+    # 33.03 bytes of the eager ops of a bf16 model (tests/unit/test_nf4.py counts them op by op), at 4.8 TB/s
+    assert math.isclose(nf4.dequant_s, 2 * 2 * (500 + 6_000 * (1 - 0.75**64)) * 33.03125 / 4.8e12)
+    with pytest.raises(ValueError, match="no expert parallelism"):
+        plan_comm(cfg, TOY, Layout(2, 2), cluster, True, "nf4")
 
 
 def test_expert_parallel_memory_holds_e_over_k_experts_whole():
@@ -266,13 +309,13 @@ def test_a_preemptions_cost_from_hand_counted_bytes():
     6,000 + 4 x 400 = 7,600 of it. A restart reads every copy the layout keeps."""
     cfg = _toy_cfg()
     two, four = Cluster(nodes=2, gpus_per_node=1), Cluster(nodes=2, gpus_per_node=2)
-    fsdp = preemption_cost(cfg, TOY, True, Layout(shard=2), two, storage_gbytes_s=1e-6)  # 1 kB/s
+    fsdp = preemption_cost(cfg, TOY, "fp8", Layout(shard=2), two, storage_gbytes_s=1e-6)  # 1 kB/s
     assert fsdp.checkpoint_bytes == 4_800 and fsdp.base_bytes == 15_000
     assert (fsdp.save_s, fsdp.reload_s) == pytest.approx((4.8, 15.0))
-    assert preemption_cost(cfg, TOY, True, Layout(shard=1), two).base_bytes == 30_000  # replicated: two copies
-    assert preemption_cost(cfg, TOY, False, Layout(shard=2), two).base_bytes == 20_000  # bf16: 10,000 x 2
+    assert preemption_cost(cfg, TOY, "fp8", Layout(shard=1), two).base_bytes == 30_000  # replicated: two copies
+    assert preemption_cost(cfg, TOY, "dtype", Layout(shard=2), two).base_bytes == 20_000  # bf16: 10,000 x 2
     # EP 2 on 2 nodes x 2: the rest (7,400) HSDP within a node (two copies), the experts split in pairs (two copies)
-    assert preemption_cost(cfg, TOY, True, Layout.expert(2, four), four).base_bytes == 2 * 7_400 + 2 * 7_600
+    assert preemption_cost(cfg, TOY, "fp8", Layout.expert(2, four), four).base_bytes == 2 * 7_400 + 2 * 7_600
 
 
 def test_plan_prints_what_a_preemption_costs(capsys):
@@ -298,10 +341,30 @@ def test_plan_says_how_far_an_elastic_run_can_shrink(capsys):
     out = capsys.readouterr().out
     cfg = Config.from_dict({"ray": ray})
     s = meta_structure(cfg, Mistral4Config())
-    plans = {n: plan_memory(cfg, s, n, True, "h200", fp8=True) for n in (8, 16)}
+    plans = {n: plan_memory(cfg, s, n, True, "h200", held="fp8") for n in (8, 16)}
     fewest = min(n for n, p in plans.items() if p.total_gib <= p.capacity_gib)
     said = (
         f"an elastic run (ray.num_workers [8, 16]) goes on with the workers left: the fewest whose memory plan fits "
         f"a h200 are {fewest}, each accumulating {16 * 16 // fewest} micro-batches a step"
     )
     assert said in out, out[-2000:]
+
+
+def test_a_restart_reads_the_checkpoints_bytes_not_the_storage_the_job_holds(tmp_path):
+    """FP8 storage of a bf16 checkpoint (Mistral-Small-4's shapes, a config.json without weights): a restart reads
+    the checkpoint's bf16 files, every frozen parameter at 2 bytes, one copy on one GPU."""
+    from accelerate import init_empty_weights
+    from transformers import Mistral4Config, Mistral4ForCausalLM
+
+    config = Mistral4Config()
+    config.save_pretrained(tmp_path)
+    with init_empty_weights():
+        frozen = sum(p.numel() for p in Mistral4ForCausalLM(config).parameters())
+    result = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "plan", "--config", "jobs/mistral4-nf4-1xh200.yaml", "--num-nodes", "1",
+         "--override", f"model.model_name_or_path={tmp_path}", "--override", "model.frozen_dtype=float8_e4m3fn"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "* fastest that fits: FSDP, fp8 base" in result.stdout, result.stdout
+    assert f"the restart reads {frozen * 2 / 1e9:.1f} GB of the frozen base" in result.stdout, result.stdout

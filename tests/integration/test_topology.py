@@ -20,7 +20,7 @@ from test_comm import PLANNER_TOLERANCE
 from test_recovery import EXACT, assert_same_adapter, finish, start
 
 from rayft.config import Config
-from rayft.model.build import frozen_fp8
+from rayft.model.build import held_as
 from rayft.plan import meta_structure
 from rayft.plan.comm import Cluster, Layout, plan_comm
 
@@ -108,7 +108,7 @@ def test_two_workers_a_node_keep_expert_groups_and_shards_on_their_node(
     cfg = Config.from_dict(_config(fixtures, mistral4_hub, data, tmp_path / "plan", 2, 2))
     cluster_2x2 = Cluster(nodes=2, gpus_per_node=2)
     predicted = plan_comm(cfg, meta_structure(cfg), Layout.expert(2, cluster_2x2), cluster_2x2, False,
-                          frozen_fp8(cfg.model))  # fmt: skip
+                          held_as(cfg.model))  # fmt: skip
     planned = predicted.per_step(inter_node=True)
     print("inter-node bytes per step", [r["comm_inter_node_bytes"] for r in run.metrics()], "planned", planned)
     for row in run.metrics():

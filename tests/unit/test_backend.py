@@ -45,10 +45,10 @@ def test_auto_expert_parallelism_is_never_chosen_for_an_offloaded_run(tmp_path: 
            "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
            "parallel": {"expert_parallel": "auto"}, "ray": {"num_workers": 2}}  # fmt: skip
     assert planned_expert_parallel(Config.from_dict(raw), meta_structure(Config.from_dict(raw), Mistral4Config()),
-                                   fp8=True) == 2  # fmt: skip
+                                   "fp8") == 2  # fmt: skip
     raw["fsdp"]["cpu_offload"] = True
     cfg = Config.from_dict(raw)
-    assert planned_expert_parallel(cfg, meta_structure(cfg, Mistral4Config()), fp8=True) == 1
+    assert planned_expert_parallel(cfg, meta_structure(cfg, Mistral4Config()), "fp8") == 1
 
 
 def test_the_nccl_section_reaches_gpu_workers_through_the_runtime_env():

@@ -7,9 +7,11 @@ import pytest
 import torch
 from fixtures.torchao_nf4 import to_nf4
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from rayft.model.nf4 import Nf4Linear, quantize, to_nf4_
-from rayft.model.nf4_format import fits
+from rayft.model.nf4 import Nf4Linear, dequantize, quantize, to_nf4_
+from rayft.model.nf4_format import dequant_bytes_per_weight, fits
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -87,3 +89,36 @@ def test_a_trainable_copy_of_a_quantised_decoder_matrix_is_refused_with_the_fix(
         check_quantised_storage(cfg, MistralForCausalLM(config), fp8=frozen_dtype != "nf4")
     cfg.lora.modules_to_save = ["lm_head"]  # outside the decoder layers: kept in torch_dtype, a copy is fine
     check_quantised_storage(cfg, MistralForCausalLM(config), fp8=frozen_dtype != "nf4")
+
+
+class OpTraffic(TorchDispatchMode):
+    """Bytes each dispatched op reads and writes, as a GPU kernel of it would: its tensor inputs and outputs once
+    each; a view moves nothing, `empty` only allocates, and `copy_` reads its source and writes into itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name == "empty":
+            return out
+        moved = [args[1], args[0]] if name == "copy_" else tree_leaves((args, kwargs, out))
+        self.bytes += sum(t.numel() * t.element_size() for t in moved if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("quant", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+def test_the_planners_dequantisation_traffic_is_what_the_eager_ops_move(quant: torch.dtype, compute: torch.dtype):
+    """`rayft plan` times an NF4 base's dequantisation by `dequant_bytes_per_weight`: the bytes the eager ops of
+    `dequantize` move per weight, counted here op by op as they dispatch (the scales' preparation, a few bytes per
+    64-weight block, is what separates the two)."""
+    weight = torch.randn(512, 2048, dtype=quant, generator=torch.Generator().manual_seed(0))
+    parts = quantize(weight)
+    with OpTraffic() as traffic:
+        dequantize(parts, quant, compute)
+    counted = traffic.bytes / weight.numel()
+    planned = dequant_bytes_per_weight(quant.itemsize, compute.itemsize)
+    assert planned <= counted < planned + 0.25, (counted, planned)
