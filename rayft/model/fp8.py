@@ -84,9 +84,10 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, blo
 
 
 @functools.cache
-def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype, int | None], torch.Tensor]:
-    """`_dequantize` compiled into one kernel; dynamic shapes, so every linear and expert stack shares it."""
-    return torch.compile(_dequantize, dynamic=True, fullgraph=True)
+def compiled(core: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """An elementwise dequantisation `core` compiled into one kernel; dynamic shapes, so every linear and expert
+    stack shares it."""
+    return torch.compile(core, dynamic=True, fullgraph=True)
 
 
 _fusing: dict[str, bool] = {}  # device type → whether the compiled kernel is used there (a failed compile: never again)
@@ -131,17 +132,29 @@ def dequantize_rows(
 
 
 def _dequantize_block(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None) -> torch.Tensor:
-    """The compiled kernel where it is used (`fuses`), else the eager ops. Under a torch dispatch mode (selective
-    activation checkpointing runs each layer's forward and recompute in one) dynamo compiles nothing: the eager ops
-    run there, and the kernel stays on for every other call."""
-    if fuses(data.device) and _get_current_dispatch_mode() is None:
+    return fused_or_eager("FP8", _dequantize, (data, scale), dtype, block)
+
+
+def fused_or_eager(
+    kind: str,
+    core: Callable[..., torch.Tensor],
+    tensors: tuple[torch.Tensor, ...],
+    *args: object,
+    eager: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`core(*tensors, *args)`: the compiled kernel where it is used (`fuses`), else the eager ops (`eager`, the
+    same values by other ops, where given). Under a torch dispatch mode (selective activation checkpointing runs
+    each layer's forward and recompute in one) dynamo compiles nothing: the eager ops run there, and the kernel
+    stays on for every other call."""
+    device = tensors[0].device
+    if fuses(device) and _get_current_dispatch_mode() is None:
         try:
             # Detached: dynamo keeps a parameter's shape static, one compile per weight shape (its limit is 8).
-            return _fused_dequantize()(data.detach(), scale.detach(), dtype, block)
+            return compiled(core)(*(t.detach() for t in tensors), *args)
         except Exception as error:  # no compiler for this device (e.g. no Triton): the eager ops, from now on
-            logging.getLogger(__name__).warning("FP8 dequantisation stays eager: compiling it failed (%s)", error)
-            _fusing[data.device.type] = False
-    return _dequantize(data, scale, dtype, block)
+            logging.getLogger(__name__).warning("%s dequantisation stays eager: compiling it failed (%s)", kind, error)
+            _fusing[device.type] = False
+    return (eager or core)(*tensors, *args)
 
 
 def scales(storage: torch.Tensor) -> torch.Tensor:

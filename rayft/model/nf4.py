@@ -35,6 +35,7 @@ from rayft.model.fp8 import (
     QuantisedExperts,
     QuantisedLinear,
     frozen_parameter,
+    fused_or_eager,
 )
 from rayft.model.frozen import fused_experts, held_weights
 from rayft.model.nf4_format import BLOCK, DEQUANT_ROWS_BLOCK, GROUP, SCALER_BLOCK, fits
@@ -103,20 +104,42 @@ def encode(weight: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
 
 def dequantize(parts: Nf4Parts, quant_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """The weight `[..., out, in]` in `dtype` (a leading dim: a stack of experts, each quantised on its own):
-    level × (scaler / factor + mean), computed in `quant_dtype`, a bounded block of rows at a time."""
+    level × (scaler / factor + mean), computed in `quant_dtype`. The block scales are made first (a value per 64
+    weights); then, where the compiled kernel is used (`rayft.model.fp8.fuses`: CUDA), one kernel reads the codes
+    and writes the weight, and elsewhere the eager ops run a bounded block of rows at a time (their int64 indices
+    take 8 bytes a weight)."""
     codes, mean = parts.codes, parts.mean.to(quant_dtype)
     columns = codes.shape[-1] * 2
     unscaled = (parts.scalers.reshape(-1, SCALER_BLOCK) / parts.factors.reshape(-1, 1).to(quant_dtype)).to(quant_dtype)
     scales = (unscaled.view(mean.numel(), -1) + mean.view(-1, 1)).view(-1, columns // BLOCK)  # a row's blocks
     table = levels(quant_dtype, codes.device)
     flat = codes.reshape(-1, columns // 2)
-    out = torch.empty((flat.shape[0], columns), dtype=dtype, device=codes.device)
-    step = max(1, DEQUANT_ROWS_BLOCK // columns)
-    for lo in range(0, flat.shape[0], step):
-        part = flat[lo : lo + step]
-        values = torch.stack([table[(part >> 4).long()], table[(part & 0xF).long()]], dim=-1).view(-1, BLOCK)
-        out[lo : lo + step] = (values * scales[lo : lo + step].reshape(-1, 1)).view(-1, columns).to(dtype)
-    return out.view(*codes.shape[:-1], columns)
+    # Into a wider dtype only after the kernel: compiled, a quant_dtype product on its way to a wider output would
+    # not be rounded to quant_dtype first (torch 2.11), where the eager ops round it.
+    into = dtype if dtype.itemsize <= quant_dtype.itemsize else quant_dtype
+    weight = fused_or_eager("NF4", _scaled_levels, (flat, scales, table), into, eager=_scaled_levels_in_blocks)
+    return weight.to(dtype).view(*codes.shape[:-1], columns)
+
+
+def _scaled_levels(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of codes `[rows, in / 2]` as their levels × their block's scale `[rows, in / 64]`, multiplied in the
+    table's dtype, then in `dtype`: the elementwise core."""
+    blocks = codes.view(codes.shape[0], -1, BLOCK // 2)  # [rows, in / 64, 32]: each block's codes
+    shifts = 4 - 4 * torch.arange(2, dtype=torch.uint8, device=codes.device)  # 4, 0: the high nibble first (made
+    # on the device: a tensor from a host list would be a copy the host waits for)
+    values = table[((blocks[..., None] >> shifts) & 0xF).long()]  # [rows, in / 64, 32, 2]: broadcast, no copies
+    return (values * scales[..., None, None]).to(dtype).view(codes.shape[0], -1)
+
+
+def _scaled_levels_in_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """`_scaled_levels` as eager ops, a bounded block of rows at a time."""
+    out = torch.empty((codes.shape[0], codes.shape[1] * 2), dtype=dtype, device=codes.device)
+    step = max(1, DEQUANT_ROWS_BLOCK // out.shape[1])
+    for lo in range(0, codes.shape[0], step):
+        out[lo : lo + step] = _scaled_levels(codes[lo : lo + step], scales[lo : lo + step], table, dtype)
+    return out
 
 
 STORAGE_SUFFIXES = ("", "_scalers", "_factors", "_mean")  # a weight `w` is held as w, w_scalers, w_factors, w_mean

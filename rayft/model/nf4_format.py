@@ -19,13 +19,12 @@ def storage_bytes(weights: int, matrices: int) -> float:
 
 
 def dequant_bytes_per_weight(quant: int, compute: int) -> float:
-    """Memory traffic per weight of `rayft.model.nf4.dequantize`, eager ops each reading its inputs and writing its
-    output once, for `quant`- and `compute`-byte dtypes: each nibble split off (1 byte), widened to an int64 index
-    (4.5) and looked up (4 + quant / 2); the halves stacked (2·quant) and scaled (2·quant + quant / 64), converted
-    where the dtypes differ (quant + compute) and copied into the output (2·compute)."""
-    nibbles = 2 * (1 + 4.5 + 4) + quant
-    scaled = 2 * quant + 2 * quant + quant / BLOCK
-    return nibbles + scaled + (quant + compute if quant != compute else 0) + 2 * compute
+    """Memory traffic per weight of the compiled dequantisation a GPU runs (`rayft.model.nf4.dequantize`): one
+    kernel reads each code (half a byte a weight) and its block's scale (`quant` bytes per 64 weights) and writes
+    the weight in the `compute` dtype; a `compute` dtype wider than `quant` is converted to after the kernel, which
+    writes `quant`."""
+    kernel = 0.5 + quant / BLOCK
+    return kernel + compute if compute <= quant else kernel + quant + quant + compute
 
 
 def fits(shape: tuple[int, ...]) -> bool:

@@ -128,8 +128,9 @@ def plan_memory(
         rows.append(("FP8 weight dequantised for its matmul", transient))
     if held == "nf4":
         dequantised = dequantised_at_once(s)  # the largest linear or expert chunk
-        # its compute-dtype copy, a block's levels and scaled values (quantised dtype), the experts' codes gathered
-        block = min(dequantised, DEQUANT_ROWS_BLOCK) * 2 * p
+        # its compute-dtype copy, the experts' codes gathered and, where the eager ops run (not on a GPU, where one
+        # kernel writes the weight), a block's int64 indices and the levels looked up
+        block = 0 if on_gpu else min(dequantised, DEQUANT_ROWS_BLOCK) * (8 + p)
         gathered = nf4_storage_bytes(dequantised, 1) if s.fp8_expert_numel else 0
         rows.append(("NF4 weight dequantised for its matmul", dequantised * c + block + gathered))
     if on_gpu:

@@ -621,7 +621,7 @@ def test_the_compiled_dequantisation_gives_the_eager_ops_values_bit_for_bit(dtyp
     eager = _logits_and_input_grad(model, ids, fused=False, dtype=dtype)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    fp8_module._fused_dequantize.cache_clear()
+    fp8_module.compiled.cache_clear()
     fused = _logits_and_input_grad(model, ids, fused=True, dtype=dtype)
     # One kernel for every weight shape (the linears' 2-D, the expert stacks' 3-D): far below dynamo's recompile
     # limit, past which the model would fall back to the eager ops.
@@ -645,7 +645,7 @@ def test_fused_dequantisation_under_selective_checkpointing_runs_eager_blocks_an
     one_expert = model.model.layers[0].mlp.experts.gate_up_proj[0].numel()
     monkeypatch.setattr(fp8_module, "DEQUANT_BLOCK", one_expert)
     torch._dynamo.reset()
-    fp8_module._fused_dequantize.cache_clear()
+    fp8_module.compiled.cache_clear()
     seen = _Dequantised()
     with seen:
         fused = _logits_and_input_grad(model, ids, fused=True, dtype=torch.bfloat16)
@@ -659,7 +659,7 @@ def test_fused_dequantisation_under_selective_checkpointing_runs_eager_blocks_an
         assert fp8_module.fuses(torch.device("cpu")) and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert torch.equal(got, fp8_module.dequantize_rows(data, scale, torch.bfloat16))
     torch._dynamo.reset()
-    fp8_module._fused_dequantize.cache_clear()
+    fp8_module.compiled.cache_clear()
 
 
 def test_a_dequantisation_that_cannot_compile_runs_the_eager_ops_from_then_on(caplog):
@@ -669,7 +669,7 @@ def test_a_dequantisation_that_cannot_compile_runs_the_eager_ops_from_then_on(ca
 
     data, scale = fp8_module.quantize_rows(torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(1)))
     torch._dynamo.reset()
-    fp8_module._fused_dequantize.cache_clear()
+    fp8_module.compiled.cache_clear()
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}), fused_dequantization("cpu", True):
         got = fp8_module.dequantize_rows(data, scale, torch.bfloat16)
         assert not fp8_module.fuses(torch.device("cpu"))
@@ -677,7 +677,7 @@ def test_a_dequantisation_that_cannot_compile_runs_the_eager_ops_from_then_on(ca
     assert torch.equal(got, want)
     assert "FP8 dequantisation stays eager: compiling it failed" in caplog.text
     torch._dynamo.reset()
-    fp8_module._fused_dequantize.cache_clear()
+    fp8_module.compiled.cache_clear()
 
 
 def test_only_cuda_compiles_the_dequantisation_and_the_environment_can_say_no(monkeypatch):

@@ -100,7 +100,8 @@ def test_plan_layouts_of_an_nf4_base_beside_fp8():
     # 3 x 4096 x 2048 weights at half a byte, an int8 scaler per 64 weights and an fp32 factor per 16,384
     experts = 36 * 128 * 3 * 4096 * 2048 * (0.5 + 1 / 64 + 4 / 16_384) / 1e9 * (2 - 1 / 36) / 2
     assert experts < float(nf4[2]) < 1.05 * experts, nf4
-    assert float(nf4[0]) < float(fp8[0]) and float(nf4[7]) > float(fp8[7]), (nf4, fp8)  # less memory, more work
+    # less memory, and no more compute-stream time: NF4's kernel moves 2.53 bytes a weight, FP8's 3
+    assert float(nf4[0]) < float(fp8[0]) and float(nf4[7]) <= float(fp8[7]), (nf4, fp8)
 
 
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
@@ -237,9 +238,9 @@ def test_an_nf4_base_gathers_its_codes_and_pays_its_eager_dequantisation():
     layers = 6_500 * (0.5 + 1 / 64 + 4 / 16_384) + 10 * 4 + 2_500 * 2 + 400
     assert math.isclose(comm.per_step("all_gather"), 2 * (1.5 * layers * 3 / 4 + 1_650))
     nf4 = step_time(cfg, TOY, comm, hw, "nf4")
-    # 2 micro-batches x 2 passes x (500 linear weights + 6,000 expert weights hit as FP8's are), each moving the
-    # 33.03 bytes of the eager ops of a bf16 model (tests/unit/test_nf4.py counts them op by op), at 4.8 TB/s
-    assert math.isclose(nf4.dequant_s, 2 * 2 * (500 + 6_000 * (1 - 0.75**64)) * 33.03125 / 4.8e12)
+    # 2 micro-batches x 2 passes x (500 linear weights + 6,000 expert weights hit as FP8's are), each read by the
+    # compiled kernel as half a byte of code and 2/64 of a bf16 scale and written as 2 bytes of bf16, at 4.8 TB/s
+    assert math.isclose(nf4.dequant_s, 2 * 2 * (500 + 6_000 * (1 - 0.75**64)) * (0.5 + 2 / 64 + 2) / 4.8e12)
     with pytest.raises(ValueError, match="no expert parallelism"):
         plan_comm(cfg, TOY, Layout(2, 2), cluster, True, "nf4")
 

@@ -7,10 +7,8 @@ import pytest
 import torch
 from fixtures.torchao_nf4 import to_nf4
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from rayft.model.nf4 import Nf4Linear, dequantize, quantize, to_nf4_
+from rayft.model.nf4 import Nf4Linear, Nf4Parts, dequantize, quantize, to_nf4_
 from rayft.model.nf4_format import dequant_bytes_per_weight, fits
 
 
@@ -91,34 +89,35 @@ def test_a_trainable_copy_of_a_quantised_decoder_matrix_is_refused_with_the_fix(
     check_quantised_storage(cfg, MistralForCausalLM(config), fp8=frozen_dtype != "nf4")
 
 
-class OpTraffic(TorchDispatchMode):
-    """Bytes each dispatched op reads and writes, as a GPU kernel of it would: its tensor inputs and outputs once
-    each; a view moves nothing, `empty` only allocates, and `copy_` reads its source and writes into itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if func.is_view or name == "empty":
-            return out
-        moved = [args[1], args[0]] if name == "copy_" else tree_leaves((args, kwargs, out))
-        self.bytes += sum(t.numel() * t.element_size() for t in moved if isinstance(t, torch.Tensor))
-        return out
-
-
 @pytest.mark.parametrize("quant", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
-def test_the_planners_dequantisation_traffic_is_what_the_eager_ops_move(quant: torch.dtype, compute: torch.dtype):
-    """`rayft plan` times an NF4 base's dequantisation by `dequant_bytes_per_weight`: the bytes the eager ops of
-    `dequantize` move per weight, counted here op by op as they dispatch (the scales' preparation, a few bytes per
-    64-weight block, is what separates the two)."""
-    weight = torch.randn(512, 2048, dtype=quant, generator=torch.Generator().manual_seed(0))
-    parts = quantize(weight)
-    with OpTraffic() as traffic:
-        dequantize(parts, quant, compute)
-    counted = traffic.bytes / weight.numel()
-    planned = dequant_bytes_per_weight(quant.itemsize, compute.itemsize)
-    assert planned <= counted < planned + 0.25, (counted, planned)
+def test_the_compiled_dequantisation_is_one_kernel_with_the_eager_ops_values(quant: torch.dtype, compute: torch.dtype):
+    """On CUDA an NF4 weight is dequantised by one compiled kernel (`rayft.model.fp8.fuses`), compiled here for the
+    CPU: bit for bit the eager ops' weight (and torchao's), for a linear and an expert stack, in one kernel that
+    reads the codes and block scales once and writes the weight once, which is what `rayft plan` counts per weight
+    (`dequant_bytes_per_weight`)."""
+    from torch._inductor import metrics
+
+    from rayft.model import fp8
+
+    weight = torch.randn(256, 512, dtype=quant, generator=torch.Generator().manual_seed(0))
+    stack = torch.randn(3, 64, 256, dtype=quant, generator=torch.Generator().manual_seed(1))
+    experts = Nf4Parts(*(torch.stack(part) for part in zip(*(quantize(e) for e in stack), strict=True)))  # each its own
+    for parts in (quantize(weight), experts):
+        eager = dequantize(parts, quant, compute)
+        torch._dynamo.reset()
+        fp8.compiled.cache_clear()
+        metrics.reset()
+        with fp8.fused_dequantization("cpu", True):
+            got = dequantize(parts, quant, compute)
+            assert fp8.fuses(torch.device("cpu")), "compiling failed and the eager ops ran"
+        assert got.dtype == compute and torch.equal(got, eager)
+        assert metrics.generated_kernel_count == 1
+    assert torch.equal(dequantize(quantize(weight), quant, quant), to_nf4(weight).get_original_weight())
+    # what that one kernel reads and writes, per weight: half a byte of code, a scale per 64 weights, the weight
+    # (in quant when compute is wider, then read and written again in compute)
+    n, q, c = weight.numel(), quant.itemsize, compute.itemsize
+    moved = n // 2 + n // 64 * q + (n * c if c <= q else n * (q + q + c))
+    assert moved / weight.numel() == dequant_bytes_per_weight(quant.itemsize, compute.itemsize)
+    torch._dynamo.reset()
+    fp8.compiled.cache_clear()
