@@ -109,7 +109,7 @@ def plan_memory(
     stored = base_bytes(cfg, s, held)
     layer = _gathered_layer(s, c, held)
     if expert_parallel > 1:
-        weights = _expert_parallel_weights(cfg, s, shards, c, p, held == "fp8", stored, layer, expert_parallel)
+        weights = _expert_parallel_weights(cfg, s, shards, c, p, held, stored, layer, expert_parallel)
     else:
         gathered_layers = 1 + cfg.fsdp.forward_prefetch if cfg.fsdp.reshards() else s.layers
         weights = [
@@ -169,10 +169,10 @@ def _all_to_all(cfg: Config, s: Structure, tokens: int, c: int) -> list[tuple[st
 
 
 def _expert_parallel_weights(
-    cfg: Config, s: Structure, dense_shards: int, c: int, p: int, fp8: bool, stored: float, layer: float, k: int
+    cfg: Config, s: Structure, dense_shards: int, c: int, p: int, held: Held, stored: float, layer: float, k: int
 ) -> list[tuple[str, float]]:
     """Weight rows of expert parallelism: E/k experts whole, the rest sharded over `dense_shards` workers."""
-    if fp8:
+    if held == "fp8":
         experts = s.experts + 4 * s.expert_rows
         experts_layer = s.experts_layer + 4 * s.expert_rows // max(s.moe_layers, 1)
     else:

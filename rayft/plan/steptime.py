@@ -11,11 +11,10 @@ token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GP
 An FP8 or NF4 base is dequantised before each matmul that uses it, once per pass (forward, input gradient,
 recompute): every quantised linear whole, and the routed experts a GPU holds that got tokens (uniform routing: each
 of the E/k local experts is hit by one of the s · top_k · k token slots its expert-parallel group routes with
-probability 1 − (1 − 1/E)^(s·top_k·k)). FP8's compiled kernel reads each E4M3 byte and writes c bytes; NF4's eager
-ops move far more per weight (`rayft.model.nf4_format.dequant_bytes_per_weight`: int64 indices, looked-up levels
-and their scaled copy). Either runs at the GPU's memory bandwidth, on the compute stream: dequantisation time adds
-to compute. The first layer's projections of the embeddings need no input gradient, which the count ignores (an
-upper bound by one of them per pass).
+probability 1 − (1 − 1/E)^(s·top_k·k)). FP8's compiled kernel reads each E4M3 byte and writes c bytes; NF4's reads
+half a byte and a scale per 64 weights (`rayft.model.nf4_format.dequant_bytes_per_weight`). Either runs at the
+GPU's memory bandwidth, on the compute stream: dequantisation time adds to compute. The first layer's projections
+of the embeddings need no input gradient, which the count ignores (an upper bound by one of them per pass).
 
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
 (received per GPU, comm.py). FSDP's gathers and gradient reductions run on their own streams, prefetched a layer
