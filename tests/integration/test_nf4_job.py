@@ -179,9 +179,11 @@ def test_lora_over_nf4_on_two_ranks_trains_as_on_one(fixtures: Fixtures, nf4_mod
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mistral4s_logits_are_those_of_torchaos_dequantised_weights(mistral4_nf4_hub: Path, dtype: torch.dtype):
+def test_mistral4s_logits_and_input_gradient_are_those_of_torchaos_dequantised_weights(
+    mistral4_nf4_hub: Path, dtype: torch.dtype
+):
     """MLA attention, the shared expert and the routed experts (dequantised a chunk of experts at a time)."""
-    assert_logits_of_torchaos_weights(_numpy_dequantised_text_model(mistral4_nf4_hub).to(dtype), MISTRAL4_NF4)
+    assert_computes_with_torchaos_weights(_numpy_dequantised_text_model(mistral4_nf4_hub).to(dtype), MISTRAL4_NF4)
 
 
 # The other MoE families at shapes NF4 blocks (hidden 128, experts 128 wide; DeepSeek-V3's dense first layer 256).
@@ -198,16 +200,17 @@ NF4_FAMILIES = {
 
 
 @pytest.mark.parametrize("family", sorted(NF4_FAMILIES))
-def test_each_moe_familys_logits_over_nf4_are_those_of_torchaos_dequantised_weights(family: str):
+def test_each_moe_familys_logits_and_input_gradient_over_nf4_are_those_of_torchaos_dequantised_weights(family: str):
     overrides, swapped = NF4_FAMILIES[family]
     fields = {**COMMON, **MOE_FAMILIES[family], "hidden_size": 128, "num_key_value_heads": 4, "head_dim": 32,
               **overrides}  # fmt: skip
-    assert_logits_of_torchaos_weights(_random_model(family, fields), swapped)
+    assert_computes_with_torchaos_weights(_random_model(family, fields), swapped)
 
 
-def assert_logits_of_torchaos_weights(reference: nn.Module, swapped: tuple[int, int]) -> None:
+def assert_computes_with_torchaos_weights(reference: nn.Module, swapped: tuple[int, int]) -> None:
     """A copy of `reference` in NF4 (`swapped`: what `to_nf4_` reports) gives the logits of `reference` holding
-    torchao's dequantised weights, and logits the unquantised model does not give."""
+    torchao's dequantised weights, and logits the unquantised model does not give; and the gradient of its input,
+    which backward carries through every NF4 matrix (dequantised again there) to the LoRA weights before them."""
     reference.eval()  # no dropout, no router jitter (Mixtral)
     dtype = next(reference.parameters()).dtype
     quantised, unquantised = copy.deepcopy(reference), copy.deepcopy(reference)
@@ -221,9 +224,20 @@ def assert_logits_of_torchaos_weights(reference: nn.Module, swapped: tuple[int, 
                 for weight in (twin.gate_up_proj, twin.down_proj):
                     weight.copy_(torch.stack([to_nf4(m.contiguous()).get_original_weight() for m in weight]))
         ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-        got, want, before = quantised(ids).logits, reference(ids).logits, unquantised(ids).logits
+        embeds = reference.get_input_embeddings()(ids)
+    (got, got_grad), (want, want_grad), (before, _) = (_logits_and_input_grad(m, embeds) for m in
+                                                       (quantised, reference, unquantised))  # fmt: skip
     torch.testing.assert_close(got, want)
     assert (got - before).abs().max() > 10 * (got - want).abs().max()
+    torch.testing.assert_close(got_grad, want_grad)
+    assert got_grad.abs().sum() > 0
+
+
+def _logits_and_input_grad(model: nn.Module, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = embeds.detach().clone().requires_grad_()
+    logits = model(inputs_embeds=x).logits
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.detach(), x.grad
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
