@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.devices import DEVICES
 from fixtures.torchao_nf4 import to_nf4
 from torch import nn
 
@@ -89,13 +90,23 @@ def test_a_trainable_copy_of_a_quantised_decoder_matrix_is_refused_with_the_fix(
     check_quantised_storage(cfg, MistralForCausalLM(config), fp8=frozen_dtype != "nf4")
 
 
-@pytest.mark.parametrize("quant", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
-def test_the_compiled_dequantisation_is_one_kernel_with_the_eager_ops_values(quant: torch.dtype, compute: torch.dtype):
-    """On CUDA an NF4 weight is dequantised by one compiled kernel (`rayft.model.fp8.fuses`), compiled here for the
-    CPU: bit for bit the eager ops' weight (and torchao's), for a linear and an expert stack, in one kernel that
-    reads the codes and block scales once and writes the weight once, which is what `rayft plan` counts per weight
-    (`dequant_bytes_per_weight`)."""
+# Every pair of dtypes on the CPU; on a GPU the pair a bf16 job runs (each case compiles twice, within the GPU check's
+# time budget).
+COMPILED_CASES = [
+    *(pytest.param(quant, compute, "cpu") for quant in (torch.bfloat16, torch.float32)
+      for compute in (torch.bfloat16, torch.float32)),
+    pytest.param(torch.bfloat16, torch.bfloat16, "cuda", marks=DEVICES[1].marks),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("quant", "compute", "device"), COMPILED_CASES)
+def test_the_compiled_dequantisation_is_one_kernel_with_the_eager_ops_values(
+    quant: torch.dtype, compute: torch.dtype, device: str
+):
+    """On CUDA an NF4 weight is dequantised by one compiled kernel (`rayft.model.fp8.fuses`; the CPU compiles its
+    own here): bit for bit the eager ops' weight (and torchao's), for a linear and an expert stack, in one kernel
+    that reads the codes and block scales once and writes the weight once, which is what `rayft plan` counts per
+    weight (`dequant_bytes_per_weight`)."""
     from torch._inductor import metrics
 
     from rayft.model import fp8
@@ -103,14 +114,15 @@ def test_the_compiled_dequantisation_is_one_kernel_with_the_eager_ops_values(qua
     weight = torch.randn(256, 512, dtype=quant, generator=torch.Generator().manual_seed(0))
     stack = torch.randn(3, 64, 256, dtype=quant, generator=torch.Generator().manual_seed(1))
     experts = Nf4Parts(*(torch.stack(part) for part in zip(*(quantize(e) for e in stack), strict=True)))  # each its own
-    for parts in (quantize(weight), experts):
-        eager = dequantize(parts, quant, compute)
+    for parts in (Nf4Parts(*(t.to(device) for t in quantize(weight))), Nf4Parts(*(t.to(device) for t in experts))):
+        with fp8.fused_dequantization(device, False):
+            eager = dequantize(parts, quant, compute)
         torch._dynamo.reset()
         fp8.compiled.cache_clear()
         metrics.reset()
-        with fp8.fused_dequantization("cpu", True):
+        with fp8.fused_dequantization(device, True):
             got = dequantize(parts, quant, compute)
-            assert fp8.fuses(torch.device("cpu")), "compiling failed and the eager ops ran"
+            assert fp8.fuses(torch.device(device)), "compiling failed and the eager ops ran"
         assert got.dtype == compute and torch.equal(got, eager)
         assert metrics.generated_kernel_count == 1
     assert torch.equal(dequantize(quantize(weight), quant, quant), to_nf4(weight).get_original_weight())
