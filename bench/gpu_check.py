@@ -4,8 +4,9 @@ that runs anywhere.
 
   tests        `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral
                and the hub-layout Mistral-Small-4 through grouped_mm), expert LoRA in bf16, the compiled FP8
-               dequantisation, the fused loss's two branches, sharded loading onto the GPU, checkpoint save + exact
-               resume, MFU/memory metrics                        → bench/results/gpu_tests_gpu.json
+               dequantisation, the fused loss's two branches, sharded loading onto the GPU (its peak device
+               memory per load: bf16, FP8, NF4), checkpoint save + exact resume, MFU/memory metrics
+                                                                  → bench/results/gpu_tests_gpu.json
   job          `pytest -m "gpu and ray"`: one real `ray job submit` on a local Ray head with one GPU, NCCL, a
                checkpoint and an eval every step, final/ present  → bench/results/gpu_job_gpu.json
   bench-moe    bench/train_vs_trl.py --size gpu, MoE part: Mistral-Small-4's shapes (2 of its layers, FP8 base)
@@ -210,7 +211,8 @@ def save(name: str, report: dict, directory: Path = RESULTS) -> Path:
 
 
 def junit_summary(xml: Path) -> dict:
-    """Counts and every test's outcome, duration and message from pytest's JUnit XML."""
+    """Counts and every test's outcome, duration and message from pytest's JUnit XML, with what it measured (its
+    `record_property` figures: the device memory of each sharded load)."""
     if not xml.exists():
         return {"error": f"pytest wrote no {xml.name}"}
     root = ET.parse(xml).getroot()
@@ -225,12 +227,14 @@ def junit_summary(xml: Path) -> dict:
                     {"failure": "failed", "error": "error", "skipped": "skipped"}[tag],
                     node.get("message"),
                 )
+        measured = {prop.get("name"): float(prop.get("value", "nan")) for prop in case.iter("property")}
         tests.append(
             {
                 "test": f"{case.get('classname')}::{case.get('name')}",
                 "outcome": outcome,
                 "seconds": round(float(case.get("time", 0)), 2),
                 "message": (message or "")[:500] or None,
+                **({"measured": measured} if measured else {}),
             }
         )
     counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}

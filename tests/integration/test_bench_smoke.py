@@ -212,15 +212,17 @@ def test_gpu_check_cuts_a_stage_at_its_deadline(tmp_path, monkeypatch):
 
 
 def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):
-    """The JUnit summary a GPU stage reports (outcome and message per test), and its verdict: a stage whose tests
-    passed but one was skipped ("needs CUDA"), or that passed none, has not shown anything and fails."""
+    """The JUnit summary a GPU stage reports (outcome and message per test, and what a test measured), and its
+    verdict: a stage whose tests passed but one was skipped ("needs CUDA"), or that passed none, has not shown
+    anything and fails."""
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_check import junit_summary, stage_outcome
 
     xml = tmp_path / "junit.xml"
     xml.write_text(
         '<testsuites><testsuite name="pytest" time="3.5">'
-        '<testcase classname="tests.test_gpu" name="test_a" time="1.25"/>'
+        '<testcase classname="tests.test_gpu" name="test_a" time="1.25"><properties>'
+        '<property name="device_load_peak_mib" value="41.5"/></properties></testcase>'
         '<testcase classname="tests.test_gpu" name="test_b" time="0.1"><skipped message="needs CUDA"/></testcase>'
         '<testcase classname="tests.test_gpu" name="test_c" time="2"><failure message="boom"/></testcase>'
         "</testsuite></testsuites>"
@@ -229,6 +231,7 @@ def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):
     assert (summary["passed"], summary["skipped"], summary["failed"], summary["error"]) == (1, 1, 1, 0)
     assert summary["tests"][1] == {"test": "tests.test_gpu::test_b", "outcome": "skipped", "seconds": 0.1,
                                    "message": "needs CUDA"}  # fmt: skip
+    assert summary["tests"][0]["measured"] == {"device_load_peak_mib": 41.5} and "measured" not in summary["tests"][1]
     assert summary["seconds"] == 3.5 and "error" in junit_summary(tmp_path / "absent.xml")
     assert stage_outcome(0, {"passed": 3, "skipped": 1})[0] == 1
     assert stage_outcome(0, {"passed": 0, "skipped": 0})[0] == 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
-from fixtures.devices import DEVICES, synchronize
+from fixtures.devices import DEVICES, LoadMemory, synchronize
 
 from rayft.config import Config
 from rayft.model.fp8 import STORAGE, fp8_scale_params
@@ -194,11 +194,12 @@ def test_fused_loss_equals_full_logits_in_both_branches(packed, fixtures: Fixtur
 @pytest.mark.parametrize("kind, frozen", [("dense", "auto"), ("mistral4-hub", "bfloat16"), ("mistral4-hub", "auto")],
                          ids=["dense", "hub-bf16", "hub-fp8"])  # fmt: skip
 def test_sharded_loading_onto_the_device_equals_the_files(
-    kind, frozen, fixtures: Fixtures, mistral4_hub, tmp_path, device_group
+    kind, frozen, fixtures: Fixtures, mistral4_hub, tmp_path, device_group, record_property
 ):
     """Every base weight the rank reads from the files onto its device is the one `from_pretrained` gives (dense),
     the FP8 tensor × its scale (the hub layout in bf16), or the hub's E4M3 bytes and static scales as stored (the
-    hub layout kept in FP8), bit for bit."""
+    hub layout kept in FP8), bit for bit. The load's peak device memory is reported beside the NF4 load's
+    (test_nf4_job.py)."""
     from test_fp8 import _assert_hub_bytes_loaded_as_they_are
     from test_weights import _dequantised_reference
     from transformers import AutoModelForCausalLM
@@ -208,7 +209,9 @@ def test_sharded_loading_onto_the_device_equals_the_files(
 
     model_dir = _model_dir(kind, fixtures, mistral4_hub)
     cfg = Config.from_dict(_raw_config(kind, fixtures, mistral4_hub, tmp_path, frozen))
-    model = build_model(cfg, on_gpu=device_group.type == "cuda", device=device_group)
+    with LoadMemory(device_group) as load:
+        model = build_model(cfg, on_gpu=device_group.type == "cuda", device=device_group)
+    load.report(record_property, model)
     for name, param in model.named_parameters():
         assert param.device.type == device_group.type, name  # on the device, not left on the host
     if kind == "mistral4-hub" and frozen == "auto":

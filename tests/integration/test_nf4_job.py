@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, STEPS, Fixtures, checkpointing_config, free_port, run_cli
+from fixtures.devices import LoadMemory
 from fixtures.hub_layout import make_tiny_mistral_small4
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import COMMON, MOE_FAMILIES, _random_model, make_block_fp8, make_hub_moe
@@ -339,7 +340,7 @@ def test_rayft_plan_puts_mistral_small_4_in_nf4_on_one_h200(capsys):
 
 
 def test_a_bf16_lora_step_over_nf4_on_the_device_matches_the_fp32_reference(
-    fixtures: Fixtures, mistral4_nf4_hub: Path, tmp_path: Path, device_group
+    fixtures: Fixtures, mistral4_nf4_hub: Path, tmp_path: Path, device_group, record_property
 ):
     """The worker's model (sharded NF4 load from the hub's FP8 layout onto the device, bf16, FSDP2, LoRA) against
     transformers' own Mistral4 on CPU in fp32 holding torchao's dequantisation of the same bf16 weights: loss and
@@ -349,14 +350,13 @@ def test_a_bf16_lora_step_over_nf4_on_the_device_matches_the_fp32_reference(
     raw = mistral4_config(fixtures, mistral4_nf4_hub, tmp_path, lora__target_experts=False, train__bf16=True)
     raw["model"]["torch_dtype"] = "bfloat16"
     raw["fsdp"] = {}
+    with LoadMemory(device_group) as load:
+        model = build_model(Config.from_dict(raw), on_gpu=cuda, device=device_group)
+    load.report(record_property, model)
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device_group)
-    model = build_model(Config.from_dict(raw), on_gpu=cuda, device=device_group)
-    if cuda:
-        share = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        share = load.share_bytes(model)
         largest = max(p.numel() for p in _numpy_dequantised_text_model(mistral4_nf4_hub).parameters()) * 4
-        peak = torch.cuda.max_memory_allocated(device_group)
-        assert peak <= share + largest + ENCODE_WORKING_SET, (peak, share, largest)
+        assert load.peak_bytes <= share + largest + ENCODE_WORKING_SET, (load.peak_bytes, share, largest)
     _randomise_lora_b(model)
     reference = _nf4_reference(model, mistral4_nf4_hub, raw)
     batch = _batch(device_group)
