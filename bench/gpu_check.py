@@ -71,8 +71,9 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("tests", 150, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
-        Stage("job", 90, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (one ray job submit, 1-GPU local Ray head)"),
+        # tests and job: what they took on an H200 (bench/results/gpu_tests_gpu.json, gpu_job_gpu.json), with margin
+        Stage("tests", 100, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
+        Stage("job", 140, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (one ray job submit, 1-GPU local Ray head)"),
         Stage("bench-moe", 100, BENCH_RESULT, "scaled Mistral-Small-4, FP8 base, through rayft", "moe"),
         Stage("bench-dense", 110, BENCH_RESULT, "dense Mistral, 8B shapes: rayft vs TRL", "dense"),
         Stage("plan", 30, "plan_gpu.json", "rayft plan for the bench configs vs the measured peak GPU memory"),
