@@ -337,9 +337,10 @@ def _plan(args: argparse.Namespace) -> int:
             "point it at the model or use --preset mistral-small-4"
         )
     s = meta_structure(cfg, config)
-    # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8.
-    checkpoint_fp8 = True if args.preset else None
-    held, filed = held_as(cfg.model, checkpoint_fp8), checkpoint_held(cfg.model, checkpoint_fp8)
+    # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8. The checkpoint's config is read
+    # once, for both.
+    filed = checkpoint_held(cfg.model, True if args.preset else None)
+    held = held_as(cfg.model, checkpoint_fp8=filed == "fp8")
 
     def plans(held: Held) -> list[MemoryPlan]:
         return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, held=held) for n in args.num_nodes]
