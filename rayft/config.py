@@ -47,6 +47,7 @@ from rayft.schema import (
     unknown_value,
 )
 from rayft.schema import ConfigError as ConfigError  # every module's error for a user's mistake, named from here
+from rayft.trl_names import TRL_NAMES, trl_hint
 
 
 def is_uri(path: str) -> bool:
@@ -536,12 +537,13 @@ class RayConfig(Section):
         sizes = values.get("num_workers") if isinstance(values, dict) else None
         if not isinstance(sizes, list):
             return values
-        if len(sizes) != 2 or "min_workers" in values:
+        counts = len(sizes) == 2 and all(type(n) is int and n >= 1 for n in sizes)
+        if not counts or "min_workers" in values:
             refuse_value(
                 "ray",
                 "num_workers",
-                f"ray.num_workers must be a number of workers or [min, max], got {sizes!r}"
-                + ("; with ray.min_workers given, give num_workers as the maximum alone" if len(sizes) == 2 else ""),
+                f"ray.num_workers must be a number of workers or [min, max] (two whole numbers >= 1), got {sizes!r}"
+                + ("; with ray.min_workers given, give num_workers as the maximum alone" if counts else ""),
             )
         return {**values, "min_workers": sizes[0], "num_workers": sizes[1]}
 
@@ -692,7 +694,7 @@ class Config(Section):
         for name, values in raw.items():
             section_type = SECTIONS.get(name)
             if section_type is None:
-                problems.append(Problem(str(name), f"unknown section '{name}'{suggest(str(name), SECTIONS)}"))
+                problems.append(Problem(str(name), f"unknown section '{name}'{_section_hint(str(name))}"))
                 continue
             sections[name], found = read_section(name, section_type, values)
             problems += found
@@ -918,6 +920,24 @@ class Config(Section):
         ]
 
 
+def key_owners(sections: tuple[str, ...] = tuple(SECTIONS)) -> dict[str, str]:
+    """Key name → `section.key`, for the names only one of `sections` has: where a key written without its section
+    (a flat TRL file's) belongs."""
+    owners: dict[str, list[str]] = {}
+    for section in sections:
+        for f in dataclasses.fields(SECTIONS[section]):
+            owners.setdefault(f.name, []).append(f"{section}.{f.name}")
+    return {name: places[0] for name, places in owners.items() if len(places) == 1}
+
+
+def _section_hint(name: str) -> str:
+    """What an unknown top-level name means: a TRL name, a key written without its section, or a misspelt section."""
+    owner = key_owners().get(name)
+    if owner is not None:
+        return f" (it is {owner}: write it under the section '{owner.split('.')[0]}')"
+    return trl_hint(name) or suggest(name, SECTIONS)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML file (None = all defaults) and apply `section.key=value` overrides on top. `env:NAME` reads
     the YAML from an environment variable: how a RayJob carries the config inline (`k8s.config_delivery`)."""
@@ -935,6 +955,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
         _refuse_accelerate(raw, source)
+        _refuse_flat(raw, source)
     for item in overrides:
         keys, value = parse_override(item)
         set_nested(raw, keys, value, source)
@@ -952,6 +973,22 @@ def _refuse_accelerate(raw: dict[str, Any], source: str) -> None:
         raise ConfigError(
             f"{source}: this is an accelerate config ({', '.join(found)}), not a rayft one; convert it with "
             f"`rayft config from-accelerate {source} [--trl sft.yaml] --out rayft.yaml` and pass --config rayft.yaml"
+        )
+
+
+def _refuse_flat(raw: dict[str, Any], source: str) -> None:
+    """A flat TRL file (SFTConfig's keys at the top level, as `trl sft --config` reads them) passed as a rayft config:
+    say so once, and name the command that converts it, rather than one `unknown section` a key."""
+    if any(key in SECTIONS for key in raw):
+        return
+    owners = key_owners()
+    flat = [str(key) for key in raw if str(key) in owners or str(key) in TRL_NAMES]
+    if flat:
+        raise ConfigError(
+            f"{source}: keys at the top level ({', '.join(flat[:4])}{', ...' if len(flat) > 4 else ''}) make this a "
+            f"flat TRL/SFTConfig file, not a rayft config (sections {', '.join(SECTIONS)}); convert it with `rayft "
+            f"config from-accelerate ACCELERATE.yaml --trl {source} --out rayft.yaml` (ACCELERATE.yaml: the "
+            "accelerate config the recipe was launched with) and pass --config rayft.yaml"
         )
 
 

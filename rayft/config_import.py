@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from rayft.config import SECTIONS, Config, ConfigError, parse_override, read_yaml, set_nested
+from rayft.config import SECTIONS, Config, ConfigError, key_owners, parse_override, read_yaml, set_nested
+from rayft.trl_names import TRL_NAMES
 
 # Launch facts Ray takes care of (processes, rendezvous, the machine's rank): nothing to carry over.
 LAUNCH_KEYS = frozenset(
@@ -69,14 +70,6 @@ STRATEGY_NUMBERS = dict(
     enumerate(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], 1)
 )
 PREFETCH = {"BACKWARD_PRE": 1, "BACKWARD_POST": 1, "NO_PREFETCH": 0}
-# SFTConfig / TRL ModelConfig / ScriptArguments names that are spelt differently here.
-TRL_ALIASES = {
-    "model_revision": "model.revision", "dtype": "model.torch_dtype", "lora_r": "lora.r",
-    "lora_target_modules": "lora.target_modules", "lora_task_type": "lora.task_type",
-    "dataset_name": "data.dataset_name_or_path", "dataset_config": "data.dataset_config_name",
-    "dataset_train_split": "data.train_split", "dataset_test_split": "data.val_split",
-    "dataset_text_field": "data.text_field", "max_seq_length": "data.max_length",
-}  # fmt: skip
 TRL_SECTIONS = ("model", "lora", "data", "train")
 # rayft key ← the SFTConfig / ModelConfig field whose default a flat TRL file means when it leaves the key out.
 TRL_DEFAULTED = {
@@ -230,14 +223,14 @@ def _fsdp(keys: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str]
 def _trl(trl: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str], source: str, accept: bool) -> None:
     """The SFT YAML: rayft's own sections as they are (the seed recipe's layout), SFTConfig's flat keys by name;
     for a flat file, TRL's defaults for what it leaves out and the differences rayft cannot avoid."""
-    owners = _field_owners()
+    owners = key_owners(TRL_SECTIONS)
     skipped, flat = [], {k: v for k, v in trl.items() if not (k in SECTIONS and isinstance(v, dict))}
     for key, value in trl.items():
         if key in SECTIONS and isinstance(value, dict):
             for name, item in value.items():
                 _put(raw, f"{key}.{name}", item, notes, source)
-        elif key in TRL_ALIASES or key in owners:
-            _put(raw, TRL_ALIASES.get(key) or owners[key], value, notes, source)
+        elif key in TRL_NAMES or key in owners:
+            _put(raw, TRL_NAMES.get(key) or owners[key], value, notes, source)
         elif key not in TRL_HANDLED:
             skipped.append(key)
     if skipped:
@@ -335,15 +328,6 @@ def _put(raw: dict[str, dict[str, Any]], dotted: str, value: Any, notes: list[st
             f"{dotted}: {source} says {value!r} where the accelerate config says {values[key]!r}; kept {value!r}"
         )
     values[key] = value
-
-
-def _field_owners() -> dict[str, str]:
-    """Flat SFTConfig name → `section.key`, for names only one of model/lora/data/train has."""
-    owners: dict[str, list[str]] = {}
-    for section in TRL_SECTIONS:
-        for f in dataclasses.fields(SECTIONS[section]):
-            owners.setdefault(f.name, []).append(f"{section}.{f.name}")
-    return {name: places[0] for name, places in owners.items() if len(places) == 1}
 
 
 def to_yaml(raw: dict[str, Any], notes: list[str], accelerate: str, trl: str | None) -> str:

@@ -24,6 +24,8 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, ValidationInfo, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
+from rayft.trl_names import trl_hint
+
 
 class ConfigError(ValueError):
     """A mistake in the user's configuration or paths; the message is meant to be shown as is."""
@@ -315,7 +317,8 @@ def _mistake(key: str, error: ErrorDetails, owner: type, name: int | str) -> str
     kind, value = error["type"], error["input"]
     field = getattr(owner, "__pydantic_fields__", {}).get(str(name))
     if kind in ("unexpected_keyword_argument", "invalid_key"):
-        return f"unknown key '{key}'{suggest(str(name), [f.name for f in dataclasses.fields(owner)])}"
+        hint = trl_hint(str(name)) or suggest(str(name), [f.name for f in dataclasses.fields(owner)])
+        return f"unknown key '{key}'{hint}"
     if kind == VALUE:
         return str((error.get("ctx") or {})["message"])
     if kind == "literal_error":
