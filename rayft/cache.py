@@ -15,12 +15,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, cast
 
-CACHE_ENV = "RAYFT_CACHE_DIR"
+from rayft import environment
+
 CHUNK = 1 << 20
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rayft")
+    return Path(environment.value(environment.CACHE_DIR) or Path.home() / ".cache" / "rayft")
 
 
 def content_key(kind: str, files: Iterable[Path], packages: Iterable[str] = (), extra: str = "") -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from rayft import environment
 from rayft.config import Config, ConfigError, load_config
 from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, quiet_console, verbose
@@ -37,6 +38,11 @@ DEMO_ROOT = Path("rayft-demo")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    unusable = environment.problems(exempt=_config_variable(args))
+    if unusable:
+        for problem in unusable:
+            print(f"rayft: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.verbose:  # also for the workers: the launcher hands RAYFT_LOG_LEVEL to their environment
         os.environ[LEVEL_ENV] = "DEBUG"
     logging.basicConfig(
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(cfg, args)
         if args.command == "eval":
             return _eval(cfg, args)
-        return _train(cfg)
+        return _train(cfg, demo=args.config is None)
     except ConfigError as e:
         if args.verbose:
             traceback.print_exc()
@@ -68,15 +74,28 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _config_variable(args: argparse.Namespace) -> list[str]:
+    """The variable `--config env:NAME` reads the config from (any name the user chooses)."""
+    given = str(getattr(args, "config", None) or "")
+    return [given.removeprefix("env:")] if given.startswith("env:") else []
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage mistakes are one line (argparse prints the whole usage block first)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="rayft",
         description="LoRA + FSDP2 fine-tuning on Ray Train.",
         epilog="exit codes: 0 ok, 2 usage or configuration error (the message names the key or path), 1 the run "
         "failed. `rayft COMMAND --help` for each command.",
     )
     # Accepted before or after the command (`rayft --verbose validate`, `jobs/mistral4.py --verbose`).
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--verbose",
         action="store_true",
@@ -610,7 +629,7 @@ def _size(size: float) -> str:
     return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
-def _train(cfg: Config) -> int:
+def _train(cfg: Config, demo: bool) -> int:
     from ray.train import TrainingFailedError
 
     from rayft.launch import train
@@ -627,7 +646,17 @@ def _train(cfg: Config) -> int:
     print(f"rayft: training finished {shown}")
     print(f"rayft: final adapter: {outcome.final_adapter}")
     print(f"rayft: checkpoints: {outcome.run_dir} (latest: {outcome.latest_checkpoint})")
-    return EXIT_OK
+    return _check_demo(outcome.final_adapter) if demo else EXIT_OK
+
+
+def _check_demo(adapter: Path) -> int:
+    """The demo ends by checking its own result: the final adapter loads with PEFT and lowers the held-out loss."""
+    from rayft.demo import held_out_losses
+
+    base, tuned = held_out_losses(DEMO_ROOT.resolve(), adapter)
+    verdict = "lower" if tuned < base else "NOT lower: the demo did not learn"
+    print(f"rayft: demo check: {adapter} loads with PEFT; held-out loss {base:.3f} (base) -> {tuned:.3f} ({verdict})")
+    return EXIT_OK if tuned < base else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -168,3 +168,25 @@ def prepare(root: Path) -> dict[str, Any]:
     make_tiny_mistral(root / "tiny-mistral")
     make_wikitext(root / "wikitext")
     return demo_config(root)
+
+
+def held_out_losses(root: Path, adapter: Path, rows: int = 8, length: int = 64) -> tuple[float, float]:
+    """The demo's proof of its result, taken as a user would take it: the base model alone, and the base with the
+    final adapter loaded through PEFT, each scored on the first rows of the validation split (the next-token loss of
+    transformers' own forward, not rayft's). Returns (base loss, adapter loss)."""
+    import pyarrow.parquet as pq
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = root / "tiny-mistral"
+    lines = pq.read_table(root / "wikitext" / CONFIG_NAME / "validation-00000-of-00001.parquet")["text"].to_pylist()
+    ids = AutoTokenizer.from_pretrained(str(model_dir))("".join(lines))["input_ids"]
+    if len(ids) < rows * length:
+        raise RuntimeError(f"the demo's validation split has {len(ids)} tokens, fewer than {rows * length}")
+    batch = torch.tensor(ids[: rows * length]).view(rows, length)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        base = float(model(input_ids=batch, labels=batch).loss)
+        tuned = float(PeftModel.from_pretrained(model, str(adapter)).eval()(input_ids=batch, labels=batch).loss)
+    return base, tuned

@@ -16,7 +16,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayft import ray_private
+from rayft import environment, ray_private
 from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
@@ -450,7 +450,7 @@ def local_ray_options() -> dict[str, Any]:
     group (its workers die). So the job's processes are pointed at this Ray's own dashboard
     (RAY_API_SERVER_ADDRESS), on a port chosen here: Ray's usual 8265 when it is free; without a dashboard, at port 0,
     where nothing can listen, so the cleaner's question fails and it asks again."""
-    dashboard = os.environ.get("RAYFT_LOCAL_DASHBOARD", "1") != "0"
+    dashboard: bool = environment.value(environment.LOCAL_DASHBOARD)
     poll = os.environ.get(HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S)  # the user's own value wins
     env = {**worker_env(), "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", HEALTH_CHECK_ENV: poll}
     port = local_port(preferred=DASHBOARD_PORT) if dashboard else 0

@@ -12,15 +12,14 @@ nodes always keep all of it.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from rayft import ray_private
+from rayft import environment, ray_private
 
-LEVEL_ENV = "RAYFT_LOG_LEVEL"
+LEVEL_ENV = environment.LOG_LEVEL.name
 
 # Ray's routine output, one pattern per kind of line (matched anywhere in the line, after the worker prefix).
 CHATTER = tuple(
@@ -51,7 +50,7 @@ _CONTINUATION = re.compile(r"^(?:\x1b\[[\d;]*m)*(?:\([^()]*\)(?:\x1b\[[\d;]*m)*)
 
 def verbose() -> bool:
     """--verbose (the CLI sets RAYFT_LOG_LEVEL=DEBUG) or RAYFT_LOG_LEVEL=DEBUG in the job's environment."""
-    return os.environ.get(LEVEL_ENV, "").strip().upper() == "DEBUG"
+    return bool(environment.value(environment.LOG_LEVEL) == "DEBUG")
 
 
 def is_chatter(line: str) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +23,7 @@ import pyarrow.compute as pc
 import ray.data
 from ray.data.collate_fn import NumpyBatchCollateFn
 
+from rayft import environment
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
 from rayft.data.encoder import RecordEncoder
 from rayft.data.files import split_lines
@@ -58,8 +58,7 @@ RAW_BLOCK_ROWS = 2048  # records per block before tokenization
 # Sources up to this size are tokenized and packed in the driver process, in well under a second: a Ray Data
 # execution costs a fixed 7-25 s (its tokenizer actors start, import, load the tokenizer), which is most of a small
 # job's start-up. Bigger ones go through the tokenizer actors (parallel, streaming). RAYFT_DRIVER_TOKENIZE_BYTES
-# overrides it (0: always the actors).
-DRIVER_TOKENIZE_BYTES = 32 << 20
+# (rayft/environment.py, where its default is) overrides it (0: always the actors).
 
 
 @dataclass
@@ -185,8 +184,8 @@ def first_rows(dataset: ray.data.Dataset, d: DataConfig) -> ray.data.Dataset:
 
 
 def in_driver(*sources: SplitSource | None) -> bool:
-    """Whether the splits are small enough to tokenize in the driver process (DRIVER_TOKENIZE_BYTES)."""
-    limit = int(os.environ.get("RAYFT_DRIVER_TOKENIZE_BYTES", DRIVER_TOKENIZE_BYTES))
+    """Whether the splits are small enough to tokenize in the driver process (RAYFT_DRIVER_TOKENIZE_BYTES)."""
+    limit: int = environment.value(environment.DRIVER_TOKENIZE_BYTES)
     return sum(s.nbytes() for s in sources if s is not None) <= limit
 
 

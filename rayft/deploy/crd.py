@@ -11,17 +11,17 @@ from __future__ import annotations
 import copy
 import functools
 import gzip
-import os
 import re
 from pathlib import Path
 from typing import Any, cast
 
 import yaml
 
+from rayft import environment
 from rayft.deploy import apirules
 from rayft.deploy.kuberay import DELETION_GATE, Operator
 
-CRD_DIR_ENV = "RAYFT_KUBERAY_CRDS"
+CRD_DIR_ENV = environment.KUBERAY_CRDS.name
 # The CRDs (RayJob, RayCluster) of every supported KubeRay release ship as package data, gzipped, one directory per
 # release (crds/v1.7.0/…), so an installed wheel validates with nothing beside it; RAYFT_KUBERAY_CRDS points at
 # other CRDs (ray.io_*.yaml, gzipped or not), used whatever the operator's release.
@@ -50,7 +50,7 @@ class ManifestError(ValueError):
 def crd_dir(operator: Operator | None = None) -> Path:
     """The CRDs to validate against (the operator's release; by default the oldest supported); never absent
     without an error (an unchecked manifest is not a valid one)."""
-    given = os.environ.get(CRD_DIR_ENV)
+    given = environment.value(environment.KUBERAY_CRDS)
     directory = Path(given) if given else PACKAGED_CRD_DIR / f"v{(operator or Operator()).crd_release}"
     if not directory.is_dir():
         fix = (

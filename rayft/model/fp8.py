@@ -32,7 +32,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, cast
@@ -43,6 +42,7 @@ from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from rayft import environment
 from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET, EXPERT_WEIGHTS, storage_block
 from rayft.model.frozen import held_weights
 
@@ -97,7 +97,7 @@ def fuses(device: torch.device) -> bool:
     """Whether `dequantize_rows` runs the compiled kernel on `device`: on CUDA unless RAYFT_FP8_FUSED=0 says no;
     `fused_dequantization` sets it for a device type (tests, benchmarks)."""
     if device.type not in _fusing:
-        _fusing[device.type] = device.type == "cuda" and os.environ.get("RAYFT_FP8_FUSED", "1") != "0"
+        _fusing[device.type] = device.type == "cuda" and bool(environment.value(environment.FP8_FUSED))
     return _fusing[device.type]
 
 
