@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from rayft import environment
-from rayft.config import Config, ConfigError, load_config
+from rayft.config import Config, ConfigError, load_config, parse_override
 from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, quiet_console, verbose
 
@@ -321,6 +321,8 @@ def _deployment_flags(p: argparse.ArgumentParser, d: Deployment) -> None:
 def _load(args: argparse.Namespace) -> Config:
     if args.config is not None:
         return load_config(args.config, args.override)
+    for item in args.override:  # a mistake in one is answered before the demo's files are made
+        parse_override(item)
     from rayft import demo
 
     print(f"rayft: no --config given: running the built-in demo in ./{DEMO_ROOT}/", file=sys.stderr)

