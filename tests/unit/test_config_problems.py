@@ -159,3 +159,45 @@ def test_a_group_breaking_its_rule_hides_no_rule_of_its_section(tmp_path):
             "7: k8s.rdma.network: 'Not_A_Name' is not a valid object name",
         ],
     )
+
+
+def _every_key(prefix: str, section: type) -> list[str]:
+    """The dotted keys of a section and of its nested groups."""
+    import dataclasses
+    import typing
+
+    keys = []
+    for f in dataclasses.fields(section):
+        keys.append(f"{prefix}.{f.name}")
+        inner = typing.get_type_hints(section).get(f.name)
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+            keys += _every_key(f"{prefix}.{f.name}", inner)
+    return keys
+
+
+# Values of every kind a YAML file can hold, none of them right for most keys.
+WRONG_KINDS = [[0, 2], {"a": 1}, "zz-not-valid", -7, 1e309, float("nan"), None, True, [], {}, "", [None]]
+
+
+def test_every_key_given_a_value_of_any_kind_is_answered_as_a_config_problem():
+    """No value a file can give any key ends in another exception (a traceback, exit 1): `ray.num_workers: [0, 2]`
+    did, as pydantic's own error, since the [min, max] form is read before the keys are."""
+    from rayft.config import SECTIONS
+
+    crashes = []
+    for name, section in SECTIONS.items():
+        for dotted in _every_key(name, section):
+            for value in WRONG_KINDS:
+                raw: dict = {}
+                *parents, key = dotted.split(".")
+                node = raw
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[key] = value
+                try:
+                    Config.from_dict(raw, "job.yaml")
+                except ConfigError:
+                    pass
+                except Exception as e:  # what the test is for: anything but a ConfigError
+                    crashes.append(f"{dotted}: {value!r}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    assert crashes == []
