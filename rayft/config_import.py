@@ -294,7 +294,8 @@ def _fill_trl_defaults(raw: dict[str, dict[str, Any]], flat: dict[str, Any], eff
     if "warmup_ratio" not in flat and "warmup_ratio" not in raw.get("train", {}):
         # transformers 5's TrainingArguments has warmup_steps only: no warm-up unless the file asks for one
         raw.setdefault("train", {})["warmup_ratio"] = effective.get("warmup_ratio", 0.0)
-    if effective.get("eval_strategy", "no") == "no" and "val_ratio" not in raw.get("data", {}):
+    evaluates = raw.get("train", {}).get("eval_strategy", effective.get("eval_strategy", "no")) != "no"
+    if not evaluates and "val_ratio" not in raw.get("data", {}):
         raw.setdefault("data", {})["val_ratio"] = 0.0  # TRL evaluates nothing, so it holds nothing out
     if effective.get("assistant_only_loss") and "completion_only_loss" not in flat:
         raw.setdefault("data", {})["completion_only_loss"] = True

@@ -96,6 +96,18 @@ def test_flat_trl_keys_map_to_sections(tmp_path):
     assert any("push_to_hub" in n for n in notes)
 
 
+def test_trl_names_carried_over_that_the_converter_dropped(tmp_path):
+    """TRL's lora_modules_to_save and transformers' evaluation_strategy have rayft keys: they were dropped as "no
+    rayft key" (the table a rayft config's suggestions read is the converter's too)."""
+    acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
+    acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
+    trl.write_text("lora_modules_to_save: [lm_head]\nevaluation_strategy: steps\nlora_target_modules: [q_proj]\n")
+    raw, notes = convert(str(acc), str(trl), accept_differences=True)
+    assert raw["lora"]["modules_to_save"] == ["lm_head"] and raw["train"]["eval_strategy"] == "steps"
+    assert "val_ratio" not in raw.get("data", {})  # it evaluates: a hold-out as rayft's default, not TRL's none
+    assert not any("lora_modules_to_save" in n or "evaluation_strategy" in n for n in notes), notes
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
