@@ -45,6 +45,7 @@ LAUNCH_KEYS = frozenset(
         "distributed_type",
         "mixed_precision",
         "fsdp_config",
+        "parallelism_config",
     }
 )
 # FSDP settings rayft's FSDP2 wrapping fixes itself: per decoder layer, LoRA-only trainable, PEFT adapter files.
@@ -103,12 +104,14 @@ TRL_DIFFERENCES = (
      "the modules"),
     ("use_liger_kernel", bool, "use_liger_kernel: rayft computes the loss with its own fused, chunked head "
      "(train.fused_loss)"),
+    ("eos_token", lambda v: v is not None, "eos_token: TRL ends each example with this token, where rayft ends it "
+     "with the tokenizer's own EOS; name a tokenizer whose EOS it is (model.tokenizer_name_or_path)"),
 )  # fmt: skip
 LOSS_KEYS = ("completion_only_loss", "assistant_only_loss")
 # Flat TRL fields read above rather than carried over by name.
 TRL_HANDLED = frozenset(
     {f for f, _, _ in TRL_DIFFERENCES}
-    | {"assistant_only_loss", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant"}
+    | {"assistant_only_loss", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "packing_strategy"}
 )
 
 
@@ -125,6 +128,7 @@ def convert(
     notes: list[str] = []
     per_node = _launch(acc, raw, accelerate)
     _fsdp(_fsdp_keys(acc), raw, notes, per_node)
+    _mesh(acc.get("parallelism_config") or {}, raw, accelerate)
     skipped = sorted(k for k in acc if k not in LAUNCH_KEYS and not k.startswith("fsdp_"))
     if skipped:
         notes.append(f"{accelerate}: not carried over (unknown to rayft): {', '.join(skipped)}")
@@ -151,7 +155,8 @@ def _mapping(path: str) -> dict[str, Any]:
 
 
 def _launch(acc: dict[str, Any], raw: dict[str, dict[str, Any]], source: str) -> int:
-    """Processes → Ray workers, machines → placement, mixed precision → train.bf16; the processes per machine."""
+    """Processes → Ray workers, machines → nodes of `ray.workers_per_node` workers each (so a machine's GPUs stay in
+    one pod, where they share NVLink), mixed precision → train.bf16; the processes per machine."""
     kind = acc.get("distributed_type", "FSDP")
     if kind not in ("FSDP", "MULTI_GPU", "NO", "MULTI_CPU"):
         raise ConfigError(f"{source}: distributed_type {kind}: rayft trains with FSDP2 (FSDP or MULTI_GPU configs)")
@@ -161,7 +166,9 @@ def _launch(acc: dict[str, Any], raw: dict[str, dict[str, Any]], source: str) ->
     per_node = processes // machines
     ray = raw.setdefault("ray", {})
     ray["num_workers"] = processes
-    ray["placement_strategy"] = "PACK" if machines == 1 else "STRICT_SPREAD" if per_node == 1 else "SPREAD"
+    if per_node > 1:
+        ray["workers_per_node"] = per_node
+    ray["placement_strategy"] = "PACK" if machines == 1 else "STRICT_SPREAD"
     if acc.get("use_cpu") or kind == "MULTI_CPU":
         ray["use_gpu"] = False
     if kind == "MULTI_GPU":  # DDP: every worker holds the whole model
@@ -173,6 +180,20 @@ def _launch(acc: dict[str, Any], raw: dict[str, dict[str, Any]], source: str) ->
         )
     raw.setdefault("train", {})["bf16"] = precision == "bf16"
     return per_node
+
+
+def _mesh(mesh: dict[str, Any], raw: dict[str, dict[str, Any]], source: str) -> None:
+    """accelerate's `parallelism_config`: HSDP (dp_replicate × dp_shard) is `fsdp.shard_size` dp_shard; tensor and
+    context parallelism rayft does not have, so a file asking for them is refused rather than trained otherwise."""
+    sizes = {str(k).removeprefix("parallelism_config_"): v for k, v in mesh.items()}
+    other = {k: int(v) for k, v in sizes.items() if k in ("tp_size", "cp_size", "sp_size") and int(v) > 1}
+    if other:
+        raise ConfigError(
+            f"{source}: parallelism_config {', '.join(f'{k} {v}' for k, v in other.items())}: rayft shards with "
+            "FSDP2 (and expert parallelism) only; set them to 1"
+        )
+    if int(sizes.get("dp_replicate_size", 1)) > 1 and int(sizes.get("dp_shard_size", 1)) > 1:
+        raw.setdefault("fsdp", {})["shard_size"] = int(sizes["dp_shard_size"])
 
 
 def _fsdp(keys: dict[str, Any], raw: dict[str, dict[str, Any]], notes: list[str], per_node: int) -> None:
@@ -312,6 +333,13 @@ def _as_rayft(dotted: str, value: Any) -> Any:
 
 def _trl_differences(raw: dict[str, dict[str, Any]], flat: dict[str, Any], effective: dict[str, Any]) -> list[str]:
     found = [text for field, differs, text in TRL_DIFFERENCES if field in effective and differs(effective[field])]
+    strategy = effective.get("packing_strategy", "bfd")
+    if effective.get("packing") and strategy != "wrapped":
+        found.append(
+            f"packing_strategy {strategy}: TRL places whole examples in rows (best-fit decreasing), where rayft's "
+            "packing concatenates them and cuts the stream into rows of data.max_length (an example may span two "
+            "rows); set packing_strategy: wrapped, which packs as rayft does"
+        )
     if not any(k in flat for k in LOSS_KEYS) and "completion_only_loss" not in raw.get("data", {}):
         found.append(
             "assistant_only_loss false (TRL's default): TRL trains every token of a conversation, where rayft "

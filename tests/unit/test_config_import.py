@@ -4,6 +4,7 @@ settings, key by key."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -68,7 +69,7 @@ def test_a_flattened_fsdp1_file_and_its_sharding_strategy():
     ("text", "expected"),
     [
         ("num_processes: 4\nnum_machines: 2\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
-         {"ray": {"num_workers": 4, "placement_strategy": "SPREAD"},
+         {"ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "STRICT_SPREAD"},
           "fsdp": {"reshard_after_forward": True, "shard_size": 2}}),
         ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: 'no'\n",
          {"ray": {"num_workers": 2, "placement_strategy": "PACK"}, "fsdp": {"shard_size": 1},
@@ -145,8 +146,8 @@ FULL = {**MINIMAL, "learning_rate": 1e-4, "gradient_accumulation_steps": 4, "per
         "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.01, "num_train_epochs": 2,
         "max_steps": 300, "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 3,
         "logging_steps": 5, "seed": 7, "max_grad_norm": 0.5, "optim": "adamw_torch", "gradient_checkpointing": False,
-        "max_length": 512, "packing": True, "dataset_text_field": "content", "lora_r": 8, "lora_alpha": 16,
-        "lora_dropout": 0.1, "use_rslora": True, "dtype": "bfloat16"}  # fmt: skip
+        "max_length": 512, "packing": True, "packing_strategy": "wrapped", "dataset_text_field": "content",
+        "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "use_rslora": True, "dtype": "bfloat16"}  # fmt: skip
 
 
 def _plain(value):
@@ -214,3 +215,47 @@ def test_what_rayft_would_train_otherwise_than_trl_is_refused_or_listed(tmp_path
     assert result.rc == 0, result.err
     listed = [line for line in out.read_text().splitlines() if line.startswith("# note: differs from TRL:")]
     assert len(listed) == 6, out.read_text()
+
+
+def test_machines_become_nodes_of_workers_and_hsdp_becomes_shard_size(tmp_path):
+    """2 machines × 8 processes: two nodes of 8 workers (one pod each, its GPUs on one NVLink), not 16 one-GPU
+    pods; accelerate's HSDP mesh (dp_replicate 2 × dp_shard 8) is fsdp.shard_size 8."""
+    path = tmp_path / "acc.yaml"
+    path.write_text(
+        "num_processes: 16\nnum_machines: 2\nparallelism_config:\n"
+        "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 8\n"
+    )
+    raw, _ = convert(str(path))
+    assert raw["ray"] == {"num_workers": 16, "workers_per_node": 8, "placement_strategy": "STRICT_SPREAD"}
+    assert raw["fsdp"]["shard_size"] == 8
+    cfg = Config.from_dict(raw)
+    assert cfg.ray.nodes == 2 and cfg.ray.ray_placement_strategy() == "PACK"
+
+
+def test_a_mesh_rayft_does_not_have_is_refused(tmp_path):
+    path = tmp_path / "acc.yaml"
+    path.write_text("num_processes: 8\nparallelism_config:\n  parallelism_config_tp_size: 2\n")
+    with pytest.raises(ConfigError, match="parallelism_config tp_size 2: rayft shards with FSDP2"):
+        convert(str(path))
+
+
+@pytest.mark.parametrize(
+    ("trl_text", "needle"),
+    [
+        ("packing: true\n", "packing_strategy bfd: TRL places whole examples in rows"),
+        ("packing: true\npacking_strategy: bfd_split\n", "packing_strategy bfd_split"),
+        ("eos_token: <|im_end|>\n", "eos_token: TRL ends each example with this token"),
+    ],
+    ids=["bfd", "bfd_split", "eos_token"],
+)
+def test_trl_packing_and_eos_that_rayft_does_otherwise_are_differences(tmp_path, trl_text, needle):
+    acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
+    acc.write_text("num_processes: 2\nmixed_precision: bf16\n")
+    trl.write_text("use_peft: true\nlora_target_modules: [q_proj]\nassistant_only_loss: true\n" + trl_text)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        convert(str(acc), str(trl))
+    notes = convert(str(acc), str(trl), accept_differences=True)[1]
+    assert any(needle in n for n in notes), notes
+    wrapped = "use_peft: true\nlora_target_modules: [q_proj]\nassistant_only_loss: true\npacking: true\n"
+    trl.write_text(wrapped + "packing_strategy: wrapped\n")
+    assert not any("packing" in n for n in convert(str(acc), str(trl))[1])
