@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from rayft.config import Config, ConfigError, DataConfig, template_fields
-from rayft.data.chat import ChatRefused, chat_tokens
+from rayft.data.chat import ChatRefused, as_messages, chat_tokens
 
 # Why a record was skipped, in the order the driver reports them.
 SKIPS = ("empty", "missing_field", "not_text", "not_utf8", "bad_json", "chat_template", "too_long", "no_completion")
@@ -24,6 +24,7 @@ SKIPS = ("empty", "missing_field", "not_text", "not_utf8", "bad_json", "chat_tem
 Segments = list[tuple[str | list[int], bool]]
 # Fields every preference record has (the prompt may be implicit: the common start of both).
 PREFERENCE_FIELDS = ("chosen", "rejected")
+SHAREGPT_FIELD = "conversations"  # ShareGPT's turns ({from, value}), read as the messages where records have none
 # A top-level wikitext heading (" = Title = "), which starts an article; " = = Section = = " does not.
 WIKITEXT_TITLE = re.compile(r"^ ?= [^=].*[^=] = ?$")
 
@@ -43,10 +44,15 @@ class RecordFormat:
 
 def record_fields(data: DataConfig) -> list[str]:
     """Every field the record format may read: what the scan of a JSON split looks for beyond its first records."""
-    fields = [data.text_field, data.messages_field, "prompt", data.completion_field, *PREFERENCE_FIELDS]
+    fields = [data.text_field, data.messages_field, SHAREGPT_FIELD, "prompt", data.completion_field, *PREFERENCE_FIELDS]
     if data.prompt_template is not None:
         fields += template_fields(data.prompt_template)
     return list(dict.fromkeys(fields))
+
+
+def messages_field(data: DataConfig, fields: Collection[str]) -> str:
+    """`data.messages_field`, or ShareGPT's `conversations` where records lack the former and hold the latter."""
+    return SHAREGPT_FIELD if data.messages_field not in fields and SHAREGPT_FIELD in fields else data.messages_field
 
 
 def auto_kind(fields: Collection[str], data: DataConfig) -> str:
@@ -55,7 +61,7 @@ def auto_kind(fields: Collection[str], data: DataConfig) -> str:
         return "preference"
     if data.prompt_template is not None:
         return "prompt_completion"
-    if data.messages_field in fields:
+    if messages_field(data, fields) in fields:
         return "messages"
     if "prompt" in fields and data.completion_field in fields:
         return "prompt_completion"
@@ -82,7 +88,7 @@ def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFor
     elif kind == "preference":
         needed = {name: "data.format" for name in PREFERENCE_FIELDS}
     elif kind == "messages":
-        needed = {data.messages_field: "data.messages_field"}
+        needed = {messages_field(data, columns): "data.messages_field"}
     else:
         prompt_fields = template_fields(data.prompt_template) if data.prompt_template else ["prompt"]
         needed = {name: "data.prompt_template" for name in prompt_fields}
@@ -105,7 +111,7 @@ def record_format(data: DataConfig, columns: list[str], where: str) -> RecordFor
         text_field=data.text_field,
         prompt_template=data.prompt_template,
         completion_field=data.completion_field,
-        messages_field=data.messages_field,
+        messages_field=messages_field(data, columns),
         completion_only=kind != "text" if data.completion_only_loss is None else data.completion_only_loss,
         join_wikitext_articles=data.join_wikitext_articles,
     )
@@ -154,11 +160,11 @@ def chat_conversation(record: Any, fmt: RecordFormat) -> tuple[list[dict[str, An
     if not isinstance(record, dict):
         return None
     if fmt.kind == "messages":
-        messages = record.get(fmt.messages_field)
-        return (messages, 0) if _is_chat(messages) else None
+        messages = as_messages(record.get(fmt.messages_field))
+        return (messages, 0) if messages is not None else None
     if fmt.kind == "prompt_completion" and fmt.prompt_template is None:
-        prompt, completion = record.get("prompt"), record.get(fmt.completion_field)
-        if _is_chat(prompt) and _is_chat(completion):
+        prompt, completion = as_messages(record.get("prompt")), as_messages(record.get(fmt.completion_field))
+        if prompt is not None and completion is not None:
             return [*prompt, *completion], len(prompt)
     return None
 
