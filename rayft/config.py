@@ -74,6 +74,8 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
+SEED_DATASET_CONFIG = "wikitext-2-raw-v1"  # the seed recipe's wikitext configuration: the default
+
 # Ranges most keys share.
 Count = Annotated[Integer, Ge(1)]  # steps, sizes, workers
 Share = Annotated[Number, Ge(0), Lt(1)]  # a part of a whole, less than all of it
@@ -201,7 +203,8 @@ class DataConfig(Section):
     dataset_name_or_path: Text = "/data/input/Datasets/wikitext"
     # Branch, tag or commit of a hub dataset; null = main.
     revision: Text | None = None
-    dataset_config_name: Text | None = "wikitext-2-raw-v1"
+    # The configuration (a folder of a local dataset directory) to read; the default is the seed recipe's.
+    dataset_config_name: Text | None = SEED_DATASET_CONFIG
     text_field: Text = "text"
     train_split: Text = "train"
     # The split evaluated; where the dataset lacks the default, `validation`, and has `test` (TRL's default), that.
@@ -334,6 +337,25 @@ class TrainConfig(Section):
     ddp_find_unused_parameters: Flag = False
     # sft: next-token loss on the records; dpo: preference tuning on chosen/rejected pairs (the `dpo` section).
     objective: Literal["sft", "dpo"] = "sft"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resume_as_transformers_writes_it(cls, values: Any) -> Any:
+        """`resume_from_checkpoint: true` is how transformers' Trainer is told to continue: answered with rayft's
+        spelling rather than with the field's type."""
+        flag = values.get("resume_from_checkpoint") if isinstance(values, dict) else None
+        if isinstance(flag, bool):
+            refuse_value(
+                "train",
+                "resume_from_checkpoint",
+                f"train.resume_from_checkpoint: {str(flag).lower()} is transformers' spelling; rayft's is "
+                + (
+                    "'latest' (continue this run from its latest checkpoint)"
+                    if flag
+                    else "null (a run with checkpoints in its storage continues from them on its own)"
+                ),
+            )
+        return values
 
     @property
     def best_metric(self) -> tuple[str, str] | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from rayft.config import DEFAULT_VAL_SPLIT, ConfigError, DataConfig
+from rayft.config import DEFAULT_VAL_SPLIT, SEED_DATASET_CONFIG, ConfigError, DataConfig
 from rayft.data.files import (
     SNIFF_BYTES,
     DecodeBudget,
@@ -125,6 +125,7 @@ class SplitSource:
 
 def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
     """Return (train, validation); validation is None when the dataset has no such split."""
+    _check_config_name(data)
     spec = data.dataset_name_or_path
     if GLOB_CHARS.search(spec):
         matches = sorted(Path(p) for p in glob.glob(str(Path(spec).expanduser()), recursive=True))
@@ -176,6 +177,29 @@ def resolve_splits(data: DataConfig) -> tuple[SplitSource, SplitSource | None]:
         f"{data.train_split}-*.parquet / {data.train_split}.jsonl / {data.train_split}/*.txt in {looked}); "
         "check data.dataset_config_name and data.train_split"
     )
+
+
+def _check_config_name(data: DataConfig) -> None:
+    """`data.dataset_config_name` picks a folder of a local dataset directory (or a hub dataset's configuration):
+    named for a single file, a glob, or a folder the directory lacks, it would be ignored without a word."""
+    name, spec = data.dataset_config_name, data.dataset_name_or_path
+    root = Path(spec).expanduser()
+    if name in (None, SEED_DATASET_CONFIG):  # the default applies where the folder is, and is silent elsewhere
+        return
+    if GLOB_CHARS.search(spec) or root.is_file():
+        what = "a file pattern" if GLOB_CHARS.search(spec) else "a single file"
+        raise ConfigError(
+            f"data.dataset_config_name {name!r}: data.dataset_name_or_path {spec} is {what}, which has no "
+            "configurations; leave data.dataset_config_name out"
+        )
+    saved = (root / "dataset_dict.json").is_file() or (root / "state.json").is_file()
+    if root.is_dir() and not saved and not (root / name).is_dir():
+        folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise ConfigError(
+            f"data.dataset_config_name {name!r}: {root} has no folder {name} (its folders: "
+            f"{', '.join(folders) or 'none'}); name one of them, or leave data.dataset_config_name out to read the "
+            "files at its top"
+        )
 
 
 def _search_roots(root: Path, config_name: str | None) -> list[Path]:

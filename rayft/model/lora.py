@@ -112,11 +112,28 @@ def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
         )
     if lora.target_experts and not targets.parameters:
         raise ConfigError(f"lora.target_experts: true but {targets.architecture} has no fused expert parameters")
+    _refuse_expert_names(targets, bool(expert_parameters(model)))
     if not targets.modules:
         raise ConfigError(
             f"lora.target_modules {names} match no module of {targets.architecture}; {layer_names(model)}"
         )
     return targets
+
+
+# Names of routed experts' weights in other layouts (Mixtral's w1/w2/w3, per-expert projections).
+EXPERT_NAMES = ("w1", "w2", "w3", "experts", "gate_up_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _refuse_expert_names(targets: LoraTargets, moe: bool) -> None:
+    """An MoE model's routed experts are fused 3D parameters, not modules: a target naming their weights matches
+    nothing, and LoRA would quietly leave the experts out."""
+    named = [n for n in targets.unmatched if n in EXPERT_NAMES]
+    if moe and named:
+        raise ConfigError(
+            f"lora.target_modules: {', '.join(named)} name routed experts' weights, which {targets.architecture} "
+            f"holds as fused parameters ({', '.join(EXPERT_WEIGHTS)} of each mlp.experts), not modules; set "
+            "lora.target_experts: true to adapt the experts, and drop these names"
+        )
 
 
 def modules_to_save(model: nn.Module, lora: LoraConfig) -> list[str]:

@@ -157,6 +157,19 @@ def test_unknown_targets_list_linear_layers_apart_from_embeddings(fixtures: Fixt
     assert "its embeddings: embed_tokens" in str(error.value)
 
 
+def test_expert_weight_names_point_at_target_experts(tmp_path):
+    """Mixtral's experts were w1/w2/w3 modules; in transformers 5 they are fused parameters, so those names matched
+    nothing and LoRA went on the attention alone, with a warning at most."""
+    from fixtures.moe_families import tiny_moe_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_moe_config("mixtral"))
+    with pytest.raises(ConfigError, match=r"w1, w2, w3 name routed experts' weights.*lora.target_experts: true"):
+        resolve_targets(model, LoraConfig(target_modules=["q_proj", "w1", "w2", "w3"]))
+    assert resolve_targets(model, LoraConfig(target_modules=["q_proj"], lora_dropout=0.0)).modules
+
+
 COMBINED = {"target_modules": ["all-linear"], "use_dora": True, "use_rslora": True,
             "modules_to_save": ["lm_head", "embed_tokens"], "lora_dropout": 0.0}  # fmt: skip
 

@@ -105,6 +105,19 @@ def test_bad_sources_name_the_path_split_or_field(fixtures: Fixtures, tmp_path):
         record_format(DataConfig(prompt_template="Q: {question}\nA:", completion_field="answer"), ["question"], "x")
 
 
+def test_a_dataset_config_name_that_would_be_ignored_is_refused(fixtures: Fixtures, tmp_path):
+    """A configuration named for a single file, a file pattern, or a folder the dataset directory lacks was ignored
+    without a word; the default (the seed's wikitext configuration) stays silent where it does not apply."""
+    single = tmp_path / "train.jsonl"
+    single.write_text('{"text": "a"}\n')
+    for spec, needle in ((single, "is a single file"), (tmp_path / "*.jsonl", "is a file pattern")):
+        with pytest.raises(ConfigError, match=f"data.dataset_config_name 'chats': .*{needle}"):
+            resolve_splits(DataConfig(dataset_name_or_path=str(spec), dataset_config_name="chats"))
+    with pytest.raises(ConfigError, match=r"has no folder chats \(its folders: wikitext-2-raw-v1\)"):
+        resolve_splits(DataConfig(dataset_name_or_path=str(fixtures.dataset), dataset_config_name="chats"))
+    assert list(resolve_splits(DataConfig(dataset_name_or_path=str(single)))[0].paths) == [str(single)]
+
+
 def test_offline_hub_name_says_to_download_first(monkeypatch):
     import datasets
     import huggingface_hub

@@ -28,6 +28,10 @@ FILES = {
         "learning_rate: 1.0e-4\nlora:\n  r: 8\n",
         "it is train.learning_rate: write it under",
     ),
+    "transformers' resume_from_checkpoint: true": (
+        "train:\n  resume_from_checkpoint: true\n",
+        "train.resume_from_checkpoint: true is transformers' spelling; rayft's is 'latest'",
+    ),
     "accelerate file": ("distributed_type: FSDP\nnum_processes: 2\n", "this is an accelerate config"),
 }
 # command line after `rayft` → what its one line says
