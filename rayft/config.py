@@ -328,7 +328,8 @@ class TrainConfig(Section):
     # records.jsonl in the run directory: per optimizer step, a fingerprint of each sequence it trained on (an audit
     # of the data behind the adapter; one small gather a step while on).
     record_ledger: Flag = False
-    seed: Integer = 42
+    # numpy's legacy generator (Ray Data's shuffles) takes seeds in [0, 2**32): another seed fails in the workers.
+    seed: Annotated[Integer, Ge(0), Lt(2**32)] = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
     ddp_find_unused_parameters: Flag = False
     # sft: next-token loss on the records; dpo: preference tuning on chosen/rejected pairs (the `dpo` section).
@@ -351,6 +352,10 @@ class TrainConfig(Section):
                 "max_steps",
             )
             if self.max_steps < 1 and self.max_steps != -1
+            else None,
+            # without max_steps the total is known once the records are counted (`rayft.train.steps.plan_steps`)
+            broken(warmup_too_long(self.warmup_steps, f"train.max_steps {self.max_steps}"), "warmup_steps", "max_steps")
+            if 0 < self.max_steps <= self.warmup_steps
             else None,
             optimizer_problem(self.optim),
             broken("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false", "fp16")
@@ -385,6 +390,15 @@ class TrainConfig(Section):
             if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip()
             else None,
         ]
+
+
+def warmup_too_long(warmup: int, total: str) -> str:
+    """`train.warmup_steps` that leaves no step at the full learning rate (`total`: the run's steps, said where they
+    come from)."""
+    return (
+        f"train.warmup_steps {warmup} is not shorter than {total}: the learning rate would never reach "
+        "train.learning_rate; set fewer warm-up steps (or use train.warmup_ratio)"
+    )
 
 
 def optimizer_problem(name: str) -> Broken | None:
@@ -596,8 +610,13 @@ class RayConfig(Section):
             )
             if per_node > 1 and self.placement_strategy in ("SPREAD", "STRICT_PACK") and self.nodes > 1
             else None,
-            broken(f"ray.name must be a non-empty directory name, got {self.name!r}", "name")
-            if not self.name or "/" in self.name
+            broken(
+                f"ray.name must be one directory name inside the storage path, got {self.name!r}: no '/' or '\\', "
+                "not '.' or '..' (the run's checkpoints and records would land beside other runs'); e.g. "
+                f"{one_name(self.name)!r}",
+                "name",
+            )
+            if one_name(self.name) != self.name
             else None,
             broken(f"ray.num_workers [{low}, {high}]: the minimum exceeds the maximum", "num_workers", "min_workers")
             if low is not None and low > high
@@ -611,6 +630,13 @@ class RayConfig(Section):
             if low is not None and low <= high and low % per_node
             else None,
         ]
+
+
+def one_name(name: str) -> str:
+    """`name` made one directory name: its parts (split at either platform's separator) joined by `-`, without the parts
+    of dots alone (`.`, `..`); `run` where nothing is left."""
+    joined = "-".join(part for part in name.replace("\\", "/").split("/") if part.strip("."))
+    return joined or "run"
 
 
 def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
