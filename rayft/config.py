@@ -744,6 +744,18 @@ class Config(Section):
             return path
         return str(Path(path).expanduser().resolve())
 
+    def relative_paths(self) -> list[str]:
+        """`train.output_dir` and `ray.storage_path` given as relative paths, each with the directory it resolves
+        to: the working directory of the driver, which under `ray job submit --working-dir` is Ray's temporary copy
+        of that directory, not the directory the job was submitted from."""
+        return [
+            f"{key} {value!r} is relative: it resolves against the working directory, to "
+            f"{Path(value).expanduser().resolve()}; under `ray job submit --working-dir` that is Ray's temporary copy, "
+            "gone with the job: give an absolute path (a shared volume)"
+            for key, value in (("train.output_dir", self.train.output_dir), ("ray.storage_path", self.ray.storage_path))
+            if value and not is_uri(value) and not Path(value).expanduser().is_absolute()
+        ]
+
     @property
     def trackers(self) -> list[str]:
         return [name for name in self.train.report_to or [] if name != "none"]

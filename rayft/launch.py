@@ -62,6 +62,8 @@ class Outcome:
 def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     """`profile` carries the stages timed so far (the CLI's imports); the workers add theirs."""
     profile = profile or Profile()
+    for note in cfg.relative_paths():  # said before they are made absolute for the workers
+        log.warning("%s", note)
     cfg = _with_absolute_paths(cfg)
     checked = preflight(cfg, profile)
     for warning in (checked.lora.warning, *checked.warnings):
