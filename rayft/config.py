@@ -618,6 +618,13 @@ class RayConfig(Section):
             )
             if one_name(self.name) != self.name
             else None,
+            broken(
+                f"ray.resources_per_worker.GPU must be a whole number, got {gpus}: each worker is one NCCL rank with a "
+                "GPU of its own (two ranks on one GPU fail when the process group starts); set it to 1",
+                "resources_per_worker.GPU",
+            )
+            if (gpus := (self.resources_per_worker or {}).get("GPU")) is not None and not gpus.is_integer()
+            else None,
             broken(f"ray.num_workers [{low}, {high}]: the minimum exceeds the maximum", "num_workers", "min_workers")
             if low is not None and low > high
             else None,

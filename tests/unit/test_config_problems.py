@@ -175,6 +175,8 @@ CANNOT_WORK = [
     ("ray:\n  preemption_grace_s: .inf\n", 2, "ray.preemption_grace_s must be a finite number, got inf (float)"),
     ("ray:\n  resources_per_worker:\n    CPU: inf\n", 3,
      "ray.resources_per_worker.CPU must be a finite number, got inf (float)"),
+    ("ray:\n  resources_per_worker:\n    GPU: 0.5\n", 3,
+     "ray.resources_per_worker.GPU must be a whole number, got 0.5: each worker is one NCCL rank"),
     ("train:\n  seed: -1\n", 2, "train.seed must be in [0, 4294967296), got -1"),
     ("train:\n  seed: 4294967296\n", 2, "train.seed must be in [0, 4294967296), got 4294967296"),
     ("train:\n  max_steps: 10\n  warmup_steps: 10\n", 3,
