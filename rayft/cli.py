@@ -583,7 +583,14 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, held=held)
     print(f"  frozen base: {_storage(checked.structure, held, cfg.model.torch_dtype)}")
     print(f"  memory plan: {_memory_verdict(plan, where, on_gpu, args.gpu)} (rayft plan for details)")
-    for warning in [lora.warning, *checked.warnings, finished]:
+    final = Path(cfg.train.output_dir).expanduser().resolve() / "final"
+    print(f"  writes: final adapter {final}, run directory {cfg.run_uri}")
+    if cfg.train.warmup_steps > 0 and cfg.train.max_steps <= 0:
+        print(
+            f"  train.warmup_steps {cfg.train.warmup_steps}: checked against the run's steps when the job counts its "
+            "records (set train.max_steps to check it here)"
+        )
+    for warning in [lora.warning, *checked.warnings, *cfg.relative_paths(), finished]:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK

@@ -332,7 +332,8 @@ class TrainConfig(Section):
     # records.jsonl in the run directory: per optimizer step, a fingerprint of each sequence it trained on (an audit
     # of the data behind the adapter; one small gather a step while on).
     record_ledger: Flag = False
-    seed: Integer = 42
+    # numpy's legacy generator (Ray Data's shuffles) takes seeds in [0, 2**32): another seed fails in the workers.
+    seed: Annotated[Integer, Ge(0), Lt(2**32)] = 42
     # Accepted for seed compatibility; FSDP2 has no unused-parameter search.
     ddp_find_unused_parameters: Flag = False
     # sft: next-token loss on the records; dpo: preference tuning on chosen/rejected pairs (the `dpo` section).
@@ -375,6 +376,10 @@ class TrainConfig(Section):
             )
             if self.max_steps < 1 and self.max_steps != -1
             else None,
+            # without max_steps the total is known once the records are counted (`rayft.train.steps.plan_steps`)
+            broken(warmup_too_long(self.warmup_steps, f"train.max_steps {self.max_steps}"), "warmup_steps", "max_steps")
+            if 0 < self.max_steps <= self.warmup_steps
+            else None,
             optimizer_problem(self.optim),
             broken("train.fp16: true is not supported (FSDP2 + LoRA trains in bf16); set train.fp16: false", "fp16")
             if self.fp16
@@ -408,6 +413,15 @@ class TrainConfig(Section):
             if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip()
             else None,
         ]
+
+
+def warmup_too_long(warmup: int, total: str) -> str:
+    """`train.warmup_steps` that leaves no step at the full learning rate (`total`: the run's steps, said where they
+    come from)."""
+    return (
+        f"train.warmup_steps {warmup} is not shorter than {total}: the learning rate would never reach "
+        "train.learning_rate; set fewer warm-up steps (or use train.warmup_ratio)"
+    )
 
 
 def optimizer_problem(name: str) -> Broken | None:
@@ -620,8 +634,20 @@ class RayConfig(Section):
             )
             if per_node > 1 and self.placement_strategy in ("SPREAD", "STRICT_PACK") and self.nodes > 1
             else None,
-            broken(f"ray.name must be a non-empty directory name, got {self.name!r}", "name")
-            if not self.name or "/" in self.name
+            broken(
+                f"ray.name must be one directory name inside the storage path, got {self.name!r}: no '/' or '\\', "
+                "not '.' or '..' (the run's checkpoints and records would land beside other runs'); e.g. "
+                f"{one_name(self.name)!r}",
+                "name",
+            )
+            if one_name(self.name) != self.name
+            else None,
+            broken(
+                f"ray.resources_per_worker.GPU must be a whole number, got {gpus}: each worker is one NCCL rank with a "
+                "GPU of its own (two ranks on one GPU fail when the process group starts); set it to 1",
+                "resources_per_worker.GPU",
+            )
+            if (gpus := (self.resources_per_worker or {}).get("GPU")) is not None and not gpus.is_integer()
             else None,
             broken(f"ray.num_workers [{low}, {high}]: the minimum exceeds the maximum", "num_workers", "min_workers")
             if low is not None and low > high
@@ -635,6 +661,13 @@ class RayConfig(Section):
             if low is not None and low <= high and low % per_node
             else None,
         ]
+
+
+def one_name(name: str) -> str:
+    """`name` made one directory name: its parts (split at either platform's separator) joined by `-`, without the parts
+    of dots alone (`.`, `..`); `run` where nothing is left."""
+    joined = "-".join(part for part in name.replace("\\", "/").split("/") if part.strip("."))
+    return joined or "run"
 
 
 def expert_groups_follow_nodes(k: int, workers_per_node: int) -> bool:
@@ -741,6 +774,18 @@ class Config(Section):
         if is_uri(path):
             return path
         return str(Path(path).expanduser().resolve())
+
+    def relative_paths(self) -> list[str]:
+        """`train.output_dir` and `ray.storage_path` given as relative paths, each with the directory it resolves
+        to: the working directory of the driver, which under `ray job submit --working-dir` is Ray's temporary copy
+        of that directory, not the directory the job was submitted from."""
+        return [
+            f"{key} {value!r} is relative: it resolves against the working directory, to "
+            f"{Path(value).expanduser().resolve()}; under `ray job submit --working-dir` that is Ray's temporary copy, "
+            "gone with the job: give an absolute path (a shared volume)"
+            for key, value in (("train.output_dir", self.train.output_dir), ("ray.storage_path", self.ray.storage_path))
+            if value and not is_uri(value) and not Path(value).expanduser().is_absolute()
+        ]
 
     @property
     def trackers(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import ray
 import ray.train
+from ray.train import TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft import environment, ray_private
@@ -51,6 +52,11 @@ HEALTH_CHECK_ENV, LOCAL_HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0
 DASHBOARD_PORT = 8265  # Ray's default dashboard port, kept for a private local Ray when free
 
 
+class TrainingStopped(TrainingFailedError):
+    """The workers stopped the run themselves (a non-finite loss, gradient norm or weights): the one-line reason
+    rank 0 recorded, a failed run (exit 1) that Ray was not asked to retry."""
+
+
 @dataclass
 class Outcome:
     final_adapter: Path
@@ -62,6 +68,8 @@ class Outcome:
 def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     """`profile` carries the stages timed so far (the CLI's imports); the workers add theirs."""
     profile = profile or Profile()
+    for note in cfg.relative_paths():  # said before they are made absolute for the workers
+        log.warning("%s", note)
     cfg = _with_absolute_paths(cfg)
     checked = preflight(cfg, profile)
     for warning in (checked.lora.warning, *checked.warnings):
@@ -109,6 +117,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         raise KeyboardInterrupt(f"{run.uri} keeps its checkpoints; the same command continues the run") from e
     finally:
         _plot_losses(run)
+    _raise_if_stopped(run)
     final = Path(cfg.train.output_dir) / "final"
     if cfg.train.load_best_model_at_end and best and result.best_checkpoints:
         _install_best(result.best_checkpoints, best, final)
@@ -366,6 +375,14 @@ def _finished(cfg: Config, run: RunDir, total_steps: int) -> Outcome | None:
         latest_checkpoint=join(run.uri, found[max(found)]) if found else None,
         metrics=_last_metrics(run),
     )
+
+
+def _raise_if_stopped(run: RunDir) -> None:
+    """A run whose workers stopped it (`rayft.train.finite`) ends with their reason, the last row of its record:
+    rows after a resumed checkpoint are dropped when the run goes on, so an older stop is never read as this one's."""
+    rows = run.read_metrics()
+    if rows and isinstance(rows[-1].get("stopped"), str):
+        raise TrainingStopped(rows[-1]["stopped"])
 
 
 def _last_metrics(run: RunDir) -> dict[str, Any]:

@@ -21,7 +21,16 @@ from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 import pydantic.dataclasses
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    AllowInfNan,
+    BeforeValidator,
+    ConfigDict,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from rayft.trl_names import trl_hint
@@ -77,10 +86,11 @@ def _keys_as_text(value: Any) -> Any:
 
 
 # The field types. Strict: pydantic's lax mode would also read "yes" or 1 as true and "5" as an integer, which
-# rayft refuses; each BeforeValidator admits one lenient form that YAML produces.
+# rayft refuses; each BeforeValidator admits one lenient form that YAML produces. A number is finite: YAML reads
+# `.inf` and `.nan` (and rayft `inf`) as floats, which pass every range with no upper bound and break the run later.
 Flag = Annotated[bool, Strict()]
 Integer = Annotated[int, Strict(), BeforeValidator(_integral)]
-Number = Annotated[float, Strict(), BeforeValidator(_parsed_number)]
+Number = Annotated[float, Strict(), AllowInfNan(False), BeforeValidator(_parsed_number)]
 Text = Annotated[str, Strict(), BeforeValidator(_number_as_text)]
 _T = TypeVar("_T")
 Listed = Annotated[list[_T], Strict(), BeforeValidator(_one_as_list)]
@@ -305,6 +315,7 @@ EXPECTED = {
     "int_type": "an integer",
     "int_from_float": "an integer",
     "float_type": "a number",
+    "finite_number": "a finite number",
     "string_type": "a string",
     "list_type": "a list",
     "dict_type": "a mapping",

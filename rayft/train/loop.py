@@ -31,11 +31,12 @@ from rayft.train import metrics as measured
 from rayft.train import reference, sinks
 from rayft.train.checkpoint import CheckpointManager, TrainState, load_adapter_weights, publish_adapter
 from rayft.train.checkpoint_dir import Progress
+from rayft.train.finite import NonFinite
 from rayft.train.job import EvalJob, Job
 from rayft.train.ledger import RecordLedger
 from rayft.train.metrics import LossWindow, ProgressLog
 from rayft.train.objectives import Objective, build_objective
-from rayft.train.rundir import EVAL_RESULT, RunDir
+from rayft.train.rundir import EVAL_RESULT, RunDir, checkpoint_dir_name, join
 from rayft.train.runtime import RayRuntime, Runtime, Shard
 from rayft.train.schedule import build_optimizer, build_scheduler
 from rayft.train.sinks import Gauges
@@ -53,9 +54,14 @@ log = logging.getLogger("rayft")
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """One Ray Train worker's run: set up from the job with what Ray provides, train, save what is left, publish."""
+    """One Ray Train worker's run: set up from the job with what Ray provides, train, save what is left, publish.
+    A run stopped by a non-finite step ends here without an error: Ray would retry it from its last checkpoint into
+    the same divergence; rank 0 recorded why in metrics.jsonl, and the driver reports it (`rayft.launch`)."""
     entered = time.time()
-    run(loop_config["job"], RayRuntime(), entered)
+    try:
+        run(loop_config["job"], RayRuntime(), entered)
+    except NonFinite:
+        return
 
 
 def run(job: Job, runtime: Runtime, entered: float | None = None) -> Trainer:
@@ -228,6 +234,7 @@ class Trainer:
                 self.profile = None  # done with
             progress = state.progress
             progress.step, progress.batches_in_epoch = progress.step + 1, group.last + 1
+            self.window.note_step(progress.step, grad_norm)
             if self.ledger is not None:
                 self.ledger.add(progress.step, progress.epoch, group.batches)
             self._after_step(progress, group.last, grad_norm)
@@ -245,6 +252,8 @@ class Trainer:
         )
         if metrics:
             metrics.update(self.objective.window_metrics())
+        if self.window.non_finite is not None:  # read with the window's metrics: no wait of its own
+            self._stop(progress, self.window.non_finite, metrics)
         if self.val_shard is not None and self.cadence.evaluation_due(progress, micro):
             with window.paused():  # evaluating and saving are not training: out of the window's time
                 metrics.update(self.evaluate())
@@ -290,7 +299,9 @@ class Trainer:
         )
 
     def _save(self, metrics: dict[str, Any]) -> None:
-        """Every checkpoint carries the score Ray ranks it by: evaluated now where this step had none."""
+        """Every checkpoint carries the score Ray ranks it by: evaluated now where this step had none. Only finite
+        weights are saved."""
+        self._stop_unless_finite(metrics)
         best = self.job.best_metric
         if best and best not in metrics:
             metrics[best] = self.evaluate()[best]
@@ -310,9 +321,41 @@ class Trainer:
         if self.ledger is not None:
             self.ledger.write()
         final_dir = Path(self.cfg.train.output_dir) / "final"
+        self._stop_unless_finite({})
         publish_adapter(self.state.model, final_dir, self.tokenizer)
         if self.progress_log is not None:
             log.info("final adapter written to %s", final_dir)
+
+    def _stop_unless_finite(self, metrics: dict[str, Any]) -> None:
+        """Before anything is written from the weights: every step so far had a finite loss and gradient norm, and
+        the trainable weights are finite now (one all-reduce; saving waits on the ranks anyway)."""
+        progress, watch = self.state.progress, self.window.finite
+        watch.note_weights(progress.step, (p for p in self.state.model.parameters() if p.requires_grad))
+        verdict = watch.checked()
+        if verdict is not None:
+            self._stop(progress, verdict, metrics)
+
+    def _stop(self, progress: Progress, verdict: tuple[int, str], metrics: dict[str, Any]) -> None:
+        """End the run on every rank (each has the same verdict): rank 0 records why in metrics.jsonl, with this
+        step's metrics where it has them; no checkpoint or final adapter is written from here on."""
+        first, what = verdict
+        saved = self.checkpoints.last_saved
+        kept = (
+            f"the last checkpoint, saved before it: {join(self.cfg.run_uri, checkpoint_dir_name(saved))}"
+            if saved > 0
+            else "no checkpoint was saved before it"
+        )
+        reason = (
+            f"training stopped at step {progress.step}: {what} {'were' if ' and ' in what else 'was'} not finite from "
+            f"step {first} (train.learning_rate {self.cfg.train.learning_rate:g}); "
+            f"{Path(self.cfg.train.output_dir) / 'final'} not written; {kept}; lower train.learning_rate or look at "
+            f"the records of step {first}"
+        )
+        if self.progress_log is not None:
+            metrics.update(step=progress.step, epoch=_epoch_position(progress, self.plan), stopped=reason)
+            self.progress_log.record(metrics, self.checkpoints.stall_s)
+            log.error("%s", reason)
+        raise NonFinite(reason)
 
     def close(self, failed: bool = False) -> None:
         """What the run holds open, closed on every path and by this rank alone (no collective: after a failure the

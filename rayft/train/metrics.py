@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rayft.model.flops import FlopModel, mfu
 from rayft.parallel.tally import KINDS, TALLIED
+from rayft.train.finite import FiniteWatch, found
 from rayft.train.sinks import Gauges, Trackers
 
 if TYPE_CHECKING:
@@ -122,7 +123,10 @@ class LossWindow:
 
     The clock starts with the first training step (`run`), so set-up, resume and the first batch's wait stay out of
     the first window, and stops while the loop evaluates or saves (`paused`): tokens/s, step time and MFU measure
-    training alone. Each window's memory peaks are its own (`reset_peaks` where it starts)."""
+    training alone. Each window's memory peaks are its own (`reset_peaks` where it starts).
+
+    It also watches that each step's loss and gradient norm are finite (`rayft.train.finite`), read with the
+    window's own reductions: `non_finite` is the earliest step that was not, as of the last `take`."""
 
     def __init__(self, device: torch.device, world_size: int, flops: FlopModel, peak: float | None):
         self.device, self.world_size, self.flops, self.peak = device, world_size, flops, peak
@@ -130,6 +134,8 @@ class LossWindow:
         self.one, self.zero = (torch.tensor(v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
         self.clock, self.steps = Stopwatch(), 0
         self.moved = dict.fromkeys(TALLIED, 0)  # this rank's collective bytes in the window (host ints, no sync)
+        self.finite = FiniteWatch(device)
+        self.non_finite: tuple[int, str] | None = None  # (step, what) over all ranks, as of the last `take`
 
     def run(self) -> None:
         """A training step begins: the first one starts the clock, and the first window's memory peaks."""
@@ -153,6 +159,11 @@ class LossWindow:
         self.sums += torch.stack([loss.double(), step, tokens.double(), keys.double()])
         self.steps += last_of_step
 
+    def note_step(self, step: int, grad_norm: torch.Tensor) -> None:
+        """Optimizer step `step` is done (its micro-batches `add`ed): whether its loss and gradient norm are finite,
+        on the device. The window's loss sum stands for the step's: it stays non-finite from a non-finite term on."""
+        self.finite.note(step, self.sums[0], grad_norm)
+
     def add_moved(self, moved: dict[str, int]) -> None:
         """One optimizer step's collective bytes (`rayft.parallel.tally.TALLY.take()`)."""
         for kind, nbytes in moved.items():
@@ -166,8 +177,10 @@ class LossWindow:
         moved = torch.tensor([self.moved[kind] for kind in TALLIED], dtype=torch.float64, device=self.device)
         totals = torch.cat([self.sums, moved])
         dist.all_reduce(totals)
-        waits = self.sums.new_tensor([data_wait_s])
+        waits = torch.cat([self.sums.new_tensor([data_wait_s]), self.finite.for_max()])
         dist.all_reduce(waits, op=dist.ReduceOp.MAX)
+        data_wait, *negated = waits.tolist()
+        self.non_finite = found([-v for v in negated])
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         steps = self.steps
         self.sums.zero_()
@@ -179,7 +192,7 @@ class LossWindow:
             "grad_norm": norm.item(),
             "tokens_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed / max(steps, 1),
-            "data_wait_share": waits.item() / elapsed if elapsed > 0 else 0.0,
+            "data_wait_share": data_wait / elapsed if elapsed > 0 else 0.0,
             **moved_per_step(totals[4:].tolist(), self.world_size, steps),
         }
         keys_per_token = totals[3].item() / totals[2].item() if totals[2].item() > 0 else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from rayft.config import Config, ConfigError
+from rayft.config import Config, ConfigError, warmup_too_long
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,15 @@ def _global_plan(cfg: Config, train_rows: int, validation_rows: int, world_size:
 def _plan(cfg: Config, world_size: int, train_rows: int, validation_rows: int, micro: int, steps: int) -> StepPlan:
     t = cfg.train
     total = t.max_steps if t.max_steps > 0 else steps * t.num_train_epochs
+    if 0 < total <= t.warmup_steps:  # with max_steps the config refused it; the records' count is known only here
+        raise ConfigError(
+            warmup_too_long(
+                t.warmup_steps,
+                f"the run's {total} steps ({t.num_train_epochs} epoch(s) of {steps}: {train_rows:,} training examples, "
+                f"{world_size} workers × {t.per_device_train_batch_size} per device × "
+                f"{t.gradient_accumulation_steps} accumulation)",
+            )
+        )
     warmup = t.warmup_steps if t.warmup_steps > 0 else math.ceil(t.warmup_ratio * total)
     return StepPlan(
         world_size=world_size,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import REPO, CliResult, Fixtures, run_cli, tiny_config, write_yaml
 
 
@@ -38,6 +39,9 @@ CASES = {
     "wrong type": (["train.num_train_epochs=many"], "train.num_train_epochs must be an integer"),
     "negative learning rate": (["train.learning_rate=-0.001"], "train.learning_rate must be > 0"),
     "zero peak": (["train.peak_tflops=0"], "train.peak_tflops must be > 0"),
+    "infinite learning rate": (["train.learning_rate=inf"], "train.learning_rate must be a finite number, got inf"),
+    "negative seed": (["train.seed=-1"], "train.seed must be in [0, 4294967296), got -1"),
+    "run name out of its folder": (["ray.name=.."], "ray.name must be one directory name inside the storage path"),
     "zero workers": (["ray.num_workers=0"], "ray.num_workers must be >= 1"),
     "unknown scheduler": (["train.lr_scheduler_type=cosine_annealing"], "train.lr_scheduler_type"),
     "missing model path": (["model.model_name_or_path=/nonexistent/model"], "/nonexistent/model does not exist"),
@@ -138,6 +142,28 @@ def test_seed_config_validates_only_where_its_paths_exist(fixtures: Fixtures, tm
     assert result.rc == 0, result.err
     for line in ("config ok", "train data: split 'train'", "records: text", "LoRA modules:", "memory plan:"):
         assert line in result.out, result.out
+
+
+def test_validate_names_where_the_run_writes_and_what_a_relative_path_resolves_against(
+    good_config, tmp_path, monkeypatch, capsys
+):
+    """The final adapter and the run directory as the job will resolve them; a relative output_dir or storage_path
+    is named as relative with the directory it resolves to (under `ray job submit --working-dir`, Ray's temporary
+    copy). The expected paths are built here from the working directory the test sets."""
+    result = _validate(capsys, good_config)
+    out = yaml.safe_load(good_config.read_text())["train"]["output_dir"]
+    assert f"  writes: final adapter {out}/final, run directory {out}/ray_run" in result.out, result.out
+    assert "is relative" not in result.err
+    monkeypatch.chdir(tmp_path)
+    result = _validate(capsys, good_config, "train.output_dir=out", "ray.storage_path=runs", "ray.name=trial")
+    assert result.rc == 0, result.err
+    assert f"  writes: final adapter {tmp_path}/out/final, run directory {tmp_path}/runs/trial" in result.out
+    for key, value in (("train.output_dir", "out"), ("ray.storage_path", "runs")):
+        note = f"{key} '{value}' is relative: it resolves against the working directory, to {tmp_path}/{value};"
+        assert f"rayft: warning: {note}" in result.err, result.err
+    result = _validate(capsys, good_config, "train.warmup_steps=3")
+    assert "train.warmup_steps 3: checked against the run's steps when the job counts its records" in result.out
+    assert "train.warmup_steps" not in _validate(capsys, good_config, "train.max_steps=4", "train.warmup_steps=3").out
 
 
 def test_strict_spread_on_a_one_node_local_cluster_is_refused_not_hung(good_config):

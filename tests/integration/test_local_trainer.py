@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import tempfile
 import time
@@ -116,6 +117,57 @@ def test_a_drain_notice_without_a_deadline_saves_at_once_and_says_so(fixtures: F
         "preemption notice at step 1: node(s) node-c (ranks [0]) draining, no deadline given; checkpoint-000001 "
         "holds the run" in run.text()
     ), run.text()[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("logging_steps", "save_steps"), [(1, 1), (100, 2)], ids=["seen in the logged window", "seen before a save"]
+)
+def test_a_diverging_run_stops_at_the_step_keeps_its_last_finite_checkpoint_and_writes_no_final_adapter(
+    fixtures: Fixtures, tmp_path: Path, logging_steps: int, save_steps: int
+):
+    """A learning rate of 1e30 (finite: the config takes it) makes the weights overflow within a few steps. The run
+    stops with one line naming the step where the loss or gradient norm stopped being finite, found with the window's
+    metrics (logging every step) or in the reduction before a save (logging only at the end); it writes no
+    checkpoint after that step and no final adapter. The expected step is read from the run's own record: the rows
+    logged, and the saved weights, not from the loop's verdict."""
+    cfg = checkpointing_config(
+        fixtures, tmp_path, train__learning_rate=1e30, train__logging_steps=logging_steps,
+        train__save_steps=save_steps, train__max_steps=10, train__load_best_model_at_end=False,
+        train__eval_strategy="no",
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"training stopped at step \d+") as err:
+        train_locally(cfg, 2)
+    (reason,) = re.findall(r"NonFinite: (training stopped at step .*)", str(err.value))
+    print(reason)
+    out, run_dir = tmp_path, tmp_path / "ray_run"
+    assert not (out / "final").exists()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["stopped"] == reason and "\n" not in reason
+    stopped_at = rows[-1]["step"]
+    saved = sorted(int(p.name.removeprefix("checkpoint-")) for p in run_dir.glob("checkpoint-*"))
+    for step in saved:  # every checkpoint kept holds finite weights, and all come before the stop
+        adapter = load_file(run_dir / f"checkpoint-{step:06d}" / "adapter" / "adapter_model.safetensors")
+        assert adapter and all(t.isfinite().all() for t in adapter.values()) and step < stopped_at, step
+    if logging_steps == 1:  # every step logged: the rows before are finite, the last is not
+        assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows[:-1]), rows
+        assert not (math.isfinite(rows[-1]["loss"]) and math.isfinite(rows[-1]["grad_norm"])), rows[-1]
+        assert f"not finite from step {stopped_at} " in reason
+    assert f"at step {stopped_at}:" in reason and "train.learning_rate 1e+30" in reason
+    if saved:
+        assert f"the last checkpoint, saved before it: {run_dir}/checkpoint-{saved[-1]:06d};" in reason, reason
+    else:
+        assert "no checkpoint was saved before it" in reason
+    first = int(re.search(r"not finite from step (\d+) ", reason)[1])
+    assert (saved[-1] if saved else 0) < first <= stopped_at, reason
+    assert f"{out / 'final'} not written" in reason
+    # What the driver makes of the record the workers left (they end without an error, so Ray does not retry the
+    # run into the same divergence): the reason, as the failed run's one line.
+    from rayft.launch import TrainingStopped, _raise_if_stopped
+    from rayft.train.rundir import RunDir
+
+    with pytest.raises(TrainingStopped) as stopped:
+        _raise_if_stopped(RunDir(str(run_dir)))
+    assert str(stopped.value) == reason
 
 
 def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(fixtures: Fixtures, tmp_path: Path):

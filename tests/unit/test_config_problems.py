@@ -201,3 +201,61 @@ def test_every_key_given_a_value_of_any_kind_is_answered_as_a_config_problem():
                 except Exception as e:  # what the test is for: anything but a ConfigError
                     crashes.append(f"{dotted}: {value!r}: {type(e).__name__}: {str(e).splitlines()[0]}")
     assert crashes == []
+
+
+# Values of the right type that cannot work: each refused in one line at its file line, naming the key. The
+# expected messages are written out here, not derived from the config's code.
+CANNOT_WORK = [
+    ("train:\n  learning_rate: inf\n", 2, "train.learning_rate must be a finite number, got inf (float)"),
+    ("train:\n  learning_rate: .inf\n", 2, "train.learning_rate must be a finite number, got inf (float)"),
+    ("train:\n  learning_rate: .nan\n", 2, "train.learning_rate must be a finite number, got nan (float)"),
+    ("train:\n  weight_decay: inf\n", 2, "train.weight_decay must be a finite number, got inf (float)"),
+    ("train:\n  max_grad_norm: .inf\n", 2, "train.max_grad_norm must be a finite number, got inf (float)"),
+    ("train:\n  peak_tflops: inf\n", 2, "train.peak_tflops must be a finite number, got inf (float)"),
+    ("lora:\n  lora_dropout: nan\n", 2, "lora.lora_dropout must be a finite number, got nan (float)"),
+    ("dpo:\n  beta: inf\n", 2, "dpo.beta must be a finite number, got inf (float)"),
+    ("ray:\n  preemption_grace_s: .inf\n", 2, "ray.preemption_grace_s must be a finite number, got inf (float)"),
+    ("ray:\n  resources_per_worker:\n    CPU: inf\n", 3,
+     "ray.resources_per_worker.CPU must be a finite number, got inf (float)"),
+    ("ray:\n  resources_per_worker:\n    GPU: 0.5\n", 3,
+     "ray.resources_per_worker.GPU must be a whole number, got 0.5: each worker is one NCCL rank"),
+    ("train:\n  seed: -1\n", 2, "train.seed must be in [0, 4294967296), got -1"),
+    ("train:\n  seed: 4294967296\n", 2, "train.seed must be in [0, 4294967296), got 4294967296"),
+    ("train:\n  max_steps: 10\n  warmup_steps: 10\n", 3,
+     "train.warmup_steps 10 is not shorter than train.max_steps 10: the learning rate would never reach "
+     "train.learning_rate; set fewer warm-up steps (or use train.warmup_ratio)"),
+    ("ray:\n  name: ..\n", 2, "ray.name must be one directory name inside the storage path, got '..'"),
+    ("ray:\n  name: .\n", 2, "ray.name must be one directory name inside the storage path, got '.'"),
+    ("ray:\n  name: runs/a\n", 2, "ray.name must be one directory name inside the storage path, got 'runs/a'"),
+    ("ray:\n  name: ../sibling\n", 2,
+     "ray.name must be one directory name inside the storage path, got '../sibling'"),
+    ("ray:\n  name: /abs\n", 2, "ray.name must be one directory name inside the storage path, got '/abs'"),
+    ("ray:\n  name: a\\b\n", 2, "ray.name must be one directory name inside the storage path, got 'a\\\\b'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "line", "message"), CANNOT_WORK, ids=[c[2].split(" ")[0] + f"-{i}"
+                         for i, c in enumerate(CANNOT_WORK)])  # fmt: skip
+def test_values_that_type_check_but_cannot_work_are_refused(tmp_path, text, line, message):
+    path = tmp_path / "cannot.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}:{line}: {message}"), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.seed=0"],
+        ["train.seed=4294967295"],
+        ["train.learning_rate=1e30"],
+        ["train.max_steps=10", "train.warmup_steps=9"],
+        ["train.warmup_steps=500"],  # the total is known only when the records are counted (`plan_steps`)
+        ["ray.name=run..2"],  # dots inside a name are a name
+        ["ray.name=.hidden"],
+    ],
+)
+def test_the_nearest_values_that_work_are_kept(overrides):
+    load_config(None, overrides)

@@ -295,6 +295,16 @@ def test_plan_counts_equal_shards_and_partial_accumulation():
         plan_steps(cfg, train_rows=3, validation_rows=0, world_size=4)
 
 
+def test_a_warmup_as_long_as_the_counted_run_is_refused_before_the_workers():
+    """Without train.max_steps the run's length is known once the records are counted: 331 rows over 2 workers make
+    21 steps an epoch (the test above), 42 in two; a warm-up of 42 steps would never reach the learning rate."""
+    raw = {"train": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_train_epochs": 2}}
+    assert plan_steps(Config.from_dict({"train": {**raw["train"], "warmup_steps": 41}}), 331, 0, 2).warmup_steps == 41
+    with pytest.raises(ConfigError) as err:
+        plan_steps(Config.from_dict({"train": {**raw["train"], "warmup_steps": 42}}), 331, 0, 2)
+    assert str(err.value).startswith("train.warmup_steps 42 is not shorter than the run's 42 steps (2 epoch(s) of 21")
+
+
 def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):
     """Windows editors start UTF-8 files with a BOM: it passes the encoding check and is dropped when lines are read,
     so the first JSON record is not a bad_json skip."""

@@ -153,3 +153,31 @@ def test_each_window_reports_its_own_memory_peak(tiny):
     busy = window.take(norm, scheduler, 0.0)["host_rss_gib"]
     after = window.take(timed_steps(tiny, window, 1)[1], scheduler, 0.0)["host_rss_gib"]
     assert busy - quiet > 0.8 * burst / 2**30 and busy - after > 0.8 * burst / 2**30, (quiet, busy, after)
+
+
+def test_a_non_finite_step_is_found_with_the_window_and_named_by_its_step(one_rank):
+    """Steps 1-2 finite, step 3's loss infinite, step 4's gradient norm NaN: the window's reduction names step 3 and
+    what was not finite then; the weights' check before a save names its own step."""
+    import math
+
+    from rayft.model.flops import FlopModel
+
+    window = LossWindow(torch.device("cpu"), 1, FlopModel(0, 0, 0.0), None)
+    one = torch.tensor(1)
+    for step, (loss, norm) in enumerate([(2.0, 1.0), (1.5, 0.5), (math.inf, 0.5), (1.0, math.nan)], start=1):
+        window.add(torch.tensor(loss), True, one, one)
+        window.note_step(step, torch.tensor(norm))
+        if step == 2:
+            window.take(torch.tensor(norm), _Scheduler(), 0.0)
+            assert window.non_finite is None
+    window.take(torch.tensor(math.nan), _Scheduler(), 0.0)
+    assert window.non_finite == (3, "the loss")
+    assert window.finite.checked() == (3, "the loss")
+    fresh = LossWindow(torch.device("cpu"), 1, FlopModel(0, 0, 0.0), None)
+    fresh.finite.note_weights(7, [torch.ones(2), torch.tensor([0.0, math.nan])])
+    assert fresh.finite.checked() == (7, "the adapter's weights")
+
+
+class _Scheduler:
+    def get_last_lr(self) -> list[float]:
+        return [1e-4]
