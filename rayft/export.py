@@ -18,10 +18,16 @@ import torch
 
 from rayft.config import DTYPES, Config, ConfigError, ModelConfig
 from rayft.data.tokenizer import copy_tokenizer_files, has_tokenizer
-from rayft.model.files import ADAPTER_CONFIG, INDEX_FILE, check_adapter, check_safetensors_dir, check_weights_match
+from rayft.model.files import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILES,
+    INDEX_FILE,
+    check_adapter,
+    check_adapter_files,
+    check_safetensors_dir,
+    check_weights_match,
+)
 from rayft.schema import checked
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def export(adapter: Path, base: Path, out: Path, merge: bool, dtype: str | None = None) -> Path:
@@ -136,9 +142,7 @@ def base_dtype(base: Path) -> str:
 
 
 def _check_inputs(adapter: Path, base: Path, dtype: str | None) -> None:
-    missing = [name for name in ADAPTER_FILES if not (adapter / name).is_file()]
-    if missing:
-        raise ConfigError(f"--adapter {adapter}: not a PEFT adapter directory (missing {', '.join(missing)})")
+    check_adapter_files(adapter, f"--adapter {adapter}")
     if not (base / "config.json").is_file():
         raise ConfigError(f"--base {base}: not a model directory (no config.json)")
     if dtype is not None and dtype not in DTYPES:

@@ -21,7 +21,7 @@ from rayft import environment, ray_private
 from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
-from rayft.model.files import check_adapter, with_adapter_shape
+from rayft.model.files import check_adapter, check_adapter_files, with_adapter_shape
 from rayft.parallel.backend import nccl_env, process_group_backend
 from rayft.placement import resolve_use_gpu, wait_for_placement
 from rayft.preflight import Preflight, preflight
@@ -367,10 +367,20 @@ def _finished(cfg: Config, run: RunDir, total_steps: int) -> Outcome | None:
     done = last_step(run) if run.has_registered_checkpoints() else 0
     if done < total_steps:
         return None
-    log.warning("%s", finished_run(run.uri, done, total_steps))
     found = run.checkpoints()
+    final = Path(cfg.train.output_dir) / "final"
+    try:
+        check_adapter_files(final, f"the final adapter {final}")
+    except ConfigError as e:
+        last = join(run.uri, found[max(found)], ADAPTER_DIR) if found else None
+        again = f"copy {last} there (the last checkpoint's adapter), or " if last else ""
+        raise ConfigError(
+            f"{run.uri} finished at step {done} of {total_steps}, but {e}; {again}set ray.name (or "
+            "train.output_dir) to train a new run"
+        ) from None
+    log.warning("%s", finished_run(run.uri, done, total_steps))
     return Outcome(
-        final_adapter=Path(cfg.train.output_dir) / "final",
+        final_adapter=final,
         run_dir=Path(run.uri),
         latest_checkpoint=join(run.uri, found[max(found)]) if found else None,
         metrics=_last_metrics(run),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 REDOWNLOAD = "download or copy it again"
 SAFETENSORS_DTYPES = {
@@ -192,6 +193,15 @@ def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
     return Config.from_dict(raw)
 
 
+def check_adapter_files(adapter: Path, what: str) -> dict[str, Any]:
+    """A PEFT adapter directory holds its config and a complete safetensors file (every byte its header declares);
+    returns that header. `what` names the directory's role in messages (`--adapter DIR`)."""
+    missing = [name for name in ADAPTER_FILES if not (Path(adapter) / name).is_file()]
+    if missing:
+        raise ConfigError(f"{what}: not a PEFT adapter directory (missing {', '.join(missing)})")
+    return safetensors_header(Path(adapter) / ADAPTER_WEIGHTS, what)
+
+
 def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
     """A saved adapter is complete and fits the base: its safetensors file holds every byte, and each LoRA tensor
     has the place and shape the base model, wrapped with the adapter's own config, gives it. Returns that wrapped
@@ -200,10 +210,7 @@ def check_adapter(adapter: Path, base_cfg: Config) -> nn.Module:
     from rayft.model.lora import adapter_file_keys
 
     adapter = Path(adapter)
-    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter / name).is_file()]
-    if missing:
-        raise ConfigError(f"--adapter {adapter}: not a PEFT adapter directory (missing {', '.join(missing)})")
-    header = safetensors_header(adapter / ADAPTER_WEIGHTS, f"--adapter {adapter}")
+    header = check_adapter_files(adapter, f"--adapter {adapter}")
     cfg = with_adapter_shape(base_cfg, adapter)
     model, _ = weightless_lora_model(cfg)
     places = adapter_file_keys(model)

@@ -528,6 +528,16 @@ def test_rerunning_a_finished_run_says_so_and_ends_without_training(ray_cluster:
     assert f"holds a run that finished at step {STEPS} of {STEPS}: this config trains nothing more" in text, text
     assert "RayTrainWorker" not in text and "resumed from" not in text, text[-6000:]
     assert files() == before  # nothing the run had changed, nothing added
+    # Its final adapter lost: exit 0 printed a path that did not exist; now the line says what is missing and how to
+    # make it again, and still nothing is trained or changed.
+    shutil.rmtree(copy.out / "final")
+    before = files()
+    run, driver = start(ray_cluster, cfg, copy.out, log="rerun.log")
+    assert driver.wait() == 2
+    last = copy.run_dir / f"checkpoint-{STEPS:06d}" / "adapter"
+    refusal = f"finished at step {STEPS} of {STEPS}, but the final adapter {copy.out / 'final'}: not a PEFT adapter"
+    assert refusal in run.text() and f"copy {last} there" in run.text(), run.text()[-3000:]
+    assert "RayTrainWorker" not in run.text() and files() == before
 
 
 def test_rerun_with_a_torn_metrics_line_resumes_and_tidies_only_its_own(
