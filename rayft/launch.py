@@ -68,8 +68,6 @@ class Outcome:
 def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     """`profile` carries the stages timed so far (the CLI's imports); the workers add theirs."""
     profile = profile or Profile()
-    for note in cfg.relative_paths():  # said before they are made absolute for the workers
-        log.warning("%s", note)
     cfg = _with_absolute_paths(cfg)
     checked = preflight(cfg, profile)
     for warning in (checked.lora.warning, *checked.warnings):
@@ -102,15 +100,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         profile=profile,
         fit_started=time.time(),
     )
-    trainer = TorchTrainer(
-        train_worker,
-        train_loop_config={"job": job},
-        torch_config=torch_config(cfg, use_gpu),
-        scaling_config=_scaling(cfg, use_gpu),
-        run_config=_run_config(cfg, best, use_gpu),
-        datasets=splits,
-        dataset_config=_data_config(plan),
-    )
+    trainer = _trainer(job, splits, best, use_gpu)
     try:
         result = trainer.fit()
     except SystemExit as e:  # Ray Train's own Ctrl-C handler aborts the run, then fit() ends with SystemExit
@@ -127,6 +117,19 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
         # Ray keeps reported metrics with checkpoints only; without them, the run's own record has the last ones
         metrics=dict(result.metrics or {}) or _last_metrics(run),
+    )
+
+
+def _trainer(job: Job, splits: dict[str, GenDataset], best: tuple[str, str] | None, use_gpu: bool) -> TorchTrainer:
+    """Ray Train's trainer for the job: its workers, their process group, where checkpoints go, the data splits."""
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"job": job},
+        torch_config=torch_config(job.config, use_gpu),
+        scaling_config=_scaling(job.config, use_gpu),
+        run_config=_run_config(job.config, best, use_gpu),
+        datasets=splits,
+        dataset_config=_data_config(job.plan),
     )
 
 
@@ -156,7 +159,10 @@ def _run_config(cfg: Config, best: tuple[str, str] | None, use_gpu: bool) -> ray
 
 
 def _with_absolute_paths(cfg: Config) -> Config:
-    """Workers do not share the driver's working directory: hand them absolute paths."""
+    """Workers do not share the driver's working directory: hand them absolute paths (saying first where a relative
+    output or storage path resolves)."""
+    for note in cfg.relative_paths():
+        log.warning("%s", note)
     cfg = Config.from_dict(cfg.to_dict())
     cfg.train.output_dir = _absolute(cfg.train.output_dir)
     cfg.ray.storage_path = cfg.storage_path
