@@ -216,15 +216,19 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals, command: list[str
 
 
 def facts() -> dict:
-    """Machine, versions and GPU of this run, for every result file."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import ray
-    import trl
+    """Machine, versions and GPU of this run, for every result file. Ray's and TRL's versions are read, not
+    imported: a device without them still runs the measuring stage (null there)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from _common import machine
     from train_vs_trl import gpu_facts
 
     info = {**machine(), **gpu_facts()}
-    info["versions"].update(ray=ray.__version__, trl=trl.__version__)
+    for name in ("ray", "trl"):
+        try:
+            info["versions"][name] = version(name)
+        except PackageNotFoundError:
+            info["versions"][name] = None
     return info
 
 
