@@ -85,8 +85,8 @@ test-deps-floor: $(DEPS_FLOOR_VENV)/.installed
 	$(DEPS_FLOOR_VENV)/bin/python tests/tools/floors.py --check
 	$(DEPS_FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 -m "not torch_floor" $(DEPS_FLOOR_TESTS)
 
-# On one CUDA GPU, never in CI: STAGE=all (at most 8 minutes) or one of tests|job|bench-moe|bench-dense|plan
-# (docs/gpu-check.md). On the device there is no .venv:
+# On one CUDA GPU, never in CI: STAGE=all (mfu, tests, job: at most 9 minutes) or one of
+# mfu|tests|job|bench-moe|bench-dense|plan (docs/gpu-check.md). On the device there is no .venv:
 #   source .gpu-kit/activate.sh && make gpu-check STAGE=all PY=python3
 # No install prerequisite, so it runs on whatever PY is (the kit's site). GPU_CHECK_ARGS=--dry-run runs anywhere.
 gpu-check:

@@ -1,7 +1,13 @@
-"""`make gpu-check STAGE=all`: what rayft must show on one CUDA GPU, as stages that together take at most 8 minutes
-of device commands on one H100 (`all` runs them in order as one command). Never runs in CI; `--dry-run` is the part
-that runs anywhere.
+"""`make gpu-check STAGE=all`: what rayft must show on one CUDA GPU, as stages that together take at most 9 minutes
+of device commands on one H100 or H200 (`all` runs them in order as one command). Never runs in CI; `--dry-run` is
+the part that runs anywhere.
 
+`all`, in this order:
+  mfu          bench/gpu_mfu.py: one process, no Ray, no checkpoint files: each configuration (dense 8B shapes with
+               and without activation checkpointing, Mistral-Small-4's shapes at 2 and 8 layers with FP8 and bf16
+               experts, two kernels) built on the GPU and timed through rayft's own step: tokens/s, LoRA-aware MFU,
+               peak memory and the planner's memory and step time, a line each as it ends
+                                                                  → gpu_mfu.jsonl (in $OUT as it is written)
   tests        `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral
                and the hub-layout Mistral-Small-4 through grouped_mm), expert LoRA in bf16, the compiled FP8
                dequantisation, the fused loss's two branches, sharded loading onto the GPU (its peak device
@@ -9,6 +15,7 @@ that runs anywhere.
                                                                   → bench/results/gpu_tests_gpu.json
   job          `pytest -m "gpu and ray"`: one real `ray job submit` on a local Ray head with one GPU, NCCL, a
                checkpoint and an eval every step, final/ present  → bench/results/gpu_job_gpu.json
+Alone (`--stage NAME`; no longer in `all`: `mfu` measures what they measured, without Ray and checkpoint files):
   bench-moe    bench/train_vs_trl.py --size gpu, MoE part: Mistral-Small-4's shapes (2 of its layers, FP8 base)
                through rayft                                      → bench/results/train_vs_trl_gpu.json
   bench-dense  the dense part: Ministral-8B's shapes (12 of its layers), rayft vs TRL SFTTrainer
@@ -21,9 +28,11 @@ one's) and writes its result file as it ends, cut or not; bench/results/gpu_chec
 which stages finished, which was cut and which was running, so a device command cut short still reports what
 finished. Every result file also lands in $OUT when that is set (the device tool brings back only what is under $OUT).
 
-    python bench/gpu_check.py --stage tests|job|bench-moe|bench-dense|plan|all [--no-cut]
-    python bench/gpu_check.py --dry-run [--toy]   # anywhere: the plan (budgets, commands), configs, planner, kit;
-                                                  # --toy also runs the bench and the plan at toy size on CPU
+    python bench/gpu_check.py --stage mfu|tests|job|bench-moe|bench-dense|plan|all [--no-cut]
+    python bench/gpu_check.py --dry-run [--toy] [--out DIR]   # anywhere: the plan (budgets, commands), configs,
+                                                              # planner, kit; --toy also runs the measuring
+                                                              # process, the bench and the plan at toy size on CPU,
+                                                              # results into DIR
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import gpu_mfu  # noqa: E402  (bench/ is no package)
+
 RESULTS = REPO / "bench" / "results"
 KIT = REPO / ".gpu-kit"
 TOY_RESULTS = Path(os.environ.get("TMPDIR", "/tmp")) / "rayft-gpu-check-toy"
@@ -52,11 +65,12 @@ PLAN_TOLERANCE = 0.10  # acceptance: the planner within 10% of the measured peak
 # The device has no network: libraries that would ask the hub first must not wait for a timeout.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
-TOTAL_BUDGET_S = 8 * 60  # all stages, so that one device loan (machine start included) holds the whole check
+TOTAL_BUDGET_S = 9 * 60  # the stages of `all`, so that one device loan (machine start included) holds the check
 COMMAND_LIMIT_S = 10 * 60  # what the device allows one command
 CUT_GRACE_S = 15  # between the interrupt at a deadline and the kill: pytest writes its report, fixtures stop Ray
 SUMMARY = "gpu_check_gpu.json"
 BENCH_RESULT = "train_vs_trl_gpu.json"  # both bench parts' numbers, merged
+MFU_COMMAND = "bench/gpu_mfu.py"
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,8 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
+        # its configurations' budgets, its start-up and the grace between the interrupt and the kill
+        Stage("mfu", gpu_mfu.STAGE_BUDGET_S + 15, gpu_mfu.RESULT, "one process, no Ray: tokens/s, MFU, memory, plan"),
         # tests and job: what they took on an H200 (bench/results/gpu_tests_gpu.json, gpu_job_gpu.json), with margin
         Stage("tests", 100, "gpu_tests_gpu.json", "pytest -m 'gpu and not ray' (in-process, one-rank NCCL)"),
         Stage("job", 140, "gpu_job_gpu.json", "pytest -m 'gpu and ray' (one ray job submit, 1-GPU local Ray head)"),
@@ -79,7 +95,9 @@ STAGES = {
         Stage("plan", 30, "plan_gpu.json", "rayft plan for the bench configs vs the measured peak GPU memory"),
     )
 }
-assert sum(s.budget_s for s in STAGES.values()) <= TOTAL_BUDGET_S
+ALL = ("mfu", "tests", "job")  # `--stage all`; the others run alone
+assert sum(STAGES[s].budget_s for s in ALL) <= TOTAL_BUDGET_S
+assert STAGES["mfu"].budget_s - CUT_GRACE_S >= gpu_mfu.STAGE_BUDGET_S  # its own deadlines come before the cut
 assert all(s.budget_s <= COMMAND_LIMIT_S for s in STAGES.values())
 
 
@@ -104,14 +122,25 @@ def bench_command(size: str, out: Path) -> list[str]:
     return [sys.executable, "bench/train_vs_trl.py", "--size", size, "--out", str(out)]
 
 
-def commands(stage: str, toy: bool = False) -> list[list[str]]:
+def mfu_dir(toy_dir: Path | None = None) -> Path:
+    """Where the measuring process writes its lines as it goes: the toy directory; on the device $OUT where set (what
+    a device command leaves there comes back even when it is killed), else bench/results."""
+    if toy_dir is not None:
+        return toy_dir
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
+
+
+def commands(stage: str, toy: bool = False, toy_dir: Path = TOY_RESULTS) -> list[list[str]]:
     """The commands a stage runs (the dry run prints them)."""
+    if stage == "mfu":
+        where = mfu_dir(toy_dir if toy else None)
+        return [[sys.executable, MFU_COMMAND, "--out", str(where), *(["--toy"] if toy else [])]]
     if stage == "tests":
         return [pytest_command("gpu and not ray", RESULTS / "gpu_tests_gpu.xml")]
     if stage == "job":
         return [pytest_command("gpu and ray", RESULTS / "gpu_job_gpu.xml")]
     if STAGES[stage].bench_part:
-        directory = TOY_RESULTS if toy else RESULTS
+        directory = toy_dir if toy else RESULTS
         return [bench_command("gpu-toy" if toy else "gpu", part_file(directory, STAGES[stage].bench_part))]
     return [
         [
@@ -187,15 +216,19 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals, command: list[str
 
 
 def facts() -> dict:
-    """Machine, versions and GPU of this run, for every result file."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import ray
-    import trl
+    """Machine, versions and GPU of this run, for every result file. Ray's and TRL's versions are read, not
+    imported: a device without them still runs the measuring stage (null there)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from _common import machine
     from train_vs_trl import gpu_facts
 
     info = {**machine(), **gpu_facts()}
-    info["versions"].update(ray=ray.__version__, trl=trl.__version__)
+    for name in ("ray", "trl"):
+        try:
+            info["versions"][name] = version(name)
+        except PackageNotFoundError:
+            info["versions"][name] = None
     return info
 
 
@@ -279,15 +312,16 @@ def run_pytest_stage(stage: str, deadline: float | None = None) -> Ended:
     return Ended(rc, ended.cut)
 
 
-def run_bench_part(stage: str, deadline: float | None = None, toy: bool = False) -> Ended:
+def run_bench_part(stage: str, deadline: float | None = None, toy_dir: Path | None = None) -> Ended:
     """One part of the bench in its own process, merged into the bench's report beside the other part's numbers
-    (toy: on CPU, results to a temp dir, never to bench/results)."""
+    (`toy_dir`: at toy size on CPU, results there, never to bench/results)."""
     part = STAGES[stage].bench_part
-    report_file = (TOY_RESULTS if toy else RESULTS) / BENCH_RESULT
+    toy = toy_dir is not None
+    report_file = (toy_dir or RESULTS) / BENCH_RESULT
     fresh = part_file(report_file.parent, part)
     fresh.parent.mkdir(parents=True, exist_ok=True)
     fresh.unlink(missing_ok=True)
-    (command,) = commands(stage, toy)
+    (command,) = commands(stage, toy, report_file.parent)
     ended = run_until(command, deadline, {**os.environ, "RAYFT_BENCH_PARTS": part}, quiet=toy)
     if fresh.exists():
         earlier = json.loads(report_file.read_text()) if report_file.exists() else {}
@@ -296,6 +330,21 @@ def run_bench_part(stage: str, deadline: float | None = None, toy: bool = False)
         save(report_file.name, report, report_file.parent)
         fresh.unlink()
         print_bench(report)
+    return ended
+
+
+def run_mfu(deadline: float | None = None, toy_dir: Path | None = None) -> Ended:
+    """The measuring process (bench/gpu_mfu.py), cut at its deadline like any stage; its lines are written as each
+    configuration ends, so a cut stage keeps every configuration that finished. On the device, where they went to
+    $OUT, a copy lands in bench/results too."""
+    (command,) = commands("mfu", toy_dir is not None, toy_dir or TOY_RESULTS)
+    written = Path(command[command.index("--out") + 1]) / gpu_mfu.RESULT
+    ended = run_until(command, deadline)
+    if toy_dir is None and written.exists() and written.parent.resolve() != RESULTS.resolve():
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(written, RESULTS / gpu_mfu.RESULT)
+    lines = [json.loads(line) for line in written.read_text().splitlines()] if written.exists() else []
+    print(f"gpu-check mfu: {len(lines)} line(s) in {written}{' (cut at its deadline)' if ended.cut else ''}")
     return ended
 
 
@@ -448,33 +497,46 @@ def kit_status() -> dict:
             **counts, "built_from": built_from}  # fmt: skip
 
 
-def dry_run(toy: bool) -> int:
-    """The plan (every stage's budget, deadline and commands, and the total); the bench configs built and
-    validated; the planner's estimates for them on H100 and H200; the kit. With --toy, the bench and plan code at
-    toy size on CPU."""
+def dry_run(toy: bool, toy_dir: Path = TOY_RESULTS) -> int:
+    """The plan (the budget, deadline and commands of each stage of `all`, in minutes, and the total; the stages
+    run alone); the measuring process's configurations planned at their GPU size; the bench configs built and
+    validated, planned on H100 and H200; the kit. With --toy, the measuring process, the bench and the plan at toy
+    size on CPU, their results in `toy_dir`."""
     import torch
-
-    sys.path.insert(0, str(REPO / "bench"))
     from train_vs_trl import GPU_SIZES, gpu_settings, model_config
 
     from rayft.config import Config
     from rayft.plan import meta_structure, plan_memory
 
     print(f"gpu-check dry run: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    print("plan on one H100 (`--stage all`: one command, these stages in this order; a stage on the GPU still")
+    print("plan on one GPU (`--stage all`: one command, these stages in this order; a stage on the GPU still")
     print("running when its time is up is cut, and every stage writes its result as it ends):")
-    for stage, deadline in deadlines(list(STAGES), 0.0).items():
+    for stage, deadline in deadlines(list(ALL), 0.0).items():
         budget = STAGES[stage].budget_s
-        print(f"stage {stage} (budget {budget} s, done by {deadline / 60:.1f} min): {STAGES[stage].what}")
-        for command in commands(stage):
-            env = f"RAYFT_BENCH_PARTS={STAGES[stage].bench_part} " if STAGES[stage].bench_part else ""
-            print("   $ " + env + shlex.join(command).replace(sys.executable, "python").replace(str(REPO) + "/", ""))
-        print(f"   → bench/results/{STAGES[stage].result}")
-    total = sum(s.budget_s for s in STAGES.values())
+        print(f"stage {stage} (budget {budget} s = {budget / 60:.1f} min, done by {deadline / 60:.1f} min): "
+              f"{STAGES[stage].what}")  # fmt: skip
+        _print_commands(stage)
+    total = sum(STAGES[s].budget_s for s in ALL)
     print(
-        f"total budget {total} s = {total / 60:.1f} min (at most {TOTAL_BUDGET_S / 60:.0f}; the device: "
+        f"total budget {total / 60:.1f} min ({total} s; at most {TOTAL_BUDGET_S / 60:.0f} min; the device: "
         f"{COMMAND_LIMIT_S / 60:.0f} min per command); progress after every stage → bench/results/{SUMMARY}"
     )
+    print("run alone (`--stage NAME`, not in `all`):")
+    for stage in (s for s in STAGES if s not in ALL):
+        print(f"  {stage} (budget {STAGES[stage].budget_s / 60:.1f} min): {STAGES[stage].what}")
+        _print_commands(stage)
+    print(
+        f"measuring process: start-up {gpu_mfu.STARTUP_S} s, then each configuration by its deadline (the time one"
+        " leaves passes on); planned on H200 at the planner's MFU:"
+    )
+    for row in gpu_mfu.device_plan(toy_dir):
+        planned = (
+            f"{row['params'] / 1e9:.2f}B params ({row['held']}), planned {row['memory_gib']:.1f} GiB, "
+            f"{row['steps']} steps x {row['step_s']:.2f} s"
+            if "params" in row
+            else "kernel"
+        )
+        print(f"  {row['config']:<20} budget {row['budget_s']:>3} s  {planned}")
     s = GPU_SIZES["gpu"]
     root = Path("/tmp/rayft-gpu-bench")
     for kind in ("dense", "moe"):
@@ -494,14 +556,25 @@ def dry_run(toy: bool) -> int:
     print(f"gpu kit: {json.dumps(kit)}")
     if not toy:
         return 0
+    print(f"toy measuring process on CPU ({MFU_COMMAND} --toy) → {toy_dir / gpu_mfu.RESULT}")
+    measured = run_mfu(toy_dir=toy_dir)
     print("toy bench on CPU (bench/train_vs_trl.py --size gpu-toy) ...")
-    ended = [run_bench_part(stage, toy=True) for stage in STAGES if STAGES[stage].bench_part]
-    if any(e.rc for e in ended):
+    ended = [run_bench_part(stage, toy_dir=toy_dir) for stage in STAGES if STAGES[stage].bench_part]
+    if measured.rc or any(e.rc for e in ended):
         return 1
-    return run_plan(TOY_RESULTS / BENCH_RESULT)
+    return run_plan(toy_dir / BENCH_RESULT)
+
+
+def _print_commands(stage: str) -> None:
+    for command in commands(stage):
+        env = f"RAYFT_BENCH_PARTS={STAGES[stage].bench_part} " if STAGES[stage].bench_part else ""
+        print("   $ " + env + shlex.join(command).replace(sys.executable, "python").replace(str(REPO) + "/", ""))
+    print(f"   → {STAGES[stage].result}")
 
 
 def run_stage(stage: str, deadline: float | None) -> Ended:
+    if stage == "mfu":
+        return run_mfu(deadline)
     if stage in ("tests", "job"):
         return run_pytest_stage(stage, deadline)
     if STAGES[stage].bench_part:
@@ -537,16 +610,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="no GPU: print and check what the stages would run")
     parser.add_argument("--toy", action="store_true", help="with --dry-run: run the bench and plan at toy size on CPU")
     parser.add_argument("--no-cut", action="store_true", help="let each stage run past its budget (one stage alone)")
+    parser.add_argument("--out", type=Path, default=TOY_RESULTS, help="with --dry-run --toy: where the results go")
     args = parser.parse_args(argv)
     os.environ.update(OFFLINE)  # inherited by every stage's processes
     if args.dry_run:
-        return dry_run(args.toy)
+        return dry_run(args.toy, args.out.resolve())
     import torch
 
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU here; run it on the device (README: GPU check) or use --dry-run", file=sys.stderr)
         return 2
-    return run_stages(list(STAGES) if args.stage == "all" else [args.stage], cut=not args.no_cut)
+    return run_stages(list(ALL) if args.stage == "all" else [args.stage], cut=not args.no_cut)
 
 
 if __name__ == "__main__":

@@ -106,13 +106,26 @@ def _checkpoint_quantization(model_cfg: ModelConfig) -> dict[str, Any]:
 def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
     """The architecture with parameters on the meta device (no memory) and real buffers (rotary tables)."""
     config = text_config(model_cfg.model_name_or_path)
+    with init_empty_weights(include_buffers=False):
+        return _from_config(model_cfg, config)
+
+
+def random_model(model_cfg: ModelConfig, config: PretrainedConfig, device: torch.device) -> PreTrainedModel:
+    """The architecture of `config` made on `device` with transformers' random init, as `empty_model` would build it
+    for `model_cfg`: what a throughput measurement trains, where no checkpoint need be written or read (a step's time
+    does not depend on the weights' values)."""
+    with torch.device(device):
+        return _from_config(model_cfg, config)
+
+
+def _from_config(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrainedModel:
+    """The causal LM of `config` with `model_cfg`'s dtype, attention and expert kernels, its head tied as declared."""
     config.use_cache = model_cfg.use_cache
     kwargs = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
     if getattr(config, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
-    with init_empty_weights(include_buffers=False):
-        # transformers leaves _from_config unannotated
-        model: PreTrainedModel = causal_lm_class(config)._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
+    # transformers leaves _from_config unannotated
+    model: PreTrainedModel = causal_lm_class(config)._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
     tie_weights_(model)  # before LoRA and fully_shard: FSDP2 then shards the tied embedding/head as one parameter
     return model
 

@@ -38,16 +38,24 @@ log = logging.getLogger("rayft")
 
 
 def build_model(
-    cfg: Config, on_gpu: bool, device: torch.device | None = None, dims: ParallelDims | None = None
+    cfg: Config,
+    on_gpu: bool,
+    device: torch.device | None = None,
+    dims: ParallelDims | None = None,
+    base: PreTrainedModel | None = None,
 ) -> peft.PeftModel:
     """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
     `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all).
-    `dims`: the run's layout on its workers, made at set-up; without it, made here from `cfg` (a collective)."""
+    `dims`: the run's layout on its workers, made at set-up; without it, made here from `cfg` (a collective).
+    `base`: a base model already holding its weights where it trains (`rayft.model.build.random_model`, for timing
+    steps without checkpoint files): it goes through the same steps, and nothing is read from disk."""
     check_torch()  # a worker's torch is its node image's, which the driver's validation never saw
-    sharded = cfg.model.load_mode == "sharded"
+    sharded = base is None and cfg.model.load_mode == "sharded"
     dims = dims or parallel_dims(cfg, "cuda" if on_gpu else "cpu")
     model: PreTrainedModel | peft.PeftModel  # the base model, then PEFT's around it
-    model = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
+    if base is None:
+        base = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
+    model = base
     # k > 1: the layout's meshes and groups; k = 1: FSDP over every expert, as without the setting.
     # `split_experts_` cuts the model to this worker's experts once LoRA is on.
     ep = expert_parallel(dims, model.config) if dims.experts > 1 else None

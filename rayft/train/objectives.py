@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from rayft.config import Config
-from rayft.data.pipeline import collate_fn
 from rayft.model.build import fused_loss
 from rayft.model.loss import CausalLMLoss
 from rayft.train import dpo, sinks
@@ -67,6 +66,8 @@ class NextTokenObjective:
         self.loss: StepLoss = NextTokenLoss(self.causal_lm_loss)
 
     def collate(self, pad_id: int, **options: Any) -> NumpyBatchCollateFn:
+        from rayft.data.pipeline import collate_fn  # here: Ray Data's, which a step timed without Ray never needs
+
         return collate_fn(self.cfg.data, pad_id, **options)
 
     def evaluate(
@@ -96,6 +97,8 @@ class PreferenceObjective:
         self.loss: StepLoss = dpo.PreferenceLoss(cfg.dpo, self.sums, self.logprobs)
 
     def collate(self, pad_id: int, **options: Any) -> NumpyBatchCollateFn:
+        from rayft.data.pipeline import collate_fn  # here: Ray Data's, which a step timed without Ray never needs
+
         return collate_fn(self.cfg.data, pad_id, pairs=True, **options)
 
     def evaluate(

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
-from rayft.data.pipeline import AsRead
 from rayft.model.loss import Batch, CausalLMLoss
 from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
@@ -199,6 +198,8 @@ def step_groups(
     while progress.step < plan.total_steps:
         skip = progress.batches_in_epoch
         if plan.global_micro_per_step:  # every rank reads the whole stream: collate only the batches it keeps
+            from rayft.data.pipeline import AsRead  # here: Ray Data, which timing a step alone never needs
+
             batches = enumerate(waited(epoch_batches(shard, cfg, plan, progress.epoch, skip, AsRead())), skip)
             key = (cfg.train.seed, progress.epoch)
             part = Part(plan.global_micro_per_step, accum * rank, accum)

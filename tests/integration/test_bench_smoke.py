@@ -143,7 +143,7 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     assert startup["ratio_ok"] == (startup["ratio_rayft_over_trl"] <= 1.5)
 
 
-GPU_CHECK_MAX_MIN = 8  # what one device loan leaves for the check's commands once the machine has started
+GPU_CHECK_MAX_MIN = 9  # what one device loan leaves for the check's commands once the machine has started
 
 
 def dry_run_budgets(out: str) -> dict[str, float]:
@@ -154,9 +154,11 @@ def dry_run_budgets(out: str) -> dict[str, float]:
 
 def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
     """`make gpu-check GPU_CHECK_ARGS=--dry-run` (what runs without a GPU, through the Makefile target the device
-    runs): the plan, each stage with its command and budget, all of them together within the minutes a device loan
-    leaves (summed here from the stage lines); both bench configs accepted by rayft's config and planned on the meta
-    device; without --dry-run on a machine with no GPU it refuses with exit 2 instead of reporting empty results."""
+    runs): the plan, each stage of `all` with its command and budget, the measuring process first, all of them
+    together within the minutes a device loan leaves (summed here from the stage lines), and the stages run alone;
+    the measuring process's configurations and both bench configs accepted by rayft's config and planned on the
+    meta device; without --dry-run on a machine with no GPU it refuses with exit 2 instead of reporting empty
+    results."""
     result = subprocess.run(
         ["make", "--no-print-directory", "gpu-check", "GPU_CHECK_ARGS=--dry-run", f"PY={sys.executable}"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -166,10 +168,13 @@ def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
     budgets = dry_run_budgets(out)
     total = sum(budgets.values())
     assert budgets and total <= GPU_CHECK_MAX_MIN, f"the stages' budgets add up to {total:.1f} min: {budgets}"
-    assert list(budgets) == ["tests", "job", "bench-moe", "bench-dense", "plan"], out
-    assert f"total budget {round(total * 60)} s" in out, out
+    assert list(budgets) == ["mfu", "tests", "job"], out
+    assert f"({round(total * 60)} s; at most {GPU_CHECK_MAX_MIN} min" in out, out
     assert "-m 'gpu and not ray'" in out and "-m 'gpu and ray'" in out and "--size gpu" in out
+    assert "python bench/gpu_mfu.py --out" in out and "run alone" in out, out
     assert "RAYFT_BENCH_PARTS=moe" in out and "RAYFT_BENCH_PARTS=dense" in out
+    for case in ("dense-12l-ac", "dense-12l-noac", "moe-2l-fp8", "moe-8l-fp8", "moe-2l-bf16", "moe-8l-bf16"):
+        assert re.search(rf"^  {case} +budget +\d+ s  [\d.]+B params .*planned [\d.]+ GiB", out, re.M), out
     assert "bench config dense: MistralForCausalLM, 3.39B params" in out, out
     assert "bench config moe: Mistral4ForCausalLM, 7.62B params" in out and "gpu kit: {" in out, out
 
