@@ -376,7 +376,7 @@ def measure_model(case: Case, size: dict[str, Any], env: Env, lines: Lines, prog
     from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.parallel.topology import Topology
-    from rayft.train.metrics import LossWindow, attended_keys, hardware_metrics, reset_peaks
+    from rayft.train.metrics import LossWindow, attended_keys, hardware_metrics, peak_rss_gib, reset_peaks
     from rayft.train.objectives import build_objective
     from rayft.train.schedule import build_optimizer, build_scheduler
     from rayft.train.step import train_step
@@ -432,6 +432,7 @@ def measure_model(case: Case, size: dict[str, Any], env: Env, lines: Lines, prog
             seconds.append(timer.time(step))
         tokens_per_s = tokens * len(seconds) / sum(seconds)
         hw = hardware_metrics(tokens_per_s, 1, flops, env.peak, device, keys / tokens)  # before `take` resets peaks
+        rss_added = peak_rss_gib() - rss_before  # unrounded: the metrics' 3 places could fall below rss_before
         loss = window.take(torch.zeros((), device=device), scheduler, 0.0)["loss"]
         per_token = hw["flops_per_token_lora"]
         lines.append(
@@ -459,7 +460,7 @@ def measure_model(case: Case, size: dict[str, Any], env: Env, lines: Lines, prog
                 "peak_source": env.peak_source,
                 "peak_allocated_gib": hw["memory_allocated_gib"],
                 "peak_reserved_gib": hw["memory_reserved_gib"],
-                "peak_rss_delta_gib": round(hw["host_rss_gib"] - rss_before, 4) if not on_gpu else None,
+                "peak_rss_delta_gib": round(rss_added, 4) if not on_gpu else None,
                 **_plan_ratios(plan, hw["memory_reserved_gib"]),
                 "planned_step_ratio": round(plan["planned_step_s"] / (sum(seconds) / len(seconds)), 3),
                 "loss": loss,
