@@ -23,6 +23,7 @@ from rayft.gpus import GPUS
 from rayft.logs import LEVEL_ENV, quiet_console, verbose
 
 if typing.TYPE_CHECKING:
+    from rayft.data.sample import SampleReport
     from rayft.deploy.k8s import Deployment
     from rayft.deploy.platform import K8sConfig
     from rayft.model.frozen import Held
@@ -572,6 +573,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     print(f"  records: {kind}; {packing}")
     for sample in checked.samples:
         print(f"  checked with the job's pipeline: {sample.describe()}")
+    _show_example(cfg, checked.samples)
     lora = checked.lora
     print(f"  model: {lora.architecture}, {checked.structure.params:,} params")
     print(f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.structure.lora:,}")
@@ -594,6 +596,18 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _show_example(cfg: Config, samples: list[SampleReport]) -> None:
+    """What the job will train on, seen: the first record that trains, rendered by the job's own encoding."""
+    from rayft.data.sample import rendered
+    from rayft.data.tokenizer import load_tokenizer
+
+    found = next((s for s in samples if s.example is not None), None)
+    if found is None or found.example is None:
+        return
+    (file, index), tokenizer = found.example.where, load_tokenizer(cfg.model)
+    print(f"  trains on ({file}: record {index}; trained text in ⟦ ⟧): {rendered(found.example, tokenizer)}")
 
 
 def _held_out(cfg: Config) -> str:

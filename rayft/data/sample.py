@@ -65,6 +65,17 @@ REASONS = {
 }
 
 
+TokenRuns = list[tuple[list[int], bool]]  # an example's token ids, in runs that are trained or not
+
+
+@dataclass(frozen=True)
+class Example:
+    """The first record of a split that trains, as the job's pipeline encodes it: what `rayft validate` shows."""
+
+    where: tuple[str, int]  # (file, index)
+    runs: TokenRuns
+
+
 @dataclass
 class SampleReport:
     """One split's checked records: counts by verdict, the first record of each, and the record kinds seen."""
@@ -77,6 +88,7 @@ class SampleReport:
     first: dict[str, tuple[str, int]] = field(default_factory=dict)  # same keys → (file, index)
     kinds: Counter[str] = field(default_factory=Counter)  # record kind → records
     first_of_kind: dict[str, tuple[str, int]] = field(default_factory=dict)
+    example: Example | None = None
 
     @property
     def skipped(self) -> int:
@@ -129,7 +141,37 @@ def sample_report(
         report.kept += 1
         if not _trains(row, record, fmt):
             report.note(NO_SIGNAL, place)
+        elif report.example is None:
+            report.example = Example(place, token_runs(row, fmt))
     return report
+
+
+def token_runs(row: dict[str, Any], fmt: RecordFormat) -> TokenRuns:
+    """An encoded row's ids in runs by whether the loss covers them (a preference pair: its chosen side)."""
+    if fmt.kind == "preference":
+        ids, start = row["chosen_ids"], row["prompt_length"]
+        mask = [0] * start + [1] * (len(ids) - start)
+    else:
+        ids = row["input_ids"]
+        mask = row.get("loss_mask") or [1] * len(ids)
+    runs: TokenRuns = []
+    for token, trained in zip(ids, mask, strict=True):
+        if runs and runs[-1][1] == bool(trained):
+            runs[-1][0].append(token)
+        else:
+            runs.append(([token], bool(trained)))
+    return runs
+
+
+def rendered(example: Example, tokenizer: Any, limit: int = 600) -> str:
+    """The example as one line of text, special tokens shown, the trained text inside ⟦ ⟧, line breaks as \\n;
+    cut at `limit` characters."""
+    text = "".join(
+        f"⟦{piece}⟧" if trained else piece
+        for ids, trained in example.runs
+        for piece in [tokenizer.decode(ids, skip_special_tokens=False)]
+    ).replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def check_sample(cfg: Config, report: SampleReport, fmt: RecordFormat) -> list[str]:

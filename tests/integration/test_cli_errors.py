@@ -91,6 +91,9 @@ def test_a_good_config_validates(good_config, capsys):
     result = _validate(capsys, good_config)
     assert result.rc == 0, result.err
     assert "config ok" in result.out and "LoRA modules: 15" in result.out
+    assert re.search(
+        r"trains on \(\S+train-00000-of-00001.parquet: record \d+; trained text in ⟦ ⟧\): ⟦<s> .+</s>⟧", result.out
+    )
     assert re.search(r"memory plan: [\d.]+ GiB of host memory per CPU worker on 2 workers", result.out), result.out
     assert "fits" not in result.out and "GPU on" not in result.out
     result = _validate(capsys, good_config, "ray.use_gpu=true", "fsdp.param_dtype=auto")

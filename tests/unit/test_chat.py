@@ -183,3 +183,18 @@ def test_sharegpt_turns_are_read_as_messages(smollm2: Path):
     row = tokenize(smollm2, fmt)(pa.table({"_raw": pa.array([json.dumps({"conversations": turns}).encode()])}))
     ids, mask = chatml_expected(smollm2)
     assert row.to_pylist()[0]["input_ids"] == ids and row.to_pylist()[0]["loss_mask"] == mask
+
+
+def test_validate_shows_what_a_record_trains_on(smollm2: Path):
+    """`rayft validate` prints the first record that trains as the job encodes it, the trained text in ⟦ ⟧: here the
+    assistant turns of a chat, each through its end-of-turn token and newline, and none of the rest."""
+    from rayft.data.sample import Example, rendered, token_runs
+
+    fmt = record_format(DataConfig(), ["messages"], "x")
+    row = encode_rows(smollm2, [{"messages": CONVERSATION}])[0]
+    text = rendered(
+        Example(("x", 0), token_runs(row, fmt)), load_tokenizer(ModelConfig(model_name_or_path=str(smollm2)))
+    )
+    assert text.count("⟦") == 2 and "\n" not in text, text
+    assert "<|im_start|>assistant\\n⟦Hello! How can I help?<|im_end|>\\n⟧" in text, text
+    assert "⟦It is 4.<|im_end|>\\n⟧" in text and text.startswith("<|im_start|>system\\nBe brief.<|im_end|>"), text
