@@ -416,6 +416,7 @@ def _preemption_lines(
 
 
 def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
+    from rayft.deploy import auth
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
     from rayft.deploy.flags import KUBERAY_FLAGS, flags_set, given
     from rayft.deploy.k8s import operator, to_yaml
@@ -445,13 +446,17 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
         )
     for note in said:
         print(f"rayft: note: {note}", file=sys.stderr)
+    warned = [w for w in [auth.warning(plat)] if w]
+    for warning in warned:
+        print(f"rayft: warning: {warning}", file=sys.stderr)
     if args.out is None:
-        print(_render_header(argv, said) + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
+        print(_render_header(argv, said, warned) + "---\n".join(to_yaml(doc) for doc in manifests.values()), end="")
         return EXIT_OK
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for kind, doc in manifests.items():  # the notes are the RayJob's
-        (out / f"{kind}.yaml").write_text(_render_header(argv, said if kind == "rayjob" else []) + to_yaml(doc))
+    for kind, doc in manifests.items():  # the notes are the RayJob's, the warnings every file's
+        header = _render_header(argv, said if kind == "rayjob" else [], warned)
+        (out / f"{kind}.yaml").write_text(header + to_yaml(doc))
         print(f"rayft: wrote {out / f'{kind}.yaml'}")
     return EXIT_OK
 
@@ -483,7 +488,7 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typi
     manifests = render(cfg, job, dep, pods, plat)
     for path in plat.patches:
         manifests = patch.apply_file(manifests, Path(path))
-    return manifests, plat, notes(plat, pods)
+    return manifests, plat, notes(plat, pods, dep)
 
 
 def _deployment_fields() -> set[str]:
@@ -494,7 +499,7 @@ def _deployment_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(Deployment)}
 
 
-def _render_header(argv: list[str], notes: list[str]) -> str:
+def _render_header(argv: list[str], notes: list[str], warnings: list[str]) -> str:
     shown = []
     skip = False
     for arg in argv:  # the command that reproduces the file, minus where it was written
@@ -506,6 +511,7 @@ def _render_header(argv: list[str], notes: list[str]) -> str:
     return (
         f"# Rendered by: rayft {' '.join(shlex.quote(a) for a in shown)}\n"
         "# Change the config or the flags and render again; do not edit by hand.\n"
+        + "".join(f"# Warning: {warning}\n" for warning in warnings)
         + "".join(f"# Note: {note}\n" for note in notes)
     )
 
@@ -559,6 +565,7 @@ def eval_summary(result: dict[str, typing.Any], adapter: bool) -> str:
 
 
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
+    from rayft.deploy import auth
     from rayft.model.build import held_as
     from rayft.plan import plan_memory
     from rayft.preflight import check_continued_run, preflight
@@ -592,7 +599,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
             f"  train.warmup_steps {cfg.train.warmup_steps}: checked against the run's steps when the job counts its "
             "records (set train.max_steps to check it here)"
         )
-    for warning in [lora.warning, *checked.warnings, *cfg.relative_paths(), finished]:
+    for warning in [lora.warning, *checked.warnings, *cfg.relative_paths(), finished, auth.warning(cfg.k8s)]:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK

@@ -17,7 +17,7 @@ import ray.train
 from ray.train import TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayft import environment, ray_private
+from rayft import environment, ray_auth, ray_private
 from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
 from rayft.logs import LEVEL_ENV, quiet_worker_output
@@ -426,7 +426,13 @@ def connect(ray_cfg: RayConfig) -> bool:
     address = ray_cfg.cluster_address()
     if address:
         os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # the Train state API (dashboard REST) needs it
-        ray.init(address=address, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except Exception as e:  # Ray's ConnectionError, or its AuthenticationError where no token is found here
+            if not ray_auth.refused_for_token(e):
+                raise
+            where = "ray.address" if ray_cfg.address else "RAY_ADDRESS"
+            raise ConfigError(f"{where}: the Ray cluster at {address} refused rayft: {ray_auth.missing()}") from None
         quiet_worker_output()
         return False
     log.info("no Ray cluster given (ray.address / RAY_ADDRESS): starting a local one")

@@ -141,6 +141,11 @@ def operator_rules(doc: dict[str, Any], operator: Operator) -> list[str]:
             problems += apirules.pod_template("spec.submitterPodTemplate", spec["submitterPodTemplate"])
         if "rayClusterSpec" in spec:
             problems += _cluster_rules(spec["rayClusterSpec"], "spec.rayClusterSpec")
+            if spec["rayClusterSpec"].get("authOptions", {}).get("enableK8sTokenAuth"):
+                problems.append(
+                    "spec.rayClusterSpec.authOptions.enableK8sTokenAuth: KubeRay refuses it for a RayJob "
+                    "(RayClusters only)"
+                )
     elif kind == "RayCluster":
         problems += _cluster_rules(spec, "spec")
     return problems
@@ -201,7 +206,7 @@ def _cluster_rules(spec: dict[str, Any], at: str) -> list[str]:
     workers = spec.get("workerGroupSpecs", [])
     groups: list[tuple[str, dict[str, Any], str | None]] = [(f"{at}.headGroupSpec", spec["headGroupSpec"], None)]
     groups += [(f"{at}.workerGroupSpecs[{i}]", g, g.get("groupName")) for i, g in enumerate(workers)]
-    problems = []
+    problems = _auth_rules(spec.get("authOptions", {}), f"{at}.authOptions")
     names = cast("list[str]", [name for _, _, name in groups[1:]])  # workers': the CRD schema requires groupName
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{at}.workerGroupSpecs: group name '{name}' is used more than once")
@@ -231,6 +236,19 @@ def _cluster_rules(spec: dict[str, Any], at: str) -> list[str]:
         env = {e["name"] for c in containers[:1] for e in c.get("env", [])}
         if where.endswith("headGroupSpec") and "RAY_REDIS_ADDRESS" in env and "gcsFaultToleranceOptions" not in spec:
             problems.append(f"{where}: RAY_REDIS_ADDRESS turns on GCS fault tolerance; use gcsFaultToleranceOptions")
+    return problems
+
+
+def _auth_rules(options: dict[str, Any], at: str) -> list[str]:
+    """The operator's checks of authOptions: Kubernetes-delegated auth is a kind of token auth, and takes no
+    Secret."""
+    if not options.get("enableK8sTokenAuth"):
+        return []
+    problems = []
+    if options.get("mode", "token") != "token":
+        problems.append(f"{at}.enableK8sTokenAuth: needs mode: token")
+    if options.get("secretName"):
+        problems.append(f"{at}: enableK8sTokenAuth and secretName cannot be used together")
     return problems
 
 

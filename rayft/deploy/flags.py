@@ -59,7 +59,11 @@ PLATFORM_FLAGS = (
     KeyFlag("tolerations", "every pod", name="--toleration", metavar="KEY[=VALUE][:EFFECT]"),
     KeyFlag("labels", "every pod and object", name="--label"),
     KeyFlag("annotations", "every pod and object", name="--annotation"),
-    KeyFlag("env", "every Ray container"),
+    KeyFlag("env", "every Ray container (no credentials: --secret-env)"),
+    KeyFlag("secret_env", "every Ray container, from a Secret's key", metavar="VAR=SECRET/KEY"),
+    KeyFlag("auth", "Ray's token authentication (default token; none: anyone reaching the head runs code)"),
+    KeyFlag("auth_secret", "the Secret with the Ray token under key auth_token (default <name>-ray-auth)"),
+    KeyFlag("auth_k8s_rbac", "the RayCluster lets Kubernetes RBAC authorise Ray requests (KubeRay 1.6 on)"),
     KeyFlag(
         "fabric", "none (default: the pod network), or an RDMA fabric: the RDMA device, IPC_LOCK and NCCL's IB settings"
     ),

@@ -10,6 +10,7 @@ and outlives the cluster.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import shlex
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 from rayft.config import Config, ConfigError, is_uri
-from rayft.deploy import budget, platform
+from rayft.deploy import auth, budget, platform
 from rayft.deploy.apirules import quantity_bytes
 from rayft.deploy.crd import MAX_NAME, name_problems
 from rayft.deploy.kuberay import (
@@ -158,13 +159,19 @@ def render(
     `plat`: the platform's settings (default: the config's `k8s:` section)."""
     plat = plat or cfg.k8s
     spec = cluster_spec(dep, workers, plat, cfg.nccl)
+    standalone = copy.deepcopy(spec)
+    kuberay = operator(plat)
+    secret = auth.secret_name(plat, dep.name)
+    auth.secure_cluster(spec, plat, kuberay, secret, standalone=False)
+    auth.secure_cluster(standalone, plat, kuberay, secret, standalone=True)
+    submitter = platform.submitter_template(dep.image, _labels(dep), plat)
+    auth.secure_submitter(submitter, plat, kuberay, secret)
     config = f"env:{CONFIG_ENV}" if job.inline is not None else job.config_in_cluster
     entrypoint = " ".join(
         ["python", str(IMAGE_ROOT / "jobs" / "mistral4.py"), "--config", shlex.quote(config)]
         + [f"--override {shlex.quote(o)}" for o in job.overrides]
     )
     queued = plat.queueing == "kueue"
-    kuberay = operator(plat)
     job_spec: dict[str, Any] = {
         "entrypoint": entrypoint,
         "submissionMode": "K8sJobMode",
@@ -174,7 +181,7 @@ def render(
         **({"preRunningDeadlineSeconds": dep.pre_running_deadline_s} if kuberay.pre_running_deadline else {}),
         "backoffLimit": backoff_limit(cfg, dep),
         **runtime_env(job, plat),
-        "submitterPodTemplate": platform.submitter_template(dep.image, _labels(dep), plat),
+        "submitterPodTemplate": submitter,
         "rayClusterSpec": spec,
     }
     rayjob = {
@@ -187,7 +194,7 @@ def render(
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": _metadata(dep, f"{dep.name}-cluster", plat),
-        "spec": spec,
+        "spec": standalone,
     }
     head_budget = budget.head_budget(_metadata(dep, f"{dep.name}-head", plat), _labels(dep))
     return {"rayjob": rayjob, "raycluster": raycluster, "head-budget": head_budget, **monitoring_manifests(dep)}
@@ -218,11 +225,13 @@ def uses_deletion_rules(plat: K8sConfig) -> bool:
     return operator(plat).deletion_strategy and plat.queueing != "kueue"
 
 
-def notes(plat: K8sConfig, pods: WorkerPods | None = None) -> list[str]:
-    """What the rendered RayJob cannot ask of this operator, or leaves unused on the nodes, for the user to read
-    beside the manifests."""
+def notes(plat: K8sConfig, pods: WorkerPods | None = None, dep: Deployment | None = None) -> list[str]:
+    """What the rendered RayJob cannot ask of this operator, or leaves unused on the nodes, and what to create
+    before applying it, for the user to read beside the manifests."""
     kuberay = operator(plat)
-    out = placement_notes(pods, plat.node) if pods is not None else []
+    dep = dep or Deployment()
+    out = auth.notes(plat, kuberay, auth.secret_name(plat, dep.name), dep.namespace)
+    out += placement_notes(pods, plat.node) if pods is not None else []
     if plat.kuberay_version is None:
         out.append(f"k8s.kuberay_version unset: rendered for {kuberay}, which every supported operator accepts")
     if not kuberay.pre_running_deadline:

@@ -11,6 +11,12 @@ Their CRDs ship in `crds/` so that a manifest is checked against the operator it
   RayJobDeletionPolicy feature gate is on: an alpha gate, off by default, in 1.4 and 1.5; beta, on, from 1.6.
 - `shutdownAfterJobFinishes` + `ttlSecondsAfterFinished` (the whole cluster after the TTL) work in every release,
   and are the only form a suspended (Kueue) job may use.
+- `spec.authOptions` (Ray's token authentication, set up by the operator on every Ray container and the submitter)
+  exists from 1.5.1 with `mode` only, the operator then generating a Secret named after the RayCluster; from 1.6
+  also `secretName` (a Secret the user made, its token under the key `auth_token`) and `enableK8sTokenAuth` (Ray
+  asks the API server instead: standalone RayClusters only, not RayJobs). rayft hands the operator the Secret it
+  names from 1.6; before (1.5.0 has no authOptions, and rayft renders any patch of a minor alike), the pods get
+  the token from that Secret through their own environment.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ OLDEST = min(RELEASES)
 PRE_RUNNING_DEADLINE_SINCE = (1, 6)
 DELETION_STRATEGY_SINCE = (1, 5)
 DELETION_GATE = "RayJobDeletionPolicy"
+AUTH_OPTIONS_SINCE = (1, 6)
 # The feature gates that change what rayft renders → the minor release from which each is on by default.
 GATES_ON_BY_DEFAULT_SINCE: dict[str, tuple[int, int]] = {DELETION_GATE: (1, 6)}
 
@@ -92,6 +99,11 @@ class Operator:
     def deletion_strategy(self) -> bool:
         """Whether the operator accepts spec.deletionStrategy: the field exists and its gate is on."""
         return self.release >= DELETION_STRATEGY_SINCE and self.gate_on(DELETION_GATE)
+
+    @property
+    def auth_options(self) -> bool:
+        """Whether the RayCluster has spec.authOptions with secretName and enableK8sTokenAuth."""
+        return self.release >= AUTH_OPTIONS_SINCE
 
     def __str__(self) -> str:
         gates = f" with {', '.join(sorted(self.gates))}" if self.gates else ""

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import pydantic.dataclasses
 from annotated_types import Ge
 
-from rayft.deploy import apirules, kuberay
+from rayft.deploy import apirules, credentials, kuberay
 from rayft.schema import (
     SECTION_CONFIG,
     Broken,
@@ -121,14 +121,25 @@ class K8sConfig(Section):
     fs_group: Integer | None = None
     run_as_non_root: Flag | None = None
     # Extra environment of every Ray container and the submitter; extra volumes (Kubernetes Volume objects) on
-    # head and workers, mounted by `volume_mounts` (VolumeMount objects) in their Ray containers.
+    # head and workers, mounted by `volume_mounts` (VolumeMount objects) in their Ray containers. A credential
+    # (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, any *_TOKEN, *_PASSWORD, *_API_KEY, ...) is refused in `env`:
+    # it goes in a Secret, named in `secret_env` as `VAR: secret-name/key`, which the pods read at start-up.
     env: Keyed[Text] = field(default_factory=dict)
+    secret_env: Keyed[Text] = field(default_factory=dict)
     volumes: Listed[Keyed[Any]] = field(default_factory=list)
     volume_mounts: Listed[Keyed[Any]] = field(default_factory=list)
     # The Hugging Face cache of head and workers (HF_HOME, where hub model and dataset names resolve); null =
     # <mount path>/hf-cache on the PVC. hf_offline sets HF_HUB_OFFLINE=1: names resolve from a pre-seeded cache only.
     hf_home: Text | None = None
     hf_offline: Flag = False
+    # Ray's token authentication: token (every Ray process, the submitter's included, holds the token from the
+    # Secret `auth_secret`, key auth_token, and Ray refuses requests without it), or none (anyone who reaches the
+    # head's ports runs code on the cluster: a deliberate choice, warned about). auth_secret null: <--name>-ray-auth.
+    # auth_k8s_rbac (KubeRay 1.6 on): the standalone RayCluster lets Kubernetes RBAC decide instead (the `ray:write`
+    # verb); KubeRay allows that for RayClusters only, so the RayJob keeps the Secret.
+    auth: Literal["token", "none"] = "token"
+    auth_secret: Text | None = None
+    auth_k8s_rbac: Flag = False
     # The KubeRay operator's version, 1.4 to 1.7 (any patch release): the manifests use what it has and are
     # checked against its CRDs. From 1.6, preRunningDeadlineSeconds, and deletion rules (on failure the GPU
     # workers go at once, the cluster after the TTL; not for Kueue's suspended jobs); 1.5 has the rules only
@@ -173,6 +184,41 @@ class K8sConfig(Section):
             *self._kuberay_broken(),
             *self._fabric_broken(),
             *self._api_broken(),
+            *self._auth_broken(),
+            *self._credentials_broken(),
+        ]
+
+    def _auth_broken(self) -> list[Broken | None]:
+        release = _release_or_oldest(self.kuberay_version)
+        return [
+            broken("k8s.auth_secret: given, but k8s.auth is none; set k8s.auth: token", "auth_secret", "auth")
+            if self.auth == "none" and self.auth_secret
+            else None,
+            broken("k8s.auth_k8s_rbac: needs k8s.auth: token", "auth_k8s_rbac", "auth")
+            if self.auth == "none" and self.auth_k8s_rbac
+            else None,
+            broken(
+                f"k8s.auth_k8s_rbac: needs KubeRay {kuberay.dotted(kuberay.AUTH_OPTIONS_SINCE)} or later "
+                "(k8s.kuberay_version), whose authOptions has enableK8sTokenAuth",
+                "auth_k8s_rbac",
+                "kuberay_version",
+            )
+            if self.auth_k8s_rbac and release is not None and release < kuberay.AUTH_OPTIONS_SINCE
+            else None,
+            *(
+                broken(f"k8s.{where}.{name}: set by rayft from k8s.auth and k8s.auth_secret; remove it", where)
+                for where, given in (("env", self.env), ("secret_env", self.secret_env))
+                for name in given
+                if name in AUTH_NAMES
+            ),
+        ]
+
+    def _credentials_broken(self) -> list[Broken]:
+        both = sorted(set(self.env) & set(self.secret_env))
+        return [
+            *(broken(p, "env") for p in credentials.literal_problems("k8s.env", self.env) if not _is_auth(p)),
+            *(broken(p, "secret_env") for p in credentials.reference_problems("k8s.secret_env", self.secret_env)),
+            *(broken(f"k8s.env.{name}: also in k8s.secret_env; give it once", "env", "secret_env") for name in both),
         ]
 
     def _api_broken(self) -> list[Broken]:
@@ -189,7 +235,7 @@ class K8sConfig(Section):
         ]
         named = {
             key: getattr(self, key)
-            for key in ("queue", "priority_class_name", "service_account_name", "scheduler_name")
+            for key in ("queue", "priority_class_name", "service_account_name", "scheduler_name", "auth_secret")
         }
         named.update({f"image_pull_secrets[{i}]": s for i, s in enumerate(self.image_pull_secrets)})
         for key, value in named.items():
@@ -224,6 +270,23 @@ class K8sConfig(Section):
             for gate in self.kuberay_feature_gates
             if (problem := kuberay.gate_problem(gate, release))
         ]
+
+
+AUTH_NAMES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # Ray's, set from k8s.auth
+
+
+def _is_auth(problem: str) -> bool:
+    """A literal-credential problem about Ray's own token, which the k8s.auth rule reports instead."""
+    return any(problem.startswith(f"k8s.env.{name}:") for name in AUTH_NAMES)
+
+
+def _release_or_oldest(version: str | None) -> tuple[int, int] | None:
+    """The operator release `k8s.kuberay_version` names (the oldest when unset); None when it names none (which
+    its own rule reports)."""
+    try:
+        return kuberay.minor(version) or kuberay.OLDEST
+    except ValueError:
+        return None
 
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -354,6 +417,8 @@ def apply_to_pod(template: dict[str, Any], p: K8sConfig, role: str) -> None:
     container = spec["containers"][0]  # the Ray container (the submitter's only one)
     if p.env:
         container["env"] = [*container.get("env", []), *({"name": k, "value": v} for k, v in p.env.items())]
+    if p.secret_env:
+        container["env"] = [*container.get("env", []), *credentials.env_from_secrets(p.secret_env)]
     if role != "submitter" and p.volumes:
         spec["volumes"] = [*spec.get("volumes", []), *p.volumes]
         container["volumeMounts"] = [*container.get("volumeMounts", []), *p.volume_mounts]

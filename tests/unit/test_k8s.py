@@ -152,7 +152,7 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
         (container,) = pod["spec"]["containers"]
         resources = container["resources"]
         assert resources["requests"] == resources["limits"] and resources["limits"]["nvidia.com/gpu"] == str(gpus)
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
         network = flag.get("--network", "ib-network")  # the example's k8s.rdma.network
         assert env.get("NCCL_SOCKET_IFNAME") == flag.get("--socket-ifname", None if network == "none" else "net1")
         assert env.get("NCCL_IB_HCA") == flag.get("--ib-hca", cfg.nccl.ib_hca)  # unset: NCCL's own choice
@@ -326,7 +326,7 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
         assert validate(doc) == [], doc["kind"]
     spec = docs["RayCluster"]["spec"]
     head = spec["headGroupSpec"]["template"]
-    env = {e["name"]: e["value"] for e in head["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in head["spec"]["containers"][0]["env"]}
     assert env["RAY_PROMETHEUS_HOST"] == hosts["--prometheus-host"]
     assert env["RAY_GRAFANA_HOST"] == hosts["--grafana-host"]
     assert env["RAY_GRAFANA_IFRAME_HOST"] == hosts["--grafana-iframe-host"]

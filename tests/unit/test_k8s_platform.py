@@ -333,7 +333,7 @@ def test_a_named_fabric_renders_its_rdma_settings(capsys, tmp_path, fabric, rdma
     assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
     annotations = group["template"]["metadata"].get("annotations", {})
     assert annotations.get("k8s.v1.cni.cncf.io/networks") == rdma.get("network")
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env.get("NCCL_SOCKET_IFNAME") == interface and env["NCCL_IB_DISABLE"] == "0"
 
 
@@ -345,7 +345,7 @@ def test_fabric_flags_override_the_config_and_need_a_fabric(capsys, tmp_path):
     assert "--ib-hca" in render_error(capsys, *args, "--ib-hca", "=mlx5_0")
     _, container = worker_of(render(capsys, *args, "--fabric", "roce", "--ib-resource", "openshift.io/mellanoxnics",
                                     "--ib-hca", "=mlx5_0", "--socket-ifname", "net2"))  # fmt: skip
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NCCL_IB_HCA"] == "=mlx5_0" and env["NCCL_SOCKET_IFNAME"] == "net2"
     assert container["resources"]["limits"]["openshift.io/mellanoxnics"] == "1"
 

@@ -29,13 +29,17 @@ KUBERAY_BLOBS = {
     ("1.7.0", "ray.io_rayjobs.yaml"): "c7d3f081af8cf08c256a8c33a0c3b6ea28b816a0",
     ("1.7.0", "ray.io_rayclusters.yaml"): "ff0be58ada3bd457605eff1f258c16df21e61e21",
 }
-# Platform settings whose fields sit where releases could differ: queueing (suspend, the deletion form) and pods.
+# Platform settings whose fields sit where releases could differ: queueing (suspend, the deletion form), pods and
+# authentication (authOptions or the containers' environment).
 SETTINGS = {
     "defaults": [],
     "kueue": ["--queueing", "kueue", "--queue", "team-a"],
     "pods": ["--node-selector", "pool=h200", "--toleration", "spot:NoExecute", "--run-as-user", "1000",
              "--fs-group", "1000", "--priority-class", "train-high", "--service-account", "rayft",
              "--image-pull-secret", "regcred", "--config-delivery", "inline", "--monitoring"],
+    # Ray's token from a named Secret, a credential by reference; and auth deliberately off
+    "secrets": ["--auth-secret", "team-ray-token", "--secret-env", "HF_TOKEN=hf-token/token"],
+    "no-auth": ["--auth", "none"],
 }  # fmt: skip
 
 
@@ -114,12 +118,16 @@ def test_each_release_gets_the_fields_it_has(capsys, version, gates, deadline, r
 
 
 def test_older_releases_refuse_what_newer_ones_accept(capsys):
-    """The check has teeth: 1.7's RayJob fails on 1.4 and 1.5, for the fields they lack or gate."""
+    """The check has teeth: 1.7's RayJob fails on 1.4 and 1.5, for the fields they lack or gate (its authOptions
+    among them)."""
     docs, _ = render(capsys, REPO / "jobs" / "mistral4-3xh200.yaml", "--kuberay-version", "1.7")
     job = docs["RayJob"]
     for version in ("1.4", "1.5"):
         assert unexpected("preRunningDeadlineSeconds", validate(job, Operator.of(version))), version
     del job["spec"]["preRunningDeadlineSeconds"]
+    assert unexpected("authOptions", validate(job, Operator.of("1.4")))
+    assert unexpected("secretName", validate(job, Operator.of("1.5")))  # 1.5's authOptions has the mode only
+    del job["spec"]["rayClusterSpec"]["authOptions"]
     assert unexpected("deletionStrategy", validate(job, Operator.of("1.4")))
     assert validate(job, Operator.of("1.5")) == [
         "spec.deletionStrategy: KubeRay 1.5 refuses it without the RayJobDeletionPolicy feature gate "
