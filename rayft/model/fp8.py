@@ -43,7 +43,14 @@ from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET, EXPERT_WEIGHTS, storage_block
+from rayft.model.fp8_format import (
+    DEQUANT_BLOCK,
+    EXPERT_DEQUANT_BUDGET,
+    EXPERT_WEIGHTS,
+    HOST_QUANTIZE_BLOCK,
+    QUANTIZE_BLOCK,
+    storage_block,
+)
 from rayft.model.frozen import held_weights
 
 E4M3 = torch.float8_e4m3fn
@@ -67,6 +74,22 @@ def quantize_rows(weight: torch.Tensor, block: int | None = None) -> tuple[torch
     scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     data = (w / block_scales(scale, block, w.shape[-1])).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return data.view(STORAGE), scale
+
+
+def quantize_rows_into_(data: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, block: int | None) -> None:
+    """`quantize_rows(weight, block)` written into `data` (E4M3 bytes, `weight`'s shape) and `scale` (its fp32 scales)
+    on `weight`'s device, which should be theirs, a bounded block of rows at a time: on a GPU `QUANTIZE_BLOCK`
+    elements (the temporaries of a block are at most 16 bytes a weight), on a CPU `HOST_QUANTIZE_BLOCK`. There the
+    cost is not the arithmetic but memory: a large temporary lands in freshly mapped pages, a page fault per 4 KiB,
+    at every step of the quantisation, where a small block's temporaries are reused from the allocator and stay in
+    the caches. Each row's bytes and scales are `quantize_rows`' own however the rows are grouped."""
+    rows = weight.reshape(-1, weight.shape[-1])
+    out, out_scale = data.view(rows.shape), scale.view(rows.shape[0], -1)  # views: writing them fills the storage
+    step = max(1, (HOST_QUANTIZE_BLOCK if rows.device.type == "cpu" else QUANTIZE_BLOCK) // rows.shape[1])
+    for lo in range(0, rows.shape[0], step):
+        q, s = quantize_rows(rows[lo : lo + step], block)
+        out[lo : lo + step].copy_(q)
+        out_scale[lo : lo + step].copy_(s.view(len(q), -1))
 
 
 def block_scales(scale: torch.Tensor, block: int | None, columns: int) -> torch.Tensor:
@@ -399,9 +422,7 @@ class Fp8Linear(QuantisedLinear):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device, block)
         if device.type != "meta":
             with torch.no_grad():
-                data, scale = quantize_rows(linear.weight, layer.block)
-                layer.weight.copy_(data)
-                scales(layer.weight_scale).copy_(scale)
+                quantize_rows_into_(layer.weight, scales(layer.weight_scale), linear.weight, layer.block)
                 if linear.bias is not None:
                     layer.bias.copy_(linear.bias)
         return layer
@@ -538,9 +559,7 @@ class Fp8Experts(QuantisedExperts):
         self.register_parameter(f"{name}_scale", scale_storage)
         if weight.device.type != "meta":
             with torch.no_grad():
-                data, scale = quantize_rows(weight, block)
-                getattr(self, name).copy_(data)
-                self.scale(name).copy_(scale)
+                quantize_rows_into_(getattr(self, name), self.scale(name), weight, block)
 
     def scale(self, name: str) -> torch.Tensor:
         """The fp32 row scales of expert weight `name` (`[E, out]`)."""
