@@ -94,8 +94,8 @@ def test_a_bf16_checkpoint_is_quantised_where_it_lives_bit_for_bit(tmp_path: Pat
         assert torch.equal(layer.weight.cpu(), codes), i
         assert torch.equal(scales(layer.weight_scale).cpu(), row_scales), i
     assert {where for where, _ in seen.made} == {torch.device(device).type}  # quantised where the weight lives
-    if device == "cpu":  # a host block of rows at a time (a row wider than a block alone)
-        assert max(n for _, n in seen.made) <= max(HOST_QUANTIZE_BLOCK, *(c for _, c in SHAPES)), max(seen.made)
+    if device == "cpu":  # a host block of rows at a time (a row wider than a block alone), in a workspace of two
+        assert max(n for _, n in seen.made) <= 2 * max(HOST_QUANTIZE_BLOCK, *(c for _, c in SHAPES)), max(seen.made)
 
 
 def _block_fp8_checkpoint(directory: Path, weight: torch.Tensor, block: tuple[int, int]) -> None:
