@@ -10,7 +10,7 @@ from pathlib import Path
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
-QUANTIZE_BLOCK = 2**23  # elements of rows quantised at once on a GPU: at most 16 bytes each of temporaries (128 MiB)
+QUANTIZE_BLOCK = 2**23  # weights of rows quantised at once on a GPU, in a workspace of 8 bytes a weight (64 MiB)
 HOST_QUANTIZE_BLOCK = 2**18  # and on a CPU (1 MiB in fp32): temporaries its caches hold
 EXPERT_DEQUANT_BUDGET = 2**28  # elements of routed-expert weights dequantised at once (512 MiB in bf16)
 
