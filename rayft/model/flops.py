@@ -5,7 +5,8 @@ MFU counts the FLOPs the model needs per token, not what the kernels did (activa
   6N      6 · (N_base + N_lora) + 3 · A       the usual formula: forward 2N, backward 4N (input and weight grads)
   LoRA    4 · N_base + 6 · N_lora + 3 · A     a frozen base needs no weight gradients: its backward is 2N
 where N_base counts the frozen matrix weights a token is multiplied by (embeddings are lookups and are left out;
-a token visits top_k of a layer's E routed experts, so their weight stacks count top_k / E of theirs), N_lora the
+a token visits top_k of a layer's E routed experts, so their weight stacks count top_k / E of theirs), each matrix in
+its own shape whatever the storage of a quantised base (FP8 or NF4: not its packed bytes, nor its scales), N_lora the
 trainable ones (the routed experts' LoRA factors likewise top_k / E), and A = 2 · L · H · (d_qk + d_v) · k
 the forward FLOPs of attention scores and values per token attending k keys (backward: 2A). Attention is causal
 and never crosses documents (packed rows restart at each one), so a document of n tokens attends n (n + 1) / 2
@@ -16,6 +17,7 @@ Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -75,29 +77,45 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
     if head_weight is not None and id(head_weight) in seen and not head_weight.requires_grad:
         base += head_weight.numel()  # a tied head is the embedding matrix, yet a matmul every token goes through
     routed = routed_expert_counts(model, text)
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if id(p) in routed:
-            count = routed[id(p)]
-        elif p.requires_grad or p.dim() == 2:
-            count = p.numel()
-        else:
-            continue
-        if p.requires_grad:
-            lora += count
-        else:
-            base += count
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            shape = matrix_shape(module, name, p)
+            if id(p) in routed:
+                count = routed[id(p)]
+            elif shape is not None and (p.requires_grad or len(shape) == 2):
+                count = math.prod(shape)
+            else:
+                continue
+            if p.requires_grad:
+                lora += count
+            else:
+                base += count
     return FlopModel(base, lora, attention_flops(text, 1), seq_len)
+
+
+def matrix_shape(module: nn.Module, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of the weights parameter `name` of `module` holds as a token meets them, or None for a tensor no
+    token is multiplied by: a quantised base's weight in its own shape however it is stored (FP8: a byte a weight;
+    NF4: two 4-bit codes a byte), its scales, NF4 factors and biases None; any other parameter its own shape. A
+    stack of routed experts counts the experts it holds (`p`'s first dim: E, or E/k under expert parallelism)."""
+    from rayft.model.fp8 import QuantisedExperts, QuantisedLinear  # the workers' layers: whoever has a model has them
+
+    if isinstance(module, QuantisedLinear):
+        return (module.out_features, module.in_features) if name == "weight" else None
+    if isinstance(module, QuantisedExperts):
+        return (p.shape[0], *module.shapes[name][1:]) if name in EXPERT_WEIGHTS else None
+    return tuple(p.shape)
 
 
 def routed_expert_counts(model: nn.Module, text: Any) -> dict[int, int]:
     """The elements a token is multiplied by, by `id`, of every parameter of the MoE blocks' routed experts: top_k of
-    the experts each fused weight stack (`[E, out, in]`, bf16 or FP8 storage) and each LoRA factor (PEFT's
-    `[E·r, in]`, `[out, r·E]`) holds, and nothing of their biases and FP8 scales (no matmul). A layer has E experts
-    (the family's own config key); under expert parallelism this worker's tensors hold E/k of them. Only the blocks of
-    the families rayft knows: it refuses the others before a run."""
+    the experts each fused weight stack (`[E, out, in]`, in bf16, FP8 or NF4 storage: `matrix_shape`) and each LoRA
+    factor (PEFT's `[E·r, in]`, `[out, r·E]`) holds, and nothing of their biases and scales (no matmul). A layer has
+    E experts (the family's own config key); under expert parallelism this worker's tensors hold E/k of them. Only
+    the blocks of the families rayft knows: it refuses the others before a run."""
     blocks = [m for m in moe_blocks(model) if block_of(m) is not None]
     if not blocks:
         return {}
@@ -108,8 +126,8 @@ def routed_expert_counts(model: nn.Module, text: Any) -> dict[int, int]:
         held = _held_experts(experts, num_routed_experts(text))
         for module in experts.modules():
             for name, p in module.named_parameters(recurse=False):
-                matrix = p.requires_grad or name in EXPERT_WEIGHTS
-                counts[id(p)] = p.numel() * top_k // held if matrix else 0
+                shape, matrix = matrix_shape(module, name, p), p.requires_grad or name in EXPERT_WEIGHTS
+                counts[id(p)] = math.prod(shape) * top_k // held if shape is not None and matrix else 0
     return counts
 
 

@@ -43,7 +43,14 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from rayft import environment
-from rayft.model.fp8_format import DEQUANT_BLOCK, EXPERT_DEQUANT_BUDGET, EXPERT_WEIGHTS, storage_block
+from rayft.model.fp8_format import (
+    DEQUANT_BLOCK,
+    EXPERT_DEQUANT_BUDGET,
+    EXPERT_WEIGHTS,
+    HOST_QUANTIZE_BLOCK,
+    QUANTIZE_BLOCK,
+    storage_block,
+)
 from rayft.model.frozen import held_weights
 
 E4M3 = torch.float8_e4m3fn
@@ -57,16 +64,40 @@ GROUPED_MM_ALIGNMENT = 16  # bytes: grouped_mm needs every operand's strides a m
 def quantize_rows(weight: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 bytes and one fp32 scale per row (last dim reduced), or per row and `block`-wide column block
     (`[..., ceil(columns / block)]`): `weight ≈ bytes.view(E4M3) * block_scales(scale, block, columns)`."""
-    w = weight.detach().to(torch.float32)
-    block = storage_block(w.shape[-1], block)
-    if block is None:
-        amax = w.abs().amax(dim=-1)
-    else:
-        padded = F.pad(w, (0, -w.shape[-1] % block))
-        amax = padded.unflatten(-1, (-1, block)).abs().amax(dim=-1)  # type: ignore[no-untyped-call]  # torch: unannotated
-    scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    data = (w / block_scales(scale, block, w.shape[-1])).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return data.view(STORAGE), scale
+    scale_shape = _scale_shape(tuple(weight.shape), storage_block(weight.shape[-1], block))
+    data = torch.empty(weight.shape, dtype=STORAGE, device=weight.device)
+    scale = torch.empty(scale_shape, dtype=torch.float32, device=weight.device)
+    quantize_rows_into_(data, scale, weight, block)
+    return data, scale
+
+
+def quantize_rows_into_(data: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, block: int | None) -> None:
+    """`quantize_rows(weight, block)` into `data` (uint8, `weight`'s shape) and `scale` (fp32): each row, or each
+    `block` columns of it, divided in fp32 by its absolute maximum / 448 (at least fp32's smallest normal),
+    clamped to ±448 and rounded to E4M3.
+
+    Computed on `weight`'s device (loading puts it on `data`'s), a block of rows at a time in one fp32 workspace
+    that every block reuses (two buffers: 8 bytes a weight of the block): on a GPU `QUANTIZE_BLOCK` weights, on a
+    CPU `HOST_QUANTIZE_BLOCK`, which its caches hold. A CPU pays for temporaries made per operation more than for
+    the arithmetic: each lands in freshly mapped pages, a page fault per 4 KiB."""
+    rows = weight.detach().reshape(-1, weight.shape[-1])
+    count, columns = rows.shape
+    width = storage_block(columns, block) or columns
+    blocks = -(-columns // width)
+    out, out_scale = data.view(rows.shape).view(E4M3), scale.view(count, blocks)  # views: writes fill the storage
+    limit = HOST_QUANTIZE_BLOCK if rows.device.type == "cpu" else QUANTIZE_BLOCK
+    step = max(1, min(count, limit // columns))
+    # A partial last column block is padded with zeros, which change no maximum and divide to zero.
+    work = torch.zeros(2, step, blocks * width, dtype=torch.float32, device=rows.device)
+    for lo in range(0, count, step):
+        n = min(step, count - lo)
+        w, t = work[0, :n], work[1, :n]
+        w[:, :columns].copy_(rows[lo : lo + n])
+        s = torch.amax(torch.abs(w, out=t).view(n, blocks, width), dim=-1)
+        s.div_(E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+        torch.div(w.view(n, blocks, width), s.unsqueeze(-1), out=t.view(n, blocks, width))
+        out[lo : lo + n].copy_(t.clamp_(-E4M3_MAX, E4M3_MAX)[:, :columns])
+        out_scale[lo : lo + n].copy_(s)
 
 
 def block_scales(scale: torch.Tensor, block: int | None, columns: int) -> torch.Tensor:
@@ -399,9 +430,7 @@ class Fp8Linear(QuantisedLinear):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device, block)
         if device.type != "meta":
             with torch.no_grad():
-                data, scale = quantize_rows(linear.weight, layer.block)
-                layer.weight.copy_(data)
-                scales(layer.weight_scale).copy_(scale)
+                quantize_rows_into_(layer.weight, scales(layer.weight_scale), linear.weight, layer.block)
                 if linear.bias is not None:
                     layer.bias.copy_(linear.bias)
         return layer
@@ -538,9 +567,7 @@ class Fp8Experts(QuantisedExperts):
         self.register_parameter(f"{name}_scale", scale_storage)
         if weight.device.type != "meta":
             with torch.no_grad():
-                data, scale = quantize_rows(weight, block)
-                getattr(self, name).copy_(data)
-                self.scale(name).copy_(scale)
+                quantize_rows_into_(getattr(self, name), self.scale(name), weight, block)
 
     def scale(self, name: str) -> torch.Tensor:
         """The fp32 row scales of expert weight `name` (`[E, out]`)."""

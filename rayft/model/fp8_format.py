@@ -1,4 +1,4 @@
-"""FP8 facts that need no model: which expert weights are stored in FP8, how much is dequantised at once, and
+"""FP8 facts that need no model: which expert weights are stored in FP8, how much is (de)quantised at once, and
 the block shape a checkpoint's scales use. The planner and the driver's checks read them without importing the
 FP8 layers (`rayft.model.fp8`), which belong to the workers."""
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 DEQUANT_BLOCK = 2**26  # elements dequantised in fp32 at once (256 MiB)
+QUANTIZE_BLOCK = 2**23  # weights of rows quantised at once on a GPU, in a workspace of 8 bytes a weight (64 MiB)
+HOST_QUANTIZE_BLOCK = 2**18  # and on a CPU (1 MiB in fp32): temporaries its caches hold
 EXPERT_DEQUANT_BUDGET = 2**28  # elements of routed-expert weights dequantised at once (512 MiB in bf16)
 
 

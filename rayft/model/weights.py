@@ -4,7 +4,7 @@ No rank ever holds the whole checkpoint: every parameter's local shard (dim-0 ro
 as exactly those bytes of the file, mapped from the checkpoint's key layout (the hub's per-expert tensors of a fused
 experts parameter: just the experts a rank holds, `rayft.model.hub_keys`), dequantised from FP8 when the
 checkpoint is quantised (static per-tensor or per-expert scales, or DeepSeek-V3's block-wise ones, applied per
-slice) and cast to the model dtype.
+slice) and cast to the model dtype, or quantised into FP8 or NF4 storage on the device where it will live.
 Every read is planned and checked (key, shape, dtype, FP8 scale) before the first byte is copied, so a checkpoint
 that does not fit the model fails whole, naming the tensors, instead of half-filling it. Tied word embeddings
 (Llama-3.2, Qwen2.5, Gemma, SmolLM2: the head is the embedding matrix, stored once) are one parameter, read once.
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rayft.model.files import SAFETENSORS_DTYPES
-from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows, rows_scale, scales
+from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows_into_, rows_scale, scales
 from rayft.model.fp8_format import EXPERT_WEIGHTS, weight_block
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 from rayft.model.nf4 import Nf4Experts, Nf4Linear, block_absmax, double_quantize, encode, quantize, storage_of, store_
@@ -431,7 +431,7 @@ def _fill_fp8_(
 ) -> None:
     """Fill a piece of FP8 storage (E4M3 bytes + scales per row or `block`-wide column block, `rayft.model.fp8`) from
     checkpoint rows (from row `start`): an E4M3 checkpoint's bytes and scales as they are, where the storage's
-    layout holds them losslessly; anything else quantised."""
+    layout holds them losslessly; anything else quantised where it will live (a GPU's rows on the GPU)."""
     stored = (
         _stored_scale(rows, key, checkpoint, start, scale.shape, block) if rows.dtype == torch.float8_e4m3fn else None
     )
@@ -439,9 +439,8 @@ def _fill_fp8_(
         data.copy_(rows.view(data.dtype))
         scale.copy_(stored)
     else:
-        q, s = quantize_rows(dequantize(rows, key, checkpoint, start), block)
-        data.copy_(q)
-        scale.copy_(s)
+        rows = rows.to(data.device)  # quantised where it will live
+        quantize_rows_into_(data, scale, dequantize(rows, key, checkpoint, start), block)
 
 
 def _nf4_weights(model: nn.Module) -> dict[str, tuple[Nf4Linear | Nf4Experts, str]]:

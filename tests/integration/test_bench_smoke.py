@@ -45,6 +45,19 @@ def test_plan_accuracy_benchmark_runs_both_cases(tmp_path):
     assert all(c["measured_peak_mib"] > 0 and c["estimate_mib"] > 0 for c in cases.values())
 
 
+def test_fp8_quantise_benchmark_times_both_ways_on_the_same_bytes(tmp_path):
+    out = tmp_path / "fp8_quantise.json"
+    result = subprocess.run(
+        [sys.executable, "bench/fp8_quantise.py", "--size", "small", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["identical_bytes_and_scales"] is True and set(report["threads"]) == {"1", "2"}
+    for case in report["threads"].values():
+        assert case["before_g_elements_per_s"]["best"] > 0 and case["after_g_elements_per_s"]["best"] > 0
+
+
 def test_checkpoint_cost_summary_reads_the_runs_cumulative_counters():
     """bench/checkpoint_cost.py trains for minutes (never in CI); its arithmetic over metrics.jsonl is checked here."""
     sys.path.insert(0, str(REPO / "bench"))

@@ -167,3 +167,68 @@ def test_moe_flops_count_the_top_k_experts_and_their_lora(model_type: str):
     keys = (16 + 1) / 2  # a full-length causal document's mean
     assert flops.per_token_6n == 6 * (base + lora) + 3 * attention * keys
     assert flops.per_token_lora == 4 * base + 6 * lora + 3 * attention * keys
+
+
+# A token is multiplied by each matrix's weights however the frozen base stores them: FP8 (bytes, one a weight, next
+# to scales per row or per row and 64-column block) and NF4 (two 4-bit codes a byte, with int8 block scalers) count
+# the matrices' own shapes, as bf16 does, and never their scales. Dims NF4 can block (rows of 64-blocks, 16384-weight
+# groups), counted by hand; LoRA r = 4 on q_proj and v_proj (and, for the MoE, on the routed experts).
+# Mistral: H 128, 4 heads and 4 KV heads of 32, I 256, vocab 512, 2 layers.
+DENSE_LAYER = 4 * 128 * 128 + 3 * 256 * 128  # q, k, v, o; gate, up, down = 163,840
+DENSE_BASE = 2 * DENSE_LAYER + 512 * 128  # + lm_head = 393,216
+DENSE_LORA = 2 * (R * (128 + 128) + R * (128 + 128))  # q, v = 4,096
+# Qwen3-MoE: the same attention, router [8, 128], 8 routed experts of I 128 (gate‖up [256, 128], down [128, 128]),
+# top-2.
+MOE_LAYER = 4 * 128 * 128 + 8 * 128 + 2 * (256 * 128 + 128 * 128)  # 164,864
+MOE_BASE = 2 * MOE_LAYER + 512 * 128  # 395,264
+MOE_LORA = 2 * (R * (128 + 128) * 2 + 2 * (R * (128 + 256) + R * (128 + 128)))  # q, v; 2 experts = 14,336
+ATTENTION = 2 * 2 * 4 * (32 + 32)  # 2 · L · H · (d_qk + d_v)
+STORAGES = ["bf16", "fp8_rows", "fp8_blocks", "nf4"]
+
+
+def _stored_lora_model(model_type: str, storage: str):
+    """The weightless LoRA model of a tiny `model_type` whose decoder matrices are held in `storage`, built as a job
+    builds it: the swap (`to_fp8_` / `to_nf4_`), then PEFT, then `adopt_lora_`."""
+    from transformers import MistralConfig
+
+    from rayft.model.build import causal_lm_class, decoder_layers
+    from rayft.model.fp8 import Fp8Experts, Fp8Linear, adopt_lora_, to_fp8_
+    from rayft.model.lora import apply_lora
+    from rayft.model.nf4 import Nf4Experts, Nf4Linear, to_nf4_
+
+    dims = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+            "vocab_size": 512, "num_hidden_layers": 2, "tie_word_embeddings": False}  # fmt: skip
+    if model_type == "mistral":
+        config, lora = MistralConfig(**dims, intermediate_size=256), {}
+    else:
+        config, lora = tiny_moe_config(model_type, **dims, moe_intermediate_size=128), {"target_experts": True}
+    cfg = Config.from_dict({"lora": {"r": R, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, **lora},
+                            "fsdp": {"activation_checkpointing": True}})  # fmt: skip
+    with torch.device("meta"):
+        model = causal_lm_class(config)._from_config(config, dtype=torch.bfloat16)
+    layers = decoder_layers(model)
+    if storage == "nf4":
+        assert to_nf4_(layers, torch.bfloat16)[1] == 0  # every decoder matrix in NF4
+        kinds: tuple[type, ...] = (Nf4Linear, Nf4Experts)
+    elif storage != "bf16":
+        to_fp8_(layers, torch.bfloat16, 64 if storage == "fp8_blocks" else None)
+        kinds = (Fp8Linear, Fp8Experts)
+    if storage != "bf16":
+        matrices = 7 if model_type == "mistral" else 5  # q, k, v, o and the MLP's 3 linears, or the experts module
+        assert sum(isinstance(m, kinds) for m in model.modules()) == 2 * matrices
+    model = apply_lora(model, cfg.lora)
+    if storage != "bf16":
+        adopt_lora_(model)
+    return model, config
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize(
+    ("model_type", "base", "lora"), [("mistral", DENSE_BASE, DENSE_LORA), ("qwen3_moe", MOE_BASE, MOE_LORA)]
+)
+def test_quantised_storage_counts_each_matrix_in_its_own_shape(model_type: str, base: int, lora: int, storage: str):
+    model, config = _stored_lora_model(model_type, storage)
+    flops = flop_model(model, config, seq_len=16)
+    assert (flops.base_params, flops.lora_params, flops.attention) == (base, lora, ATTENTION)
+    keys = (16 + 1) / 2
+    assert flops.per_token_lora == 4 * base + 6 * lora + 3 * ATTENTION * keys
