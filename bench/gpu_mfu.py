@@ -576,8 +576,9 @@ def facts(env: Env, run_id: str) -> dict[str, Any]:
 
 def cache_dirs(out: Path) -> None:
     """Inductor's and Triton's caches under `out` (set before torch is imported): a later loan carries them."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "cache" / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(out / "cache" / "triton"))
+    for variable, name in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ.setdefault(variable, str(out / "cache" / name))
+        Path(os.environ[variable]).mkdir(parents=True, exist_ok=True)  # there from the start, whatever compiles
 
 
 def run(out: Path, toy: bool, only: list[str] | None = None) -> int:
