@@ -107,7 +107,10 @@ def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
     """The architecture with parameters on the meta device (no memory) and real buffers (rotary tables)."""
     config = text_config(model_cfg.model_name_or_path)
     with init_empty_weights(include_buffers=False):
-        return _from_config(model_cfg, config)
+        model = _from_config(model_cfg, config)
+    # tied outside the context: init_empty_weights makes every parameter registered in it a new one
+    tie_weights_(model)
+    return model
 
 
 def random_model(model_cfg: ModelConfig, config: PretrainedConfig, device: torch.device) -> PreTrainedModel:
@@ -115,18 +118,20 @@ def random_model(model_cfg: ModelConfig, config: PretrainedConfig, device: torch
     for `model_cfg`: what a throughput measurement trains, where no checkpoint need be written or read (a step's time
     does not depend on the weights' values)."""
     with torch.device(device):
-        return _from_config(model_cfg, config)
+        model = _from_config(model_cfg, config)
+    tie_weights_(model)
+    return model
 
 
 def _from_config(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrainedModel:
-    """The causal LM of `config` with `model_cfg`'s dtype, attention and expert kernels, its head tied as declared."""
+    """The causal LM of `config` with `model_cfg`'s dtype, attention and expert kernels; its head is tied by the
+    caller (`tie_weights_`), before LoRA and fully_shard: FSDP2 then shards the tied embedding/head as one parameter."""
     config.use_cache = model_cfg.use_cache
     kwargs = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
     if getattr(config, "num_experts_per_tok", None):
         kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
     # transformers leaves _from_config unannotated
     model: PreTrainedModel = causal_lm_class(config)._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
-    tie_weights_(model)  # before LoRA and fully_shard: FSDP2 then shards the tied embedding/head as one parameter
     return model
 
 
