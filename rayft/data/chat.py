@@ -150,6 +150,17 @@ def chat_tokens(messages: list[dict[str, Any]], tokenizer: Any, first_trained: i
     return found
 
 
+def runs_of(ids: list[int], mask: list[int]) -> TokenSegments:
+    """Token ids in runs by whether their mask entry trains them."""
+    runs: TokenSegments = []
+    for token, flag in zip(ids, mask, strict=True):
+        if runs and runs[-1][1] == bool(flag):
+            runs[-1][0].append(token)
+        else:
+            runs.append(([token], bool(flag)))
+    return runs
+
+
 def _incremental(encoder: Any, messages: list[dict[str, Any]], turns: list[int], whole: list[int]) -> TokenSegments:
     out: TokenSegments = []
     done: list[int] = []
@@ -187,14 +198,7 @@ class _TemplateChat:
         out = self.tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        runs: TokenSegments = []
-        for token, flag in zip(ids, mask, strict=True):
-            if runs and runs[-1][1] == bool(flag):
-                runs[-1][0].append(token)
-            else:
-                runs.append(([token], bool(flag)))
-        return runs
+        return runs_of(list(out["input_ids"]), list(out["assistant_masks"]))
 
 
 class _MistralChat:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from rayft.config import Config, ConfigError
-from rayft.data.chat import ChatRefused, chat_tokens
+from rayft.data.chat import ChatRefused, TokenSegments, chat_tokens, runs_of
 from rayft.data.files import DecodeBudget
 from rayft.data.records import (
     SKIPS,
@@ -65,15 +65,12 @@ REASONS = {
 }
 
 
-TokenRuns = list[tuple[list[int], bool]]  # an example's token ids, in runs that are trained or not
-
-
 @dataclass(frozen=True)
 class Example:
     """The first record of a split that trains, as the job's pipeline encodes it: what `rayft validate` shows."""
 
     where: tuple[str, int]  # (file, index)
-    runs: TokenRuns
+    runs: TokenSegments  # its token ids, in runs that are trained or not
 
 
 @dataclass
@@ -146,7 +143,7 @@ def sample_report(
     return report
 
 
-def token_runs(row: dict[str, Any], fmt: RecordFormat) -> TokenRuns:
+def token_runs(row: dict[str, Any], fmt: RecordFormat) -> TokenSegments:
     """An encoded row's ids in runs by whether the loss covers them (a preference pair: its chosen side)."""
     if fmt.kind == "preference":
         ids, start = row["chosen_ids"], row["prompt_length"]
@@ -154,13 +151,7 @@ def token_runs(row: dict[str, Any], fmt: RecordFormat) -> TokenRuns:
     else:
         ids = row["input_ids"]
         mask = row.get("loss_mask") or [1] * len(ids)
-    runs: TokenRuns = []
-    for token, trained in zip(ids, mask, strict=True):
-        if runs and runs[-1][1] == bool(trained):
-            runs[-1][0].append(token)
-        else:
-            runs.append(([token], bool(trained)))
-    return runs
+    return runs_of(ids, mask)
 
 
 def rendered(example: Example, tokenizer: Any, limit: int = 600) -> str:

@@ -16,13 +16,21 @@ import pytest
 from conftest import REPO
 
 
+def _small_bench(script: str, out) -> None:
+    """`bench/SCRIPT.py --size small --out OUT`, which must succeed."""
+    result = subprocess.run(
+        [sys.executable, f"bench/{script}.py", "--size", "small", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_load_memory_benchmark_runs_and_reports_every_case(tmp_path):
     out = tmp_path / "load_memory.json"
-    result = subprocess.run(
-        [sys.executable, "bench/load_memory.py", "--size", "small", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    _small_bench("load_memory", out)
     report = json.loads(out.read_text())
     assert set(report["results"]) == {
         "sharded", "full_from_pretrained", "sharded_fp8_hub_layout", "sharded_nf4", "sharded_nf4_from_fp8_hub_layout"
@@ -35,11 +43,7 @@ def test_load_memory_benchmark_runs_and_reports_every_case(tmp_path):
 
 def test_plan_accuracy_benchmark_runs_both_cases(tmp_path):
     out = tmp_path / "plan_accuracy.json"
-    result = subprocess.run(
-        [sys.executable, "bench/plan_accuracy.py", "--size", "small", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    _small_bench("plan_accuracy", out)
     cases = json.loads(out.read_text())["cases"]
     assert set(cases) == {"activation_checkpointing=False", "activation_checkpointing=True"}
     assert all(c["measured_peak_mib"] > 0 and c["estimate_mib"] > 0 for c in cases.values())
@@ -47,11 +51,7 @@ def test_plan_accuracy_benchmark_runs_both_cases(tmp_path):
 
 def test_fp8_quantise_benchmark_times_both_ways_on_the_same_bytes(tmp_path):
     out = tmp_path / "fp8_quantise.json"
-    result = subprocess.run(
-        [sys.executable, "bench/fp8_quantise.py", "--size", "small", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    _small_bench("fp8_quantise", out)
     report = json.loads(out.read_text())
     assert report["identical_bytes_and_scales"] is True and set(report["threads"]) == {"1", "2"}
     for case in report["threads"].values():
