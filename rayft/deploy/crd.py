@@ -110,11 +110,11 @@ def validate(doc: Any, operator: Operator | None = None, directory: Path | None 
 
     if not isinstance(doc, dict):
         return ["not a mapping"]
-    from rayft.deploy import budget, monitoring
+    from rayft.deploy import budget, monitoring, reach
 
     api_kind: tuple[Any, Any] = (doc.get("apiVersion"), doc.get("kind"))  # from the manifest: either may be missing
-    own = {**monitoring.SCHEMAS, **budget.SCHEMAS}.get(api_kind)
-    if own is not None:  # PodMonitor, ConfigMap, PodDisruptionBudget: rayft's own shape check, no CRD
+    own = {**monitoring.SCHEMAS, **budget.SCHEMAS, **reach.SCHEMAS}.get(api_kind)
+    if own is not None:  # PodMonitor, ConfigMap, PodDisruptionBudget, NetworkPolicy: rayft's own shape check, no CRD
         errors = sorted(Draft7Validator(own).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
         return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
     operator = operator or Operator()

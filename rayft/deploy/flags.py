@@ -64,6 +64,13 @@ PLATFORM_FLAGS = (
     KeyFlag("auth", "Ray's token authentication (default token; none: anyone reaching the head runs code)"),
     KeyFlag("auth_secret", "the Secret with the Ray token under key auth_token (default <name>-ray-auth)"),
     KeyFlag("auth_k8s_rbac", "the RayCluster lets Kubernetes RBAC authorise Ray requests (KubeRay 1.6 on)"),
+    KeyFlag("network_policy", "a NetworkPolicy: the run's pods are reached by each other alone (and the admitted)"),
+    KeyFlag(
+        "network_policy_admits",
+        "pods (by label) admitted to the dashboard / job API port",
+        name="--network-policy-admit",
+        metavar="LABEL=VALUE",
+    ),
     KeyFlag(
         "fabric", "none (default: the pod network), or an RDMA fabric: the RDMA device, IPC_LOCK and NCCL's IB settings"
     ),

@@ -19,8 +19,9 @@ from typing import Any
 
 import yaml
 
+from rayft import environment
 from rayft.config import Config, ConfigError, is_uri
-from rayft.deploy import auth, budget, platform
+from rayft.deploy import auth, budget, platform, reach
 from rayft.deploy.apirules import quantity_bytes
 from rayft.deploy.crd import MAX_NAME, name_problems
 from rayft.deploy.kuberay import (
@@ -39,10 +40,9 @@ from rayft.parallel.backend import NcclConfig, nccl_env
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
 IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
-DASHBOARD_PORT = 8265
 RDMA_SHARED_DEVICE = "rdma/rdma_shared_device_a"  # the RDMA shared device plugin's resource (its documented default)
 MULTUS_INTERFACE = "net1"  # the name Multus gives a pod's first secondary interface
-CONFIG_ENV = "RAYFT_CONFIG_YAML"  # the inlined config, read by `--config env:RAYFT_CONFIG_YAML`
+CONFIG_ENV = environment.CONFIG_YAML.name  # the inlined config, read by `--config env:RAYFT_CONFIG_YAML`
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,14 @@ def render(
         "spec": standalone,
     }
     head_budget = budget.head_budget(_metadata(dep, f"{dep.name}-head", plat), _labels(dep))
-    return {"rayjob": rayjob, "raycluster": raycluster, "head-budget": head_budget, **monitoring_manifests(dep)}
+    policy = reach_manifests(dep, plat)
+    return {
+        "rayjob": rayjob,
+        "raycluster": raycluster,
+        "head-budget": head_budget,
+        **policy,
+        **monitoring_manifests(dep),
+    }
 
 
 def lifetime(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
@@ -255,6 +262,14 @@ def runtime_env(job: JobSource, plat: K8sConfig) -> dict[str, str]:
     if plat.config_delivery == "working_dir":
         env["working_dir"] = plat.working_dir
     return {"runtimeEnvYAML": to_yaml(env)} if env else {}
+
+
+def reach_manifests(dep: Deployment, plat: K8sConfig) -> dict[str, dict[str, Any]]:
+    """{"network-policy": …} with `k8s.network_policy`, else nothing."""
+    if not plat.network_policy:
+        return {}
+    meta = _metadata(dep, f"{dep.name}-reach", plat)
+    return {"network-policy": reach.network_policy(meta, _labels(dep), plat.network_policy_admits, dep.monitoring)}
 
 
 def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:
@@ -364,7 +379,7 @@ def _head_group(dep: Deployment, plat: K8sConfig) -> dict[str, Any]:
         "image": dep.image,
         "ports": [
             {"containerPort": 6379, "name": "gcs-server"},
-            {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+            {"containerPort": reach.DASHBOARD_PORT, "name": "dashboard"},
             {"containerPort": 10001, "name": "client"},
             {"containerPort": 8080, "name": "metrics"},
         ],

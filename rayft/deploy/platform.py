@@ -140,6 +140,11 @@ class K8sConfig(Section):
     auth: Literal["token", "none"] = "token"
     auth_secret: Text | None = None
     auth_k8s_rbac: Flag = False
+    # A NetworkPolicy over the run's pods: they reach each other on any port, and nothing else reaches them but the
+    # pods labelled network_policy_admits (on the dashboard / job API port alone) and, with monitoring, Prometheus
+    # on the metrics port. Needs a network plugin that enforces NetworkPolicies.
+    network_policy: Flag = False
+    network_policy_admits: Keyed[Text] = field(default_factory=dict)
     # The KubeRay operator's version, 1.4 to 1.7 (any patch release): the manifests use what it has and are
     # checked against its CRDs. From 1.6, preRunningDeadlineSeconds, and deletion rules (on failure the GPU
     # workers go at once, the cluster after the TTL; not for Kueue's suspended jobs); 1.5 has the rules only
@@ -193,6 +198,13 @@ class K8sConfig(Section):
         return [
             broken("k8s.auth_secret: given, but k8s.auth is none; set k8s.auth: token", "auth_secret", "auth")
             if self.auth == "none" and self.auth_secret
+            else None,
+            broken(
+                "k8s.network_policy_admits: given, but k8s.network_policy is false; set it true",
+                "network_policy_admits",
+                "network_policy",
+            )
+            if self.network_policy_admits and not self.network_policy
             else None,
             broken("k8s.auth_k8s_rbac: needs k8s.auth: token", "auth_k8s_rbac", "auth")
             if self.auth == "none" and self.auth_k8s_rbac

@@ -205,3 +205,53 @@ def test_settings_that_are_no_credentials_stay_plain_values():
     names = ["HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_TOKEN_PATH", "AWS_ACCESS_KEY_ID", "WANDB_PROJECT"]
     cfg = load_config(str(EXAMPLE), [f"k8s.env.{name}=x" for name in names])
     assert list(cfg.k8s.env) == names
+
+
+def _admits(policy: dict, labels: dict[str, str], same_namespace: bool, port: int) -> bool:
+    """Whether a NetworkPolicy lets a pod with `labels` reach `port` of the pods it selects, read as the
+    networking.k8s.io/v1 API defines it: its rules are alternatives, so are each rule's peers; a peer's pod and
+    namespace selectors must both match (a pod selector alone: the policy's own namespace); no ports, every port."""
+
+    def matches(selector: dict | None) -> bool:
+        return all(labels.get(k) == v for k, v in (selector or {}).get("matchLabels", {}).items())
+
+    def peer(p: dict) -> bool:
+        in_namespace = "namespaceSelector" in p or same_namespace  # `{}` selects every namespace
+        return in_namespace and ("podSelector" not in p or matches(p["podSelector"]))
+
+    return any(
+        any(peer(p) for p in rule["from"]) and (not rule.get("ports") or any(q["port"] == port for q in rule["ports"]))
+        for rule in policy["spec"]["ingress"]
+    )
+
+
+RUN = {"app.kubernetes.io/name": "rayft", "rayft.io/job": "rayft"}
+OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
+CI = {"app": "ci-runner"}
+GCS, DASHBOARD, CLIENT, METRICS = 6379, 8265, 10001, 8080
+
+
+def test_the_network_policy_lets_only_the_runs_pods_the_operator_and_the_admitted_reach_the_head(capsys):
+    """The run's pods reach each other on any port; the operator and an admitted CI runner reach the job API alone,
+    from any namespace; any other pod, of this namespace or another run, reaches nothing; Prometheus the metrics
+    port, with monitoring only."""
+    docs, _, _ = render(capsys, "--network-policy", "--network-policy-admit", "app=ci-runner")
+    policy = docs["NetworkPolicy"]
+    assert validate(policy) == [] and policy["spec"]["podSelector"]["matchLabels"] == RUN
+    assert all(_admits(policy, RUN, True, port) for port in (GCS, DASHBOARD, CLIENT, 12345))
+    for labels in (OPERATOR, CI):
+        assert _admits(policy, labels, False, DASHBOARD)
+        assert not any(_admits(policy, labels, False, port) for port in (GCS, CLIENT, METRICS))
+    other_run = {**RUN, "rayft.io/job": "another"}
+    assert not any(_admits(policy, labels, True, port) for labels in ({}, other_run) for port in (GCS, DASHBOARD))
+    assert not _admits(policy, {}, False, METRICS)
+    scraped, _, _ = render(capsys, "--network-policy", "--monitoring")
+    assert _admits(scraped["NetworkPolicy"], {}, False, METRICS) and not _admits(
+        scraped["NetworkPolicy"], {}, False, GCS
+    )
+    assert "NetworkPolicy" not in render(capsys)[0]  # only where asked for
+
+
+def test_admitting_pods_without_the_network_policy_is_refused(capsys):
+    line = refused(capsys, "k8s", "render", "--config", str(EXAMPLE), "--network-policy-admit", "app=ci-runner")
+    assert "k8s.network_policy_admits: given, but k8s.network_policy is false" in line, line
