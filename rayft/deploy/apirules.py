@@ -19,6 +19,19 @@ NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")  # a quali
 LABEL_MAX, SUBDOMAIN_MAX = 63, 253
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# The JSON schema of an object's metadata as rayft writes it, for the core kinds checked without a CRD (a
+# PodDisruptionBudget, a NetworkPolicy, a PodMonitor's and a ConfigMap's metadata).
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+METADATA_SCHEMA = {
+    "type": "object",
+    "required": ["name", "namespace"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "namespace": {"type": "string"},
+        "labels": STRING_MAP,
+        "annotations": STRING_MAP,
+    },
+}
 
 
 def dns_subdomain(where: str, value: Any) -> list[str]:

@@ -12,24 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP
+
 HEAD_SELECTOR = {"ray.io/node-type": "head"}  # KubeRay's label on every head pod
 
-_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("policy/v1", "PodDisruptionBudget"): {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "metadata": {
-                "type": "object",
-                "required": ["name", "namespace"],
-                "properties": {
-                    "name": {"type": "string", "minLength": 1},
-                    "namespace": {"type": "string"},
-                    "labels": _STRING_MAP,
-                    "annotations": _STRING_MAP,
-                },
-            },
+            "metadata": METADATA_SCHEMA,
             "spec": {
                 "type": "object",
                 "required": ["selector"],
@@ -41,7 +33,7 @@ SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                         "type": "object",
                         "required": ["matchLabels"],
                         "additionalProperties": False,
-                        "properties": {"matchLabels": {**_STRING_MAP, "minProperties": 1}},
+                        "properties": {"matchLabels": {**STRING_MAP, "minProperties": 1}},
                     },
                     "unhealthyPodEvictionPolicy": {"enum": ["IfHealthyBudget", "AlwaysAllow"]},
                 },

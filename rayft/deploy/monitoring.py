@@ -10,23 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP
+
 METRICS_PORT_NAME = "metrics"  # the container port name on head and workers (Ray's --metrics-export-port 8080)
 METRICS_PORT = 8080
 DASHBOARD_LABEL = {"grafana_dashboard": "1"}  # the Grafana sidecar's default label
 DASHBOARD_KEY = "rayft-dashboard.json"
 
-_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_METADATA = {
-    "type": "object",
-    "required": ["name", "namespace"],
-    "properties": {"name": {"type": "string", "minLength": 1}, "namespace": {"type": "string"}, "labels": _STRING_MAP},
-}
 SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "metadata": _METADATA,
+            "metadata": METADATA_SCHEMA,
             "spec": {
                 "type": "object",
                 "required": ["selector", "podMetricsEndpoints"],
@@ -45,7 +41,7 @@ SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                         "type": "object",
                         "required": ["matchLabels"],
                         "additionalProperties": False,
-                        "properties": {"matchLabels": {**_STRING_MAP, "minProperties": 1}},
+                        "properties": {"matchLabels": {**STRING_MAP, "minProperties": 1}},
                     },
                     "podMetricsEndpoints": {
                         "type": "array",
@@ -80,7 +76,7 @@ SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("v1", "ConfigMap"): {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "data"],
-        "properties": {"metadata": _METADATA, "data": {**_STRING_MAP, "minProperties": 1}},
+        "properties": {"metadata": METADATA_SCHEMA, "data": {**STRING_MAP, "minProperties": 1}},
     },
 }
 

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP
 from rayft.deploy.monitoring import METRICS_PORT
 
 DASHBOARD_PORT = 8265  # the head's dashboard and job API
 OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}  # the KubeRay operator's pods, as its Helm chart labels them
 
-_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {"matchLabels": _STRING_MAP},
-}
+_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {"matchLabels": STRING_MAP}}
 _PEER = {
     "type": "object",
     "minProperties": 1,
@@ -44,16 +40,7 @@ SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "metadata": {
-                "type": "object",
-                "required": ["name", "namespace"],
-                "properties": {
-                    "name": {"type": "string", "minLength": 1},
-                    "namespace": {"type": "string"},
-                    "labels": _STRING_MAP,
-                    "annotations": _STRING_MAP,
-                },
-            },
+            "metadata": METADATA_SCHEMA,
             "spec": {
                 "type": "object",
                 "required": ["podSelector", "policyTypes", "ingress"],
