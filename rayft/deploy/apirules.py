@@ -34,6 +34,15 @@ METADATA_SCHEMA = {
 }
 
 
+def manifest_schema(spec: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a manifest of such a kind whose `spec` has the schema `spec`."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"metadata": METADATA_SCHEMA, "spec": spec},
+    }
+
+
 def dns_subdomain(where: str, value: Any) -> list[str]:
     """An object's name (a queue, a priority class, a service account, a secret)."""
     if isinstance(value, str) and len(value) <= SUBDOMAIN_MAX and DNS_1123_SUBDOMAIN.match(value):

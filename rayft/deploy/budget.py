@@ -12,35 +12,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP
+from rayft.deploy.apirules import STRING_MAP, manifest_schema
 
 HEAD_SELECTOR = {"ray.io/node-type": "head"}  # KubeRay's label on every head pod
 
 SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("policy/v1", "PodDisruptionBudget"): {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": METADATA_SCHEMA,
-            "spec": {
-                "type": "object",
-                "required": ["selector"],
-                "additionalProperties": False,
-                "properties": {
-                    "maxUnavailable": {"type": ["integer", "string"]},
-                    "minAvailable": {"type": ["integer", "string"]},
-                    "selector": {
-                        "type": "object",
-                        "required": ["matchLabels"],
-                        "additionalProperties": False,
-                        "properties": {"matchLabels": {**STRING_MAP, "minProperties": 1}},
-                    },
-                    "unhealthyPodEvictionPolicy": {"enum": ["IfHealthyBudget", "AlwaysAllow"]},
+    ("policy/v1", "PodDisruptionBudget"): manifest_schema(
+        {
+            "type": "object",
+            "required": ["selector"],
+            "additionalProperties": False,
+            "properties": {
+                "maxUnavailable": {"type": ["integer", "string"]},
+                "minAvailable": {"type": ["integer", "string"]},
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {**STRING_MAP, "minProperties": 1}},
                 },
-                "not": {"required": ["maxUnavailable", "minAvailable"]},
+                "unhealthyPodEvictionPolicy": {"enum": ["IfHealthyBudget", "AlwaysAllow"]},
             },
-        },
-    }
+            "not": {"required": ["maxUnavailable", "minAvailable"]},
+        }
+    )
 }
 
 

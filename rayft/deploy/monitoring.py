@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP
+from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP, manifest_schema
 
 METRICS_PORT_NAME = "metrics"  # the container port name on head and workers (Ray's --metrics-export-port 8080)
 METRICS_PORT = 8080
@@ -18,52 +18,47 @@ DASHBOARD_LABEL = {"grafana_dashboard": "1"}  # the Grafana sidecar's default la
 DASHBOARD_KEY = "rayft-dashboard.json"
 
 SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("monitoring.coreos.com/v1", "PodMonitor"): {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": METADATA_SCHEMA,
-            "spec": {
-                "type": "object",
-                "required": ["selector", "podMetricsEndpoints"],
-                "additionalProperties": False,
-                "properties": {
-                    "jobLabel": {"type": "string"},
-                    "namespaceSelector": {
+    ("monitoring.coreos.com/v1", "PodMonitor"): manifest_schema(
+        {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {**STRING_MAP, "minProperties": 1}},
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
                         "type": "object",
+                        "required": ["port"],
                         "additionalProperties": False,
                         "properties": {
-                            "any": {"type": "boolean"},
-                            "matchNames": {"type": "array", "items": {"type": "string"}},
-                        },
-                    },
-                    "selector": {
-                        "type": "object",
-                        "required": ["matchLabels"],
-                        "additionalProperties": False,
-                        "properties": {"matchLabels": {**STRING_MAP, "minProperties": 1}},
-                    },
-                    "podMetricsEndpoints": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "required": ["port"],
-                            "additionalProperties": False,
-                            "properties": {
-                                "port": {"type": "string", "minLength": 1},
-                                "path": {"type": "string", "pattern": "^/"},
-                                "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                                "relabelings": {
-                                    "type": "array",
-                                    "items": {
-                                        "type": "object",
-                                        "additionalProperties": False,
-                                        "properties": {
-                                            "sourceLabels": {"type": "array", "items": {"type": "string"}},
-                                            "targetLabel": {"type": "string"},
-                                            "action": {"enum": ["replace", "keep", "drop", "labelmap"]},
-                                        },
+                            "port": {"type": "string", "minLength": 1},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "relabelings": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                        "targetLabel": {"type": "string"},
+                                        "action": {"enum": ["replace", "keep", "drop", "labelmap"]},
                                     },
                                 },
                             },
@@ -71,8 +66,8 @@ SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                     },
                 },
             },
-        },
-    },
+        }
+    ),
     ("v1", "ConfigMap"): {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "data"],

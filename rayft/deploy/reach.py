@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP
+from rayft.deploy.apirules import STRING_MAP, manifest_schema
 from rayft.deploy.monitoring import METRICS_PORT
 
 DASHBOARD_PORT = 8265  # the head's dashboard and job API
@@ -36,34 +36,29 @@ _PORT = {
     "properties": {"port": {"type": "integer", "minimum": 1, "maximum": 65535}, "protocol": {"enum": ["TCP", "UDP"]}},
 }
 SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("networking.k8s.io/v1", "NetworkPolicy"): {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": METADATA_SCHEMA,
-            "spec": {
-                "type": "object",
-                "required": ["podSelector", "policyTypes", "ingress"],
-                "additionalProperties": False,
-                "properties": {
-                    "podSelector": {**_SELECTOR, "required": ["matchLabels"]},
-                    "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
-                    "ingress": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["from"],
-                            "additionalProperties": False,
-                            "properties": {
-                                "from": {"type": "array", "minItems": 1, "items": _PEER},
-                                "ports": {"type": "array", "minItems": 1, "items": _PORT},
-                            },
+    ("networking.k8s.io/v1", "NetworkPolicy"): manifest_schema(
+        {
+            "type": "object",
+            "required": ["podSelector", "policyTypes", "ingress"],
+            "additionalProperties": False,
+            "properties": {
+                "podSelector": {**_SELECTOR, "required": ["matchLabels"]},
+                "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
+                "ingress": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["from"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "from": {"type": "array", "minItems": 1, "items": _PEER},
+                            "ports": {"type": "array", "minItems": 1, "items": _PORT},
                         },
                     },
                 },
             },
-        },
-    }
+        }
+    )
 }
 
 
