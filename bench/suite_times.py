@@ -19,15 +19,24 @@ from pathlib import Path
 from _common import machine, versions
 
 
+def _totals() -> dict[str, float]:
+    return {"tests": 0, "wall_s": 0.0, "cpu_s": 0.0, "machine_busy_s": 0.0}
+
+
+def _line(name: str, entry: dict[str, float]) -> str:
+    return f"{entry['wall_s']:8.1f} s wall {entry['machine_busy_s']:8.1f} s busy {entry['tests']:4d} tests  {name}"
+
+
 def summarise(rows: list[dict], label: str, total_s: float | None) -> dict:
-    by_file: dict[str, dict[str, float]] = defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "cpu_s": 0.0,
-                                                                "machine_busy_s": 0.0})  # fmt: skip
+    by_file: dict[str, dict[str, float]] = defaultdict(_totals)
+    by_group: dict[str, dict[str, float]] = defaultdict(_totals)
     by_worker: dict[str, float] = defaultdict(float)
     for row in rows:
-        entry = by_file[row["nodeid"].split("::", 1)[0]]
-        entry["tests"] += 1
-        for key in ("wall_s", "cpu_s", "machine_busy_s"):
-            entry[key] = round(entry[key] + row[key], 2)
+        # lines written before the group was recorded count as in-process
+        for entry in (by_file[row["nodeid"].split("::", 1)[0]], by_group[row.get("group", "in-process")]):
+            entry["tests"] += 1
+            for key in ("wall_s", "cpu_s", "machine_busy_s"):
+                entry[key] = round(entry[key] + row[key], 2)
         by_worker[row["worker"]] += row["wall_s"]
     tests = sorted(rows, key=lambda r: -r["wall_s"])
     return {
@@ -40,6 +49,7 @@ def summarise(rows: list[dict], label: str, total_s: float | None) -> dict:
         "sum_wall_s": round(sum(r["wall_s"] for r in rows), 1),
         "sum_machine_busy_s": round(sum(r["machine_busy_s"] for r in rows), 1),
         "wall_s_by_worker": {w: round(s, 1) for w, s in sorted(by_worker.items())},
+        "by_group": dict(sorted(by_group.items(), key=lambda kv: -kv[1]["wall_s"])),
         "by_file": dict(sorted(by_file.items(), key=lambda kv: -kv[1]["wall_s"])),
         "per_test": [{k: r[k] for k in ("nodeid", "worker", "wall_s", "cpu_s", "machine_busy_s")} for r in tests],
     }
@@ -58,8 +68,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     top = list(report["by_file"].items())[:15]
     print(f"{report['tests']} tests, per worker wall {report['wall_s_by_worker']}")
-    for name, entry in top:
-        print(f"{entry['wall_s']:8.1f} s wall {entry['machine_busy_s']:8.1f} s busy {entry['tests']:4d} tests  {name}")
+    for name, entry in [*((f"[{g}]", e) for g, e in report["by_group"].items()), *top]:
+        print(_line(name, entry))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,17 @@
-"""Chat fine-tuning through the real stack (`ray job submit` → Ray Data → 2 gloo workers, FSDP2 + LoRA) on the
-two-node test cluster, with the tokenizers chat models ship: Mistral's tekken (`MistralCommonBackend`) and SmolLM2's
-`tokenizer.json` + chat template (that one on gloo ranks without Ray: test_local_trainer.py, the job's own driver
-pipeline and Trainer). Every record is used, with the ids an independent encoding gives (test_chat.py checks the
-same encoding's assistant-only loss mask token by token), and the adapter is saved."""
+"""Chat fine-tuning with the tokenizers chat models ship: Mistral's tekken (`MistralCommonBackend`) here and SmolLM2's
+`tokenizer.json` + chat template (test_local_trainer.py), each through the job's own driver pipeline and Trainer on 2
+gloo ranks without Ray (FSDP2 + LoRA; `fixtures.local_run`): what Ray adds to a job is the same for every record
+format, and its own tests run on the test cluster. Every record is used, with the ids an independent encoding gives
+(test_chat.py checks the same encoding's assistant-only loss mask token by token), and the adapter is saved."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
-from conftest import Fixtures, RayCluster, submit_job, tiny_config, write_yaml
+from conftest import Fixtures, tiny_config
 from fixtures.chat import CONVERSATION, tekken_expected, tekken_model
-
-pytestmark = pytest.mark.ray
+from fixtures.local_run import train_locally
 
 TRAIN, VALIDATION = 24, 4
 
@@ -38,20 +36,13 @@ def assert_adapter_saved(out: Path, logs: str) -> None:
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}, logs[-3000:]
 
 
-def _chat_job(cluster: RayCluster, fx: Fixtures, model: Path, root: Path, **model_keys) -> str:
-    cfg = chat_config(fx, model, root, **model_keys)
-    out = Path(cfg["train"]["output_dir"])
-    job = submit_job(cluster, "--config", str(write_yaml(out / "config.yaml", cfg)))
-    logs = job.stdout + job.stderr
-    assert job.returncode == 0 and "succeeded" in logs, logs[-6000:]
-    assert_adapter_saved(out, logs)
-    return logs
-
-
-def test_tekken_chat_job_uses_every_record_and_saves_the_adapter(ray_cluster: RayCluster, fixtures: Fixtures,
-                                                                 tmp_path):  # fmt: skip
-    """On main every record was skipped (`chat_template`) and the job stopped after the cluster started."""
+def test_tekken_chat_job_uses_every_record_and_saves_the_adapter(fixtures: Fixtures, tmp_path):
+    """Every record was once skipped (`chat_template`) and the job stopped after the cluster started."""
     model = tekken_model(fixtures, tmp_path / "tekken")
-    logs = _chat_job(ray_cluster, fixtures, model, tmp_path)
+    cfg = chat_config(fixtures, model, tmp_path)
+    run = train_locally(cfg, 2)
+    logs = run.text()
+    assert [r["step"] for r in run.metrics() if "loss" in r] == [1, 2], run.metrics()
+    assert_adapter_saved(run.out, logs)
     ids, _ = tekken_expected(model)
     assert f"{TRAIN} records, {TRAIN} examples, {TRAIN * len(ids):,} tokens" in logs, logs[-6000:]

@@ -1,8 +1,9 @@
-"""DPO through the real stack on the two-node test cluster: `ray job submit` trains on preference pairs (Ray Data,
-2 gloo workers, FSDP2 + LoRA, the adapter-free base as reference), checkpoints, reports TRL's reward metrics and
-writes a `final/` PEFT loads; `rayft eval` on the held-out pairs then ranks chosen over rejected. The same job with a
-precomputed reference, stopped and continued, lands on the live reference's adapter on gloo ranks without Ray
-(test_local_trainer.py); a killed worker's restart by Ray is test_recovery.py's."""
+"""DPO: the job trains on preference pairs (the job's own driver pipeline and Trainer on 2 gloo ranks without Ray,
+FSDP2 + LoRA, the adapter-free base as reference; `fixtures.local_run`), checkpoints, reports TRL's reward metrics
+and writes a `final/` PEFT loads; `rayft eval` on the held-out pairs, on the two-node test cluster, then ranks chosen
+over rejected. The same job with a precomputed reference, stopped and continued, lands on the live reference's
+adapter (test_local_trainer.py); what Ray adds to a job (placement, restarts, Ray Data's split) is the same for
+every objective and has its tests on the test cluster (test_recovery.py, test_job_e2e.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Fixtures, RayCluster, Run, submit_job, tiny_config, write_yaml
+from conftest import REPO, Fixtures, RayCluster, tiny_config, write_yaml
+from fixtures.local_run import LocalRun, train_locally
 from fixtures.preference import write_preference_data
-
-pytestmark = pytest.mark.ray
 
 STEPS = 6
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -35,21 +35,17 @@ def dpo_config(fx: Fixtures, data: Path, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dpo_run(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path_factory) -> Run:
-    """The uninterrupted DPO job, through `ray job submit`."""
+def dpo_run(fixtures: Fixtures, tmp_path_factory) -> LocalRun:
+    """The uninterrupted DPO job, its config beside it for `rayft eval`."""
     root = tmp_path_factory.mktemp("dpo")
     data = write_preference_data(root / "pairs", train=96, validation=16)
-    out = root / "out"
-    out.mkdir()
-    config = write_yaml(out / "config.yaml", dpo_config(fixtures, data, out))
-    job = submit_job(ray_cluster, "--config", str(config))
-    log = out / "driver.log"
-    log.write_text(job.stdout + job.stderr)
-    assert job.returncode == 0 and "succeeded" in job.stdout + job.stderr, log.read_text()[-6000:]
-    return Run(out, log)
+    cfg = dpo_config(fixtures, data, root / "out")
+    run = train_locally(cfg, 2)
+    write_yaml(run.out / "config.yaml", cfg)
+    return run
 
 
-def test_dpo_job_trains_reports_reward_metrics_and_final_loads(dpo_run: Run, fixtures: Fixtures):
+def test_dpo_job_trains_reports_reward_metrics_and_final_loads(dpo_run: LocalRun, fixtures: Fixtures):
     text = dpo_run.text()
     assert "96 records, 96 examples" in text, text[-6000:]  # one row per pair, none skipped
     rows = [r for r in dpo_run.metrics() if "loss" in r]
@@ -61,7 +57,7 @@ def test_dpo_job_trains_reports_reward_metrics_and_final_loads(dpo_run: Run, fix
     evals = [r for r in dpo_run.metrics() if "eval_loss" in r]
     assert evals and all("eval_rewards/accuracies" in r for r in evals)
     assert re.search(r"step \d+/6 \| .*rewards/margins -?[\d.]+ \| rewards/accuracies [\d.]+", text)
-    assert {f"checkpoint-{s:06d}" for s in (4, 6)} <= dpo_run.checkpoint_dirs()
+    assert all(dpo_run.checkpoint(step).is_dir() for step in (4, 6))
 
     import torch
     from peft import PeftModel
@@ -73,7 +69,8 @@ def test_dpo_job_trains_reports_reward_metrics_and_final_loads(dpo_run: Run, fix
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained: B moved from its zero init
 
 
-def test_rayft_eval_ranks_held_out_pairs_after_training(dpo_run: Run, ray_cluster: RayCluster):
+@pytest.mark.ray
+def test_rayft_eval_ranks_held_out_pairs_after_training(dpo_run: LocalRun, ray_cluster: RayCluster):
     """Rewards of base + adapter against the base on the validation pairs (new prompts, same word sets)."""
     env = {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}
     result = subprocess.run(
