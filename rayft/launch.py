@@ -27,7 +27,7 @@ from rayft.placement import resolve_use_gpu, wait_for_placement
 from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
-from rayft.train.checkpoint_dir import ADAPTER_DIR, TRAINER_STATE, check_format
+from rayft.train.checkpoint_dir import ADAPTER_DIR, TRAINER_STATE, check_format, set_aside_damaged
 from rayft.train.job import EvalJob, Job
 from rayft.train.run_settings import check_continuation, finished_run, last_step, run_settings
 from rayft.train.rundir import EVAL_RESULT, LOSS_PLOT, RAY_SNAPSHOT, RunDir, join
@@ -208,10 +208,12 @@ def _best_metric(cfg: Config, plan: StepPlan) -> tuple[str, str] | None:
 def _resume_source(cfg: Config, run: RunDir) -> tuple[str | None, str]:
     """(explicit checkpoint to start from, run id). This run's own checkpoints win (Ray resumes from them);
     resume_from_checkpoint seeds a fresh run. Checkpoint dirs without Ray's registry are never touched: the run
-    refuses to start over them rather than guess whether they were registered."""
+    refuses to start over them rather than guess whether they were registered. A damaged newest registered
+    checkpoint is set aside first (`set_aside_damaged`), so Ray continues from the newest intact one."""
     wanted = cfg.train.resume_from_checkpoint
     if run.has_registered_checkpoints():
         check_continuation(cfg, run.settings(), run.uri)
+        set_aside_damaged(run)
         log.info("%s has checkpoints: continuing that run from its latest one", run.uri)
         if wanted not in (None, "latest"):
             log.warning("train.resume_from_checkpoint=%s ignored: the run continues from its own checkpoints", wanted)

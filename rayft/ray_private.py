@@ -8,8 +8,9 @@ that `constraints.txt` pins.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 
 def data_actor_starters() -> list[Callable[[], Any]] | None:
@@ -73,3 +74,53 @@ def no_prestarted_workers() -> dict[str, Any]:
     """`ray.init` options that stop a new local Ray from starting idle worker processes ahead of the first driver
     (its private `_system_config`)."""
     return {"_system_config": {"prestart_worker_first_driver": False}}
+
+
+def _checkpoint_registry(snapshot: bytes) -> Any | None:
+    """Ray Train's own reading of a run's `checkpoint_manager_snapshot.json` (its private pydantic state); None
+    where this Ray keeps the registry elsewhere, or the snapshot is not one its class reads."""
+    try:
+        from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+    except ImportError:
+        return None
+    try:
+        parse = getattr(_CheckpointManagerState, "model_validate", None) or _CheckpointManagerState.parse_obj
+        state = parse(json.loads(snapshot))  # pydantic 2's name, else 1's (Ray's models are either)
+    except Exception:  # pydantic's ValidationError, a JSON error: Ray itself would refuse this snapshot
+        return None
+    ranked = len(state.checkpoint_results) == len(state.checkpoint_report_indices)
+    pending = len(state.pending_training_results) == len(state.pending_validation_specs)
+    return state if ranked and pending else None  # the pairs Ray asserts when it loads a snapshot
+
+
+def registered_checkpoints(snapshot: bytes) -> list[str] | None:
+    """The checkpoint directory names a run's snapshot registers, newest first: in the order Ray registered them
+    (its report indices), not its ranking by score, so the first is the one Ray resumes from (its latest)."""
+    state = _checkpoint_registry(snapshot)
+    if state is None:
+        return None
+    order = sorted(zip(state.checkpoint_report_indices, state.checkpoint_results, strict=True), key=lambda p: -p[0])
+    return [result.checkpoint_dir_name for _, result in order]
+
+
+def unregister_checkpoints(snapshot: bytes, names: set[str]) -> bytes | None:
+    """The snapshot without the checkpoints `names` (as if Ray had never registered them): gone from its ranked
+    list, its pending validations and its validation verdicts; its latest, the one a new fit() hands the workers,
+    is then the newest checkpoint left. None where this Ray's snapshot cannot be read (see `_checkpoint_registry`)."""
+    state = _checkpoint_registry(snapshot)
+    if state is None:
+        return None
+    registered = zip(state.checkpoint_report_indices, state.checkpoint_results, strict=True)
+    kept = [(i, r) for i, r in registered if r.checkpoint_dir_name not in names]
+    state.checkpoint_results = [r for _, r in kept]
+    state.checkpoint_report_indices = [i for i, _ in kept]
+    state.latest_checkpoint_result = max(kept, key=lambda pair: pair[0])[1] if kept else None
+    validating = zip(state.pending_training_results, state.pending_validation_specs, strict=True)
+    pending = [(r, spec) for r, spec in validating if r.checkpoint_dir_name not in names]
+    state.pending_training_results = [r for r, _ in pending]
+    state.pending_validation_specs = [spec for _, spec in pending]
+    for verdicts in ("validated", "timed_out_validation", "failed_validation"):
+        key = f"{verdicts}_checkpoint_dir_names"
+        setattr(state, key, [name for name in getattr(state, key) if name not in names])
+    dump = getattr(state, "model_dump_json", None) or state.json
+    return cast(str, dump()).encode()

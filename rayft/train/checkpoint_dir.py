@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from rayft import ray_private
 from rayft.config import Config, ConfigError, is_uri
 from rayft.train import safe_dcp
 from rayft.train.run_settings import check_checkpoint_shape
-from rayft.train.rundir import RunDir
+from rayft.train.rundir import RAY_SNAPSHOT, RunDir
 from rayft.train.safe_dcp import CheckpointFormatError
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ log = logging.getLogger("rayft")
 STATE_DIR = "state"
 ADAPTER_DIR = "adapter"
 TRAINER_STATE = "trainer_state.json"
+DAMAGED_SUFFIX = ".damaged"  # a registered checkpoint set aside before a resume: out of `RunDir.checkpoints()`
 DOCUMENT = "rayft_doc"  # the per-rank JSON document's key in DCP; checkpoints without it are of an older format
 
 
@@ -150,6 +152,71 @@ def missing_state_files(directory: Path) -> list[str]:
     return problems
 
 
+def damage(directory: Path) -> str | None:
+    """What keeps a checkpoint's DCP state from loading, as a clause after its path naming the files (None when
+    complete). Read here, without a model: a shard missing at load time fails every worker only after the model
+    load, and Ray's retries then fail the same way."""
+    state = Path(directory) / STATE_DIR
+    if not Path(directory).is_dir():
+        return "is missing"
+    if not (state / ".metadata").is_file():
+        return f"is incomplete: no {state}/.metadata"
+    try:
+        problems = missing_state_files(directory)
+    except Exception as e:  # a damaged .metadata: unpickling can fail in many ways
+        said = (str(e).splitlines() or [""])[0]
+        return f"is damaged: {state}/.metadata cannot be read ({type(e).__name__}: {said})"
+    if not problems:
+        return None
+    more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+    return f"is incomplete: {state}/{problems[0]}{more}, which its .metadata references"
+
+
+def set_aside_damaged(run: RunDir) -> None:
+    """Before a run continues from Ray's registry: check the registered checkpoints newest first, and set each
+    damaged one newer than the newest intact one aside (renamed `.damaged`, never deleted) and out of the registry,
+    so Ray hands the workers the intact one rather than one they die loading. ConfigError (exit 2) when none is
+    intact: nothing is renamed then. Only local run directories are checked; Ray's registry is read and rewritten
+    through `rayft.ray_private` (a Ray that keeps it elsewhere: unchecked, as before)."""
+    if is_uri(run.uri):
+        log.info("%s: checkpoints on remote storage are not checked before the run continues from them", run.uri)
+        return
+    snapshot = run.read_file(RAY_SNAPSHOT)
+    names = ray_private.registered_checkpoints(snapshot)
+    if names is None:
+        log.warning("%s: this Ray does not read its %s: its checkpoints are not checked", run.uri, RAY_SNAPSHOT)
+        return
+    damaged: dict[str, str] = {}
+    for name in names:
+        found = damage(Path(run.path) / name)
+        if found is None:
+            break
+        damaged[name] = found
+    if not damaged:
+        return
+    if len(damaged) == len(names):
+        raise ConfigError(_none_intact(run, damaged))
+    rewritten = ray_private.unregister_checkpoints(snapshot, set(damaged))
+    if rewritten is None:  # read a moment ago by the same class: not expected
+        raise ConfigError(f"{run.uri}: {RAY_SNAPSHOT} cannot be rewritten by this Ray; {_none_intact(run, damaged)}")
+    intact = names[len(damaged)]
+    for name, found in damaged.items():  # renamed first: a crash before the rewrite leaves Ray a missing dir
+        aside = run.set_aside(name, DAMAGED_SUFFIX) if run.exists(name) else None
+        where = f"set aside as {aside} (nothing deleted)" if aside else "dropped from Ray's registry"
+        log.warning("%s/%s %s: %s; the run continues from %s", run.uri, name, found, where, intact)
+    run.write_file(RAY_SNAPSHOT, rewritten)
+
+
+def _none_intact(run: RunDir, damaged: dict[str, str]) -> str:
+    """The refusal of a run whose every registered checkpoint is damaged: each named, and the ways on."""
+    said = "; ".join(f"{name} {found}" for name, found in damaged.items())
+    return (
+        f"{run.uri}: no checkpoint Ray registered is intact ({said}); nothing was renamed or deleted: start a new run "
+        "(another train.output_dir or ray.name), fresh or with train.resume_from_checkpoint naming an intact "
+        "checkpoint (one of these copied complete again)"
+    )
+
+
 def check_resume_source(cfg: Config) -> None:
     """A checkpoint dir is rayft's: DCP training state under state/ (the adapter alone cannot resume), complete,
     and of this model and adapter shape (as its run recorded them)."""
@@ -164,17 +231,7 @@ def check_resume_source(cfg: Config) -> None:
             f"{key}: {path} {found}; give a checkpoint-NNNNNN directory from a run's "
             "storage path, 'latest' to continue this run, or null"
         )
-    try:
-        problems = missing_state_files(path)
-    except Exception as e:  # a damaged .metadata: unpickling can fail in many ways
-        raise ConfigError(
-            f"{key}: {path / STATE_DIR / '.metadata'} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
-            "damaged: resume from an earlier checkpoint-NNNNNN"
-        ) from None
-    if problems:
-        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-        raise ConfigError(
-            f"{key}: {path} is incomplete: {path / STATE_DIR}/{problems[0]}{more}, which its .metadata references; "
-            "resume from an earlier checkpoint-NNNNNN (or copy this one again)"
-        )
+    damaged = damage(path)
+    if damaged is not None:
+        raise ConfigError(f"{key}: {path} {damaged}; resume from an earlier checkpoint-NNNNNN (or copy this one again)")
     check_checkpoint_shape(cfg, RunDir(str(path.parent)).settings(), str(path))

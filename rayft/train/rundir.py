@@ -67,6 +67,16 @@ class RunDir:
     def delete_dir(self, name: str) -> None:
         self.fs.delete_dir(join(self.path, name))
 
+    def set_aside(self, name: str, suffix: str) -> str:
+        """Rename `name` to `name + suffix` (`-2`, `-3`, … added where that is taken), out of `checkpoints()`'s
+        listing and so out of any housekeeping, without deleting a byte of it; the new name."""
+        new, n = f"{name}{suffix}", 1
+        while self.exists(new):
+            n += 1
+            new = f"{name}{suffix}-{n}"
+        self.fs.move(join(self.path, name), join(self.path, new))
+        return new
+
     def run_id(self) -> str | None:
         """The identity recorded by the run that owns this directory; None for a directory without one."""
         try:

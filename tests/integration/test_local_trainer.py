@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -323,3 +324,121 @@ def test_chat_template_job_uses_every_record_and_saves_the_adapter(fixtures: Fix
     assert f"{TRAIN} records, {TRAIN} examples, {TRAIN * len(ids):,} tokens" in logs, logs[-6000:]
     assert [r["step"] for r in run.metrics() if "loss" in r] == [1, 2], run.metrics()
     assert_adapter_saved(run.out, logs)
+
+
+def _ray_checkpoint_config(raw: dict):
+    """The retention the job hands Ray for `raw` (`launch._run_config`): save_total_limit, ranked by eval_loss."""
+    from ray.train import CheckpointConfig
+
+    return CheckpointConfig(num_to_keep=raw["train"]["save_total_limit"], checkpoint_score_attribute="eval_loss",
+                            checkpoint_score_order="min")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(fixtures: Fixtures, tmp_path_factory) -> LocalRun:
+    """The checkpointing job stopped right after checkpoint 3 registered, with the registry Ray would have left
+    (Ray's own checkpoint manager registering 1, 2, 3 with their metrics, its retention included)."""
+    from fixtures.ray_registry import register
+
+    cfg = checkpointing_config(fixtures, tmp_path_factory.mktemp("stopped-at-3"))
+    stopped = train_locally(cfg, 2, crash_saved=3)
+    names = [f"checkpoint-{step:06d}" for step in (1, 2, 3)]
+    register(stopped.run_dir, names, _ray_checkpoint_config(cfg))
+    return stopped
+
+
+def _copy_of(run: LocalRun, fixtures: Fixtures, tmp_path: Path) -> tuple[dict, LocalRun]:
+    """The config and a copy of `run`'s output dir under `tmp_path` (its run dir, registry and log with it)."""
+    shutil.copytree(run.out, tmp_path / "out")
+    copy = LocalRun(tmp_path / "out", tmp_path / "out" / run.run_dir.relative_to(run.out))
+    return checkpointing_config(fixtures, copy.out), copy
+
+
+def _delete_a_shard(checkpoint: Path) -> str:
+    """Delete one DCP shard file its .metadata lists (as a copy cut short leaves it); its name."""
+    shard = sorted((checkpoint / "state").glob("*.distcp"))[-1]
+    shard.unlink()
+    return shard.name
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_out_of_rays_registry_before_the_run_continues(
+    fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, caplog
+):
+    """Checkpoint 3 lost a shard: before any worker, the driver renames it (not a byte deleted), drops it from Ray's
+    registry, so Ray's own manager now hands the workers checkpoint 2, and says so in one warning line."""
+    from fixtures.ray_registry import registered
+
+    from rayft.train.checkpoint_dir import set_aside_damaged
+    from rayft.train.rundir import RunDir
+
+    raw, run = _copy_of(stopped_at_3, fixtures, tmp_path)
+    config = _ray_checkpoint_config(raw)
+    names, latest = registered(run.run_dir, config)
+    assert latest == "checkpoint-000003" and "checkpoint-000002" in names, names
+    shard = _delete_a_shard(run.checkpoint(3))
+    before = _tree(run.run_dir)
+    with caplog.at_level(logging.WARNING, logger="rayft"):
+        set_aside_damaged(RunDir(str(run.run_dir)))
+    assert not run.checkpoint(3).exists()
+    aside = run.run_dir / "checkpoint-000003.damaged"
+    renamed = {k.replace("checkpoint-000003.damaged/", "checkpoint-000003/"): v for k, v in _tree(run.run_dir).items()}
+    snapshot = "checkpoint_manager_snapshot.json"
+    assert {k: v for k, v in renamed.items() if k != snapshot} == {k: v for k, v in before.items() if k != snapshot}
+    assert (
+        aside.is_dir() and 3 not in RunDir(str(run.run_dir)).checkpoints()
+    )  # out of rayft's own listing and housekeeping
+    names_after, latest_after = registered(run.run_dir, config)
+    assert latest_after == "checkpoint-000002" and names_after == [n for n in names if n != "checkpoint-000003"]
+    (line,) = [r.getMessage() for r in caplog.records if "checkpoint-000003" in r.getMessage()]
+    assert re.fullmatch(
+        rf"{re.escape(str(run.run_dir))}/checkpoint-000003 is incomplete: \S+/checkpoint-000003/state/"
+        rf"{re.escape(shard)} \(missing\), which its \.metadata references: set aside as checkpoint-000003\.damaged "
+        r"\(nothing deleted\); the run continues from checkpoint-000002",
+        line,
+    ), line
+
+
+def test_a_run_whose_newest_checkpoint_is_damaged_continues_from_the_intact_one_to_the_uninterrupted_result(
+    fixtures: Fixtures, stopped_at_3: LocalRun, uninterrupted: LocalRun, tmp_path: Path
+):
+    """After the driver set checkpoint 3 aside, the workers get what Ray's manager then hands them (checkpoint 2)
+    and train on to the uninterrupted run's losses and adapter; the set-aside directory survives the run."""
+    from fixtures.ray_registry import registered
+
+    from rayft.train.checkpoint_dir import set_aside_damaged
+    from rayft.train.rundir import RunDir
+
+    raw, run = _copy_of(stopped_at_3, fixtures, tmp_path)
+    _delete_a_shard(run.checkpoint(3))
+    set_aside_damaged(RunDir(str(run.run_dir)))
+    _, latest = registered(run.run_dir, _ray_checkpoint_config(raw))
+    assert latest == "checkpoint-000002"
+    resumed = train_locally(raw, 2, resume=run.run_dir / latest)
+    assert resumed.resumes()[-1] == 2
+    assert [r["step"] for r in resumed.metrics()] == list(range(1, STEPS + 1))
+    _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
+    assert (run.run_dir / "checkpoint-000003.damaged" / "state" / ".metadata").is_file()
+
+
+def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothing_is_touched(
+    fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, capsys
+):
+    """Every registered checkpoint lost a shard: `rayft train` refuses (exit 2, before Ray starts) in one line
+    naming each and the ways on; nothing renamed, deleted or rewritten."""
+    from fixtures.ray_registry import registered
+
+    raw, run = _copy_of(stopped_at_3, fixtures, tmp_path)
+    names, _ = registered(run.run_dir, _ray_checkpoint_config(raw))
+    for name in names:
+        _delete_a_shard(run.run_dir / name)
+    before = _tree(run.run_dir)
+    result = run_cli(capsys, "train", "--config", str(write_yaml(tmp_path / "config.yaml", raw)))
+    said = "; ".join(rf"{name} is incomplete: \S+/{name}/state/\S+ \(missing\), which its \.metadata references"
+                     for name in sorted(names, reverse=True))  # fmt: skip
+    assert_refused(result, rf"no checkpoint Ray registered is intact \({said}\); nothing was renamed or deleted: "
+                           r"start a new run \(another train\.output_dir or ray\.name\)")  # fmt: skip
+    assert _tree(run.run_dir) == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 from pathlib import Path
 
 import ray
@@ -26,8 +27,44 @@ def test_every_private_api_is_where_this_ray_keeps_it():
     assert ray_private.worker_bundle(ScalingConfig(num_workers=2, use_gpu=True)) == {"GPU": 1}
     declared = ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"CPU": 8, "memory": 0})
     assert ray_private.worker_bundle(declared) == {"CPU": 8, "GPU": 1}
+    _assert_checkpoint_registry_read_and_rewritten()
     (option,) = ray_private.no_prestarted_workers()  # a private keyword ray.init takes out of its **kwargs
     assert f'kwargs.pop("{option}"' in inspect.getsource(ray.init)
+
+
+def _assert_checkpoint_registry_read_and_rewritten() -> None:
+    """A registry as this Ray's checkpoint manager saves it (ranked by score: not in report order): read newest
+    first, and rewritten without one checkpoint into a snapshot the manager's own loader takes, its latest then the
+    newest left; a snapshot it cannot read is None, never an exception."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
+
+    def result(step: int, loss: float) -> _TrainingResultState:
+        return _TrainingResultState(checkpoint_dir_name=f"checkpoint-{step:06d}", metrics={"eval_loss": loss})
+
+    ranked = [result(2, 0.9), result(3, 0.8), result(1, 0.7)]  # worst first, as Ray keeps them
+    state = _CheckpointManagerState(
+        checkpoint_results=ranked, checkpoint_report_indices=[1, 2, 0], latest_checkpoint_result=result(3, 0.8),
+        pending_training_results=[], pending_validation_specs=[], current_report_index=3,
+        validated_checkpoint_dir_names=["checkpoint-000003"], timed_out_validation_checkpoint_dir_names=[],
+        failed_validation_checkpoint_dir_names=[],
+    )  # fmt: skip
+    snapshot = state.json().encode()
+    assert ray_private.registered_checkpoints(snapshot) == [
+        "checkpoint-000003",
+        "checkpoint-000002",
+        "checkpoint-000001",
+    ]
+    rewritten = ray_private.unregister_checkpoints(snapshot, {"checkpoint-000003"})
+    assert rewritten is not None
+    after = _CheckpointManagerState.parse_obj(json.loads(rewritten))
+    assert after.latest_checkpoint_result.checkpoint_dir_name == "checkpoint-000002"
+    assert [r.checkpoint_dir_name for r in after.checkpoint_results] == ["checkpoint-000002", "checkpoint-000001"]
+    assert after.checkpoint_report_indices == [1, 0] and after.validated_checkpoint_dir_names == []
+    assert after.ray_version == ray.__version__ and after.current_report_index == 3
+    assert ray_private.registered_checkpoints(b"{}") is None and ray_private.unregister_checkpoints(b"[", set()) is None
 
 
 def private_imports(path: Path) -> list[str]:
