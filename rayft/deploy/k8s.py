@@ -249,7 +249,12 @@ def notes(
         out.append(f"k8s.kuberay_version unset: rendered for {kuberay}, which every supported operator accepts")
     if not kuberay.pre_running_deadline:
         since = dotted(PRE_RUNNING_DEADLINE_SINCE)
-        out.append(f"{kuberay}: no preRunningDeadlineSeconds (from {since}); activeDeadlineSeconds bounds the wait")
+        out.append(
+            f"{kuberay}: no preRunningDeadlineSeconds (from {since}); the wait to start is bounded only by "
+            f"activeDeadlineSeconds ({_hours(dep.active_deadline_s)}), as the operator submits the job once every "
+            "pod runs: GPU pods that started wait that long for one that never does; --kuberay-version "
+            f"{since} or later bounds it by --pre-running-deadline ({_hours(dep.pre_running_deadline_s)})"
+        )
     if plat.queueing != "kueue" and not uses_deletion_rules(plat):
         since, gated = dotted(GATES_ON_BY_DEFAULT_SINCE[DELETION_GATE]), dotted(DELETION_STRATEGY_SINCE)
         out.append(
@@ -257,6 +262,11 @@ def notes(
             "job holds its GPUs until the TTL"
         )
     return out
+
+
+def _hours(seconds: int) -> str:
+    """A deadline as a note states it: '72 h', '0.5 h'."""
+    return f"{seconds / 3600:g} h"
 
 
 def runtime_env(job: JobSource, plat: K8sConfig) -> dict[str, str]:
