@@ -488,7 +488,7 @@ def render_manifests(args: argparse.Namespace) -> tuple[dict[str, dict[str, typi
     manifests = render(cfg, job, dep, pods, plat)
     for path in plat.patches:
         manifests = patch.apply_file(manifests, Path(path))
-    return manifests, plat, notes(plat, pods, dep)
+    return manifests, plat, notes(plat, pods, dep, cfg.nccl)
 
 
 def _deployment_fields() -> set[str]:

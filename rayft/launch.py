@@ -19,7 +19,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft import environment, ray_auth, ray_private
 from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
-from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source
+from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source, small_rows
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, check_adapter_files, with_adapter_shape
 from rayft.parallel.backend import nccl_env, process_group_backend
@@ -75,10 +75,15 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
             log.warning("%s", warning)
     run = RunDir(cfg.run_uri)
     resume_from, run_id = _resume_source(cfg, run)
+    sources = (checked.train, checked.validation)
+    with profile.stage("data_plan"):  # small splits are counted here: too few rows are refused before Ray
+        rows = small_rows(cfg, sources, checked.records, checked.tokenizer)
+        if rows is not None:
+            plan_steps(cfg, rows.train_stats.rows, rows.validation_rows, cfg.ray.num_workers)
     with profile.stage("ray_start"):
         use_gpu = join_cluster(cfg)
     with profile.stage("data_plan"):
-        datasets = build_datasets(cfg, (checked.train, checked.validation), checked.records, checked.tokenizer)
+        datasets = build_datasets(cfg, sources, checked.records, checked.tokenizer, rows)
     plan = plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
     log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
     finished = _finished(cfg, run, plan.total_steps) if resume_from is None else None

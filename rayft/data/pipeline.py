@@ -104,16 +104,20 @@ def build_datasets(
     splits: tuple[SplitSource, SplitSource | None] | None = None,
     fmt: RecordFormat | None = None,
     tokenizer: TokenizerFacts | None = None,
+    rows: Rows | None = None,
 ) -> Datasets:
     """Runs on the driver: counts the training rows, tokenizes the validation split. `splits`, `fmt` and
-    `tokenizer` as preflight settled them (settled here when not given)."""
+    `tokenizer` as preflight settled them (settled here when not given); `rows`, the small splits' rows
+    `small_rows` made before Ray started, which are not read again."""
     configure_ray_data()
+    if rows is not None:
+        return driver_datasets(rows)
     d = cfg.data
     train_src, val_src = splits or resolve_splits(d)
     fmt = fmt or record_format(d, train_src.columns(record_fields(d)), train_src.what)
     tokenizer = tokenizer or tokenizer_facts(cfg.model)
     if in_driver(train_src, val_src):
-        return driver_datasets(cfg, train_src, val_src, fmt, tokenizer)
+        return driver_datasets(driver_rows(cfg, train_src, val_src, fmt, tokenizer))
     train, validation = _read_splits(cfg, train_src, val_src)
     tokenize = partial(
         tokenized, fmt=fmt, model=cfg.model, data=d, tokenizer=tokenizer, max_prompt_length=cfg.dpo.max_prompt_length
@@ -189,19 +193,26 @@ def in_driver(*sources: SplitSource | None) -> bool:
     return sum(s.nbytes() for s in sources if s is not None) <= limit
 
 
-def driver_datasets(
-    cfg: Config, train_src: SplitSource, val_src: SplitSource | None, fmt: RecordFormat, tokenizer: TokenizerFacts
-) -> Datasets:
-    """The small-source path: the rows `driver_rows` makes go to the object store, so the row count is exact,
+def driver_datasets(rows: Rows) -> Datasets:
+    """The small-source path: the rows `driver_rows` made go to the object store, so the row count is exact,
     nothing is counted twice and epochs only reshuffle."""
-    rows = driver_rows(cfg, train_src, val_src, fmt, tokenizer)
-    validation_rows = rows.validation.num_rows if rows.validation is not None else 0
     return Datasets(
         train=_to_object_store(rows.train),
         train_stats=rows.train_stats,
-        validation=_to_object_store(rows.validation) if validation_rows else None,
-        validation_rows=validation_rows,
+        validation=_to_object_store(rows.validation) if rows.validation_rows else None,
+        validation_rows=rows.validation_rows,
     )
+
+
+def small_rows(
+    cfg: Config, splits: tuple[SplitSource, SplitSource | None], fmt: RecordFormat, tokenizer: TokenizerFacts
+) -> Rows | None:
+    """The splits' rows where they are small enough to tokenize on the driver (`in_driver`), made before Ray is
+    started or joined, so that their count can refuse a job that holds no cluster yet; None for bigger splits,
+    which the tokenizer actors count on the cluster (reading them here too would read them twice)."""
+    if not in_driver(*splits):
+        return None
+    return driver_rows(cfg, *splits, fmt, tokenizer)
 
 
 @dataclass
@@ -211,6 +222,10 @@ class Rows:
     train: pa.Table
     train_stats: SplitStats
     validation: pa.Table | None
+
+    @property
+    def validation_rows(self) -> int:
+        return self.validation.num_rows if self.validation is not None else 0
 
 
 def driver_rows(

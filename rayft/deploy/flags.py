@@ -87,6 +87,12 @@ PLATFORM_FLAGS = (
         "NCCL_SOCKET_IFNAME, the pods' interface on the fabric (default: net1 with --network)",
         name="--socket-ifname",
     ),
+    KeyFlag(
+        "rdma.gid_index",
+        "NCCL_IB_GID_INDEX where nccl.ib_gid_index is unset: the RoCE v2 GID's index (`show_gids`; default with "
+        "roce: 3, said in a note)",
+        name="--ib-gid-index",
+    ),
     KeyFlag("node.gpus", "GPUs of a GPU node (default 8)", name="--node-gpus"),
     KeyFlag("node.cpus", "CPUs pods may use on a GPU node (default 96)", name="--node-cpus"),
     KeyFlag(

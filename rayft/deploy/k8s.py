@@ -42,6 +42,9 @@ IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repos
 IMAGE_DIRS = ("jobs",)  # copied into the image as they are: configs there are found by the entrypoint
 RDMA_SHARED_DEVICE = "rdma/rdma_shared_device_a"  # the RDMA shared device plugin's resource (its documented default)
 MULTUS_INTERFACE = "net1"  # the name Multus gives a pod's first secondary interface
+# NCCL_IB_GID_INDEX with roce where nothing names it: on most RoCE NICs (ConnectX with IPv4 addressing) index 3 is
+# the RoCE v2 GID of the IPv4 address; 0 and 1 are link-local, RoCE v1 among them, which routed fabrics drop.
+ROCE_GID_INDEX = 3
 CONFIG_ENV = environment.CONFIG_YAML.name  # the inlined config, read by `--config env:RAYFT_CONFIG_YAML`
 
 
@@ -232,18 +235,26 @@ def uses_deletion_rules(plat: K8sConfig) -> bool:
     return operator(plat).deletion_strategy and plat.queueing != "kueue"
 
 
-def notes(plat: K8sConfig, pods: WorkerPods | None = None, dep: Deployment | None = None) -> list[str]:
-    """What the rendered RayJob cannot ask of this operator, or leaves unused on the nodes, and what to create
-    before applying it, for the user to read beside the manifests."""
+def notes(
+    plat: K8sConfig, pods: WorkerPods | None = None, dep: Deployment | None = None, nccl: NcclConfig | None = None
+) -> list[str]:
+    """What the rendered RayJob cannot ask of this operator, or leaves unused on the nodes, what it chose of the
+    site for want of a setting, and what to create before applying it, for the user to read beside the manifests."""
     kuberay = operator(plat)
     dep = dep or Deployment()
     out = auth.notes(plat, kuberay, auth.secret_name(plat, dep.name), dep.namespace)
     out += placement_notes(pods, plat.node) if pods is not None else []
+    out += gid_index_note(plat, nccl or NcclConfig())
     if plat.kuberay_version is None:
         out.append(f"k8s.kuberay_version unset: rendered for {kuberay}, which every supported operator accepts")
     if not kuberay.pre_running_deadline:
         since = dotted(PRE_RUNNING_DEADLINE_SINCE)
-        out.append(f"{kuberay}: no preRunningDeadlineSeconds (from {since}); activeDeadlineSeconds bounds the wait")
+        out.append(
+            f"{kuberay}: no preRunningDeadlineSeconds (from {since}); the wait to start is bounded only by "
+            f"activeDeadlineSeconds ({_hours(dep.active_deadline_s)}), as the operator submits the job once every "
+            "pod runs: GPU pods that started wait that long for one that never does; --kuberay-version "
+            f"{since} or later bounds it by --pre-running-deadline ({_hours(dep.pre_running_deadline_s)})"
+        )
     if plat.queueing != "kueue" and not uses_deletion_rules(plat):
         since, gated = dotted(GATES_ON_BY_DEFAULT_SINCE[DELETION_GATE]), dotted(DELETION_STRATEGY_SINCE)
         out.append(
@@ -251,6 +262,11 @@ def notes(plat: K8sConfig, pods: WorkerPods | None = None, dep: Deployment | Non
             "job holds its GPUs until the TTL"
         )
     return out
+
+
+def _hours(seconds: int) -> str:
+    """A deadline as a note states it: '72 h', '0.5 h'."""
+    return f"{seconds / 3600:g} h"
 
 
 def runtime_env(job: JobSource, plat: K8sConfig) -> dict[str, str]:
@@ -481,6 +497,28 @@ def rdma_resource(plat: K8sConfig) -> str | None:
     return plat.rdma.resource if plat.rdma.resource is not None else RDMA_SHARED_DEVICE
 
 
+def gid_index(plat: K8sConfig, nccl: NcclConfig) -> int | None:
+    """NCCL_IB_GID_INDEX of the GPU pods: the config's `nccl` section's (which the workers also get through Ray),
+    else `k8s.rdma.gid_index`, else with RoCE the usual RoCE v2 index: without one NCCL may pick a link-local or
+    RoCE v1 GID, whose traffic a routed fabric drops, and the job hangs in its first collective."""
+    if nccl.ib_gid_index is not None:
+        return nccl.ib_gid_index
+    if plat.rdma.gid_index is not None:
+        return plat.rdma.gid_index
+    return ROCE_GID_INDEX if plat.fabric == "roce" else None
+
+
+def gid_index_note(plat: K8sConfig, nccl: NcclConfig) -> list[str]:
+    """The note that a RoCE render chose the GID index itself: a site fact the user should confirm, as the
+    operator's release is when `k8s.kuberay_version` is unset."""
+    if plat.fabric != "roce" or nccl.ib_gid_index is not None or plat.rdma.gid_index is not None:
+        return []
+    return [
+        f"k8s.fabric: roce without k8s.rdma.gid_index (--ib-gid-index) or nccl.ib_gid_index: rendered "
+        f"NCCL_IB_GID_INDEX={ROCE_GID_INDEX}, RoCE v2 over IPv4 on most NICs; check `show_gids` on a GPU node"
+    ]
+
+
 def gpu_env(dep: Deployment, plat: K8sConfig, nccl: NcclConfig) -> dict[str, str]:
     """NCCL's settings (the seeds' socket settings; with a fabric, their InfiniBand transport settings, and the
     fabric's interface and `--ib-hca` where the config's `nccl` section, which the training workers also get through
@@ -489,7 +527,10 @@ def gpu_env(dep: Deployment, plat: K8sConfig, nccl: NcclConfig) -> dict[str, str
     if plat.fabric != "none":
         interface = plat.rdma.interface or (MULTUS_INTERFACE if plat.rdma.network else None)
         nccl = dataclasses.replace(
-            nccl, ib_hca=nccl.ib_hca or dep.ib_hca, socket_ifname=nccl.socket_ifname or interface
+            nccl,
+            ib_hca=nccl.ib_hca or dep.ib_hca,
+            ib_gid_index=gid_index(plat, nccl),
+            socket_ifname=nccl.socket_ifname or interface,
         )
         rdma = {
             "NCCL_IB_DISABLE": "0",

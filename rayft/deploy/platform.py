@@ -48,6 +48,10 @@ class RdmaConfig(Section):
     # NCCL_SOCKET_IFNAME: that interface in the pod; null: net1 (Multus's first secondary one) with a network,
     # else NCCL's own choice.
     interface: Text | None = None
+    # NCCL_IB_GID_INDEX where nccl.ib_gid_index leaves it open: the index of the port's RoCE v2 GID (`show_gids` on
+    # a GPU node lists them; site-specific). null: 3 with roce (RoCE v2 over IPv4 on most NICs, said in a note),
+    # NCCL's own choice with infiniband (which addresses by LID).
+    gid_index: Annotated[Integer, Ge(0), Hint("(or null: 3 with roce)")] | None = None
 
     def broken(self) -> list[Broken | None]:
         if self.network is None:

@@ -75,3 +75,23 @@ def test_workers_the_cluster_can_never_place_are_refused_within_the_deadline(ray
         if waiting.poll() is None:
             waiting.kill()
             waiting.wait()
+
+
+def test_the_job_refuses_a_split_too_small_for_its_workers_without_starting_ray(fixtures, tmp_path):
+    """A split small enough to be tokenized on the driver is counted there, before Ray: one that cannot give every
+    worker a row is refused in one line, as the count on the cluster would, without starting a local Ray."""
+    data = tmp_path / "tiny-data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "one short record"}\n')
+    raw = tiny_config(fixtures, tmp_path / "out", eval_strategy="no")
+    raw["data"] = {"dataset_name_or_path": str(data), "val_split": None, "max_length": 64, "packing": True}
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    output = job.stdout + job.stderr
+    assert job.returncode == 2, output[-3000:]
+    refusals = [line for line in job.stderr.splitlines() if line.startswith("rayft: config error:")]
+    assert len(refusals) == 1 and "data: 1 training records cannot feed ray.num_workers=2 workers" in refusals[0]
+    assert "starting a local one" not in output and "Started a local Ray instance" not in output
+    assert "Traceback" not in output

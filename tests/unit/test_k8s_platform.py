@@ -501,3 +501,32 @@ def test_render_flags_follow_the_k8s_keys_they_set():
         "labels": {"a": "b"},
         "rdma.network": None,
     }
+
+
+def test_roce_renders_a_gid_index_and_says_where_it_came_from(capsys, tmp_path):
+    """`--fabric roce` rendered no NCCL_IB_GID_INDEX and said nothing: NCCL on RoCE then picks a GID that may be
+    the link-local or RoCE v1 one. Unset, it is the usual RoCE v2 IPv4 index with a note naming the key; given
+    (the key, its flag, or the config's nccl section, which wins), it is that."""
+    args = ("--config", str(config_with(tmp_path, {})), "--config-in-cluster", "/data/job.yaml")
+
+    def gid(*more: str) -> str | None:
+        _, container = worker_of(render(capsys, *args, *more))
+        return {e["name"]: e.get("value") for e in container["env"]}.get("NCCL_IB_GID_INDEX")
+
+    capsys.readouterr()
+    assert cli.main(["k8s", "render", *args, "--fabric", "roce"]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if "gid_index" in line]
+    assert len(notes) == 1 and "NCCL_IB_GID_INDEX=3" in notes[0] and "--ib-gid-index" in notes[0], err
+    assert "# Note: k8s.fabric: roce" in out
+    assert gid("--fabric", "roce") == "3"
+    assert gid("--fabric", "roce", "--ib-gid-index", "5") == "5"
+    assert gid("--fabric", "roce", "--ib-gid-index", "5", "--override", "nccl.ib_gid_index=1") == "1"
+    assert gid("--fabric", "infiniband") is None  # InfiniBand addresses by LID: no index unless given
+    assert cli.main(["k8s", "render", *args, "--fabric", "roce", "--ib-gid-index", "5"]) == cli.EXIT_OK
+    assert "gid_index" not in capsys.readouterr().err
+    err = render_error(capsys, *args, "--ib-gid-index", "3")
+    assert "k8s.rdma.gid_index: '3' is given but k8s.fabric is none" in err, err
+    config = config_with(tmp_path, {"fabric": "roce", "rdma": {"gid_index": 0}})
+    _, container = worker_of(render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml"))
+    assert {e["name"]: e.get("value") for e in container["env"]}["NCCL_IB_GID_INDEX"] == "0"
