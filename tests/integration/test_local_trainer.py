@@ -5,6 +5,7 @@ the uninterrupted run ends (what Ray's restarts rely on), on the checkpointing j
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
