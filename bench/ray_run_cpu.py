@@ -37,9 +37,13 @@ def _sample(pid: int) -> tuple[int, float, str] | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    command, fields = stat.split(" (", 1)[1].rsplit(")", 1)  # the command name may hold spaces and parentheses
+    fields = fields.split()
     cpu = sum(int(x) for x in fields[11:15]) / TICK  # utime, stime, cutime, cstime
-    return int(fields[3]), cpu, _name([part.decode(errors="replace") for part in cmdline if part])
+    name = _name([part.decode(errors="replace") for part in cmdline if part])
+    # A process that retitled itself over its arguments (Ray's dashboard modules) leaves a garbled command line:
+    # the kernel's short name says what it is.
+    return int(fields[3]), cpu, name if "'" not in name else command
 
 
 def _name(argv: list[str]) -> str:
@@ -50,6 +54,8 @@ def _name(argv: list[str]) -> str:
         return argv[0].split()[0]
     program = Path(argv[0]).name
     if program.startswith("python") and len(argv) > 1:
+        if "-c" in argv:  # programs given inline: multiprocessing's fork servers and spawned children
+            return "python -c"
         rest = [a for a in argv[1:] if not a.startswith("-")]
         return Path(rest[0]).name if rest else " ".join(argv[1:3])
     return program
@@ -72,7 +78,9 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(0.3):
-            self.last.update(self.snapshot())
+            for pid, (cpu, name) in self.snapshot().items():
+                # an exiting process's command line reads empty: it keeps the name it had
+                self.last[pid] = (cpu, self.last[pid][1] if name == "?" and pid in self.last else name)
 
 
 def measure(out: Path) -> dict:
