@@ -6,8 +6,8 @@ cluster while `ray job submit` runs the suite's checkpointing job (6 steps, a ch
 On a small machine the suite is CPU-bound, and a test that submits a job pays for the driver, the Train controller,
 each training worker, and Ray Train's and Ray Data's helper actors, each a Python process importing Ray: this is
 the price list a check pays for running on Ray rather than on gloo ranks in the test process. Each process is
-sampled from /proc every 0.3 s while the job runs (its last sample before it exits counts; a process that lives
-less than that is missed); a driver's CPU shows in the job supervisor that reaps it.
+sampled from /proc every 0.3 s while the job runs (its own CPU seconds at its last sample before it exits count; a
+process that lives less than that is missed).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO / "tests"))
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _sample(pid: int) -> tuple[int, float, str] | None:
-    """(session id, CPU seconds of the process and the children it reaped, a name) of a live process."""
+def _sample(pid: int) -> tuple[int, int, float, str] | None:
+    """(parent, session id, CPU seconds, a name) of a live process: its own CPU only, since its children are counted
+    as processes of their own."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -39,11 +40,11 @@ def _sample(pid: int) -> tuple[int, float, str] | None:
         return None
     command, fields = stat.split(" (", 1)[1].rsplit(")", 1)  # the command name may hold spaces and parentheses
     fields = fields.split()
-    cpu = sum(int(x) for x in fields[11:15]) / TICK  # utime, stime, cutime, cstime
+    cpu = sum(int(x) for x in fields[11:13]) / TICK  # utime, stime
     name = _name([part.decode(errors="replace") for part in cmdline if part])
     # A process that retitled itself over its arguments (Ray's dashboard modules) leaves a garbled command line:
     # the kernel's short name says what it is.
-    return int(fields[3]), cpu, name if "'" not in name else command
+    return int(fields[1]), int(fields[3]), cpu, name if "'" not in name else command
 
 
 def _name(argv: list[str]) -> str:
@@ -62,7 +63,8 @@ def _name(argv: list[str]) -> str:
 
 
 class Sampler(threading.Thread):
-    """The last sample of every process in `sessions` (the test cluster's nodes start one session each)."""
+    """The last sample of every process in `sessions` (the test cluster's nodes start one session each) or below
+    one (a job's driver, which its supervisor starts in a session of its own)."""
 
     def __init__(self, sessions: set[int]):
         super().__init__(daemon=True)
@@ -70,11 +72,17 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
 
     def snapshot(self) -> dict[int, tuple[float, str]]:
-        found = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and (sample := _sample(int(entry.name))) and sample[0] in self.sessions:
-                found[int(entry.name)] = sample[1:]
-        return found
+        samples = {int(e.name): s for e in Path("/proc").iterdir() if e.name.isdigit() and (s := _sample(int(e.name)))}
+
+        def tracked(pid: int) -> bool:
+            while pid in samples:
+                parent, session, _, _ = samples[pid]
+                if session in self.sessions:
+                    return True
+                pid = parent
+            return False
+
+        return {pid: (cpu, name) for pid, (_, _, cpu, name) in samples.items() if tracked(pid)}
 
     def run(self) -> None:
         while not self.stop.wait(0.3):
