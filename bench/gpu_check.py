@@ -4,9 +4,11 @@ the part that runs anywhere.
 
 `all`, in this order:
   mfu          bench/gpu_mfu.py: one process, no Ray, no checkpoint files: each configuration (dense 8B shapes with
-               and without activation checkpointing, Mistral-Small-4's shapes at 2 and 8 layers with FP8 and bf16
+               and without activation checkpointing, Mistral-Small-4's shapes at 2 layers with FP8 and bf16
                experts, two kernels) built on the GPU and timed through rayft's own step: tokens/s, LoRA-aware MFU,
-               peak memory and the planner's memory and step time, a line each as it ends
+               peak memory and the planner's memory and step time, a line each as it ends; after each dense
+               one, TRL SFTTrainer on the same work in a process of its own (bench/gpu_mfu_trl.py): its
+               tokens/s, peak memory and rayft/TRL
                                                                   → gpu_mfu.jsonl (in $OUT as it is written)
   tests        `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral
                and the hub-layout Mistral-Small-4 through grouped_mm), expert LoRA in bf16, the compiled FP8
@@ -536,7 +538,9 @@ def dry_run(toy: bool, toy_dir: Path = TOY_RESULTS) -> int:
             if "params" in row
             else "kernel"
         )
-        print(f"  {row['config']:<20} budget {row['budget_s']:>3} s  {planned}")
+        trl = f"; then TRL's side, budget {row['trl_budget_s']} s" if row["trl_budget_s"] else ""
+        alone = "" if row["default"] else "; alone (--only NAME), not in the stage"
+        print(f"  {row['config']:<20} budget {row['budget_s']:>3} s  {planned}{trl}{alone}")
     s = GPU_SIZES["gpu"]
     root = Path("/tmp/rayft-gpu-bench")
     for kind in ("dense", "moe"):
