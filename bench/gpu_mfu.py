@@ -9,7 +9,9 @@ distribution, position ids restarting at each document as rayft's packing makes 
 one document per row, attention over the whole row). One warm-up step, then timed steps (CUDA events on a GPU).
 Throughput, MFU and peak memory are computed by rayft's own metrics (`rayft.train.metrics.hardware_metrics`, the
 FLOPs of `rayft.model.flops`); beside them, what `rayft plan` predicts for the same configuration (memory and step
-time), so every run also measures the planner.
+time), so every run also measures the planner. After a configuration with a TRL budget (the dense ones), TRL
+`SFTTrainer` on the same work in a process of its own (`bench/gpu_mfu_trl.py`), under its own deadline: its line
+beside rayft's, with rayft/TRL tokens/s, or the reason it has no figures ("trl not importable: ...").
 
 Why one process and these rules: a GPU is lent for minutes. Every configuration appends its JSON line to
 `<out>/gpu_mfu.jsonl` the moment it ends (flushed and fsynced); each has its own deadline (what the ones before it
