@@ -4,9 +4,11 @@ the part that runs anywhere.
 
 `all`, in this order:
   mfu          bench/gpu_mfu.py: one process, no Ray, no checkpoint files: each configuration (dense 8B shapes with
-               and without activation checkpointing, Mistral-Small-4's shapes at 2 and 8 layers with FP8 and bf16
+               and without activation checkpointing, Mistral-Small-4's shapes at 2 layers with FP8 and bf16
                experts, two kernels) built on the GPU and timed through rayft's own step: tokens/s, LoRA-aware MFU,
-               peak memory and the planner's memory and step time, a line each as it ends
+               peak memory and the planner's memory and step time, a line each as it ends; after each dense
+               one, TRL SFTTrainer on the same work in a process of its own (bench/gpu_mfu_trl.py): its
+               tokens/s, peak memory and rayft/TRL
                                                                   → gpu_mfu.jsonl (in $OUT as it is written)
   tests        `pytest -m "gpu and not ray"`: bf16 FSDP2 + LoRA steps against the fp32 CPU reference (dense Mistral
                and the hub-layout Mistral-Small-4 through grouped_mm), expert LoRA in bf16, the compiled FP8
@@ -15,6 +17,8 @@ the part that runs anywhere.
                                                                   → bench/results/gpu_tests_gpu.json
   job          `pytest -m "gpu and ray"`: one real `ray job submit` on a local Ray head with one GPU, NCCL, a
                checkpoint and an eval every step, final/ present  → bench/results/gpu_job_gpu.json
+               and the job's start-up profile (where the seconds before its first step go)
+                                                                  → bench/results/gpu_job_startup.json
 Alone (`--stage NAME`; no longer in `all`: `mfu` measures what they measured, without Ray and checkpoint files):
   bench-moe    bench/train_vs_trl.py --size gpu, MoE part: Mistral-Small-4's shapes (2 of its layers, FP8 base)
                through rayft                                      → bench/results/train_vs_trl_gpu.json
@@ -41,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -71,6 +76,10 @@ CUT_GRACE_S = 15  # between the interrupt at a deadline and the kill: pytest wri
 SUMMARY = "gpu_check_gpu.json"
 BENCH_RESULT = "train_vs_trl_gpu.json"  # both bench parts' numbers, merged
 MFU_COMMAND = "bench/gpu_mfu.py"
+JOB_TMP = Path(os.environ.get("TMPDIR", "/tmp")) / "rayft-gpu-job"  # the job stage's pytest tmp_path folders
+JOB_STARTUP = "gpu_job_startup.json"  # where the Ray path's seconds before the first step go
+JOB_RUN = "gpu_run"  # tests/integration/test_gpu_job.py's run name: its metrics are <storage>/gpu_run/metrics.jsonl
+STARTUP_LINE = re.compile(r"start-up ([\d.]+) s to the first step: (.*?) \(s\)")
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,8 @@ assert STAGES["mfu"].budget_s - CUT_GRACE_S >= gpu_mfu.STAGE_BUDGET_S  # its own
 assert all(s.budget_s <= COMMAND_LIMIT_S for s in STAGES.values())
 
 
-def pytest_command(marker: str, junit: Path) -> list[str]:
+def pytest_command(marker: str, junit: Path, basetemp: Path | None = None) -> list[str]:
+    """pytest on the marked tests; `basetemp`: where their tmp_path folders stay after (the job's run dir)."""
     return [
         sys.executable,
         "-m",
@@ -114,6 +124,7 @@ def pytest_command(marker: str, junit: Path) -> list[str]:
         "-rs",
         "--durations=20",
         f"--junitxml={junit}",
+        *([f"--basetemp={basetemp}"] if basetemp else []),
         "tests",
     ]
 
@@ -138,7 +149,7 @@ def commands(stage: str, toy: bool = False, toy_dir: Path = TOY_RESULTS) -> list
     if stage == "tests":
         return [pytest_command("gpu and not ray", RESULTS / "gpu_tests_gpu.xml")]
     if stage == "job":
-        return [pytest_command("gpu and ray", RESULTS / "gpu_job_gpu.xml")]
+        return [pytest_command("gpu and ray", RESULTS / "gpu_job_gpu.xml", JOB_TMP)]
     if STAGES[stage].bench_part:
         directory = toy_dir if toy else RESULTS
         return [bench_command("gpu-toy" if toy else "gpu", part_file(directory, STAGES[stage].bench_part))]
@@ -232,6 +243,33 @@ def facts() -> dict:
     return info
 
 
+def job_startup(basetemp: Path) -> dict:
+    """The start-up profile of each job the job stage ran (under pytest's `basetemp`): rayft's own JSON, the
+    `startup` field of the run's first metrics row (each stage's seconds and `to_first_step_s`), beside the
+    `start-up N s to the first step: ...` line of the job's log, parsed; so a GPU loan returns where the Ray path's
+    seconds before the first step go, not only that the job passed."""
+    runs = {}
+    for metrics in sorted(basetemp.glob(f"*/storage/{JOB_RUN}/metrics.jsonl")):
+        test_dir = metrics.parents[2]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        profile = next((row["startup"] for row in rows if row.get("startup")), None)
+        logs = sorted(test_dir.glob("out/*.log"))
+        runs[test_dir.name] = {"profile": profile, "metrics": str(metrics),
+                               "log_line": startup_line(logs[0].read_text()) if logs else None}  # fmt: skip
+    note = None if runs else f"no {JOB_RUN}/metrics.jsonl under {basetemp}: the job did not reach its first step"
+    return {**facts(), "runs": runs, **({"note": note} if note else {})}
+
+
+def startup_line(text: str) -> dict | None:
+    """The last `start-up N s to the first step: a 1.0 | b 2.0 (s)` line of a job log: its total and stages."""
+    found = STARTUP_LINE.findall(text)
+    if not found:
+        return None
+    total, parts = found[-1]
+    stages = {name: float(value) for name, value in (part.rsplit(" ", 1) for part in parts.split(" | "))}
+    return {"to_first_step_s": float(total), "stages": stages}
+
+
 def save(name: str, report: dict, directory: Path = RESULTS) -> Path:
     """bench/results/<name>, and a copy in $OUT for the device tool to bring back."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -303,6 +341,8 @@ def run_pytest_stage(stage: str, deadline: float | None = None) -> Ended:
     if note or ended.cut:
         report["note"] = "cut at its deadline: the tests after the last one reported did not run" if ended.cut else note
     junit.unlink(missing_ok=True)
+    if stage == "job":
+        save(JOB_STARTUP, job_startup(JOB_TMP))
     path = save(STAGES[stage].result, report)
     print(
         f"gpu-check {stage}: {summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed, "
@@ -536,7 +576,9 @@ def dry_run(toy: bool, toy_dir: Path = TOY_RESULTS) -> int:
             if "params" in row
             else "kernel"
         )
-        print(f"  {row['config']:<20} budget {row['budget_s']:>3} s  {planned}")
+        trl = f"; then TRL's side, budget {row['trl_budget_s']} s" if row["trl_budget_s"] else ""
+        alone = "" if row["default"] else "; alone (--only NAME), not in the stage"
+        print(f"  {row['config']:<20} budget {row['budget_s']:>3} s  {planned}{trl}{alone}")
     s = GPU_SIZES["gpu"]
     root = Path("/tmp/rayft-gpu-bench")
     for kind in ("dense", "moe"):

@@ -9,7 +9,9 @@ distribution, position ids restarting at each document as rayft's packing makes 
 one document per row, attention over the whole row). One warm-up step, then timed steps (CUDA events on a GPU).
 Throughput, MFU and peak memory are computed by rayft's own metrics (`rayft.train.metrics.hardware_metrics`, the
 FLOPs of `rayft.model.flops`); beside them, what `rayft plan` predicts for the same configuration (memory and step
-time), so every run also measures the planner.
+time), so every run also measures the planner. After a configuration with a TRL budget (the dense ones), TRL
+`SFTTrainer` on the same work in a process of its own (`bench/gpu_mfu_trl.py`), under its own deadline: its line
+beside rayft's, with rayft/TRL tokens/s, or the reason it has no figures ("trl not importable: ...").
 
 Why one process and these rules: a GPU is lent for minutes. Every configuration appends its JSON line to
 `<out>/gpu_mfu.jsonl` the moment it ends (flushed and fsynced); each has its own deadline (what the ones before it
@@ -51,7 +53,11 @@ from train_vs_trl import DENSE_SCALED, TOY_DENSE, TOY_MOE, gpu_facts, gpu_settin
 RESULT = "gpu_mfu.jsonl"
 TIMED_STEPS = 3
 STARTUP_S = 30  # imports, CUDA and the process group before the first configuration (docs/gpu-check.md)
-TOY_BUDGET_S = 120  # each configuration at toy size on a CPU
+TOY_BUDGET_S = 120  # each configuration at toy size on a CPU, and each TRL side of one
+# TRL's side of a dense configuration on the GPU: its process's start-up (torch, transformers, TRL, CUDA), the
+# random init on the device, the trainer's set-up and packing, 4 steps (docs/gpu-check.md)
+TRL_BUDGET_S = 35
+TRL_COMMAND = "bench/gpu_mfu_trl.py"
 TOY_VOCAB = 2048  # the toy models' vocabulary: the full one's LM head would be nearly all of a toy step
 PLAN_GPU = "h200"  # what the planner's step time is for where the device is no GPU of its table
 FP8 = "float8_e4m3fn"
@@ -84,16 +90,20 @@ class Case:
     ac: bool = True
     fp8: bool = False
     variants: tuple[str, ...] = ("packed",)
+    trl_budget_s: int = 0  # TRL's side of the same work (bench/gpu_mfu_trl.py) after rayft's; 0: none
+    default: bool = True  # in a run without --only
 
 
 # Most valuable first: a loan cut short still returns the first ones.
 CASES = [
-    Case("dense-12l-ac", "dense", DENSE_SCALED, TOY_DENSE, 40, variants=("packed", "one_doc_per_row")),
-    Case("dense-12l-noac", "dense", DENSE_SCALED, TOY_DENSE, 25, ac=False),
+    Case("dense-12l-ac", "dense", DENSE_SCALED, TOY_DENSE, 40, variants=("packed", "one_doc_per_row"),
+         trl_budget_s=TRL_BUDGET_S + 5),
+    Case("dense-12l-noac", "dense", DENSE_SCALED, TOY_DENSE, 25, ac=False, trl_budget_s=TRL_BUDGET_S),
     Case("moe-2l-fp8", "moe", {"num_hidden_layers": 2}, TOY_MOE, 70, fp8=True),
-    Case("moe-8l-fp8", "moe", {"num_hidden_layers": 8}, TOY_MOE, 45, fp8=True),
     Case("moe-2l-bf16", "moe", {"num_hidden_layers": 2}, TOY_MOE, 20),
-    Case("moe-8l-bf16", "moe", {"num_hidden_layers": 8}, TOY_MOE, 30),
+    # the 8-layer MoE configurations run when named (--only): their minutes went to TRL's side of the dense ones
+    Case("moe-8l-fp8", "moe", {"num_hidden_layers": 8}, TOY_MOE, 45, fp8=True, default=False),
+    Case("moe-8l-bf16", "moe", {"num_hidden_layers": 8}, TOY_MOE, 30, default=False),
     # kernels: an expert stack of Mistral-Small-4's shapes (E, 2·2048, 4096) dequantised; grouped_mm over 128
     # experts of a micro-batch's routed tokens (4096 tokens x top-4)
     Case("kernel-fp8-dequant", "kernel", {"experts": 16, "rows": 4096, "columns": 4096},
@@ -101,7 +111,7 @@ CASES = [
     Case("kernel-grouped-mm", "kernel", {"experts": 128, "tokens": 16384, "k": 4096, "n": 4096},
          {"experts": 4, "tokens": 64, "k": 32, "n": 32}, 10),
 ]  # fmt: skip
-STAGE_BUDGET_S = STARTUP_S + sum(c.budget_s for c in CASES)
+STAGE_BUDGET_S = STARTUP_S + sum(c.budget_s + c.trl_budget_s for c in CASES if c.default)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -187,6 +197,10 @@ def summary(record: dict[str, Any]) -> str:
     name = f"{record.get('config')}{'/' + record['variant'] if record.get('variant') else ''}"
     if record.get("error"):
         return f"{name}: {record['error'][:200]}"
+    if record.get("system") == "trl" and "tokens_per_s" in record:
+        peak = record.get("peak_allocated_gib") or record.get("peak_rss_delta_gib")
+        ratio = record.get("ratio_tokens_per_s")
+        return f"{name} TRL: {record['tokens_per_s']:,.0f} tok/s, peak {peak} GiB, rayft/TRL {ratio}"
     if "tokens_per_s" in record:
         mfu = record.get("mfu_lora")
         peak = record.get("peak_allocated_gib") or record.get("peak_rss_delta_gib")
@@ -259,18 +273,23 @@ def step_batches(variant: str, row_tokens: int, micro_batches: int, vocab: int) 
 # One model configuration
 
 
-def rayft_config(case: Case, size: dict[str, Any], out: Path) -> Any:
-    """The rayft config of `case`: the bench's (`bench/train_vs_trl.gpu_settings`: LoRA, packed rows, bf16, fused
-    AdamW, one worker) with the case's activation checkpointing and frozen storage; the model path names nothing
-    (no file is read)."""
-    from rayft.config import Config
-
+def settings(case: Case, size: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The settings of `case`, for rayft and TRL's side alike: the bench's (`bench/train_vs_trl.gpu_settings`:
+    LoRA, packed rows, bf16, fused AdamW, one worker) with the case's activation checkpointing and frozen storage;
+    the model path names nothing (no file is read)."""
     root = out / "unused" / case.name
     raw = gpu_settings(root, root / "model", root / "data", size, moe=case.kind == "moe")
     raw["train"]["gradient_checkpointing"] = case.ac
     raw["fsdp"]["activation_checkpointing"] = case.ac
     raw["model"]["frozen_dtype"] = FP8 if case.fp8 else raw["model"]["torch_dtype"]
-    return Config.from_dict(raw)
+    return raw
+
+
+def rayft_config(case: Case, size: dict[str, Any], out: Path) -> Any:
+    """The rayft config of `case` (`settings`)."""
+    from rayft.config import Config
+
+    return Config.from_dict(settings(case, size, out))
 
 
 def plan_gpu(device: Any) -> str:
@@ -310,10 +329,12 @@ def planned(cfg: Any, config: Any, on_gpu: bool, gpu: str) -> dict[str, Any]:
 
 def device_plan(out: Path, gpu: str = PLAN_GPU) -> list[dict[str, Any]]:
     """Each configuration at its GPU size as the planner sees it on `gpu` (no GPU needed: the model on the meta
-    device), beside its budget: what `--dry-run` prints. Checks every configuration's rayft config too."""
+    device), beside its budget and its TRL side's, and whether a run without --only has it: what `--dry-run`
+    prints. Checks every configuration's rayft config too."""
     rows = []
     for case in CASES:
-        row: dict[str, Any] = {"config": case.name, "budget_s": case.budget_s}
+        row: dict[str, Any] = {"config": case.name, "budget_s": case.budget_s, "trl_budget_s": case.trl_budget_s,
+                               "default": case.default}  # fmt: skip
         if case.kind != "kernel":
             plan = planned(rayft_config(case, SIZES["gpu"], out), model_config(case.kind, case.shape), True, gpu)
             row.update(plan["planned_for"], memory_gib=plan["planned_memory_gib"], step_s=plan["planned_step_s"],
@@ -441,6 +462,7 @@ def measure_model(case: Case, size: dict[str, Any], env: Env, lines: Lines, prog
                 "phase": "done",
                 "config": case.name,
                 "variant": variant,
+                "system": "rayft",
                 "shape": _shape(config),
                 "frozen_dtype": cfg.model.frozen_dtype,
                 "activation_checkpointing": case.ac,
@@ -486,6 +508,49 @@ def _shape(config: Any) -> dict[str, Any]:
     keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
             "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "vocab_size")  # fmt: skip
     return {k: getattr(config, k) for k in keys if getattr(config, k, None) is not None}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# TRL's side
+
+
+def measure_trl(case: Case, env: Env, lines: Lines, progress: dict[str, Any]) -> None:
+    """TRL `SFTTrainer` on `case`'s work in a process of its own (`bench/gpu_mfu_trl.py`: TRL patches
+    transformers, so it never runs in this one); its line, with rayft's tokens/s over TRL's. The child is killed
+    when this one is stopped (deadline or interrupt); its output goes to `<out>/trl/<config>.log`."""
+    import subprocess
+
+    result = env.out / "trl" / f"{case.name}.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    command = [sys.executable, str(REPO / TRL_COMMAND), "--case", case.name, "--result", str(result)]
+    progress.update(phase="trl")
+    began = time.perf_counter()
+    with open(result.with_suffix(".log"), "w") as log:
+        child = subprocess.Popen([*command, *(["--toy"] if env.toy else [])], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while child.poll() is None:
+                lines.check()
+                time.sleep(0.1)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    if not result.exists():
+        tail = result.with_suffix(".log").read_text()[-1500:]
+        raise RuntimeError(f"{TRL_COMMAND} exited {child.returncode} with no result: {tail}")
+    record = {
+        **progress,
+        "phase": "done",
+        **json.loads(result.read_text()),
+        "case_s": round(time.perf_counter() - began, 2),
+    }
+    ours = next((r for r in reversed(lines.written) if r.get("system") == "rayft" and r.get("config") == case.name
+                 and r.get("variant") == "packed" and "tokens_per_s" in r), None)  # fmt: skip
+    if ours and record.get("tokens_per_s"):
+        record.update(rayft_tokens_per_s=ours["tokens_per_s"],
+                      ratio_tokens_per_s=round(ours["tokens_per_s"] / record["tokens_per_s"], 3))  # fmt: skip
+    lines.append({**record, "ray_imported": "ray" in sys.modules})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -597,27 +662,35 @@ def run(out: Path, toy: bool, only: list[str] | None = None) -> int:
     size = SIZES["toy" if toy else "gpu"]
     failed, due = 0, STARTED + STARTUP_S
     try:
-        for case in [c for c in CASES if not only or c.name in only]:
+        for case in [c for c in CASES if c.name in only] if only else [c for c in CASES if c.default]:
             due += TOY_BUDGET_S if toy else case.budget_s  # what the ones before left passes on
             failed += not measure_case(case, size, env, lines, due)
             release(env)
             lines.check()
+            if case.trl_budget_s:  # TRL's line says what went wrong there; it fails no stage
+                due += TOY_BUDGET_S if toy else case.trl_budget_s
+                measure_case(case, size, env, lines, due, trl=True)
+                lines.check()
     except Stop as stop:  # between two configurations: every line so far is on disk
         exit_now(stop.signum)
     return int(failed > 0)
 
 
-def measure_case(case: Case, size: dict[str, Any], env: Env, lines: Lines, due: float) -> bool:
-    """One configuration by `due` (`time.monotonic()`); False when it wrote a line with an error instead of its
-    figures. An interrupt writes that line and exits."""
+def measure_case(case: Case, size: dict[str, Any], env: Env, lines: Lines, due: float, trl: bool = False) -> bool:
+    """One configuration (or with `trl` TRL's side of it) by `due` (`time.monotonic()`); False when it wrote a
+    line with an error instead of its figures. An interrupt writes that line and exits."""
     progress: dict[str, Any] = {"config": case.name, "budget_s": round(due - time.monotonic(), 1)}
+    if trl:
+        progress.update(variant="packed", system="trl")
     began = time.perf_counter()
     before = len(lines.written)
     try:
         if due - time.monotonic() <= 0:
             raise TimeoutError("not started: the configurations before it used its time")
         with lines.deadline(due - time.monotonic()):
-            if case.kind == "kernel":
+            if trl:
+                measure_trl(case, env, lines, progress)
+            elif case.kind == "kernel":
                 measure_kernel(case, env, lines, progress)
             else:
                 measure_model(case, size, env, lines, progress)

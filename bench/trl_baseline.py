@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true", help="records in file order (the loss-parity runs)")
     args = parser.parse_args()
     s = json.loads(args.settings.read_text())
-    t, lora, data = s["train"], s["lora"], s["data"]
+    lora, data = s["lora"], s["data"]
     rank = int(os.environ.get("RANK", "0"))  # set by torchrun
     on_gpu = bool(s["ray"].get("use_gpu")) and torch.cuda.is_available()
 
@@ -85,7 +85,32 @@ def main() -> None:
     if tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id:  # same token ids as rayft: <s> text </s>
         field = data["text_field"]
         dataset = dataset.map(lambda r: {field: tokenizer.bos_token + r[field]})
-    peft_config = LoraConfig(
+    options = gpu_options(data) if on_gpu else {"use_cpu": True, "ddp_backend": "gloo"}
+    config = sft_config(s, args.out / "trainer", options, sequential=args.sequential)
+    trainer = CountingSFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora_config(lora)
+    )
+    timeline = Timeline(trainer)
+    trainer.add_callback(timeline)
+    started = time.time()
+    trainer.train()
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"process_start": T0, "train_start": started, "steps": timeline.steps, "peak_rss_gib": peak_rss_gib}
+    if on_gpu:
+        record.update(
+            peak_gpu_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            options={k: v for k, v in gpu_options(data).items() if k != "ddp_backend"},
+        )
+    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort a rank (SIGABRT)
+        torch.distributed.destroy_process_group()
+
+
+def lora_config(lora: dict) -> LoraConfig:
+    """PEFT's LoRA from the settings' `lora` section: the same adapters rayft trains."""
+    return LoraConfig(
         r=lora["r"],
         lora_alpha=lora["lora_alpha"],
         lora_dropout=lora["lora_dropout"],
@@ -93,8 +118,14 @@ def main() -> None:
         bias="none",
         task_type=TaskType.CAUSAL_LM,
     )
-    config = SFTConfig(
-        output_dir=str(args.out / "trainer"),
+
+
+def sft_config(s: dict, output_dir: Path, options: dict, sequential: bool = False) -> SFTConfig:
+    """The seed script's `SFTConfig` fields from the settings (rayft's config, as JSON), with the device's
+    `options` (`gpu_options` on a GPU): what both the file-based baseline and gpu_mfu's TRL side train with."""
+    t, data = s["train"], s["data"]
+    return SFTConfig(
+        output_dir=str(output_dir),
         max_steps=t["max_steps"],
         per_device_train_batch_size=t["per_device_train_batch_size"],
         gradient_accumulation_steps=t["gradient_accumulation_steps"],
@@ -113,30 +144,11 @@ def main() -> None:
         dataset_text_field=data["text_field"],
         max_length=data["max_length"],
         packing=data["packing"],
-        **(gpu_options(data) if on_gpu else {"use_cpu": True, "ddp_backend": "gloo"}),
+        **options,
         dataloader_drop_last=True,
-        train_sampling_strategy="sequential" if args.sequential else "random",
+        train_sampling_strategy="sequential" if sequential else "random",
         disable_tqdm=True,
     )
-    trainer = CountingSFTTrainer(
-        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
-    )
-    timeline = Timeline(trainer)
-    trainer.add_callback(timeline)
-    started = time.time()
-    trainer.train()
-    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = {"process_start": T0, "train_start": started, "steps": timeline.steps, "peak_rss_gib": peak_rss_gib}
-    if on_gpu:
-        record.update(
-            peak_gpu_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-            peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-            options={k: v for k, v in gpu_options(data).items() if k != "ddp_backend"},
-        )
-    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
-    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit can abort a rank (SIGABRT)
-        torch.distributed.destroy_process_group()
 
 
 def liger_wanted() -> bool:

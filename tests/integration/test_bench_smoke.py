@@ -334,3 +334,35 @@ def test_gpu_check_times_the_fp8_expert_path_for_the_moe_run(tmp_path):
     dense = Config.from_dict(gpu_settings(tmp_path, tmp_path / "m", tmp_path / "d", size))
     assert frozen_fp8(moe.model, checkpoint_fp8=False)
     assert not frozen_fp8(dense.model, checkpoint_fp8=False)
+
+
+def test_gpu_check_job_stage_saves_the_ray_paths_startup_profile(tmp_path, monkeypatch):
+    """The job stage's pytest keeps its tmp_path folders in a known place, and the stage writes the job's start-up
+    profile (the first metrics row's `startup`, and the job log's `start-up` line parsed) as a JSON that also lands
+    in $OUT; with no run there, the JSON says so."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    from rayft.startup import Profile
+
+    (command,) = gpu_check.commands("job")
+    assert f"--basetemp={gpu_check.JOB_TMP}" in command and command[-1] == "tests"
+    test_dir = tmp_path / "basetemp" / "test_gpu_job_checkpoints_and0"
+    run = test_dir / "storage" / gpu_check.JOB_RUN
+    run.mkdir(parents=True)
+    stages = {"launch": 2.5, "preflight_tokenizer": 0.4, "ray_start": 6.25, "first_step": 3.0}
+    rows = [{"step": 1, "loss": 2.0, "startup": {**stages, "to_first_step_s": 14.2}}, {"step": 2, "loss": 1.9}]
+    run.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (test_dir / "out").mkdir()
+    line = Profile(stages={**stages}).line(14.2)
+    (test_dir / "out" / "job.log").write_text(f"noise\n(RayTrainWorker pid=1) INFO {line}\nJob 'x' succeeded\n")
+    out = tmp_path / "OUT"
+    monkeypatch.setenv("OUT", str(out))
+    gpu_check.save(gpu_check.JOB_STARTUP, gpu_check.job_startup(tmp_path / "basetemp"), tmp_path / "results")
+    saved = json.loads((out / gpu_check.JOB_STARTUP).read_text())
+    (only,) = saved["runs"].values()
+    assert only["profile"] == {**stages, "to_first_step_s": 14.2}, saved
+    assert only["log_line"] == {"to_first_step_s": 14.2, "stages": {k: round(v, 1) for k, v in stages.items()}}
+    assert "note" not in saved and saved["machine"]
+    empty = gpu_check.job_startup(tmp_path / "nothing")
+    assert empty["runs"] == {} and "did not reach its first step" in empty["note"]

@@ -26,9 +26,12 @@ def _lines(path: Path) -> list[dict]:
 
 def test_the_toy_run_writes_every_configurations_figures_and_plan(tmp_path: Path):
     result = subprocess.run([*COMMAND, "--out", str(tmp_path), "--only", *FOUR], capture_output=True, text=True,
-                            timeout=300, cwd=REPO)  # fmt: skip
+                            timeout=600, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    lines = _lines(tmp_path / "gpu_mfu.jsonl")
+    written = _lines(tmp_path / "gpu_mfu.jsonl")
+    trl = [r for r in written if r.get("system") == "trl"]
+    lines = [r for r in written if r.get("system") != "trl"]
+    _check_trl_lines(written, trl)
     assert [(r["config"], r["variant"]) for r in lines] == [
         ("dense-12l-ac", "packed"), ("dense-12l-ac", "one_doc_per_row"), ("dense-12l-noac", "packed"),
         ("moe-2l-fp8", "packed"), ("moe-2l-bf16", "packed"),
@@ -47,6 +50,38 @@ def test_the_toy_run_writes_every_configurations_figures_and_plan(tmp_path: Path
     assert lines[0]["activation_checkpointing"] and not lines[2]["activation_checkpointing"]
     assert lines[3]["frozen_dtype"] == "float8_e4m3fn" and lines[4]["frozen_dtype"] == "float32"
     assert len({r["run"] for r in lines}) == 1 and (tmp_path / "cache").is_dir()
+
+
+def _check_trl_lines(written: list[dict], trl: list[dict]) -> None:
+    """TRL's side of each dense configuration, right after rayft's lines of it: TRL's tokens/s on the same packed
+    documents, its options (padding-free, the same attention and gradient checkpointing) and rayft/TRL."""
+    assert [r["config"] for r in trl] == ["dense-12l-ac", "dense-12l-noac"], trl
+    for r in trl:
+        assert "error" not in r and r["tokens_per_s"] > 0 and r["variant"] == "packed", r
+        ours = next(x for x in written if x.get("system") == "rayft" and x["config"] == r["config"])
+        assert written.index(r) > written.index(ours)
+        assert r["ratio_tokens_per_s"] == round(ours["tokens_per_s"] / r["tokens_per_s"], 3), r
+        assert r["tokens_per_step"] == ours["tokens_per_step"], r  # the same documents, packed by TRL
+        assert len(r["step_s"]) == 3 and r["warmup_s"] > 0 and r["peak_rss_delta_gib"] >= 0, r
+        assert r["options"]["padding_free"] and r["options"]["attn_implementation"] == "sdpa", r
+        assert r["options"]["gradient_checkpointing"] is ours["activation_checkpointing"], r
+        assert r["trl_versions"]["trl"] and r["ray_imported"] is False, r
+
+
+def test_without_trl_the_trl_side_says_so_and_fails_nothing(tmp_path: Path):
+    """Where TRL cannot be imported (the device without a kit that carries it), its line says why and the stage
+    still succeeds: here a `trl` package on the child's path whose import fails."""
+    shadow = tmp_path / "shadow" / "trl"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("no trl on this device")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(REPO)])}
+    result = subprocess.run([*COMMAND, "--out", str(tmp_path), "--only", "dense-12l-noac"], capture_output=True,
+                            text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    ours, theirs = _lines(tmp_path / "gpu_mfu.jsonl")
+    assert ours["system"] == "rayft" and ours["tokens_per_s"] > 0, ours
+    assert theirs["system"] == "trl" and theirs["error"] == "trl not importable: no trl on this device", theirs
+    assert "ratio_tokens_per_s" not in theirs
 
 
 def test_an_interrupt_keeps_the_lines_written_and_ends_the_process_at_once(tmp_path: Path):
