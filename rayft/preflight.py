@@ -30,7 +30,7 @@ from rayft.parallel.backend import prefix_matched_hca
 from rayft.parallel.torch_compat import check_torch
 from rayft.plan import Structure, structure
 from rayft.startup import Profile
-from rayft.train.checkpoint_dir import check_resume_source
+from rayft.train.checkpoint_dir import check_resume_source, damaged_note
 from rayft.train.run_settings import check_continuation, finished_run, last_step
 from rayft.train.rundir import RunDir
 from rayft.train.sinks import check_tracker_access, check_trackers
@@ -107,14 +107,17 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
 def check_continued_run(cfg: Config) -> str | None:
     """`rayft validate`: a local run directory holding a run this config would train on: the same model, adapter
     and settings (a remote one is checked by the job itself, where its storage is reachable); and a warning where
-    that run has finished. Not part of `preflight`, which `rayft eval` shares: an evaluation reads a run, it does
-    not continue it."""
+    its newest checkpoints are damaged (the job will set them aside) or that run has finished. Not part of
+    `preflight`, which `rayft eval` shares: an evaluation reads a run, it does not continue it."""
     if is_uri(cfg.run_uri):
         return None
     run = RunDir(cfg.run_uri)
     if not run.has_registered_checkpoints():
         return None
     check_continuation(cfg, run.settings(), run.uri)
+    damaged = damaged_note(run)
+    if damaged is not None:
+        return damaged
     final = Path(cfg.train.output_dir).expanduser() / "final"
     if not (final / "adapter_model.safetensors").is_file():
         return None

@@ -172,31 +172,36 @@ def damage(directory: Path) -> str | None:
     return f"is incomplete: {state}/{problems[0]}{more}, which its .metadata references"
 
 
-def set_aside_damaged(run: RunDir) -> None:
-    """Before a run continues from Ray's registry: check the registered checkpoints newest first, and set each
-    damaged one newer than the newest intact one aside (renamed `.damaged`, never deleted) and out of the registry,
-    so Ray hands the workers the intact one rather than one they die loading. ConfigError (exit 2) when none is
-    intact: nothing is renamed then. Only local run directories are checked; Ray's registry is read and rewritten
-    through `rayft.ray_private` (a Ray that keeps it elsewhere: unchecked, as before)."""
+def damaged_newest(run: RunDir) -> tuple[dict[str, str], list[str]]:
+    """(each registered checkpoint newer than the newest intact one, with what is wrong with it; every registered
+    name, newest first). ConfigError (exit 2) when none is intact. Only local run directories are checked; Ray's
+    registry is read through `rayft.ray_private` (a Ray that keeps it elsewhere: unchecked, as before, and said)."""
     if is_uri(run.uri):
         log.info("%s: checkpoints on remote storage are not checked before the run continues from them", run.uri)
-        return
-    snapshot = run.read_file(RAY_SNAPSHOT)
-    names = ray_private.registered_checkpoints(snapshot)
+        return {}, []
+    names = ray_private.registered_checkpoints(run.read_file(RAY_SNAPSHOT))
     if names is None:
         log.warning("%s: this Ray does not read its %s: its checkpoints are not checked", run.uri, RAY_SNAPSHOT)
-        return
+        return {}, []
     damaged: dict[str, str] = {}
     for name in names:
         found = damage(Path(run.path) / name)
         if found is None:
             break
         damaged[name] = found
+    if damaged and len(damaged) == len(names):
+        raise ConfigError(_none_intact(run, damaged))
+    return damaged, names
+
+
+def set_aside_damaged(run: RunDir) -> None:
+    """Before a run continues from Ray's registry: each damaged registered checkpoint newer than the newest intact
+    one (`damaged_newest`) is set aside (renamed `.damaged`, never deleted) and out of the registry, so Ray hands the
+    workers the intact one rather than one they die loading."""
+    damaged, names = damaged_newest(run)
     if not damaged:
         return
-    if len(damaged) == len(names):
-        raise ConfigError(_none_intact(run, damaged))
-    rewritten = ray_private.unregister_checkpoints(snapshot, set(damaged))
+    rewritten = ray_private.unregister_checkpoints(run.read_file(RAY_SNAPSHOT), set(damaged))
     if rewritten is None:  # read a moment ago by the same class: not expected
         raise ConfigError(f"{run.uri}: {RAY_SNAPSHOT} cannot be rewritten by this Ray; {_none_intact(run, damaged)}")
     intact = names[len(damaged)]
@@ -205,6 +210,19 @@ def set_aside_damaged(run: RunDir) -> None:
         where = f"set aside as {aside} (nothing deleted)" if aside else "dropped from Ray's registry"
         log.warning("%s/%s %s: %s; the run continues from %s", run.uri, name, found, where, intact)
     run.write_file(RAY_SNAPSHOT, rewritten)
+
+
+def damaged_note(run: RunDir) -> str | None:
+    """`rayft validate`'s word on a run directory whose newest registered checkpoints are damaged: what the job will
+    do with them (`set_aside_damaged`), said before it does it; ConfigError when none is intact."""
+    damaged, names = damaged_newest(run)
+    if not damaged:
+        return None
+    said = "; ".join(f"{run.uri}/{name} {found}" for name, found in damaged.items())
+    return (
+        f"{said}: the job will set {'it' if len(damaged) == 1 else 'them'} aside (renamed {DAMAGED_SUFFIX}, nothing "
+        f"deleted) and continue from {names[len(damaged)]}"
+    )
 
 
 def _none_intact(run: RunDir, damaged: dict[str, str]) -> str:

@@ -425,6 +425,23 @@ def test_a_run_whose_newest_checkpoint_is_damaged_continues_from_the_intact_one_
     assert (run.run_dir / "checkpoint-000003.damaged" / "state" / ".metadata").is_file()
 
 
+def test_validate_says_what_the_job_will_do_with_a_damaged_newest_checkpoint_and_changes_nothing(
+    fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, capsys
+):
+    """`rayft validate` over a run whose checkpoint 3 lost a shard: it passes, with one warning naming the file and
+    what the job will do (set it aside, continue from checkpoint 2); it renames and rewrites nothing itself."""
+    raw, run = _copy_of(stopped_at_3, fixtures, tmp_path)
+    shard = _delete_a_shard(run.checkpoint(3))
+    before = _tree(run.run_dir)
+    result = run_cli(capsys, "validate", "--config", str(write_yaml(tmp_path / "config.yaml", raw)))
+    assert result.rc == 0, result.err
+    warned = [line for line in result.err.splitlines() if "checkpoint-000003 is incomplete" in line]
+    assert len(warned) == 1 and f"checkpoint-000003/state/{shard} (missing)" in warned[0], result.err
+    will = "the job will set it aside (renamed .damaged, nothing deleted) and continue from checkpoint-000002"
+    assert will in warned[0], warned
+    assert _tree(run.run_dir) == before
+
+
 def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothing_is_touched(
     fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, capsys
 ):
