@@ -429,7 +429,8 @@ def test_validate_says_what_the_job_will_do_with_a_damaged_newest_checkpoint_and
     fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, capsys
 ):
     """`rayft validate` over a run whose checkpoint 3 lost a shard: it passes, with one warning naming the file and
-    what the job will do (set it aside, continue from checkpoint 2); it renames and rewrites nothing itself."""
+    what the job will do (set it aside, continue from checkpoint 2); it renames and rewrites nothing itself. Every
+    registered checkpoint damaged: refused (exit 2)."""
     raw, run = _copy_of(stopped_at_3, fixtures, tmp_path)
     shard = _delete_a_shard(run.checkpoint(3))
     before = _tree(run.run_dir)
@@ -440,6 +441,11 @@ def test_validate_says_what_the_job_will_do_with_a_damaged_newest_checkpoint_and
     will = "the job will set it aside (renamed .damaged, nothing deleted) and continue from checkpoint-000002"
     assert will in warned[0], warned
     assert _tree(run.run_dir) == before
+    for name in ("checkpoint-000001", "checkpoint-000002"):  # then none intact: refused, as the job refuses it
+        if (run.run_dir / name).is_dir():
+            _delete_a_shard(run.run_dir / name)
+    refused = run_cli(capsys, "validate", "--config", str(tmp_path / "config.yaml"))
+    assert refused.rc == 2 and "no checkpoint Ray registered is intact" in refused.err, refused.err
 
 
 def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothing_is_touched(
