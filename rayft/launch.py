@@ -19,7 +19,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayft import environment, ray_auth, ray_private
 from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
-from rayft.data.pipeline import build_datasets, build_eval_dataset, eval_source, small_rows
+from rayft.data.pipeline import build_datasets, build_eval_dataset, small_eval_rows, small_rows
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, check_adapter_files, with_adapter_shape
 from rayft.parallel.backend import nccl_env, process_group_backend
@@ -289,9 +289,10 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
         check_adapter(adapter, cfg)
     cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
     checked = preflight(cfg)
-    eval_source(cfg.data, split)  # a missing --split is answered before the cluster
+    # a missing --split, and a small split too short for the workers, are answered before the cluster
+    small = small_eval_rows(cfg, split, checked.tokenizer)
     use_gpu = join_cluster(cfg)
-    dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer)
+    dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer, small)
     scored = f" + adapter {adapter}" if adapter else ""
     if with_base:
         scored += " (and the base alone, first)"

@@ -304,39 +304,50 @@ def _to_object_store(table: pa.Table) -> ray.data.Dataset:
     return cast(ray.data.Dataset, ray.data.from_blocks(blocks))  # from_blocks has no return type hint
 
 
+def small_eval_rows(cfg: Config, split: str, tokenizer: TokenizerFacts) -> pa.Table | None:
+    """The split's rows where it is small enough to tokenize on the driver (`in_driver`), finished and cut to
+    `data.max_eval_samples`, made before the cluster is joined so that their count can refuse an evaluation that
+    holds no cluster yet (`check_eval_rows`); None for a bigger split, which the tokenizer actors count."""
+    d = cfg.data
+    source = eval_source(d, split)
+    if not in_driver(source):
+        return None
+    fmt = record_format(d, source.columns(record_fields(d)), source.what)
+    table, _ = tokenize_in_process(
+        read_records(source), source.format, fmt, cfg.model, d, tokenizer, cfg.dpo.max_prompt_length
+    )
+    table = table.slice(0, d.max_eval_samples)
+    check_eval_rows(cfg, source.what, table.num_rows)
+    return table
+
+
+def check_eval_rows(cfg: Config, what: str, rows: int) -> None:
+    """An evaluation split that cannot give every worker a row is refused."""
+    if rows < cfg.ray.num_workers:
+        raise ConfigError(f"data: {what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}")
+
+
 def build_eval_dataset(
-    cfg: Config, split: str, tokenizer: TokenizerFacts | None = None
+    cfg: Config, split: str, tokenizer: TokenizerFacts | None = None, small: pa.Table | None = None
 ) -> tuple[ray.data.Dataset, int]:
     """One split, tokenized and finished (and cut to `data.max_eval_samples`) as training's validation split is,
-    kept in the object store."""
+    kept in the object store. `small`: the rows `small_eval_rows` made before the cluster was joined (not read
+    again)."""
     configure_ray_data()
     d = cfg.data
     source = eval_source(d, split)
-    fmt = record_format(d, source.columns(record_fields(d)), source.what)
     tokenizer = tokenizer or tokenizer_facts(cfg.model)
-    if in_driver(source):
-        table, _ = tokenize_in_process(
-            read_records(source), source.format, fmt, cfg.model, d, tokenizer, cfg.dpo.max_prompt_length
-        )
-        table = table.slice(0, d.max_eval_samples)
-        dataset, rows = _to_object_store(table), table.num_rows
-    else:
-        tokens = tokenized(
-            read_split(source),
-            source.format,
-            fmt,
-            cfg.model,
-            d,
-            tokenizer,
-            actors_at_start(cfg),
-            cfg.dpo.max_prompt_length,
-        )
-        dataset = first_rows(finished(tokens, d), d).materialize()
-        rows = dataset.count()
-    if rows < cfg.ray.num_workers:
-        raise ConfigError(
-            f"data: {source.what} has {rows} usable rows, fewer than ray.num_workers={cfg.ray.num_workers}"
-        )
+    if small is None and in_driver(source):
+        small = small_eval_rows(cfg, split, tokenizer)
+    if small is not None:
+        return _to_object_store(small), small.num_rows
+    fmt = record_format(d, source.columns(record_fields(d)), source.what)
+    tokens = tokenized(
+        read_split(source), source.format, fmt, cfg.model, d, tokenizer, actors_at_start(cfg), cfg.dpo.max_prompt_length
+    )
+    dataset = first_rows(finished(tokens, d), d).materialize()
+    rows = dataset.count()
+    check_eval_rows(cfg, source.what, rows)
     return dataset, rows
 
 

@@ -95,3 +95,24 @@ def test_the_job_refuses_a_split_too_small_for_its_workers_without_starting_ray(
     assert len(refusals) == 1 and "data: 1 training records cannot feed ray.num_workers=2 workers" in refusals[0]
     assert "starting a local one" not in output and "Started a local Ray instance" not in output
     assert "Traceback" not in output
+
+
+def test_eval_refuses_a_split_too_small_for_its_workers_without_starting_ray(fixtures, tmp_path):
+    """`rayft eval` on a split small enough to be tokenized on the driver counts it there, before Ray: one record for
+    two workers is refused in one line, without starting a local Ray."""
+    data = tmp_path / "tiny-data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join('{"text": "a record to train on"}\n' for _ in range(8)))
+    (data / "validation.jsonl").write_text('{"text": "one short record"}\n')
+    raw = tiny_config(fixtures, tmp_path / "out")
+    raw["data"] = {"dataset_name_or_path": str(data), "max_length": 64, "packing": True}
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "rayft.cli", "eval", "--config", str(config)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("rayft: config error:")]
+    assert len(refusals) == 1 and "has 1 usable rows, fewer than ray.num_workers=2" in refusals[0], refusals
+    assert "starting a local one" not in output and "Started a local Ray instance" not in output
+    assert "Traceback" not in output
