@@ -76,15 +76,14 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     run = RunDir(cfg.run_uri)
     resume_from, run_id = _resume_source(cfg, run)
     sources = (checked.train, checked.validation)
-    with profile.stage("data_plan"):  # small splits are counted here: too few rows are refused before Ray
+    with profile.stage("data_plan"):  # small splits are counted and planned here: too few rows are refused before Ray
         rows = small_rows(cfg, sources, checked.records, checked.tokenizer)
-        if rows is not None:
-            plan_steps(cfg, rows.train_stats.rows, rows.validation_rows, cfg.ray.num_workers)
+        plan = plan_steps(cfg, rows.train_stats.rows, rows.validation_rows, cfg.ray.num_workers) if rows else None
     with profile.stage("ray_start"):
         use_gpu = join_cluster(cfg)
     with profile.stage("data_plan"):
         datasets = build_datasets(cfg, sources, checked.records, checked.tokenizer, rows)
-    plan = plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
+    plan = plan or plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
     log.info("%s", startup_summary(cfg, checked, plan, use_gpu, profile))
     finished = _finished(cfg, run, plan.total_steps) if resume_from is None else None
     if finished is not None:
@@ -292,7 +291,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
     # a missing --split, and a small split too short for the workers, are answered before the cluster
     small = small_eval_rows(cfg, split, checked.tokenizer)
     use_gpu = join_cluster(cfg)
-    dataset, rows = build_eval_dataset(cfg, split, checked.tokenizer, small)
+    dataset, rows = build_eval_dataset(cfg, split, small, checked.tokenizer)
     scored = f" + adapter {adapter}" if adapter else ""
     if with_base:
         scored += " (and the base alone, first)"

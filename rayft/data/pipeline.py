@@ -328,20 +328,18 @@ def check_eval_rows(cfg: Config, what: str, rows: int) -> None:
 
 
 def build_eval_dataset(
-    cfg: Config, split: str, tokenizer: TokenizerFacts | None = None, small: pa.Table | None = None
+    cfg: Config, split: str, small: pa.Table | None, tokenizer: TokenizerFacts | None = None
 ) -> tuple[ray.data.Dataset, int]:
     """One split, tokenized and finished (and cut to `data.max_eval_samples`) as training's validation split is,
-    kept in the object store. `small`: the rows `small_eval_rows` made before the cluster was joined (not read
-    again)."""
+    kept in the object store. `small`: what `small_eval_rows` answered before the cluster was joined, its rows (not
+    read again), or None for a split the tokenizer actors read and count here."""
     configure_ray_data()
-    d = cfg.data
-    source = eval_source(d, split)
-    tokenizer = tokenizer or tokenizer_facts(cfg.model)
-    if small is None and in_driver(source):
-        small = small_eval_rows(cfg, split, tokenizer)
     if small is not None:
         return _to_object_store(small), small.num_rows
+    d = cfg.data
+    source = eval_source(d, split)
     fmt = record_format(d, source.columns(record_fields(d)), source.what)
+    tokenizer = tokenizer or tokenizer_facts(cfg.model)
     tokens = tokenized(
         read_split(source), source.format, fmt, cfg.model, d, tokenizer, actors_at_start(cfg), cfg.dpo.max_prompt_length
     )
