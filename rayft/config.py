@@ -118,6 +118,10 @@ class ModelConfig(Section):
     # checkpoint is FP8, else torch_dtype; float8_e4m3fn also quantises a bf16/fp32 checkpoint at load (per row);
     # nf4 = QLoRA's 4-bit NormalFloat with double-quantised scales for the decoder's linears.
     frozen_dtype: Literal["auto", "float8_e4m3fn", "nf4", "bfloat16", "float32"] = "auto"
+    # An FP8 base's frozen matmuls (forward and input gradient) on its stored bytes, activations rounded to FP8 per
+    # token (LoRA stays in its own dtype): auto = on GPUs that run FP8 matmuls (compute capability 8.9+: H100, H200,
+    # B200), off on CPU; false = dequantise each weight to the compute dtype first (bit for bit the checkpoint's).
+    fp8_compute: Literal["auto"] | Flag = "auto"
 
     def broken(self) -> list[Broken | None]:
         return [

@@ -369,14 +369,20 @@ def _range(metadata: list[Any], error: ErrorDetails) -> str:
 
 
 def _choices(annotation: Any) -> tuple[str, ...]:
-    """The values of the `Literal` inside a field's type (under `| None`, `list[...]`, `Annotated[...]`)."""
+    """The values of the `Literal` inside a field's type (under `| None`, `list[...]`, `Annotated[...]`), and true
+    and false where the Literal is one side of `| Flag`."""
     if typing.get_origin(annotation) is Literal:
         return typing.get_args(annotation)
-    for inner in typing.get_args(annotation):
+    inners = typing.get_args(annotation)
+    for inner in inners:
         found = _choices(inner)
         if found:
-            return found
+            return (*found, "true", "false") if any(_is_flag(t) for t in inners) else found
     return ()
+
+
+def _is_flag(annotation: Any) -> bool:
+    return annotation is bool or (typing.get_origin(annotation) is Annotated and typing.get_args(annotation)[0] is bool)
 
 
 def unknown_value(key: str, value: Any, choices: Iterable[str]) -> str:

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from rayft import environment
+from rayft.model import fp8_matmul
 from rayft.model.fp8_format import (
     DEQUANT_BLOCK,
     EXPERT_DEQUANT_BUDGET,
@@ -203,6 +204,20 @@ def rows_scale(scale: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torc
     while s.ndim and s.shape[-1] == 1:
         s = s.squeeze(-1)
     return s.reshape(*s.shape, *([1] * (len(rows) - s.ndim))).expand(rows).contiguous()
+
+
+def on_bytes(
+    wanted: bool, block: int | None, device: torch.device, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
+) -> bool:
+    """Whether a weight of `shape` (`[..., rows, columns]`) multiplies on its stored bytes (`rayft.model.fp8_matmul`):
+    `model.fp8_compute` on (`wanted`), row scales (block scales stay dequantised) and a product the device runs
+    (else the dequantised path, said once per reason)."""
+    if not wanted or block is not None:
+        return False
+    reason = fp8_matmul.unfit(device, shape[-1], shape[-2], dtype)
+    if reason is not None:
+        fp8_matmul.warn_dequantised(reason)
+    return reason is None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -396,9 +411,15 @@ class QuantisedLinear(nn.Linear):
         return self._dequantize()(*self.storage(), dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch leaves autograd.Function.apply unannotated
-        out: torch.Tensor = FrozenLinear.apply(x, self._dequantize(), *self.storage())  # type: ignore[no-untyped-call]
+        out = self._on_bytes(x)
+        if out is None:
+            # torch leaves autograd.Function.apply unannotated
+            out = FrozenLinear.apply(x, self._dequantize(), *self.storage())  # type: ignore[no-untyped-call]
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _on_bytes(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x · Wᵀ as a matmul on the stored bytes, where this storage has one; None: dequantise."""
+        return None
 
 
 class Fp8Linear(QuantisedLinear):
@@ -415,6 +436,7 @@ class Fp8Linear(QuantisedLinear):
         block: int | None = None,
     ) -> None:
         self.block = storage_block(in_features, block)
+        self.fp8_compute = False  # `model.fp8_compute`: FP8 matmuls on the stored bytes (`set_fp8_compute_`)
         super().__init__(in_features, out_features, bias, compute_dtype, device)
 
     def _register_storage_(self, device: torch.device | str | None) -> None:
@@ -440,6 +462,22 @@ class Fp8Linear(QuantisedLinear):
 
     def _dequantize(self) -> Callable[..., torch.Tensor]:
         return functools.partial(dequantize_rows, block=self.block)
+
+    @property
+    def on_fp8_bytes(self) -> tuple[str, ...]:
+        """The weights multiplied in FP8 on their stored bytes where the device allows (`rayft.model.flops`)."""
+        return ("weight",) if self.fp8_compute and self.block is None else ()
+
+    def _on_bytes(self, x: torch.Tensor) -> torch.Tensor | None:
+        dtype = _compute_dtype(x)
+        if not on_bytes(self.fp8_compute, self.block, x.device, self.weight.shape, dtype):
+            return None
+        with torch.autocast(x.device.type, enabled=False):
+            # torch leaves autograd.Function.apply unannotated
+            out: torch.Tensor = fp8_matmul.ScaledFrozenLinear.apply(  # type: ignore[no-untyped-call]
+                x, dtype, self.weight, scales(self.weight_scale)
+            )
+        return out
 
     def extra_repr(self) -> str:
         blocks = f"+{self.block}-column_block_scales" if self.block else "+row_scales"
@@ -508,7 +546,10 @@ class QuantisedExperts(nn.Module):
         routed = hidden_states[perm // top_k]
         counts = expert_counts(expert_ids, self.num_experts)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # every expert's group end, on the device
-        chunks = self._chunks(counts, offs, routed.shape[0])
+        dtype = _compute_dtype(routed)
+        # Products on the stored bytes read no chunks: the routed counts stay on the device.
+        on_bytes = all(self._on_bytes(name, routed.device, dtype) for name in EXPERT_WEIGHTS)
+        chunks = self._chunks(counts, offs, routed.shape[0]) if not on_bytes else {n: [] for n in EXPERT_WEIGHTS}
         gate_up = self._project("gate_up_proj", routed, offs, chunks["gate_up_proj"], expert_ids)
         out = self._project("down_proj", self._apply_gate(gate_up), offs, chunks["down_proj"], expert_ids)
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
@@ -529,13 +570,31 @@ class QuantisedExperts(nn.Module):
         host_counts = counts.tolist()
         return {name: expert_chunks(host_counts, n, offs.device) for name, n in per_expert.items()}
 
+    def _on_bytes(self, name: str, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether expert weight `name` multiplies on its stored bytes (`Fp8Experts`); else it is dequantised."""
+        return False
+
+    def _frozen_product(
+        self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk], expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x · the frozen weight `name` per expert group: on the stored bytes, or dequantised a chunk at a time."""
+        dtype = _compute_dtype(x)
+        out: torch.Tensor  # torch leaves autograd.Function.apply unannotated
+        if self._on_bytes(name, x.device, dtype):
+            with torch.autocast(x.device.type, enabled=False):
+                out = fp8_matmul.ScaledFrozenGrouped.apply(  # type: ignore[no-untyped-call]
+                    x, dtype, self.is_transposed, expert_ids, offs, *self._storage(name)
+                )
+            return out
+        out = _FrozenGroupedLinear.apply(  # type: ignore[no-untyped-call]
+            x, self._weight(name), chunks, self.is_transposed, *self._storage(name)
+        )
+        return out
+
     def _project(
         self, name: str, x: torch.Tensor, offs: torch.Tensor, chunks: list[ExpertChunk], expert_ids: torch.Tensor
     ) -> torch.Tensor:
-        # torch leaves autograd.Function.apply unannotated
-        out: torch.Tensor = _FrozenGroupedLinear.apply(  # type: ignore[no-untyped-call]
-            x, self._weight(name), chunks, self.is_transposed, *self._storage(name)
-        )
+        out = self._frozen_product(name, x, offs, chunks, expert_ids)
         bias = getattr(self, f"{name}_bias", None)
         if bias is not None:
             out = out + bias[expert_ids].to(out.dtype)
@@ -557,6 +616,7 @@ class Fp8Experts(QuantisedExperts):
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, block: int | None = None) -> None:
         self.blocks = {name: storage_block(getattr(experts, name).shape[-1], block) for name in EXPERT_WEIGHTS}
+        self.fp8_compute = False  # `model.fp8_compute`: FP8 matmuls on the stored bytes (`set_fp8_compute_`)
         super().__init__(experts, compute_dtype)
 
     def _store_(self, name: str, weight: torch.Tensor) -> None:
@@ -578,6 +638,14 @@ class Fp8Experts(QuantisedExperts):
 
     def _weight(self, name: str) -> GroupedWeight:
         return GroupedWeight(functools.partial(dequantize_rows, block=self.blocks[name]), self.shapes[name])
+
+    @property
+    def on_fp8_bytes(self) -> tuple[str, ...]:
+        """The weights multiplied in FP8 on their stored bytes where the device allows (`rayft.model.flops`)."""
+        return tuple(name for name in EXPERT_WEIGHTS if self.fp8_compute and self.blocks[name] is None)
+
+    def _on_bytes(self, name: str, device: torch.device, dtype: torch.dtype) -> bool:
+        return on_bytes(self.fp8_compute, self.blocks[name], device, self.shapes[name], dtype)
 
 
 def _rank_aligned(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -673,6 +741,16 @@ def to_fp8_(layers: list[nn.Module], compute_dtype: torch.dtype, block: int | No
                     setattr(parent, child_name, Fp8Experts(child, compute_dtype, block))
                 swapped += 1
     return swapped
+
+
+def set_fp8_compute_(model: nn.Module, on: bool) -> int:
+    """`model.fp8_compute`: every FP8 linear and expert stack of `model` multiplies on its stored bytes (`on`) or
+    dequantises first; returns how many were set. Either way the storage is the same, so the setting can change
+    between steps."""
+    layers = [cast(Fp8Linear | Fp8Experts, module) for _, module in fp8_layers(model)]
+    for module in layers:
+        module.fp8_compute = on
+    return len(layers)
 
 
 def adopt_lora_(model: nn.Module) -> None:

@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from rayft.config import Config, FsdpConfig
 from rayft.model.build import check_quantised_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
-from rayft.model.fp8 import adopt_lora_, to_fp8_
+from rayft.model.fp8 import adopt_lora_, set_fp8_compute_, to_fp8_
 from rayft.model.fp8_format import weight_block
+from rayft.model.fp8_matmul import fp8_compute_on
 from rayft.model.lora import apply_lora
 from rayft.model.nf4 import to_nf4_
 from rayft.model.weights import buffers_kept, load_sharded_
@@ -61,7 +62,8 @@ def build_model(
     ep = expert_parallel(dims, model.config) if dims.experts > 1 else None
     fp8 = frozen_fp8(cfg.model)
     check_quantised_storage(cfg, model, fp8)
-    quantize_frozen_base_(cfg, model, fp8)  # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
+    # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
+    quantize_frozen_base_(cfg, model, fp8, device or torch.device("cuda" if on_gpu else "cpu"))
     if cfg.recomputes_activations:
         # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
         # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
@@ -93,16 +95,22 @@ def build_model(
     return model
 
 
-def quantize_frozen_base_(cfg: Config, model: PreTrainedModel, fp8: bool) -> None:
+def quantize_frozen_base_(cfg: Config, model: PreTrainedModel, fp8: bool, device: torch.device) -> None:
     """The decoder's frozen matrices in the storage `model.frozen_dtype` asks for: FP8 (a block-wise checkpoint's
-    scales kept as they are) or NF4; otherwise left as loaded."""
+    scales kept as they are; multiplied on their bytes on `device` as `model.fp8_compute` says) or NF4; otherwise
+    left as loaded."""
     if fp8:
         block = weight_block(Path(cfg.model.model_name_or_path))  # block-wise scales are kept as they are
         swapped = to_fp8_(decoder_layers(model), model.dtype, block[1] if block else None)
+        compute = fp8_compute_on(cfg.model.fp8_compute, device)
+        set_fp8_compute_(model, compute)
         log.info(
-            "frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s)",
+            "frozen base: %d decoder matrices stored as FP8 E4M3 + fp32 row scales (model.frozen_dtype %s), "
+            "multiplied %s (model.fp8_compute %s)",
             swapped,
             cfg.model.frozen_dtype,
+            "as FP8 on their bytes" if compute else "dequantised",
+            cfg.model.fp8_compute,
         )
     elif cfg.model.frozen_dtype == "nf4":
         swapped, kept = to_nf4_(decoder_layers(model), model.dtype)

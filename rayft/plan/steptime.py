@@ -6,14 +6,20 @@ experts counting top_k / E of theirs), backward only the input gradient, 2·N (n
 weights), so 4·N_active — not the 6·N of full training. The LoRA matrices get their weight gradients too: 6·N_lora
 (expert LoRA counted top_k / E). Attention scores and values add 3·A(s) (A = forward FLOPs at context s).
 Activation checkpointing recomputes the forward: + 2·N_active + 2·N_lora + A. Compute time = tokens · FLOPs per
-token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU.
+token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU; where an FP8 base's frozen
+matmuls run in FP8 on their stored bytes (`model.fp8_compute`: `auto` on a GPU with an FP8 peak), their
+(4 + 2·ac)·N_fp8 FLOPs (N_fp8: the FP8 weights a token meets) take the GPU's dense FP8 peak instead.
 
 An FP8 or NF4 base is dequantised before each matmul that uses it, once per pass (forward, input gradient,
 recompute): every quantised linear whole, and the routed experts a GPU holds that got tokens (uniform routing: each
 of the E/k local experts is hit by one of the s · top_k · k token slots its expert-parallel group routes with
 probability 1 − (1 − 1/E)^(s·top_k·k)). FP8's compiled kernel reads each E4M3 byte and writes c bytes; NF4's reads
 half a byte and a scale per 64 weights (`rayft.model.nf4_format.dequant_bytes_per_weight`). Either runs at the
-GPU's memory bandwidth, on the compute stream: dequantisation time adds to compute. The first layer's projections
+GPU's memory bandwidth, on the compute stream: dequantisation time adds to compute. The matmul then reads the c
+bytes again: a pass moves 1 + 2c bytes per FP8 weight (`pass_bytes_per_weight`). With FP8 matmuls nothing is
+dequantised: the forward (and its recompute) reads each byte once, and the input gradient, whose weight CUDA's
+kernel wants transposed, copies the bytes first (2 bytes moved) and reads the copy: 3 bytes in that pass, of
+which the copy's 2 are the planner's added time. The first layer's projections
 of the embeddings need no input gradient, which the count ignores (an upper bound by one of them per pass).
 
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
@@ -34,7 +40,7 @@ from typing import cast
 
 from rayft.config import Config, ConfigError
 from rayft.gpus import GPUS
-from rayft.model.flops import HBM_BYTES_PER_S, PEAK_BF16_FLOPS
+from rayft.model.flops import HBM_BYTES_PER_S, PEAK_BF16_FLOPS, PEAK_FP8_FLOPS
 from rayft.model.frozen import Held, Storage
 from rayft.model.nf4_format import dequant_bytes_per_weight as nf4_dequant_bytes
 from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
@@ -139,19 +145,49 @@ def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int 
     return passes * (linears + experts / expert_parallel * hit)
 
 
-def dequant_bytes(cfg: Config, held: Storage) -> float:
-    """Bytes of memory traffic per quantised weight dequantised on a GPU (module docstring)."""
+def fp8_compute(cfg: Config, held: Held, gpu: str) -> bool:
+    """Whether an FP8 base's frozen matmuls run in FP8 on `gpu` (`model.fp8_compute`; `auto`: where it has an FP8
+    peak; a GPU without FP8 matmuls dequantises whatever the setting)."""
+    return held == "fp8" and cfg.model.fp8_compute is not False and gpu.upper() in PEAK_FP8_FLOPS
+
+
+def dequant_bytes(cfg: Config, held: Storage, on_bytes: bool = False) -> float:
+    """Bytes of memory traffic per quantised weight and pass on a GPU before its matmul (module docstring): the
+    dequantisation kernel's, or with FP8 matmuls the input gradient's transposed copy, averaged over the passes."""
     c = compute_bytes(cfg, True)
+    if on_bytes:
+        return 2 / (2 + cfg.recomputes_activations)
     return 1 + c if held == "fp8" else nf4_dequant_bytes(stored_bytes(cfg), c)  # FP8: the compiled kernel
+
+
+def pass_bytes_per_weight(cfg: Config, on_bytes: bool) -> float:
+    """The most bytes a pass over an FP8 weight moves (module docstring): dequantised, 1 + 2c (the kernel's 1 + c,
+    then the matmul reads c); in FP8, 3 (the input gradient's transposed copy, then the matmul's read)."""
+    return 3.0 if on_bytes else 1 + 2 * compute_bytes(cfg, True)
+
+
+def fp8_active(s: Structure) -> float:
+    """FP8 weights a token is multiplied by: every FP8 linear, and top_k / E of the routed experts' stacks."""
+    return s.fp8 - s.experts + (s.experts * s.top_k / s.num_experts if s.num_experts else 0)
+
+
+def compute_seconds(cfg: Config, s: Structure, hw: Hardware, on_bytes: bool) -> float:
+    """A step's matmuls and attention at the assumed MFU: the FP8 matmuls (`on_bytes`) at the FP8 peak."""
+    tokens = cfg.train.gradient_accumulation_steps * tokens_per_micro_batch(cfg)
+    flops = flops_per_token(cfg, s)
+    fp8 = (4 + 2 * cfg.recomputes_activations) * fp8_active(s) if on_bytes else 0.0
+    fp8_time = fp8 / PEAK_FP8_FLOPS[hw.gpu.upper()] if on_bytes else 0.0
+    return tokens * ((flops - fp8) / hw.peak + fp8_time) / hw.mfu
 
 
 def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, held: Held = "dtype") -> StepTime:
     m = cfg.train.gradient_accumulation_steps
-    compute = m * tokens_per_micro_batch(cfg) * flops_per_token(cfg, s) / (hw.peak * hw.mfu)
+    on_bytes = fp8_compute(cfg, held, hw.gpu)
+    compute = compute_seconds(cfg, s, hw, on_bytes)
     dequant = 0.0
     if held != "dtype":
         dequantised = dequantised_per_micro_batch(cfg, s, comm.layout.expert_parallel, held)
-        dequant = m * dequantised * dequant_bytes(cfg, held) / hw.hbm_bytes_per_s
+        dequant = m * dequantised * dequant_bytes(cfg, held, on_bytes) / hw.hbm_bytes_per_s
     overlapped = all_to_all = 0.0
     for t in comm.transfers:
         seconds = t.inter_node / hw.inter_bytes_per_s + (t.received - t.inter_node) / hw.intra_bytes_per_s

@@ -90,6 +90,7 @@ def test_round_trips_through_a_plain_dict():
             ["lora.use_dora: true", "not model.frozen_dtype nf4"],
         ),
         ({"model": {"frozen_dtype": "nf5"}}, ["did you mean 'nf4'"]),
+        ({"model": {"fp8_compute": "fp8"}}, ["model.fp8_compute: unknown value 'fp8'", "auto, true, false"]),
         (
             {"model": {"frozen_dtype": "nf4"}, "parallel": {"expert_parallel": 2}, "ray": {"num_workers": 2}},
             ["model.frozen_dtype nf4 cannot be combined with parallel.expert_parallel 2"],
