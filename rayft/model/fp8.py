@@ -17,7 +17,9 @@ subclasses into plain parameters (the quantisation silently disappears). So the 
   The hub's static per-tensor / per-expert scales expand to rows losslessly; a bf16/fp32 weight is quantised per
   row (amax / 448).
 - The matmul is an autograd Function: forward dequantises into the compute dtype, backward dequantises again for
-  the input gradient; no weight gradient, and only the 1-byte weight and its scales are saved for backward.
+  the input gradient; no weight gradient, and only the 1-byte weight and its scales are saved for backward. With
+  `model.fp8_compute` (`fp8_compute` on each layer, `set_fp8_compute_`) a row-scaled weight is not dequantised at
+  all: `rayft.model.fp8_matmul` multiplies its stored bytes in FP8.
 - On CUDA the dequantisation is one compiled kernel (`torch.compile` of `_dequantize`): it reads each byte and row
   scale once and writes the compute dtype, where the eager ops write and read fp32 temporaries between them (about
   six times the memory traffic). The values are the same: both multiply in fp32 and round once. Elsewhere, or with

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from rayft.config import Config
+from rayft.model.flops import PEAK_FP8_FLOPS
 from rayft.plan.comm import Cluster
 from rayft.plan.memory import tokens_per_micro_batch
-from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, flops_per_token
+from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, flops_per_token, fp8_compute
 from rayft.plan.structure import Structure
 
 GB = 1e9
@@ -24,12 +25,9 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
         f"{tokens} tokens/GPU per micro-batch, {m} per step, {flops_per_token(cfg, s) / 1e9:.1f} GFLOP/token; "
         "GB received per GPU per step (network: the part over the inter-node links); seconds per step",
     ]
-    quantised = sorted({plan.held.upper() for plan in plans} - {"DTYPE"})
-    if quantised:
-        head.append(
-            f"compute of an {' or '.join(quantised)} base includes its dequantisation at "
-            f"{hw.hbm_bytes_per_s / 1e12:g} TB/s HBM"
-        )
+    line = _quantised_line(cfg, hw, plans)
+    if line:
+        head.append(line)
     columns = [
         "layout",
         "base",
@@ -74,3 +72,20 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
 def _row(cells: list[str], widths: list[int]) -> str:
     """Layout and storage left-aligned, numbers right-aligned."""
     return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+
+def _quantised_line(cfg: Config, hw: Hardware, plans: list[LayoutPlan]) -> str | None:
+    """What the compute column adds for a quantised base: its dequantisation, or for FP8 matmuls (`model.fp8_compute`
+    on a GPU with an FP8 peak) their peak and the input gradient's transposed copy of the bytes."""
+    quantised = sorted({plan.held.upper() for plan in plans} - {"DTYPE"})
+    hbm = f"{hw.hbm_bytes_per_s / 1e12:g} TB/s HBM"
+    if not any(fp8_compute(cfg, plan.held, hw.gpu) for plan in plans):
+        return (
+            f"compute of an {' or '.join(quantised)} base includes its dequantisation at {hbm}" if quantised else None
+        )
+    nf4 = ", and an NF4 base's dequantisation" if "NF4" in quantised else ""
+    return (
+        f"an FP8 base's frozen matmuls run in FP8 at {PEAK_FP8_FLOPS[hw.gpu.upper()] / 1e12:.0f} TFLOP/s "
+        f"(model.fp8_compute), nothing dequantised: its compute includes the input gradient's transposed copy of "
+        f"the bytes at {hbm}{nf4}"
+    )

@@ -155,7 +155,7 @@ def test_lora_on_fp8_matmuls_trains_within_the_stated_tolerance_of_the_dequantis
     """fp32 LoRA on a tiny FP8 model, `STEPS` AdamW steps with the frozen matmuls on their bytes against the same
     model dequantised (the setting off): every loss within `LOSS_TOLERANCE` of the dequantised one, relative; the
     first gradient and the adapter's change over the steps within `GRAD_TOLERANCE` and `ADAPTER_TOLERANCE` of
-    theirs (relative L2). docs/fp8.md states the measured figures these bound with a margin."""
+    theirs (relative L2). docs/configuration.md states the measured figures these bound with a margin."""
     fp8, _ = _fp8_and_reference(arch)
     fp8 = _lora(fp8, arch)
     adopt_lora_(fp8)

@@ -16,7 +16,7 @@ from rayft.model.frozen import Held
 from rayft.plan import Structure, meta_structure, plan_memory
 from rayft.plan.comm import Cluster, Layout, plan_comm
 from rayft.plan.preemption import preemption_cost
-from rayft.plan.steptime import Hardware, choose_expert_parallel, step_time
+from rayft.plan.steptime import Hardware, choose_expert_parallel, pass_bytes_per_weight, step_time
 
 # Mistral-Small-4, bf16, full shard, AC on, r=16, attention + shared-expert LoRA, 1 x 4096 tokens per GPU.
 REFERENCE_GIB = {3: 97, 4: 79, 8: 51}
@@ -70,7 +70,9 @@ def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
     replicated = rows[("replicated", "fp8")]
     assert replicated[1] == "yes" and rows[("replicated", "bf16")][1] == "OOM", replicated
     assert abs(float(replicated[0]) - float(fsdp[0]) - 118.97e9 / 2 / 2**30) < 1.5, (replicated, fsdp)
-    assert "* fastest that fits: EP 2" in two
+    # FP8 matmuls (model.fp8_compute auto on an H200) make the replicated FP8 base's compute (0.36 s) shorter than
+    # EP 2's 0.33 s compute + 0.20 s of all-to-all, which nothing overlaps
+    assert "* fastest that fits: replicated, fp8 base" in two
     # 3 nodes: no k > 1 divides both 3 workers and 128 experts, so no EP; FSDP is communication-bound, and the FP8
     # base whole on each GPU (fitting as on 2 nodes) only all-reduces the LoRA gradients
     assert "EP " not in three.split("* fastest")[0]
@@ -88,7 +90,8 @@ def test_plan_layouts_of_an_nf4_base_beside_fp8():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     table = result.stdout.split("layouts on ")[1]
-    assert "compute of an FP8 or NF4 base includes its dequantisation" in table
+    assert "frozen matmuls run in FP8 at 1979 TFLOP/s (model.fp8_compute)" in table
+    assert "transposed copy of the bytes at 4.8 TB/s HBM, and an NF4 base's dequantisation" in table
     rows = {
         (m[1].strip(" *"), m[2]): m[3].split() for m in re.finditer(r"^([ *][\w +]+?)\s+(fp8|nf4)\s+(.+)$", table, re.M)
     }
@@ -100,8 +103,9 @@ def test_plan_layouts_of_an_nf4_base_beside_fp8():
     # 3 x 4096 x 2048 weights at half a byte, an int8 scaler per 64 weights and an fp32 factor per 16,384
     experts = 36 * 128 * 3 * 4096 * 2048 * (0.5 + 1 / 64 + 4 / 16_384) / 1e9 * (2 - 1 / 36) / 2
     assert experts < float(nf4[2]) < 1.05 * experts, nf4
-    # less memory, and no more compute-stream time: NF4's kernel moves 2.53 bytes a weight, FP8's 3
-    assert float(nf4[0]) < float(fp8[0]) and float(nf4[7]) <= float(fp8[7]), (nf4, fp8)
+    # less memory; but NF4 is dequantised for bf16 matmuls, where FP8's frozen matmuls run in FP8 (model.fp8_compute
+    # auto on an H200) at twice bf16's peak, with no dequantisation
+    assert float(nf4[0]) < float(fp8[0]) and float(fp8[7]) < float(nf4[7]), (nf4, fp8)
 
 
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
@@ -209,6 +213,7 @@ def test_step_time_and_the_layout_auto_picks():
 
 def test_an_fp8_base_adds_its_dequantisation_at_memory_bandwidth_to_compute():
     cfg, cluster, hw = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2), Hardware("h200")
+    cfg.model.fp8_compute = False  # dequantised before every matmul
     per_weight = (1 + 2) / 4.8e12  # the compiled kernel reads the E4M3 byte and writes bf16, at the H200's 4.8 TB/s
 
     def timed(layout: Layout, held: Held, config: Config = cfg):
@@ -225,9 +230,29 @@ def test_an_fp8_base_adds_its_dequantisation_at_memory_bandwidth_to_compute():
     assert math.isclose(timed(Layout(2, 2), "fp8").dequant_s, 2 * 2 * (1_000 + 3_000 * (1 - 0.75**128)) * per_weight)
     # 2 tokens a micro-batch: 4 slots leave an expert idle with probability (3/4)^4; the recompute is a third pass
     short = Config.from_dict({"data": {"max_length": 2}, "train": {"gradient_accumulation_steps": 2},
-                              "fsdp": {"activation_checkpointing": True}})  # fmt: skip
+                              "fsdp": {"activation_checkpointing": True}, "model": {"fp8_compute": False}})  # fmt: skip
     assert math.isclose(timed(Layout(shard=4), "fp8", short).dequant_s,
                         2 * 3 * (1_000 + 6_000 * (1 - 0.75**4)) * per_weight)  # fmt: skip
+    assert pass_bytes_per_weight(cfg, on_bytes=False) == 1 + 2 + 2  # the kernel's 1 + c, the matmul's c
+
+
+def test_fp8_matmuls_count_at_the_fp8_peak_and_move_at_most_3_bytes_a_weight_a_pass():
+    """`model.fp8_compute` (auto on an H200): the frozen FP8 matmuls' FLOPs at 1,979 TFLOP/s, the rest at 989;
+    nothing dequantised, only the input gradient's transposed copy of the bytes (2 bytes a weight, one pass of
+    two) at memory bandwidth; an A100, without FP8 matmuls, stays dequantised."""
+    cfg, cluster, hw = _toy_cfg(), Cluster(nodes=2, gpus_per_node=2), Hardware("h200", mfu=0.5)
+    comm = plan_comm(cfg, TOY, Layout(shard=4), cluster, True, "fp8")
+    fp8, bf16 = step_time(cfg, TOY, comm, hw, "fp8"), step_time(cfg, TOY, comm, hw, "dtype")
+    # FP8 weights a token meets: 1,000 linear + 6,000 expert x 2/4 = 4,000, forward + input gradient: 4 x 4,000
+    # FLOPs of the 10,460 a token costs (test_step_time_and_the_layout_auto_picks)
+    assert math.isclose(fp8.compute_s, 2 * 32 * ((10_460 - 16_000 / 4 * 4) / 989e12 + 16_000 / 1979e12) / 0.5)
+    assert fp8.compute_s < bf16.compute_s
+    assert math.isclose(fp8.dequant_s, 2 * 2 * (1_000 + 6_000 * (1 - 0.75**64)) * (2 / 2) / 4.8e12)
+    assert pass_bytes_per_weight(cfg, on_bytes=True) == 3 <= pass_bytes_per_weight(cfg, on_bytes=False)
+    off = step_time(cfg, TOY, comm, Hardware("a100", mfu=0.5), "fp8")
+    assert math.isclose(off.compute_s, 2 * 32 * 10_460 / (312e12 * 0.5))
+    cfg.model.fp8_compute = False
+    assert math.isclose(step_time(cfg, TOY, comm, hw, "fp8").compute_s, bf16.compute_s)
 
 
 def test_an_nf4_base_gathers_its_codes_and_pays_its_eager_dequantisation():
