@@ -73,7 +73,7 @@ def build_model(
     if fp8 or cfg.model.frozen_dtype == "nf4":
         adopt_lora_(model)
     if ep is None:
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims)
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims, unsharded_storage(model, cfg.fsdp, dims))
     else:
         blocks = split_experts_(model, ep)
         log.info(
@@ -157,8 +157,8 @@ def apply_fsdp(
     ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head), over the
-    layout's shard groups (`ParallelDims.fsdp_mesh`). `ignored`: under expert parallelism, the experts, which FSDP
-    leaves alone."""
+    layout's shard groups (`ParallelDims.fsdp_mesh`). `ignored`: what FSDP leaves alone: under expert parallelism,
+    the experts; on a one-rank shard group, the quantised base's storage (`unsharded_storage`)."""
     # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
     offload = CPUOffloadPolicy(pin_memory=dims.device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
     allow_integer_parameters()  # the FP8 base's bytes, on a torch whose FSDP2 cannot hold them yet
@@ -198,6 +198,19 @@ def apply_fsdp(
             behind = units[max(0, i - fsdp.backward_prefetch) : i][::-1]
             if behind:
                 unit.set_modules_to_backward_prefetch(behind)
+
+
+def unsharded_storage(model: nn.Module, fsdp: FsdpConfig, dims: ParallelDims) -> set[nn.Parameter]:
+    """On a one-rank shard group (`fsdp.shard_size: 1`, or a single worker): the quantised base's storage (frozen,
+    non-floating parameters: FP8 or NF4 bytes and their integer-held scales), which FSDP is to leave alone. FSDP2
+    "gathers" a unit over one rank by copying every parameter into its unsharded storage, at every forward and
+    backward: for the storage, a copy of each layer's quantised weights per pass that buys nothing (mixed precision
+    never casts it, and it has no gradient). Left alone it stays where it was loaded, whole on every rank, as FSDP
+    would hold it. With `fsdp.cpu_offload` FSDP keeps it in host memory and copies it to the GPU per unit, which is
+    the point there: it stays FSDP's."""
+    if dims.shard != 1 or fsdp.cpu_offload:
+        return set()
+    return {p for p in model.parameters() if not p.requires_grad and not p.is_floating_point()}
 
 
 def reshard_all(model: nn.Module) -> None:

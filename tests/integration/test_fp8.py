@@ -686,3 +686,68 @@ def test_only_cuda_compiles_the_dequantisation_and_the_environment_can_say_no(mo
     monkeypatch.setattr(fp8_module, "_fusing", {})
     monkeypatch.setenv("RAYFT_FP8_FUSED", "0")
     assert not fp8_module.fuses(torch.device("cuda"))
+
+
+class _StorageCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every copy made of an integer tensor (the FP8 bytes and their int32-held scales) by the ops run."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        source = args[1] if func is torch.ops.aten.copy_.default else args[0] if args else None
+        copies = (torch.ops.aten.copy_.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
+        if func in copies and isinstance(source, torch.Tensor) and source.dtype in (torch.uint8, torch.int32):
+            self.bytes += source.numel() * source.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _replicated_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
+    from rayft.parallel.parallelize import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for label, raw in runs.items():
+            torch.manual_seed(0)
+            model = build_model(Config.from_dict(raw), on_gpu=False)
+            ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(rank))
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            losses, copied = [], []
+            for _ in range(2):
+                with _StorageCopies() as copies:
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                copied.append(copies.bytes)
+            results[label] = {"losses": losses, "storage_copied": copied}
+            del model, optimizer
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_one_rank_shard_group_copies_no_fp8_storage(fixtures: Fixtures, mistral4_hub, tmp_path):
+    """One worker (FSDP over a one-rank group): FSDP2 would "gather" each layer by copying every parameter, the FP8
+    bytes and int32-held scales included, at every forward and backward (the recompute's too); the storage is left
+    to the layers instead, so a step copies none of it, and training is the fp32 dequantised model's, as over FSDP."""
+    runs = {}
+    for label, frozen in (("fp8", "auto"), ("fp32", "float32")):
+        raw = tiny_config(fixtures, tmp_path)
+        raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="float32", frozen_dtype=frozen)
+        raw["lora"].update(lora_dropout=0.0, target_modules=["auto"], target_experts=True)
+        raw["fsdp"] = {"activation_checkpointing": True}
+        raw["ray"] = {"num_workers": 1}
+        runs[label] = raw
+    out = tmp_path / "results.json"
+    spawn_ranks(_replicated_rank, args=(1, free_port(), runs, str(out)), nprocs=1)
+    results = json.loads(out.read_text())
+    print(json.dumps(results, indent=1))
+    assert results["fp8"]["storage_copied"] == [0, 0], results
+    for got, want in zip(results["fp8"]["losses"], results["fp32"]["losses"], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), results
