@@ -19,13 +19,20 @@ from fixtures.work import WorkCounter
 from test_fp8 import _fp8_and_reference, _lora, _tiny
 from torch import nn
 
+from rayft.config import Config
 from rayft.model import fp8 as fp8_module
 from rayft.model import fp8_matmul
 from rayft.model.fp8 import Fp8Experts, Fp8Linear, adopt_lora_, set_fp8_compute_
+from rayft.plan.steptime import pass_bytes_per_weight
 
 E4M3 = torch.float8_e4m3fn
 REL, SUB = 2.0**-4, 2.0**-10  # E4M3's largest relative rounding error; half its subnormal step (× the scale)
 STEPS = 4
+# E4M3 rounds an element by at most 2⁻⁴ of itself, about 2.7 % r.m.s.: each FP8 matmul's product is off by about
+# that much (relative L2), and a loss averages over every token, so it moves far less.
+LOSS_TOLERANCE = 2.0**-6
+GRAD_TOLERANCE = 2.0**-3  # forward and backward roundings of every layer compound into the gradient
+ADAPTER_TOLERANCE = 2.0**-1  # AdamW turns small gradients' rounding noise into full-size steps
 
 
 def _hand_quantised(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +118,8 @@ def test_the_expert_path_on_its_bytes_never_syncs_and_reads_each_weight_once_a_p
     """A layer larger than one dequantisation chunk (budget: 2 of its 8 experts), which the dequantised path serves
     with one host sync (the routed counts, to chunk the experts with rows): on its bytes, no host sync and no
     host-to-device copy, nothing dequantised, and forward and input gradient each read every expert weight's
-    bytes once (1 byte per weight per pass, where the dequantised path moves 1 + 2c)."""
+    bytes once: 1 byte per weight per pass, within the plan's 3 (CUDA adds the input gradient's transposed copy,
+    which the CPU reference does not make), where the plan's dequantised path moves 1 + 2c."""
     experts = _tiny("mistral4").model.layers[0].mlp.experts
     fp8 = Fp8Experts(experts, torch.float32)
     monkeypatch.setattr(fp8_module, "EXPERT_DEQUANT_BUDGET", 2 * fp8.gate_up_proj[0].numel())
@@ -124,8 +132,10 @@ def test_the_expert_path_on_its_bytes_never_syncs_and_reads_each_weight_once_a_p
     assert work.total_syncs() == work.total_host_copies() == 0, (work.syncs, work.host_copies)
     assert not work.dequantised and not work.fp8_copied
     stacks = fp8.gate_up_proj.numel() + fp8.down_proj.numel()
-    per_weight_per_pass = sum(work.fp8_matmul_weights) / (2 * stacks)
+    per_weight_per_pass = (sum(work.fp8_matmul_weights) + 2 * sum(work.fp8_copied)) / (2 * stacks)
     assert per_weight_per_pass == 1.0, work.fp8_matmul_weights
+    cfg = Config.from_dict({})
+    assert per_weight_per_pass <= pass_bytes_per_weight(cfg, on_bytes=True) < pass_bytes_per_weight(cfg, False)
 
 
 def _trained(model: nn.Module, ids: torch.Tensor) -> tuple[list[float], torch.Tensor, torch.Tensor]:
@@ -177,8 +187,32 @@ def test_lora_on_fp8_matmuls_trains_within_the_stated_tolerance_of_the_dequantis
     assert all(e <= t for e, t in zip(errors, (LOSS_TOLERANCE, GRAD_TOLERANCE, ADAPTER_TOLERANCE), strict=True)), errors
 
 
-# E4M3 rounds an element by at most 2⁻⁴ of itself, about 2.7 % r.m.s.: each FP8 matmul's product is off by about
-# that much (relative L2), and a loss averages over every token, so it moves far less.
-LOSS_TOLERANCE = 2.0**-6
-GRAD_TOLERANCE = 2.0**-3  # forward and backward roundings of every layer compound into the gradient
-ADAPTER_TOLERANCE = 2.0**-1  # AdamW turns small gradients' rounding noise into full-size steps
+def test_the_setting_reaches_every_fp8_layer_and_auto_keeps_cpu_workers_dequantised():
+    """`model.fp8_compute` as the model is built: `auto` on a CPU worker leaves every FP8 layer dequantising (CPU
+    losses stay what they were), `true` turns each of them to FP8 matmuls."""
+    from rayft.parallel.parallelize import quantize_frozen_base_
+
+    for setting, want in (("auto", False), (True, True), (False, False)):
+        model = _tiny("mistral4")
+        cfg = Config.from_dict({"model": {"frozen_dtype": "float8_e4m3fn", "fp8_compute": setting}})
+        quantize_frozen_base_(cfg, model, True, torch.device("cpu"))
+        layers = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+        assert layers and all(m.fp8_compute is want for m in layers), setting
+
+
+def test_mfu_counts_the_fp8_matmuls_at_the_fp8_peak():
+    """The FLOP model counts the frozen weights multiplied on their bytes (a linear's whole, the routed experts'
+    top_k / E), and the peak of a mix is the rate that does it in the time the two peaks take."""
+    from rayft.model.flops import flop_model, mixed_peak
+
+    fp8, _ = _fp8_and_reference("dense")
+    model = _lora(fp8, "dense")
+    adopt_lora_(model)
+    assert flop_model(model, model.config, 16).fp8_params == 0
+    set_fp8_compute_(model, True)
+    flops = flop_model(model, model.config, 16)
+    linears = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Fp8Linear))
+    assert flops.fp8_params == linears > 0
+    assert flops.fp8_share == 4 * linears / flops.per_token_lora
+    assert mixed_peak("h200", 0.5) == 1 / (0.5 / 989e12 + 0.5 / 1979e12)
+    assert mixed_peak("h200", 0.0) == 989e12 and mixed_peak("a100", 0.5) == 312e12  # no FP8 matmuls on an A100
