@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,7 @@ STORAGE = torch.uint8  # E4M3 bit patterns; see the module docstring for why not
 SCALE_STORAGE = torch.int32  # fp32 bit patterns of the row scales, never cast by FSDP's mixed precision
 FROZEN_DTYPES = ("auto", "float8_e4m3fn", "bfloat16", "float32")
 GROUPED_MM_ALIGNMENT = 16  # bytes: grouped_mm needs every operand's strides a multiple of this
+T = TypeVar("T")  # what a compiled core returns
 
 
 def quantize_rows(weight: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,10 +119,10 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, blo
 
 
 @functools.cache
-def compiled(core: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """An elementwise dequantisation `core` compiled into one kernel; dynamic shapes, so every linear and expert
+def compiled(core: Callable[..., T]) -> Callable[..., T]:
+    """An elementwise (de)quantisation `core` compiled into one kernel; dynamic shapes, so every linear and expert
     stack shares it."""
-    return torch.compile(core, dynamic=True, fullgraph=True)
+    return cast("Callable[..., T]", torch.compile(core, dynamic=True, fullgraph=True))
 
 
 _fusing: dict[str, bool] = {}  # device type → whether the compiled kernel is used there (a failed compile: never again)
@@ -166,16 +167,16 @@ def dequantize_rows(
 
 
 def _dequantize_block(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int | None) -> torch.Tensor:
-    return fused_or_eager("FP8", _dequantize, (data, scale), dtype, block)
+    return fused_or_eager("FP8 dequantisation", _dequantize, (data, scale), dtype, block)
 
 
 def fused_or_eager(
     kind: str,
-    core: Callable[..., torch.Tensor],
+    core: Callable[..., T],
     tensors: tuple[torch.Tensor, ...],
     *args: object,
-    eager: Callable[..., torch.Tensor] | None = None,
-) -> torch.Tensor:
+    eager: Callable[..., T] | None = None,
+) -> T:
     """`core(*tensors, *args)`: the compiled kernel where it is used (`fuses`), else the eager ops (`eager`, the
     same values by other ops, where given). Under a torch dispatch mode (selective activation checkpointing runs
     each layer's forward and recompute in one) dynamo compiles nothing: the eager ops run there, and the kernel
@@ -184,9 +185,10 @@ def fused_or_eager(
     if fuses(device) and _get_current_dispatch_mode() is None:
         try:
             # Detached: dynamo keeps a parameter's shape static, one compile per weight shape (its limit is 8).
-            return compiled(core)(*(t.detach() for t in tensors), *args)
+            kernel: Callable[..., T] = compiled(core)  # functools.cache keeps no type parameter
+            return kernel(*(t.detach() for t in tensors), *args)
         except Exception as error:  # no compiler for this device (e.g. no Triton): the eager ops, from now on
-            logging.getLogger(__name__).warning("%s dequantisation stays eager: compiling it failed (%s)", kind, error)
+            logging.getLogger(__name__).warning("%s stays eager: compiling it failed (%s)", kind, error)
             _fusing[device.type] = False
     return (eager or core)(*tensors, *args)
 

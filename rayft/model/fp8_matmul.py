@@ -73,9 +73,23 @@ def warn_dequantised(reason: str) -> None:
 
 def quantize_activation(a: torch.Tensor, row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`a` `[M, K]` (times `row_scale`, `[K]` or `[M, K]`, folded in fp32 first) in E4M3 per row: (the E4M3
-    tensor, its fp32 scales `[M, 1]`)."""
+    tensor, its fp32 scales `[M, 1]`). Where the dequantisation is compiled (`rayft.model.fp8.fuses`: CUDA) this is
+    one kernel too, reading the activations once and writing their bytes; elsewhere the storage's own quantisation,
+    a bounded block of rows at a time. Both divide in fp32 by the same scale: the same bytes."""
     if row_scale is not None:
         a = a.to(torch.float32) * row_scale
+    return storage.fused_or_eager("FP8 activation quantisation", rowwise_e4m3, (a,), eager=_rowwise_e4m3_blocks)
+
+
+def rowwise_e4m3(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise core: each row of `a` divided in fp32 by its amax / 448 (at least fp32's smallest normal),
+    clamped to ±448 and rounded to E4M3, as `quantize_rows` does."""
+    rows = a.to(torch.float32)
+    scale = (rows.abs().amax(dim=-1, keepdim=True) / storage.E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (rows / scale).clamp(-storage.E4M3_MAX, storage.E4M3_MAX).to(E4M3), scale
+
+
+def _rowwise_e4m3_blocks(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     data, scale = storage.quantize_rows(a)
     return data.view(E4M3), scale.unsqueeze(-1)
 

@@ -117,7 +117,8 @@ def dequantize(parts: Nf4Parts, quant_dtype: torch.dtype, dtype: torch.dtype) ->
     # Into a wider dtype only after the kernel: compiled, a quant_dtype product on its way to a wider output would
     # not be rounded to quant_dtype first (torch 2.11), where the eager ops round it.
     into = dtype if dtype.itemsize <= quant_dtype.itemsize else quant_dtype
-    weight = fused_or_eager("NF4", _scaled_levels, (flat, scales, table), into, eager=_scaled_levels_in_blocks)
+    kind, tensors = "NF4 dequantisation", (flat, scales, table)
+    weight = fused_or_eager(kind, _scaled_levels, tensors, into, eager=_scaled_levels_in_blocks)
     return weight.to(dtype).view(*codes.shape[:-1], columns)
 
 

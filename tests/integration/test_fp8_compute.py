@@ -216,3 +216,19 @@ def test_mfu_counts_the_fp8_matmuls_at_the_fp8_peak():
     assert flops.fp8_share == 4 * linears / flops.per_token_lora
     assert mixed_peak("h200", 0.5) == 1 / (0.5 / 989e12 + 0.5 / 1979e12)
     assert mixed_peak("h200", 0.0) == 989e12 and mixed_peak("a100", 0.5) == 312e12  # no FP8 matmuls on an A100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_activation_quantisation_gives_the_eager_bytes(dtype, caplog):
+    """Where the dequantisation is compiled (CUDA; here forced on the CPU), rounding activations to E4M3 is one
+    compiled kernel: the same bytes and scales as the storage's blockwise quantisation, a zero row included."""
+    from rayft.model.fp8 import fused_dequantization
+
+    a = (torch.randn(37, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 96)).to(dtype)
+    a[3] = 0
+    eager_bytes, eager_scale = fp8_matmul.quantize_activation(a)
+    with fused_dequantization("cpu", True):
+        fused_bytes, fused_scale = fp8_matmul.quantize_activation(a)
+    assert "stays eager" not in caplog.text, caplog.text
+    assert torch.equal(fused_bytes.view(torch.uint8), eager_bytes.view(torch.uint8))
+    assert torch.equal(fused_scale, eager_scale) and fused_scale.shape == (37, 1)
