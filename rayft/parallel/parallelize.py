@@ -86,7 +86,8 @@ def build_model(
             ep.k,
         )
         # The rest: HSDP within each node (`rayft.parallel.expert` says why), whatever k is.
-        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims, set(expert_params(model)))
+        ignored = set(expert_params(model)) | unsharded_storage(model, cfg.fsdp, dims)
+        apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims, ignored)
     log.info("layout: %s", layout_line(model, ep))
     if sharded:
         with buffers_kept(model):

@@ -16,6 +16,9 @@ With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (line
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
 for its matmul: + D · c + its fp32 block (≤ 256 MiB) + D bytes (experts gathered when not one range), D =
 the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `dequantised_at_once`).
+With FP8 matmuls (`model.fp8_compute`, `fp8_compute`) nothing is dequantised: + the input gradient's transposed copy
+of the largest FP8 tensor instead (a linear, or a layer's whole local expert stack, 1 byte a weight). On a one-rank
+shard group FSDP leaves the quantised storage (FP8 or NF4) to the layers: a gathered layer is only the rest of it.
 With the frozen base in NF4, the N matrices NF4 can block (M of them, an expert counting as one) count 0.5 + 1/64 +
 4/16384 bytes a weight + 4 a matrix, sharded and gathered alike, and the largest of them is dequantised for its
 matmul: + D · c + a block of ≤ 2^24 of its values twice in p (levels, scaled) + its codes gathered (experts).
@@ -107,7 +110,7 @@ def plan_memory(
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
     logit_rows = min(tokens, chunk_rows(s.vocab, on_gpu)) if cfg.train.fused_loss else tokens
     stored = base_bytes(cfg, s, held)
-    layer = _gathered_layer(s, c, held)
+    layer = _gathered_layer(s, c, held, storage_gathered=shards > 1 or cfg.fsdp.cpu_offload)
     if expert_parallel > 1:
         weights = _expert_parallel_weights(cfg, s, shards, c, p, held, stored, layer, expert_parallel)
     else:
@@ -121,7 +124,11 @@ def plan_memory(
     rows = [*weights, _activations(cfg, s, tokens, c), ("logits + loss", logit_rows * s.vocab * (c + 8))]
     if expert_parallel > 1:
         rows += _all_to_all(cfg, s, tokens, c)
-    if held == "fp8":
+    if held == "fp8" and fp8_compute(cfg, held, gpu, on_gpu):
+        # no dequantisation: the input gradient's transposed copy of the largest FP8 tensor, a whole local stack
+        local = max(1, s.num_experts // expert_parallel) * s.fp8_expert_numel
+        rows.append(("FP8 weight transposed for its input gradient", max(s.fp8_linear_largest, local)))
+    elif held == "fp8":
         dequantised = dequantised_at_once(s, expert_parallel)
         # its compute-dtype copy, the fp32 block it is made in, and (experts not in one range) their bytes gathered
         transient = dequantised * c + min(dequantised, DEQUANT_BLOCK) * 4 + (dequantised if s.fp8_expert_numel else 0)
@@ -139,13 +146,23 @@ def plan_memory(
     return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
 
 
-def _gathered_layer(s: Structure, c: int, held: Held) -> float:
-    """Bytes of the largest decoder layer as FSDP gathers it: its quantised matrices as stored, the rest in c."""
+def _gathered_layer(s: Structure, c: int, held: Held, storage_gathered: bool = True) -> float:
+    """Bytes of the largest decoder layer as FSDP gathers it: its quantised matrices as stored, the rest in c. On a
+    one-rank shard group FSDP leaves the quantised storage alone (`rayft.parallel.parallelize.unsharded_storage`):
+    `storage_gathered` False, only the rest is gathered."""
     if held == "nf4":
-        return (s.largest_layer - s.nf4_layer) * c + nf4_storage_bytes(s.nf4_layer, 0)
+        return (s.largest_layer - s.nf4_layer) * c + (nf4_storage_bytes(s.nf4_layer, 0) if storage_gathered else 0)
     if held == "fp8":
-        return (s.largest_layer - s.fp8_layer) * c + s.fp8_layer + 4 * s.fp8_layer_rows
+        return (s.largest_layer - s.fp8_layer) * c + (s.fp8_layer + 4 * s.fp8_layer_rows if storage_gathered else 0)
     return s.largest_layer * c
+
+
+def fp8_compute(cfg: Config, held: Held, gpu: str | None, on_gpu: bool = True) -> bool:
+    """Whether an FP8 base's frozen matmuls run in FP8 (`model.fp8_compute`; `auto`: on a GPU with an FP8 peak in
+    `rayft.gpus`, the H200 when none is named; a GPU without FP8 matmuls dequantises whatever the setting)."""
+    if held != "fp8" or cfg.model.fp8_compute is False or not on_gpu:
+        return False
+    return GPUS[(gpu or "h200").lower()].fp8_tflops is not None
 
 
 def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, float]:

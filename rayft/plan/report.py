@@ -5,8 +5,8 @@ from __future__ import annotations
 from rayft.config import Config
 from rayft.model.flops import PEAK_FP8_FLOPS
 from rayft.plan.comm import Cluster
-from rayft.plan.memory import tokens_per_micro_batch
-from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, flops_per_token, fp8_compute
+from rayft.plan.memory import fp8_compute, tokens_per_micro_batch
+from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, flops_per_token
 from rayft.plan.structure import Structure
 
 GB = 1e9

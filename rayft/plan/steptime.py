@@ -44,7 +44,15 @@ from rayft.model.flops import HBM_BYTES_PER_S, PEAK_BF16_FLOPS, PEAK_FP8_FLOPS
 from rayft.model.frozen import Held, Storage
 from rayft.model.nf4_format import dequant_bytes_per_weight as nf4_dequant_bytes
 from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, plan_comm
-from rayft.plan.memory import GPU_GIB, MemoryPlan, compute_bytes, plan_memory, stored_bytes, tokens_per_micro_batch
+from rayft.plan.memory import (
+    GPU_GIB,
+    MemoryPlan,
+    compute_bytes,
+    fp8_compute,
+    plan_memory,
+    stored_bytes,
+    tokens_per_micro_batch,
+)
 from rayft.plan.structure import Structure
 
 log = logging.getLogger(__name__)
@@ -143,12 +151,6 @@ def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int 
         slots = tokens_per_micro_batch(cfg) * s.top_k * expert_parallel
         hit = 1 - (1 - 1 / s.num_experts) ** slots
     return passes * (linears + experts / expert_parallel * hit)
-
-
-def fp8_compute(cfg: Config, held: Held, gpu: str) -> bool:
-    """Whether an FP8 base's frozen matmuls run in FP8 on `gpu` (`model.fp8_compute`; `auto`: where it has an FP8
-    peak; a GPU without FP8 matmuls dequantises whatever the setting)."""
-    return held == "fp8" and cfg.model.fp8_compute is not False and gpu.upper() in PEAK_FP8_FLOPS
 
 
 def dequant_bytes(cfg: Config, held: Storage, on_bytes: bool = False) -> float:

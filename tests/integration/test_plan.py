@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -65,11 +66,13 @@ def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
     # hidden x 2 B, half to the other node
     assert float(ep[5]) == round(36 * 4 * 4096 * 4 * 4096 * 2 / 2 / 1e9, 2) == 9.66, ep
     assert ep[2] == "0.00" and ep[-1] == "comp" and float(ep[9]) < float(fsdp[9]) / 2, (ep, fsdp)
-    # 119B params in FP8 whole on each H200: it fits (each layer's gathered copy freed after its forward), and holds
-    # the half of the base FSDP's GPU leaves to the other
+    # 119B params in FP8 whole on each H200: it fits, and holds the half of the base FSDP's GPU leaves to the other,
+    # less the two gathered layers' FP8 bytes (mostly their 128 x 3 x 4096 x 2048 experts), which a one-rank shard
+    # group leaves to the layers instead of copying
     replicated = rows[("replicated", "fp8")]
     assert replicated[1] == "yes" and rows[("replicated", "bf16")][1] == "OOM", replicated
-    assert abs(float(replicated[0]) - float(fsdp[0]) - 118.97e9 / 2 / 2**30) < 1.5, (replicated, fsdp)
+    gathered_fp8 = 2 * 128 * 3 * 4096 * 2048 / 2**30
+    assert abs(float(replicated[0]) - float(fsdp[0]) - (118.97e9 / 2 / 2**30 - gathered_fp8)) < 1.5, (replicated, fsdp)
     # FP8 matmuls (model.fp8_compute auto on an H200) make the replicated FP8 base's compute (0.36 s) shorter than
     # EP 2's 0.33 s compute + 0.20 s of all-to-all, which nothing overlaps
     assert "* fastest that fits: replicated, fp8 base" in two
@@ -394,3 +397,21 @@ def test_a_restart_reads_the_checkpoints_bytes_not_the_storage_the_job_holds(tmp
     assert result.returncode == 0, result.stderr[-2000:]
     assert "* fastest that fits: FSDP, fp8 base" in result.stdout, result.stdout
     assert f"the restart reads {frozen * 2 / 1e9:.1f} GB of the frozen base" in result.stdout, result.stdout
+
+
+def test_a_one_rank_shard_group_gathers_no_fp8_storage_and_fp8_matmuls_hold_a_transposed_stack():
+    """Memory with the base whole on each GPU (`fsdp.shard_size: 1`): a gathered layer is only its non-FP8 part
+    (FSDP leaves the storage to the layers); and with FP8 matmuls the transient is not a dequantised chunk but the
+    input gradient's transposed copy of the largest FP8 tensor, a whole stack of 4 experts at 1 byte a weight."""
+    toy = dataclasses.replace(TOY, fp8_expert_numel=500, fp8_linear_largest=300)
+    cfg = Config.from_dict({"data": {"max_length": 32}, "fsdp": {"shard_size": 1}})
+    rows = {name: gib * 2**30 for name, gib in plan_memory(cfg, toy, 4, True, "h200", held="fp8").rows}
+    gathered = next(v for k, v in rows.items() if k.startswith("gathered layers"))
+    assert math.isclose(gathered, 2 * (5_000 - 3_500) * 2)  # 2 layers (this one and the prefetched) x non-FP8 x c
+    assert math.isclose(rows["FP8 weight transposed for its input gradient"], 4 * 500)
+    cfg.fsdp.shard_size, cfg.model.fp8_compute = 2, False
+    rows = {name: gib * 2**30 for name, gib in plan_memory(cfg, toy, 4, True, "h200", held="fp8").rows}
+    gathered = next(v for k, v in rows.items() if k.startswith("gathered layers"))
+    assert math.isclose(gathered, 2 * ((5_000 - 3_500) * 2 + 3_500 + 4 * 250))  # FSDP over 2 gathers the bytes
+    assert "FP8 weight dequantised for its matmul" in rows
+    assert "FP8 weight transposed for its input gradient" not in rows
