@@ -86,6 +86,7 @@ def test_a_run_stopped_after_a_checkpoint_continues_to_the_uninterrupted_result(
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it_exactly(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
 ):
@@ -108,6 +109,7 @@ def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_a_drain_notice_without_a_deadline_saves_at_once_and_says_so(fixtures: Fixtures, tmp_path: Path):
     """A drain that gave no deadline (`ray drain-node` without one; Ray then stops the group after its own default):
     the checkpoint is saved at the first look all the same, and the job log says no deadline was given."""
@@ -120,6 +122,7 @@ def test_a_drain_notice_without_a_deadline_saves_at_once_and_says_so(fixtures: F
     ), run.text()[-3000:]
 
 
+@pytest.mark.torch_agnostic
 @pytest.mark.parametrize(
     ("logging_steps", "save_steps"), [(1, 1), (100, 2)], ids=["seen in the logged window", "seen before a save"]
 )
@@ -204,6 +207,7 @@ def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(f
     assert_each_record_once(ledger, STEPS, t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * 3)
 
 
+@pytest.mark.torch_agnostic
 def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metrics(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
 ):
@@ -217,6 +221,7 @@ def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metr
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path):
     """The comparison above can fail: another seed (other dropout draws, another shuffle) trains otherwise."""
     losses = [r["loss"] for r in uninterrupted.metrics()]
@@ -226,6 +231,7 @@ def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrup
         _assert_same_training(other, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_another_runs_checkpoint_of_another_adapter_shape_is_refused_before_anything_starts(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path, capsys
 ):
@@ -315,6 +321,7 @@ def test_dpo_with_a_precomputed_reference_stopped_and_continued_ends_at_the_live
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+@pytest.mark.torch_agnostic
 def test_chat_template_job_uses_every_record_and_saves_the_adapter(fixtures: Fixtures, smollm2: Path, tmp_path: Path):
     """SmolLM2's `tokenizer.json` + chat template: the job's record pipeline (here in this process, as the driver runs
     it) keeps every conversation with the ids an independent encoding gives, and the two ranks train and save the
@@ -366,6 +373,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.torch_agnostic
 def test_a_damaged_newest_checkpoint_is_set_aside_and_out_of_rays_registry_before_the_run_continues(
     fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, caplog
 ):
@@ -403,6 +411,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_out_of_rays_registry_befor
     ), line
 
 
+@pytest.mark.torch_agnostic
 def test_a_run_whose_newest_checkpoint_is_damaged_continues_from_the_intact_one_to_the_uninterrupted_result(
     fixtures: Fixtures, stopped_at_3: LocalRun, uninterrupted: LocalRun, tmp_path: Path
 ):
@@ -448,6 +457,7 @@ def test_validate_says_what_the_job_will_do_with_a_damaged_newest_checkpoint_and
     assert refused.rc == 2 and "no checkpoint Ray registered is intact" in refused.err, refused.err
 
 
+@pytest.mark.torch_agnostic
 def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothing_is_touched(
     fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, capsys
 ):

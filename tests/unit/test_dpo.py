@@ -67,6 +67,7 @@ def test_preference_records_are_detected_and_need_dpo(fixtures: Fixtures):
         Config.from_dict({"dpo": {"bta": 0.1}})
 
 
+@pytest.mark.torch_agnostic
 def test_explicit_and_implicit_prompts_give_the_same_pair(fixtures: Fixtures):
     """prompt + completion ids as the tokenizer gives them for the whole text, BOS first, EOS last; the completion
     starts where both sequences leave the prompt, whether the prompt is given or implicit (TRL's common prefix)."""
@@ -81,6 +82,7 @@ def test_explicit_and_implicit_prompts_give_the_same_pair(fixtures: Fixtures):
         assert row["prompt_length"] == 1 + len(prompt) and chosen[: len(prompt)] == prompt
 
 
+@pytest.mark.torch_agnostic
 def test_conversational_pairs_use_the_chat_template(fixtures: Fixtures, tmp_path):
     from transformers import AutoTokenizer
 
@@ -221,6 +223,7 @@ def gap(a: list[dict], b: list[dict], key: str) -> float:
 PARITY = [("sigmoid", 0.1), ("ipo", 0.5)]
 
 
+@pytest.mark.torch_agnostic
 def test_dpo_matches_trl_dpotrainer(fixtures: Fixtures, tmp_path):
     """Same tiny Mistral, pairs, file order, initial LoRA weights and beta, 10 steps of 2 × 2 pairs, for sigmoid
     and ipo: the first step is ln 2 (sigmoid) or 1/(4β²) (ipo) on both sides (policy = reference before any
