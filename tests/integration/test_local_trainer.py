@@ -25,14 +25,14 @@ from fixtures.trackers import wandb_records
 from safetensors.torch import load_file
 from test_chat_job import TRAIN, assert_adapter_saved, chat_config
 from test_dpo_job import dpo_config
-from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
+from test_fp8_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
 
 from rayft.train.runtime import PreemptionNotice
 from rayft.train.spool import SPOOL_ROOT
 
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
 TOLERANCE = 1e-6  # exact resume: the same sums in the same order
-REORDERED = 1e-4  # the same sums in another order, fp32 (as test_expert_parallel_job's EP against FSDP)
+REORDERED = 1e-4  # the same sums in another order, fp32 (as test_fp8_job's EP against FSDP)
 TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
 OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
@@ -262,7 +262,7 @@ def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(
     """A tiny Qwen3-MoE (fused expert keys, stored as FP8 by `model.frozen_dtype`, LoRA on attention and the routed
     experts) with `parallel.expert_parallel: 2`, stopped while saving its second checkpoint and continued from the
     first, ends where its uninterrupted FSDP-only run (k = 1) ends; a k = 1 run from the k = 2 run's checkpoint
-    does too. (The same on the Ray cluster, with a killed worker: test_expert_parallel_job.py, Mistral-Small-4.)"""
+    does too. (The same on the Ray cluster, with a killed worker: test_fp8_job.py, Mistral-Small-4.)"""
     frozen = FROZEN["qwen3_moe"]
     reference = train_locally(ep_config(fixtures, qwen3_moe, tmp_path / "fsdp", 1, frozen), 2)
     cfg = ep_config(fixtures, qwen3_moe, tmp_path / "ep", 2, frozen)
