@@ -402,7 +402,8 @@ def pod_security_context(p: K8sConfig) -> dict[str, Any]:
 
 
 def apply_to_pod(template: dict[str, Any], p: K8sConfig, role: str) -> None:
-    """Lay the platform's settings onto one pod template; `role` is head, worker or submitter."""
+    """Lay the platform's settings onto one pod template; `role` is head, worker, submitter or watcher (the start
+    watcher: as the submitter, but its own ServiceAccount and no environment, so no credential reaches it)."""
     meta = template.setdefault("metadata", {})
     labels = pod_labels(p)
     if labels:
@@ -420,7 +421,7 @@ def apply_to_pod(template: dict[str, Any], p: K8sConfig, role: str) -> None:
         spec["affinity"] = merge_affinity(spec.get("affinity", {}), p.affinity)
     for key, value in (
         ("priorityClassName", p.priority_class_name),
-        ("serviceAccountName", p.service_account_name),
+        ("serviceAccountName", p.service_account_name if role != "watcher" else None),
         ("schedulerName", scheduler_name(p)),
     ):
         if value:
@@ -431,6 +432,8 @@ def apply_to_pod(template: dict[str, Any], p: K8sConfig, role: str) -> None:
     if security:
         spec["securityContext"] = {**spec.get("securityContext", {}), **security}
     container = spec["containers"][0]  # the Ray container (the submitter's only one)
+    if role == "watcher":
+        return
     if p.env:
         container["env"] = [*container.get("env", []), *({"name": k, "value": v} for k, v in p.env.items())]
     if p.secret_env:

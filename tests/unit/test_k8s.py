@@ -19,6 +19,8 @@ from rayft.deploy.kuberay import Operator
 REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = sorted((REPO / "cluster").glob("*.yaml"))
 EXAMPLE = "jobs/mistral4-3xh200.yaml"
+WATCHER_KINDS = ("Job", "ServiceAccount", "Role", "RoleBinding")  # the start watcher's, rendered for KubeRay 1.4
+WATCHER_FILES = {"start-watch.yaml", "start-watch-account.yaml", "start-watch-role.yaml", "start-watch-binding.yaml"}
 
 
 def render(capsys, *args: str) -> dict[str, dict]:
@@ -107,7 +109,7 @@ def test_checked_in_manifests_are_valid_and_exactly_what_the_renderer_writes(pat
 
 
 def test_checked_in_set_is_the_seeds_3xh200_job():
-    assert {p.name for p in CHECKED_IN} == {"rayjob.yaml", "raycluster.yaml", "head-budget.yaml"}
+    assert {p.name for p in CHECKED_IN} == {"rayjob.yaml", "raycluster.yaml", "head-budget.yaml", *WATCHER_FILES}
     job = yaml.safe_load((REPO / "cluster" / "rayjob.yaml").read_text())
     assert gpu_groups(job)[0]["replicas"] == 3 and EXAMPLE.split("/")[-1] in job["spec"]["entrypoint"]
 
@@ -142,7 +144,9 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
     flag = dict(zip(extra[::2], extra[1::2], strict=False))
     mount = PurePosixPath(flag.get("--mount-path", "/data"))
     gpus = int(flag.get("--gpus-per-pod", "1"))
-    assert validate(docs.pop("PodDisruptionBudget")) == []
+    for kind in ("PodDisruptionBudget", *WATCHER_KINDS):
+        assert validate(docs.pop(kind)) == [], kind
+    assert set(docs) == {"RayJob", "RayCluster"}
     for doc in docs.values():
         assert validate(doc) == []
         (group,) = gpu_groups(doc)
@@ -321,7 +325,7 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
     }
     docs = render(capsys, "--config", EXAMPLE, "--monitoring", "--namespace", "ml", "--name", "ft",
                   *[a for kv in hosts.items() for a in kv])  # fmt: skip
-    assert set(docs) == {"RayJob", "RayCluster", "PodDisruptionBudget", "PodMonitor", "ConfigMap"}
+    assert set(docs) == {"RayJob", "RayCluster", "PodDisruptionBudget", "PodMonitor", "ConfigMap", *WATCHER_KINDS}
     for doc in docs.values():
         assert validate(doc) == [], doc["kind"]
     spec = docs["RayCluster"]["spec"]
@@ -350,20 +354,15 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
 
     # Without the flags nothing of this is rendered; --out writes one file per manifest.
     plain = render(capsys, "--config", EXAMPLE)
-    assert set(plain) == {"RayJob", "RayCluster", "PodDisruptionBudget"}
+    assert set(plain) == {"RayJob", "RayCluster", "PodDisruptionBudget", *WATCHER_KINDS}
     plain_env = {
         e["name"] for e in plain["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert not {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"} & plain_env
     assert cli.main(["k8s", "render", "--config", EXAMPLE, "--monitoring", "--out", str(tmp_path)]) == cli.EXIT_OK
     written = sorted(p.name for p in tmp_path.glob("*.yaml"))
-    assert written == [
-        "grafana-dashboard.yaml",
-        "head-budget.yaml",
-        "podmonitor.yaml",
-        "raycluster.yaml",
-        "rayjob.yaml",
-    ]
+    plain_files = ["grafana-dashboard.yaml", "head-budget.yaml", "podmonitor.yaml", "raycluster.yaml", "rayjob.yaml"]
+    assert written == sorted([*plain_files, *WATCHER_FILES])
     capsys.readouterr()
     assert cli.main(["k8s", "validate", *map(str, tmp_path.glob("*.yaml"))]) == cli.EXIT_OK
 

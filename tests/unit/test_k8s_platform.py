@@ -150,9 +150,12 @@ def test_flags_add_to_the_config_section(capsys, tmp_path):
 
 def test_volcano_is_named_where_kuberay_reads_it(capsys):
     docs = render(capsys, "--config", str(EXAMPLE), "--queueing", "volcano", "--queue", "q1")
+    watcher = {"Job", "ServiceAccount", "Role", "RoleBinding"}  # the start watcher's: it runs while the job queues
     for doc in docs.values():
-        assert doc["metadata"]["labels"]["ray.io/scheduler-name"] == "volcano"
-        assert doc["metadata"]["labels"]["volcano.sh/queue-name"] == "q1"
+        queued = doc["kind"] not in watcher
+        assert (doc["metadata"]["labels"].get("ray.io/scheduler-name") == "volcano") == queued, doc["kind"]
+        assert (doc["metadata"]["labels"].get("volcano.sh/queue-name") == "q1") == queued, doc["kind"]
+    assert watcher <= set(docs)
 
 
 @pytest.mark.parametrize(

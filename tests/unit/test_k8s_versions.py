@@ -107,11 +107,13 @@ def test_each_release_gets_the_fields_it_has(capsys, version, gates, deadline, r
     spec = docs["RayJob"]["spec"]
     assert ("preRunningDeadlineSeconds" in spec) == deadline
     assert ("no preRunningDeadlineSeconds" in header) == (not deadline)
+    assert ("Job" in docs) == (not deadline)  # the start watcher, where the operator has no such deadline
     if deadline:  # the operator's own bound on the wait to start: the pods' scheduling and image pulls
         assert spec["preRunningDeadlineSeconds"] == 1800 and spec["activeDeadlineSeconds"] == 3 * 24 * 3600
-    else:  # the only bound such an operator has, said with how long it holds GPUs and what bounds it sooner
+    else:  # the start watcher bounds it, said with its deadline and that a later operator does it itself
         assert spec["activeDeadlineSeconds"] == 3 * 24 * 3600
-        assert "bounded only by activeDeadlineSeconds (72 h)" in header and "--pre-running-deadline (0.5 h)" in header
+        assert "bounded only by" not in header and "--pre-running-deadline (0.5 h)" in header
+        assert "rayft-start-watch fails the RayJob (DeadlineExceeded)" in header
     if rules:
         assert {r["policy"] for r in spec["deletionStrategy"]["deletionRules"]} == {"DeleteWorkers", "DeleteCluster"}
         assert "shutdownAfterJobFinishes" not in spec and "no deletion rules" not in header
