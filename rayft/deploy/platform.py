@@ -154,7 +154,7 @@ class K8sConfig(Section):
     # workers go at once, the cluster after the TTL; not for Kueue's suspended jobs); 1.5 has the rules only
     # with its RayJobDeletionPolicy feature gate on, named in kuberay_feature_gates. Older, or unknown (null):
     # the form every supported operator accepts (1.4's), shutdownAfterJobFinishes + ttlSecondsAfterFinished,
-    # and the time to Running bounded by the active deadline only.
+    # and the time to Running bounded by a start watcher (a small Job beside the RayJob) instead of the operator.
     kuberay_version: Text | None = None
     # Feature gates the operator runs with beyond its release's defaults; rayft reads RayJobDeletionPolicy.
     kuberay_feature_gates: Listed[Text] = field(default_factory=list)

@@ -16,8 +16,9 @@ same at v1.4.0, v1.5.0, v1.5.1):
   `spec.activeDeadlineSeconds` is seen at once, and a job past it becomes Failed with reason DeadlineExceeded,
   which `checkBackoffLimitAndUpdateStatusIfNeeded` never retries.
 - It moves to Running only once the RayCluster is Ready and the submitter Job is created: Running means started.
-- Neither the controller's `ValidateRayJobSpec` (activeDeadlineSeconds need only be positive), nor the RayJob
-  webhook (1.5: metadata only on update; 1.4 has none), nor the CRD (immutable: managedBy only) refuses the change.
+- Nothing refuses the change: `ValidateRayJobSpec` (controllers/ray/utils/validation.go) wants the active deadline
+  positive only; the RayJob webhook (pkg/webhooks/v1/rayjob_webhook.go, 1.5 only) checks metadata on update; the
+  CRD's only immutable field is managedBy.
 So the watcher lowers `spec.activeDeadlineSeconds` to the deadline it was given, conditional on the resourceVersion
 it read (a RayJob that changed since, Running perhaps, is read again and decided again, never failed blindly).
 
@@ -104,16 +105,17 @@ def fail_patch(seen: Seen, deadline_s: int) -> dict[str, Any]:
 
 
 class Api:
-    """The few calls the watcher makes to the Kubernetes API, with the pod's service-account token."""
+    """The few calls the watcher makes to the Kubernetes API, with the pod's service-account token (read at each
+    call: the kubelet rotates the projected token in place)."""
 
     def __init__(self, server: str, token_file: Path, ca_file: Path) -> None:
-        self.server = server.rstrip("/")
-        self.token = token_file.read_text().strip() if token_file.is_file() else ""
+        self.server, self.token_file = server.rstrip("/"), token_file
         self.context = ssl.create_default_context(cafile=str(ca_file)) if ca_file.is_file() else None
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The JSON answer; None for 404. Other HTTP errors raise urllib.error.HTTPError."""
-        headers = {"Accept": "application/json", **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
+        token = self.token_file.read_text().strip() if self.token_file.is_file() else ""
+        headers = {"Accept": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         data = None
         if body is not None:
             headers["Content-Type"] = MERGE_PATCH
