@@ -16,6 +16,7 @@ from rayft.deploy.crd import CRD_DIR_ENV, PACKAGED_CRD_DIR, ManifestError, crd_d
 from rayft.deploy.kuberay import RELEASES, Operator
 
 REPO = Path(__file__).resolve().parents[2]
+WATCHER_FILES = ["start-watch-account.yaml", "start-watch-binding.yaml", "start-watch-role.yaml", "start-watch.yaml"]
 
 
 def test_default_crds_are_the_packaged_copies_of_the_chosen_release(monkeypatch):
@@ -83,8 +84,13 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
                      "--out", str(out / str(version)))  # fmt: skip
         assert done.returncode == 0, done.stderr
         files = sorted((out / str(version)).glob("*.yaml"))
-        assert [p.name for p in files] == ["head-budget.yaml", "raycluster.yaml", "rayjob.yaml"]
+        watcher = [] if version in ("1.6", "1.7") else WATCHER_FILES  # no preRunningDeadlineSeconds: a watcher
+        assert [p.name for p in files] == sorted(["head-budget.yaml", "raycluster.yaml", "rayjob.yaml", *watcher])
         checked = rayft("k8s", "validate", *map(str, files), *named)
         assert checked.returncode == 0 and "valid" in checked.stdout, (version, checked.stderr)
         job = yaml.safe_load((out / str(version) / "rayjob.yaml").read_text())
         assert job["kind"] == "RayJob" and "--config /data/job.yaml" in job["spec"]["entrypoint"]
+    # The start watcher's program runs from the installed package alone, as its pod runs it in the image.
+    module = [sys.executable, "-m", "rayft.deploy.start_watch", "--help"]
+    watcher_help = subprocess.run(module, cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert watcher_help.returncode == 0 and "--deadline-s" in watcher_help.stdout, watcher_help.stderr
