@@ -297,7 +297,8 @@ DEPLOYMENT_FLAGS = {
     "head_shm_size": "size of the head's memory-backed /dev/shm",
     "ib_hca": "NCCL_IB_HCA where nccl.ib_hca is unset, with a fabric: '=mlx5_0,mlx5_1' names adapters exactly "
     "(default: NCCL's choice)",
-    "pre_running_deadline_s": "seconds the RayJob may take to start running",
+    "pre_running_deadline_s": "seconds the RayJob may take to start running (before KubeRay 1.6: kept by the "
+    "rendered start watcher, a small Job beside the RayJob)",
     "active_deadline_s": "seconds the RayJob may run",
     "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
     "backoff_limit": "fresh clusters after a failed job (default: 1, or 0 with ray.max_failures: -1)",
