@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -165,7 +167,7 @@ class FakeApi:
     """A stand-in for the Kubernetes API server's RayJob endpoint: GETs answer the scripted states in turn (the
     last one repeats); a PATCH answers `patch_code`, and with 200 the RayJob becomes Failed as KubeRay would make it."""
 
-    def __init__(self, states: list[dict[str, Any]], patch_code: int = 200) -> None:
+    def __init__(self, states: list[dict[str, Any]], patch_code: int = 200, tls: tuple[Path, Path] | None = None):
         self.states, self.patch_code, self.requests = list(states), patch_code, []
         api = self
 
@@ -196,6 +198,10 @@ class FakeApi:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:  # HTTPS with this certificate and key, as the API server serves
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeApi:
@@ -228,30 +234,21 @@ def rayjob(status: str, started_ago_s: float | None, suspend: bool = False, vers
     }
 
 
-def run_watcher(api: FakeApi, tmp_path: Path, deadline_s: int = 60) -> subprocess.CompletedProcess[str]:
-    """The watcher as its pod runs it, pointed at the stand-in API with a token file of its own."""
+def run_watcher(
+    api: FakeApi, tmp_path: Path, deadline_s: int = 60, ca: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The watcher as its pod runs it, with a token file of its own, pointed at the stand-in API: by
+    --api-server over HTTP, or with `ca` as in a pod, by KUBERNETES_SERVICE_HOST/PORT over HTTPS trusting `ca`."""
     token = tmp_path / "token"
     token.write_text("t0ken\n")
-    command = [
-        sys.executable,
-        "-m",
-        "rayft.deploy.start_watch",
-        "--name",
-        "ft",
-        "--namespace",
-        "ml",
-        "--deadline-s",
-        str(deadline_s),
-        "--poll-s",
-        "0.05",
-        "--api-server",
-        api.url,
-        "--token-file",
-        str(token),
-        "--ca-file",
-        str(tmp_path / "no-ca.crt"),
-    ]
+    args = ["--name", "ft", "--namespace", "ml", "--deadline-s", str(deadline_s), "--poll-s", "0.05"]
+    args += ["--token-file", str(token), "--ca-file", str(ca or tmp_path / "no-ca.crt")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if ca is None:
+        args += ["--api-server", api.url]
+    else:
+        env |= {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.server.server_address[1])}
+    command = [sys.executable, "-m", "rayft.deploy.start_watch", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
 
 
@@ -270,6 +267,20 @@ def test_the_watcher_fails_a_job_stuck_initializing_past_its_deadline(tmp_path):
     methods = [r[0] for r in api.requests]
     assert methods.index("PATCH") == 2 and methods[-1] == "GET"  # patched after the second read; saw it Failed
     assert "DeadlineExceeded" in done.stdout and "activeDeadlineSeconds=60" in done.stdout
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a test certificate")
+def test_in_a_pod_the_watcher_reaches_the_api_server_over_https_with_the_service_accounts_ca(tmp_path):
+    """As in a pod: no --api-server, the address from KUBERNETES_SERVICE_HOST/PORT, HTTPS verified against the
+    service account's CA (here a self-signed certificate for 127.0.0.1, which the stand-in API server serves)."""
+    cert, key = tmp_path / "ca.crt", tmp_path / "ca.key"
+    make = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+    make += ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)]
+    subprocess.run(make, check=True, capture_output=True)
+    with FakeApi([rayjob("Initializing", 300)], tls=(cert, key)) as api:
+        done = run_watcher(api, tmp_path, ca=cert)
+    assert done.returncode == 0, done.stderr
+    assert [r[0] for r in api.requests] == ["GET", "PATCH", "GET"] and "DeadlineExceeded" in done.stdout
 
 
 @pytest.mark.parametrize(
