@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from fixtures.attention import largest_allocation, packed_row
+from fixtures.families import FAMILIES, TINY, make_tiny_family
+from fixtures.hub_layout import TINY_MISTRAL4
 from transformers import AutoConfig, FalconForCausalLM, LlamaForCausalLM, Mistral4Config, Mistral4ForCausalLM
 
 from rayft.config import Config, ModelConfig
 from rayft.model.attention import AttentionChoice, choose_attention, supported
 from rayft.model.build import attention_model_config, causal_lm_class, random_model, text_config
-from tests.fixtures.families import FAMILIES, TINY, make_tiny_family
-from tests.fixtures.hub_layout import TINY_MISTRAL4
 
 ALL = ["sdpa", "flex_attention", "flash_attention_2"]
 
@@ -61,24 +61,6 @@ def test_mistral_small4_mla_is_served_by_both_varlen_kernels():
     query's head dim, FlexAttention takes a different value head dim (the loss comparison below runs it)."""
     assert {"flex_attention", "flash_attention_2"} <= set(supported(Mistral4ForCausalLM))
     assert set(ALL) <= set(supported(LlamaForCausalLM))
-
-
-def largest_allocation(run) -> int:
-    """Bytes of the largest single allocation the CPU allocator made while `run()` ran: every tensor, eager or
-    made inside a compiled kernel, comes from it. A tensor of n elements takes at least n bytes."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    return max(max(e.self_cpu_memory_usage, e.cpu_memory_usage if e.name == "[memory]" else 0) for e in prof.events())
-
-
-def packed_row(lengths: list[int], vocab: int) -> dict[str, torch.Tensor]:
-    """One padding-free row as rayft's PackedCollate makes it: position ids restarting per document."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (1, sum(lengths)), generator=generator)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = ids.clone()
-    labels[positions == 0] = -100
-    return {"input_ids": ids, "position_ids": positions, "labels": labels}
 
 
 def test_a_packed_4096_row_allocates_no_s_squared_tensor_with_the_default_kernel(tmp_path):
