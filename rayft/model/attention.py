@@ -92,25 +92,27 @@ def choose_attention(
         return AttentionChoice(named, "model.attn_implementation")
     default = "sdpa" if "sdpa" in supported else "eager"  # transformers' own default for the class
     if not packed:
-        return AttentionChoice(default, "rows padded per batch (data.packing false): the padding mask as it is")
+        return AttentionChoice(default, "rows padded per batch, data.packing false: the padding mask as it is")
     if not on_gpu:
         return AttentionChoice(
             default,
-            "CPU workers: flash-attention is CUDA-only and torch has no FlexAttention backward on CPU; packed rows "
-            "attend through a dense s × s document mask (name a kernel in model.attn_implementation to change it)",
+            "CPU workers: flash-attention is CUDA-only and torch has no FlexAttention backward on CPU, so packed rows "
+            "attend through a dense s × s document mask; name a kernel in model.attn_implementation to change it",
         )
     if flash_installed and "flash_attention_2" in supported:
         return AttentionChoice("flash_attention_2", "packed rows on GPUs: flash-attention's varlen kernel per document")
     if "flex_attention" in supported:
         why = "flash_attn is not installed" if "flash_attention_2" in supported else f"{model} has no flash-attention"
         return AttentionChoice(
-            "flex_attention", f"packed rows on GPUs: FlexAttention with a document block mask, compiled ({why})"
+            "flex_attention", f"packed rows on GPUs, {why}: FlexAttention with a document block mask, compiled"
         )
+    lacks = (
+        f"{model} has no FlexAttention and flash_attn is not installed"
+        if "flash_attention_2" in supported
+        else f"{model} implements neither flash-attention nor FlexAttention"
+    )
     return AttentionChoice(
-        default,
-        f"{model} implements neither flash-attention (with flash_attn installed) nor FlexAttention: packed rows run "
-        f"{default} with a dense s × s document mask, s² work per row",
-        loud=True,
+        default, f"{lacks}: packed rows run {default} with a dense s × s document mask, s² work per row", loud=True
     )
 
 

@@ -663,7 +663,7 @@ def test_validate_says_which_attention_kernel_the_job_runs_and_why(base, tmp_pat
     cases = [
         ({"packing": True}, {"use_gpu": True}, f"  attention: {varlen}"),
         ({"packing": True}, {"use_gpu": False}, "  attention: sdpa (CPU workers: flash-attention is CUDA-only"),
-        ({"packing": False}, {"use_gpu": True}, "  attention: sdpa (rows padded per batch (data.packing false)"),
+        ({"packing": False}, {"use_gpu": True}, "  attention: sdpa (rows padded per batch, data.packing false"),
     ]
     for data, ray, said in cases:
         result = run_cli(capsys, "validate", "--config", str(config_file(tmp_path, base, data=data, ray=ray)))

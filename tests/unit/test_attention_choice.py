@@ -31,9 +31,10 @@ def static_shapes():
 def test_packed_rows_on_gpus_get_a_varlen_kernel():
     assert choose_attention(None, True, True, True, ALL, "M").name == "flash_attention_2"
     flex = choose_attention(None, True, True, False, ALL, "M")
-    assert flex.name == "flex_attention" and "flash_attn is not installed" in flex.reason and not flex.loud
+    assert flex.name == "flex_attention" and not flex.loud
+    assert "GPUs, flash_attn is not installed: FlexAttention" in flex.reason
     no_flash = choose_attention(None, True, True, True, ["sdpa", "flex_attention"], "M")
-    assert no_flash.name == "flex_attention" and "M has no flash-attention" in no_flash.reason
+    assert no_flash.name == "flex_attention" and "GPUs, M has no flash-attention" in no_flash.reason
 
 
 def test_padded_rows_cpu_workers_and_named_kernels_keep_their_kernel():
@@ -53,7 +54,10 @@ def test_a_family_without_a_varlen_kernel_falls_back_loudly():
     assert "flex_attention" not in supported(FalconForCausalLM) and "sdpa" in supported(FalconForCausalLM)
     choice = choose_attention(None, True, True, False, supported(FalconForCausalLM), "FalconForCausalLM")
     assert choice.loud and choice.name == "sdpa"
-    assert "FalconForCausalLM implements neither flash-attention" in choice.reason and "s × s" in choice.reason
+    assert "FalconForCausalLM has no FlexAttention and flash_attn is not installed" in choice.reason
+    assert "dense s × s document mask" in choice.reason
+    neither = choose_attention(None, True, True, True, ["sdpa"], "M")
+    assert neither.loud and "M implements neither flash-attention nor FlexAttention" in neither.reason
 
 
 def test_mistral_small4_mla_is_served_by_both_varlen_kernels():
