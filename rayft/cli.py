@@ -584,6 +584,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     lora = checked.lora
     print(f"  model: {lora.architecture}, {checked.structure.params:,} params")
     print(f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.structure.lora:,}")
+    print(f"  attention: {checked.attention.line()}")
     r = cfg.ray
     world = r.fewest_workers  # an elastic run's fewest workers hold the largest shares: its worst case
     where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")
