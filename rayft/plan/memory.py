@@ -62,6 +62,7 @@ class MemoryPlan:
     rows: list[tuple[str, float]]  # (component, GiB per GPU)
     gpu: str | None
     frozen: str = "bf16"  # how the frozen base is stored: bf16, fp32, fp8 or nf4
+    recompute: str = ""  # the layers recomputed in backward (`Recompute.short`)
 
     @property
     def total_gib(self) -> float:
@@ -153,7 +154,7 @@ def plan_memory(
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
     frozen = held if held != "dtype" else ("fp32" if p == 4 else "bf16")
-    return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
+    return MemoryPlan(world_size, [(name, b / GIB) for name, b in rows], gpu, frozen, recompute.short())
 
 
 def _gathered_layer(s: Structure, c: int, held: Held) -> float:
@@ -247,6 +248,7 @@ def format_plans(
         label = name.split(" (/")[0] if "(/" in name else name
         lines.append(label.ljust(width) + "".join(f"{p.rows[i][1]:>10.2f}" for p in plans))
     lines.append("total GiB/GPU".ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in plans))
+    lines.append("  layers recomputed (AC)".ljust(width) + "".join(f"{p.recompute:>10}" for p in plans))
     if other:
         label = f"  with {other[0].frozen} base"
         lines.append(label.ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in other))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from rayft.config import Config
 from rayft.plan.comm import Cluster
 from rayft.plan.memory import tokens_per_micro_batch
-from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, model_flops_per_token
+from rayft.plan.recompute import Recompute
+from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, layout_plan, model_flops_per_token
 from rayft.plan.structure import Structure
 
 GB = 1e9
@@ -84,3 +85,23 @@ def _compute_notes(cfg: Config, hw: Hardware, plans: list[LayoutPlan]) -> list[s
 def _row(cells: list[str], widths: list[int]) -> str:
     """Layout and storage left-aligned, numbers right-aligned."""
     return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+
+def format_recompute(cfg: Config, s: Structure, plan: LayoutPlan, cluster: Cluster, hw: Hardware) -> str:
+    """`fsdp.activation_checkpointing` as asked and as chosen for `plan`'s layout, with what the choice costs and
+    saves against no recompute: memory per GPU and seconds per step."""
+    asked = cfg.checkpointing
+    chosen = plan.recompute
+    line = (
+        f"activation checkpointing {asked}{' → ' + chosen.describe() if chosen.describe() != asked else ''} "
+        f"({plan.layout.name(cluster)}, {plan.memory.frozen} base, {hw.gpu}): {plan.memory.total_gib:.1f} GiB/GPU, "
+        f"step {plan.time.predicted_s:.2f} s"
+    )
+    if chosen.mode == "none":
+        return line + " (no layer recomputed)"
+    bare = layout_plan(cfg, s, plan.layout, cluster, hw, plan.held, Recompute(s.layers, None))
+    return (
+        f"{line}; without recompute {bare.memory.total_gib:.1f} GiB/GPU ({'fits' if bare.fits else 'OOM'}), step "
+        f"{bare.time.predicted_s:.2f} s: recompute saves {bare.memory.total_gib - plan.memory.total_gib:.1f} GiB "
+        f"and costs {plan.time.predicted_s - bare.time.predicted_s:.2f} s a step"
+    )

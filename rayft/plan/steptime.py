@@ -247,26 +247,29 @@ def plan_layouts(
     base's layouts are those without expert parallelism, which it does not take."""
     if candidates is None:
         candidates = [lo for lo in layouts(cluster, s) if held != "nf4" or lo.expert_parallel == 1]
-    out = []
-    step_tokens = cluster.world * cfg.train.gradient_accumulation_steps * tokens_per_micro_batch(cfg)
-    model_flops = model_flops_per_token(cfg, s)
-    for layout in candidates:
-        memory, recompute = _memory(cfg, s, layout, cluster, hw, held)
-        comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held)
-        time = step_time(cfg, s, comm, hw, held, recompute)
-        out.append(LayoutPlan(layout, held, memory, comm, time, recompute, step_tokens, model_flops, hw.peak))
-    return out
+    return [layout_plan(cfg, s, layout, cluster, hw, held) for layout in candidates]
 
 
-def _memory(
-    cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, held: Held
-) -> tuple[MemoryPlan, Recompute]:
-    """The layout's memory with the recompute `fsdp.activation_checkpointing` asks for or, `auto`, chooses for it."""
+def layout_plan(
+    cfg: Config,
+    s: Structure,
+    layout: Layout,
+    cluster: Cluster,
+    hw: Hardware,
+    held: Held,
+    recompute: Recompute | None = None,
+) -> LayoutPlan:
+    """One layout's memory, bytes and time with `recompute`, by default what `fsdp.activation_checkpointing` asks
+    for or, `auto`, chooses for this layout's memory."""
     sharded = copy.copy(cfg)  # a layout the planner tries, not the user's: the config's rules are not asked
     sharded.fsdp = dataclasses.replace(cfg.fsdp, shard_size=layout.shard)
     k, fp8 = layout.expert_parallel, hw.multiplies_fp8(cfg, held)
-    recompute = choose_recompute(sharded, s, cluster.world, True, hw.gpu, held, k, fp8)
-    return plan_memory(sharded, s, cluster.world, True, hw.gpu, held, k, recompute, fp8), recompute
+    recompute = recompute or choose_recompute(sharded, s, cluster.world, True, hw.gpu, held, k, fp8)
+    memory = plan_memory(sharded, s, cluster.world, True, hw.gpu, held, k, recompute, fp8)
+    comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held)
+    time = step_time(cfg, s, comm, hw, held, recompute)
+    tokens = cluster.world * cfg.train.gradient_accumulation_steps * tokens_per_micro_batch(cfg)
+    return LayoutPlan(layout, held, memory, comm, time, recompute, tokens, model_flops_per_token(cfg, s), hw.peak)
 
 
 def fastest_fitting(plans: list[LayoutPlan]) -> LayoutPlan | None:
@@ -303,3 +306,33 @@ def planned_expert_parallel(cfg: Config, s: Structure, held: Held) -> int:
         cluster.gpus_per_node,
     )
     return k
+
+
+def config_layout(cfg: Config) -> tuple[Cluster, Layout]:
+    """The cluster and layout the config trains on: `ray.workers_per_node` workers a node, as many nodes as its
+    fewest workers fill (an elastic run's smallest group holds the largest shares), `fsdp.shard_size` and
+    `parallel.expert_parallel` (resolved)."""
+    per_node = cfg.ray.workers_per_node
+    cluster = Cluster(nodes=max(1, cfg.ray.fewest_workers // per_node), gpus_per_node=per_node)
+    k = cfg.parallel.expert_groups()
+    layout = Layout.expert(k, cluster) if k > 1 else Layout(shard=cfg.fsdp.shard_group(cluster.world))
+    return cluster, layout
+
+
+def planned_recompute(cfg: Config, s: Structure, held: Held, gpu: str | None) -> Recompute:
+    """`fsdp.activation_checkpointing: auto` (or selective without its period) resolved for the job's `gpu` (None:
+    CPU workers or a GPU the planner does not know: the config's fallback), written into `cfg` for the workers."""
+    from rayft.plan.recompute import resolve_
+
+    asked = cfg.checkpointing
+    if gpu is None:
+        chosen = Recompute.of(cfg, s.layers)
+    else:
+        cluster, layout = config_layout(cfg)
+        (plan,) = plan_layouts(cfg, s, cluster, Hardware(gpu), held, [layout])
+        chosen = plan.recompute
+    resolve_(cfg, chosen)
+    if asked != chosen.mode or asked == "selective":
+        where = gpu or "no GPU capacity known"
+        log.info("fsdp.activation_checkpointing: %s → %s (%s)", asked, chosen.describe(), where)
+    return chosen
