@@ -53,7 +53,7 @@ class Recompute:
     def describe(self) -> str:
         if self.mode != "selective":
             return self.mode
-        return f"selective (every {self.every} layers: {self.checkpointed} of {self.layers})"
+        return f"selective (one layer in {self.every}: {self.checkpointed} of {self.layers})"
 
     def short(self) -> str:
         """For a table cell: none, full, or the layers recomputed (12/36)."""
