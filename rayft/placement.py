@@ -153,6 +153,11 @@ def cluster_gpu(use_gpu: bool) -> str | None:
     rayft.gpus.GPUS); None on CPU workers, a GPU the planner does not know, or a cluster of several kinds."""
     if not use_gpu:
         return None
-    resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]  # unannotated in Ray 2.60
+    return gpu_of(ray.cluster_resources())  # type: ignore[no-untyped-call]  # unannotated in Ray 2.60
+
+
+def gpu_of(resources: dict[str, float]) -> str | None:
+    """The one GPU kind a cluster's resources name (`accelerator_type:H200`), as rayft.gpus names it; None for
+    none, several, or one the planner does not know."""
     kinds = {gpu_named(key.split(":", 1)[1]) for key in resources if key.startswith("accelerator_type:")}
     return kinds.pop() if len(kinds) == 1 else None
