@@ -163,11 +163,11 @@ class LayoutPlan:
 
 
 def fp8_compute(cfg: Config, gpu: str) -> bool:
-    """`model.fp8_compute`, the runtime's key (true, false, or null: on where the GPU has FP8 tensor cores,
+    """`model.fp8_compute`, the runtime's key (true, false, or auto / null: on where the GPU has FP8 tensor cores,
     compute capability 8.9 and up): whether a frozen FP8 base is multiplied on its stored bytes. The one place the
-    planner reads it; a config without the key reads as null."""
+    planner reads it; a config without the key reads as auto."""
     asked = getattr(cfg.model, "fp8_compute", None)
-    return gpu.upper() in PEAK_FP8_FLOPS if asked is None else bool(asked)
+    return gpu.upper() in PEAK_FP8_FLOPS if asked in (None, "auto") else bool(asked)
 
 
 def _expert_lora_active(s: Structure) -> float:
