@@ -183,9 +183,8 @@ def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
         use_rslora=bool(saved.get("use_rslora")),
         modules_to_save=saved.get("modules_to_save") or None,
     )
-    if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; neither matters for eval or export
+    if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; it does not matter for eval or export
         raw["lora"]["lora_dropout"] = 0.0
-        raw["fsdp"]["activation_checkpointing"] = True
     return Config.from_dict(raw)
 
 

@@ -71,11 +71,13 @@ def build_model(
     fp8 = frozen_fp8(cfg.model)
     check_quantised_storage(cfg, model, fp8)
     quantize_frozen_base_(cfg, model, fp8)  # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
-    if cfg.recomputes_activations:
-        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
-        # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
+    every = cfg.checkpoint_every()
+    if every is not None:
+        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard; every n-th
+        # layer (selective) or all of them. With expert parallelism the recompute reuses the saved all-to-all outputs
+        # instead of exchanging again.
         kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
     model = apply_lora(model, cfg.lora)
     if fp8 or cfg.model.frozen_dtype == "nf4":
         adopt_lora_(model)
