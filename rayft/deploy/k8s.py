@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from rayft import environment
-from rayft.config import Config, ConfigError, is_uri
+from rayft.config import Config, ConfigError, NcclConfig, is_uri
 from rayft.deploy import auth, budget, platform, reach, start_watch_manifests
 from rayft.deploy.apirules import quantity_bytes
 from rayft.deploy.crd import MAX_NAME, name_problems
@@ -35,7 +35,7 @@ from rayft.deploy.kuberay import (
 from rayft.deploy.nodes import WorkerPods, placement_notes, worker_pods
 from rayft.deploy.platform import K8sConfig
 from rayft.hub import is_hub_name
-from rayft.parallel.backend import NcclConfig, nccl_env
+from rayft.parallel.backend import nccl_env
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/

@@ -12,7 +12,10 @@ the forward FLOPs of attention scores and values per token attending k keys (bac
 and never crosses documents (packed rows restart at each one), so a document of n tokens attends n (n + 1) / 2
 keys in all: the window counts them from the batches it trained on, not from `max_length`; the start-up line's
 figures assume full-length documents, k = (s + 1) / 2.
-Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU.
+Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU. MFU divides by it
+whatever precision the matmuls ran in, so a frozen base multiplied in FP8 (`model.fp8_compute`) can show more than
+the bf16 matmuls alone would reach. The dense FP8 peak (H100/H200 SXM: 1,979 TFLOP/s; none before compute
+capability 8.9) is what the planner times those FP8 matmuls at.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 # Dense bf16 peak per GPU and memory bandwidth, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {name.upper(): gpu.bf16_tflops * 1e12 for name, gpu in GPUS.items()}
 HBM_BYTES_PER_S = {name.upper(): gpu.hbm_tbytes_per_s * 1e12 for name, gpu in GPUS.items()}
+PEAK_FP8_FLOPS = {name.upper(): gpu.fp8_tflops * 1e12 for name, gpu in GPUS.items() if gpu.fp8_tflops}
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,27 @@ def test_a_good_config_validates(good_config, capsys):
     assert re.search(fewest, result.out)[1] == one[1], result.out
 
 
+def test_validate_says_what_activation_checkpointing_does_and_costs(good_config, capsys):
+    """`fsdp.activation_checkpointing`: on CPU workers auto keeps no recompute (no GPU to fit); on a GPU auto finds
+    the tiny model fits without recompute, and an explicit full says what it saves and costs against none."""
+    result = _validate(capsys, good_config)
+    assert "activation checkpointing auto → none (CPU workers: no GPU to fit)" in result.out, result.out
+    on_gpu = ("ray.use_gpu=true", "fsdp.param_dtype=auto")
+    result = _validate(capsys, good_config, *on_gpu)
+    line = r"activation checkpointing auto → none \(FSDP, fp32 base, h200\): [\d.]+ GiB/GPU, step [\d.]+ s \(no layer"
+    assert re.search(line, result.out), result.out
+    result = _validate(capsys, good_config, *on_gpu, "fsdp.activation_checkpointing=full")
+    found = re.search(
+        r"activation checkpointing full \(FSDP, fp32 base, h200\): ([\d.]+) GiB/GPU, step ([\d.]+) s; without "
+        r"recompute ([\d.]+) GiB/GPU \(fits\), step ([\d.]+) s: recompute saves ([\d.]+) GiB and costs ([\d.]+) s "
+        r"a step",
+        result.out,
+    )
+    assert found, result.out
+    full_gib, full_s, none_gib, none_s, saved, cost = map(float, found.groups())
+    assert full_gib <= none_gib and full_s >= none_s and saved >= 0 and cost >= 0, found.groups()
+
+
 @pytest.mark.parametrize("command", [_validate, _job])
 def test_a_torch_older_than_the_floor_is_refused_in_one_line(command, good_config, capsys, monkeypatch):
     """A cluster image's own torch below the oldest release rayft runs on (faked here): refused before anything is

@@ -109,7 +109,7 @@ def _check_dequantised_against_the_planner(label: str, cfg: Config, s, k: int, c
     planner has every pass need every matrix and uniform routing hit each local expert with 1 − (1 − 1/E)^slots;
     what ran may leave out the input gradient of the first layer's projections of the embeddings (the dense
     fixture's q, k, v: no AC, nothing asks for that gradient) and may hit every expert."""
-    passes = 2 + cfg.fsdp.activation_checkpointing
+    passes = 2 + cfg.recomputes_activations
     every_expert = ACCUM * passes * (s.fp8 - s.experts + s.experts / k)
     first_layer_skipped = ACCUM * (dequantised_per_micro_batch(cfg, s, k) - (s.fp8 - s.experts) / s.layers)
     print(label, "dequantised", counted, ACCUM * dequantised_per_micro_batch(cfg, s, k))

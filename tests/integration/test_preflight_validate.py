@@ -654,6 +654,23 @@ def test_a_flash_kernel_not_installed_here_is_a_warning_for_a_gpu_config(base, t
     assert run_cli(capsys, "validate", "--config", str(config)).rc == 0
 
 
+def test_validate_says_which_attention_kernel_the_job_runs_and_why(base, tmp_path, capsys):
+    """model.attn_implementation unset: packed rows on GPUs get a varlen kernel (flash-attention where flash_attn is
+    installed, else FlexAttention), CPU workers and padded rows SDPA; validate names the kernel and the reason."""
+    import importlib.util
+
+    varlen = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention (packed rows on GPUs"
+    cases = [
+        ({"packing": True}, {"use_gpu": True}, f"  attention: {varlen}"),
+        ({"packing": True}, {"use_gpu": False}, "  attention: sdpa (CPU workers: flash-attention is CUDA-only"),
+        ({"packing": False}, {"use_gpu": True}, "  attention: sdpa (rows padded per batch, data.packing false"),
+    ]
+    for data, ray, said in cases:
+        result = run_cli(capsys, "validate", "--config", str(config_file(tmp_path, base, data=data, ray=ray)))
+        assert result.rc == 0, result.err
+        assert said in result.out, result.out
+
+
 def test_a_remote_storage_path_is_written_to_before_anything_starts(base, tmp_path, capsys, monkeypatch):
     """A bucket nothing can reach passed `validate` and failed at the first checkpoint with a raw traceback: now a
     probe object is written and deleted first. (An S3 endpoint on a closed local port; a file:// URI for a reachable

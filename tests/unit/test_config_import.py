@@ -51,7 +51,7 @@ def test_the_converted_config_trains_the_seed_settings_key_by_key():
     assert cfg.train.bf16 is (acc["mixed_precision"] == "bf16")
     assert cfg.fsdp.reshard_after_forward is fsdp["fsdp_reshard_after_forward"]
     assert cfg.fsdp.cpu_offload is fsdp["fsdp_offload_params"]
-    assert cfg.fsdp.activation_checkpointing is fsdp["fsdp_activation_checkpointing"]
+    assert cfg.fsdp.checkpointing() == ("full" if fsdp["fsdp_activation_checkpointing"] else "none")
     assert cfg.fsdp.forward_prefetch == int(fsdp["fsdp_forward_prefetch"])
     assert cfg.fsdp.backward_prefetch == 1  # BACKWARD_PRE: the next layer's gather during backward
     assert cfg.model.load_mode == "sharded"  # fsdp_cpu_ram_efficient_loading: no rank holds the whole model

@@ -21,10 +21,10 @@ from rayft.config import Config, ConfigError, DataConfig, DpoConfig, ModelConfig
 from rayft.data.pipeline import _check_usable, count, finish
 from rayft.data.preference import PairLimits, PreferenceCollate, PreferenceTokenize, pair_key
 from rayft.data.records import record_format
+from rayft.data.reference_table import ReferenceTable
 from rayft.data.tokenizer import tokenizer_facts
 from rayft.model.loss import sequence_logprobs
 from rayft.train.dpo import pair_scores
-from rayft.train.reference import ReferenceTable
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
