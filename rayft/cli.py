@@ -25,7 +25,7 @@ from rayft.logs import LEVEL_ENV, quiet_console, verbose
 if typing.TYPE_CHECKING:
     from rayft.data.sample import SampleReport
     from rayft.deploy.k8s import Deployment
-    from rayft.deploy.platform import K8sConfig
+    from rayft.kube.settings import K8sConfig
     from rayft.model.frozen import Held
     from rayft.plan.comm import Cluster
     from rayft.plan.memory import MemoryPlan
@@ -428,7 +428,7 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
     from rayft.deploy.flags import KUBERAY_FLAGS, flags_set, given
     from rayft.deploy.k8s import operator, to_yaml
-    from rayft.deploy.platform import K8sConfig
+    from rayft.kube.settings import K8sConfig
     from rayft.schema import checked
 
     if args.action == "validate":

@@ -23,7 +23,7 @@ import yaml
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, Strict, model_validator
 
-from rayft.deploy.platform import K8sConfig
+from rayft.kube.settings import K8sConfig
 from rayft.schema import (
     SECTION_CONFIG,
     Broken,

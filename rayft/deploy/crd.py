@@ -18,8 +18,8 @@ from typing import Any, cast
 import yaml
 
 from rayft import environment
-from rayft.deploy import apirules
-from rayft.deploy.kuberay import DELETION_GATE, Operator
+from rayft.kube import apirules
+from rayft.kube.kuberay import DELETION_GATE, Operator
 
 CRD_DIR_ENV = environment.KUBERAY_CRDS.name
 # The CRDs (RayJob, RayCluster) of every supported KubeRay release ship as package data, gzipped, one directory per

@@ -22,9 +22,11 @@ import yaml
 from rayft import environment
 from rayft.config import Config, ConfigError, NcclConfig, is_uri
 from rayft.deploy import auth, budget, platform, reach, start_watch_manifests
-from rayft.deploy.apirules import quantity_bytes
 from rayft.deploy.crd import MAX_NAME, name_problems
-from rayft.deploy.kuberay import (
+from rayft.deploy.nodes import WorkerPods, placement_notes, worker_pods
+from rayft.hub import is_hub_name
+from rayft.kube.apirules import quantity_bytes
+from rayft.kube.kuberay import (
     DELETION_GATE,
     DELETION_STRATEGY_SINCE,
     GATES_ON_BY_DEFAULT_SINCE,
@@ -32,9 +34,7 @@ from rayft.deploy.kuberay import (
     Operator,
     dotted,
 )
-from rayft.deploy.nodes import WorkerPods, placement_notes, worker_pods
-from rayft.deploy.platform import K8sConfig
-from rayft.hub import is_hub_name
+from rayft.kube.settings import K8sConfig
 from rayft.parallel.backend import nccl_env
 
 RAY_VERSION = "2.60.0"

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from rayft.deploy import platform
-from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP, manifest_schema
-from rayft.deploy.platform import K8sConfig
+from rayft.kube.apirules import METADATA_SCHEMA, STRING_MAP, manifest_schema
+from rayft.kube.settings import K8sConfig
 
 MODULE = "rayft.deploy.start_watch"
 SUFFIX = "-start-watch"  # the Job's, the ServiceAccount's, the Role's and the RoleBinding's name after the RayJob's

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from rayft.deploy.crd import CRD_DIR_ENV, PACKAGED_CRD_DIR, ManifestError, crd_dir, schemas
-from rayft.deploy.kuberay import RELEASES, Operator
+from rayft.kube.kuberay import RELEASES, Operator
 
 REPO = Path(__file__).resolve().parents[2]
 WATCHER_FILES = ["start-watch-account.yaml", "start-watch-binding.yaml", "start-watch-role.yaml", "start-watch.yaml"]

@@ -14,7 +14,7 @@ from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, schemas, validate, validate_file
 from rayft.deploy.k8s import IMAGE_ROOT, RAY_VERSION
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = sorted((REPO / "cluster").glob("*.yaml"))

@@ -12,7 +12,7 @@ import yaml
 from rayft import cli
 from rayft.config import ConfigError, load_config
 from rayft.deploy.crd import validate
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"

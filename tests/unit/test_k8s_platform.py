@@ -15,7 +15,7 @@ import yaml
 from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import validate
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"
@@ -483,7 +483,7 @@ def test_render_flags_follow_the_k8s_keys_they_set():
     import typing
 
     from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, add_flags, given
-    from rayft.deploy.platform import K8sConfig
+    from rayft.kube.settings import K8sConfig
 
     hints = typing.get_type_hints(K8sConfig)
     keys = set()

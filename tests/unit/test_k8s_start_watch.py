@@ -21,7 +21,7 @@ import yaml
 
 from rayft import cli
 from rayft.deploy.crd import validate
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = "jobs/mistral4-3xh200.yaml"

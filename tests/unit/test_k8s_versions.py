@@ -12,7 +12,7 @@ import yaml
 
 from rayft import cli
 from rayft.deploy.crd import PACKAGED_CRD_DIR, schemas, validate
-from rayft.deploy.kuberay import RELEASES, Operator
+from rayft.kube.kuberay import RELEASES, Operator
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "jobs").glob("*.yaml"))
