@@ -125,10 +125,20 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
         config = write_yaml(out / "config.yaml", cfg)
         jobs[label] = Submitted(submit_no_wait(ray_cluster, config, working_dir(out)), Run(out, out / "job.log"))
     killed = jobs["killed"]
-    wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run,
-               timeout=600, every=0.5)  # fmt: skip
-    group = wait_until(lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
-                       "the two training workers", killed.run, timeout=600, every=0.5)  # fmt: skip
+    wait_until(
+        lambda: "checkpoint-000001" in killed.run.registered(),
+        "the first checkpoint",
+        killed.run,
+        timeout=600,
+        every=0.5,
+    )
+    group = wait_until(
+        lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
+        "the two training workers",
+        killed.run,
+        timeout=600,
+        every=0.5,
+    )
     steps_before_kill = max((r["step"] for r in killed.run.metrics()), default=0)
     os.kill(max(group), signal.SIGKILL)
     wait_for_jobs(ray_cluster, list(jobs.values()))
@@ -164,8 +174,15 @@ def test_the_expert_parallel_checkpoint_continues_with_one_rank_per_expert_to_th
 ):
     """The Ray run's k = 2 checkpoint continued with k = 1 on gloo ranks ends where the uninterrupted run ends."""
     reference, source = fp8_jobs["reference"], fp8_jobs["killed"].run_dir / f"checkpoint-{STEPS - 2:06d}"
-    cfg = ep_config(fixtures, mistral4_hub, tmp_path / "k1-from-k2", 1, FROZEN["mistral4_hub"], train__bf16=False,
-                    train__resume_from_checkpoint=str(source))  # fmt: skip
+    cfg = ep_config(
+        fixtures,
+        mistral4_hub,
+        tmp_path / "k1-from-k2",
+        1,
+        FROZEN["mistral4_hub"],
+        train__bf16=False,
+        train__resume_from_checkpoint=str(source),
+    )
     again = train_locally(cfg, 2)
     assert again.resumes() == [STEPS - 2], again.text()[-6000:]
     assert [r["step"] for r in again.metrics()] == [STEPS - 1, STEPS]
@@ -236,10 +253,26 @@ def test_fp8_adapter_loads_with_peft_on_the_dequantised_base_and_the_merged_expo
 
     out = tmp_path / "merged"
     merged_run = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "export", "--adapter", str(final), "--base",
-         str(mistral4_hub), "--out", str(out), "--merge", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "export",
+            "--adapter",
+            str(final),
+            "--base",
+            str(mistral4_hub),
+            "--out",
+            str(out),
+            "--merge",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert merged_run.returncode == 0, merged_run.stderr[-3000:]
     merged = Mistral4ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     reference = tuned.merge_and_unload()  # PEFT folds the adapter (routed experts included) into the numpy base
@@ -287,10 +320,13 @@ def test_eval_on_the_fp8_base_scores_as_the_dequantised_fp32_base(
     run = fp8_jobs["reference"]
     adapter = ("--adapter", str(run.out / "final"))
     copy = write_yaml(tmp_path / "config.yaml", _fp8_config(fixtures, mistral4_hub, tmp_path))
-    (fp8, fp8_log), (fp32, fp32_log) = _evals(ray_cluster, [
-        (run.out / "config.yaml", adapter),
-        (copy, (*adapter, "--override", "model.frozen_dtype=float32")),
-    ])  # fmt: skip
+    (fp8, fp8_log), (fp32, fp32_log) = _evals(
+        ray_cluster,
+        [
+            (run.out / "config.yaml", adapter),
+            (copy, (*adapter, "--override", "model.frozen_dtype=float32")),
+        ],
+    )
     assert "stored as FP8 E4M3" in fp8_log and "stored as FP8 E4M3" not in fp32_log, fp8_log[-3000:]
     assert fp8 == pytest.approx(fp32, rel=1e-4)
     best = min(r["eval_loss"] for r in run.metrics() if "eval_loss" in r)

@@ -61,8 +61,9 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
         crds = {n for n in z.namelist() if n.startswith("rayft/deploy/crds/")}
-        assert crds == {f"rayft/deploy/crds/v{r}/ray.io_{k}.yaml.gz" for r in RELEASES.values()
-                        for k in ("rayjobs", "rayclusters")}  # fmt: skip
+        assert crds == {
+            f"rayft/deploy/crds/v{r}/ray.io_{k}.yaml.gz" for r in RELEASES.values() for k in ("rayjobs", "rayclusters")
+        }
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     config = elsewhere / "job.yaml"
@@ -72,16 +73,32 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
     out = elsewhere / "out"
 
     def rayft(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", code, *args], cwd=elsewhere, env=env, capture_output=True,
-                              text=True)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=elsewhere, env=env, capture_output=True, text=True
+        )
 
-    probe = subprocess.run([sys.executable, "-c", "import rayft.deploy.crd as c; print(c.crd_dir())"],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", "import rayft.deploy.crd as c; print(c.crd_dir())"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(probe.stdout.strip()).is_relative_to(site), probe.stdout
     for version in [None, *(".".join(map(str, minor)) for minor in RELEASES)]:
         named = ["--kuberay-version", version] if version else []
-        done = rayft("k8s", "render", "--config", str(config), "--config-in-cluster", "/data/job.yaml", *named,
-                     "--out", str(out / str(version)))  # fmt: skip
+        done = rayft(
+            "k8s",
+            "render",
+            "--config",
+            str(config),
+            "--config-in-cluster",
+            "/data/job.yaml",
+            *named,
+            "--out",
+            str(out / str(version)),
+        )
         assert done.returncode == 0, done.stderr
         files = sorted((out / str(version)).glob("*.yaml"))
         watcher = [] if version in ("1.6", "1.7") else WATCHER_FILES  # no preRunningDeadlineSeconds: a watcher

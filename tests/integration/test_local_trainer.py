@@ -100,8 +100,11 @@ def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it
     saved = sorted(p.name for p in run.run_dir.glob("checkpoint-*"))
     assert saved == ["checkpoint-000002", f"checkpoint-{STEPS:06d}"], saved
     text = run.text()
-    assert re.search(r"preemption notice at step 2: node\(s\) node-b \(ranks \[1\]\) draining, deadline in 1\d\d s; "
-                     r"checkpoint-000002 holds the run", text), text[-3000:]  # fmt: skip
+    assert re.search(
+        r"preemption notice at step 2: node\(s\) node-b \(ranks \[1\]\) draining, deadline in 1\d\d s; "
+        r"checkpoint-000002 holds the run",
+        text,
+    ), text[-3000:]
     assert text.count("preemption notice") == 1
     assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
     resumed = train_locally(cfg, 2, resume=run.checkpoint(2))
@@ -135,10 +138,15 @@ def test_a_diverging_run_stops_at_the_step_keeps_its_last_finite_checkpoint_and_
     checkpoint after that step and no final adapter. The expected step is read from the run's own record: the rows
     logged, and the saved weights, not from the loop's verdict."""
     cfg = checkpointing_config(
-        fixtures, tmp_path, train__learning_rate=1e30, train__logging_steps=logging_steps,
-        train__save_steps=save_steps, train__max_steps=10, train__load_best_model_at_end=False,
+        fixtures,
+        tmp_path,
+        train__learning_rate=1e30,
+        train__logging_steps=logging_steps,
+        train__save_steps=save_steps,
+        train__max_steps=10,
+        train__load_best_model_at_end=False,
         train__eval_strategy="no",
-    )  # fmt: skip
+    )
     with pytest.raises(Exception, match=r"training stopped at step \d+") as err:
         train_locally(cfg, 2)
     (reason,) = re.findall(r"NonFinite: (training stopped at step .*)", str(err.value))
@@ -186,9 +194,12 @@ def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(f
     # learning rate than the recovery tests' 3e-2, at which Adam's first steps grow the reordered sums' 1e-7 gaps
     # to 1e-4 within a few steps.
     elastic = {
-        "ray__num_workers": [2, 3], "train__per_device_eval_batch_size": 1, "train__learning_rate": 3e-3,
-        "train__record_ledger": True, "data__packing": False,  # each sequence a record, counted in the ledger
-    }  # fmt: skip
+        "ray__num_workers": [2, 3],
+        "train__per_device_eval_batch_size": 1,
+        "train__learning_rate": 3e-3,
+        "train__record_ledger": True,
+        "data__packing": False,  # each sequence a record, counted in the ledger
+    }
     cfg = checkpointing_config(fixtures, tmp_path / "elastic", **elastic)
     reference = train_locally(checkpointing_config(fixtures, tmp_path / "reference", **elastic), 3)
     first = train_locally(cfg, 3, crash_saving=3)
@@ -338,8 +349,11 @@ def _ray_checkpoint_config(raw: dict):
     """The retention the job hands Ray for `raw` (`launch._run_config`): save_total_limit, ranked by eval_loss."""
     from ray.train import CheckpointConfig
 
-    return CheckpointConfig(num_to_keep=raw["train"]["save_total_limit"], checkpoint_score_attribute="eval_loss",
-                            checkpoint_score_order="min")  # fmt: skip
+    return CheckpointConfig(
+        num_to_keep=raw["train"]["save_total_limit"],
+        checkpoint_score_attribute="eval_loss",
+        checkpoint_score_order="min",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -471,8 +485,13 @@ def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothi
         _delete_a_shard(run.run_dir / name)
     before = _tree(run.run_dir)
     result = run_cli(capsys, "train", "--config", str(write_yaml(tmp_path / "config.yaml", raw)))
-    said = "; ".join(rf"{name} is incomplete: \S+/{name}/state/\S+ \(missing\), which its \.metadata references"
-                     for name in sorted(names, reverse=True))  # fmt: skip
-    assert_refused(result, rf"no checkpoint Ray registered is intact \({said}\); nothing was renamed or deleted: "
-                           r"start a new run \(another train\.output_dir or ray\.name\)")  # fmt: skip
+    said = "; ".join(
+        rf"{name} is incomplete: \S+/{name}/state/\S+ \(missing\), which its \.metadata references"
+        for name in sorted(names, reverse=True)
+    )
+    assert_refused(
+        result,
+        rf"no checkpoint Ray registered is intact \({said}\); nothing was renamed or deleted: "
+        r"start a new run \(another train\.output_dir or ray\.name\)",
+    )
     assert _tree(run.run_dir) == before

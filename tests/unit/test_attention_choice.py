@@ -73,8 +73,12 @@ def test_a_packed_4096_row_allocates_no_s_squared_tensor_with_the_default_kernel
     sees it). Forward only: FlexAttention has no CPU backward, and the GPU one is fused like its forward."""
     s = 4096
     model_dir = make_tiny_family("llama", tmp_path / "llama", tied=False)  # vocab 512: logits are 8 MiB, below s²
-    cfg = Config.from_dict({"model": {"model_name_or_path": str(model_dir), "torch_dtype": "float32"},
-                            "data": {"packing": True, "max_length": s}})  # fmt: skip
+    cfg = Config.from_dict(
+        {
+            "model": {"model_name_or_path": str(model_dir), "torch_dtype": "float32"},
+            "data": {"packing": True, "max_length": s},
+        }
+    )
     model_cfg, choice = attention_model_config(cfg, on_gpu=True)
     assert choice.name in ("flex_attention", "flash_attention_2") and not choice.loud
     row = packed_row([1024, 2048, 512, 512], 512)

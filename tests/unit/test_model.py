@@ -108,8 +108,10 @@ def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_p
     from rayft.model.loss import why_not_fused
     from rayft.train.objectives import build_objective
 
-    dora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(fixtures.model)),
-                               peft.LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))  # fmt: skip
+    dora = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(fixtures.model)),
+        peft.LoraConfig(r=4, target_modules=["lm_head"], use_dora=True),
+    )
     assert "DoRA" in why_not_fused(dora.get_base_model())
     raw = tiny_config(fixtures, tmp_path)
     raw["lora"]["target_modules"] = list(DENSE)

@@ -47,9 +47,18 @@ def test_placement_feasibility_with_several_workers_per_node(workers, bundle, pe
 
 @pytest.mark.parametrize(
     ("kind", "name"),
-    [("H100", "h100"), ("H200", "h200"), ("GH200", "gh200"), ("A100-80G", "a100"), ("B200", "b200"),
-     ("L40S", "l40s"), ("H20", None), ("GB200", None), ("T4", None)],
-)  # fmt: skip
+    [
+        ("H100", "h100"),
+        ("H200", "h200"),
+        ("GH200", "gh200"),
+        ("A100-80G", "a100"),
+        ("B200", "b200"),
+        ("L40S", "l40s"),
+        ("H20", None),
+        ("GB200", None),
+        ("T4", None),
+    ],
+)
 def test_rays_accelerator_types_name_the_planners_gpus(kind, name):
     """Ray's `accelerator_type:` resource names what the job's GPU is (`rayft.placement.cluster_gpu`): a kind the
     planner knows by its own name or a variant of it (A100-80G), never a different GPU that contains its letters."""
