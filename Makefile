@@ -43,8 +43,10 @@ test: lint prometheus
 	$(MAKE) test-torch-floor
 
 # The second leg: the oldest torch rayft runs on (FLOOR in rayft/parallel/torch_compat.py; many GPU images ship it)
-# under the FSDP2, FP8, expert-parallel and DPO tests, and its losses against the pinned torch's. Its venv holds only
-# that torch: every other package is .venv's, added behind it by a .pth file.
+# under the FSDP2, FP8, expert-parallel and DPO tests (not those marked torch_agnostic: rayft's own decisions, such as
+# a drain notice's checkpoint or a damaged checkpoint set aside, over the same torch calls the others make), and its
+# losses against the pinned torch's. Its venv holds only that torch: every other package is .venv's, added behind it
+# by a .pth file.
 FLOOR_VENV ?= .venv-torch-floor
 FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.py tests/integration/test_block_fp8.py \
 	tests/integration/test_local_trainer.py tests/integration/test_expert_parallel.py \
@@ -66,7 +68,8 @@ $(FLOOR_VENV)/.installed: $(VENV)/.installed-dev rayft/parallel/torch_compat.py
 	touch $@
 
 test-torch-floor: $(FLOOR_VENV)/.installed
-	RAYFT_PINNED_PYTHON=$(abspath $(PY)) $(FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 $(FLOOR_TESTS)
+	RAYFT_PINNED_PYTHON=$(abspath $(PY)) $(FLOOR_VENV)/bin/python -m pytest -v -p no:cacheprovider -n 2 \
+		-m "not torch_agnostic" $(FLOOR_TESTS)
 
 # The lower bounds in pyproject.toml, true: the floor of each library rayft calls into (tests/tools/floors.py; torch
 # has the leg above, Ray's floor is its pin) installed together, with what they need that the pins do not satisfy,

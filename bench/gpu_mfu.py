@@ -314,15 +314,18 @@ def planned(cfg: Any, config: Any, on_gpu: bool, gpu: str) -> dict[str, Any]:
 
     s = meta_structure(cfg, copy.deepcopy(config))
     held = held_as(cfg.model)
-    memory = plan_memory(cfg, s, 1, on_gpu, gpu if on_gpu else None, held=held)
     hw = Hardware(gpu)
     (layout,) = plan_layouts(cfg, s, Cluster(1, 1), hw, held, [Layout(shard=1)])
+    # on a GPU the layout's own memory (its recompute and FP8 matmuls as planned); on CPU the host memory
+    memory = layout.memory if on_gpu else plan_memory(cfg, s, 1, False, held=held)
     overhead = sum(gib for name, gib in memory.rows if name.startswith("CUDA"))
     return {
         "planned_memory_gib": round(memory.total_gib, 3),
         "planned_memory_less_overhead_gib": round(memory.total_gib - overhead, 3),
         "planned_memory_rows": {name: round(gib, 4) for name, gib in memory.rows},
         "planned_step_s": layout.time.predicted_s,
+        "planned_mfu": round(layout.mfu, 4),
+        "planned_recompute": layout.recompute.describe(),
         "planned_for": {"gpu": gpu, "mfu_assumed": hw.mfu, "params": s.total, "lora_params": s.lora, "held": held},
     }
 

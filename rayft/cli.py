@@ -25,7 +25,7 @@ from rayft.logs import LEVEL_ENV, quiet_console, verbose
 if typing.TYPE_CHECKING:
     from rayft.data.sample import SampleReport
     from rayft.deploy.k8s import Deployment
-    from rayft.deploy.platform import K8sConfig
+    from rayft.kube.settings import K8sConfig
     from rayft.model.frozen import Held
     from rayft.plan.comm import Cluster
     from rayft.plan.memory import MemoryPlan
@@ -297,7 +297,8 @@ DEPLOYMENT_FLAGS = {
     "head_shm_size": "size of the head's memory-backed /dev/shm",
     "ib_hca": "NCCL_IB_HCA where nccl.ib_hca is unset, with a fabric: '=mlx5_0,mlx5_1' names adapters exactly "
     "(default: NCCL's choice)",
-    "pre_running_deadline_s": "seconds the RayJob may take to start running",
+    "pre_running_deadline_s": "seconds the RayJob may take to start running (before KubeRay 1.6: kept by the "
+    "rendered start watcher, a small Job beside the RayJob)",
     "active_deadline_s": "seconds the RayJob may run",
     "ttl_after_finished_s": "seconds the finished cluster is kept (for its logs)",
     "backoff_limit": "fresh clusters after a failed job (default: 1, or 0 with ray.max_failures: -1)",
@@ -337,8 +338,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rayft.model.build import checkpoint_held, held_as
     from rayft.plan import format_plans, meta_structure, plan_memory
     from rayft.plan.comm import Cluster
-    from rayft.plan.report import format_layouts
-    from rayft.plan.steptime import Hardware, plan_layouts
+    from rayft.plan.memory import choose_recompute
+    from rayft.plan.report import format_layouts, format_recompute
+    from rayft.plan.steptime import Hardware, fastest_fitting, plan_layouts
 
     cfg = load_config(args.config, args.override)
     if args.num_nodes is None:
@@ -364,8 +366,15 @@ def _plan(args: argparse.Namespace) -> int:
     filed = checkpoint_held(cfg.model, True if args.preset else None)
     held = held_as(cfg.model, checkpoint_fp8=filed == "fp8")
 
+    given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
+    hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
+
     def plans(held: Held) -> list[MemoryPlan]:
-        return [plan_memory(cfg, s, n * args.gpus_per_node, True, args.gpu, held=held) for n in args.num_nodes]
+        """FSDP over each cluster size, with the recompute `fsdp.activation_checkpointing` asks or chooses there."""
+        fp8 = hw.multiplies_fp8(cfg, held)
+        worlds = [n * args.gpus_per_node for n in args.num_nodes]
+        chosen = [choose_recompute(cfg, s, w, True, args.gpu, held, fp8_compute=fp8) for w in worlds]
+        return [plan_memory(cfg, s, w, True, args.gpu, held, 1, r, fp8) for w, r in zip(worlds, chosen, strict=True)]
 
     if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
         print(
@@ -376,12 +385,11 @@ def _plan(args: argparse.Namespace) -> int:
     batch = (cfg.train.per_device_train_batch_size, cfg.data.max_length)
     print(format_plans(plans(held), s, batch[0] * batch[1], plans(beside) if beside else None, batch))
     if args.layouts:
-        given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
-        hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
         for nodes in args.num_nodes:
             cluster = Cluster(nodes, args.gpus_per_node)
             layouts = [p for h in (held, beside) if h for p in plan_layouts(cfg, s, cluster, hw, h)]
             print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
+            print(format_recompute(cfg, s, fastest_fitting(layouts) or layouts[0], cluster, hw))
             print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps, (args.gpu, held, filed)))
     return EXIT_OK
 
@@ -420,7 +428,7 @@ def _k8s(args: argparse.Namespace, argv: list[str]) -> int:
     from rayft.deploy.crd import ManifestError, crd_dir, validate, validate_file
     from rayft.deploy.flags import KUBERAY_FLAGS, flags_set, given
     from rayft.deploy.k8s import operator, to_yaml
-    from rayft.deploy.platform import K8sConfig
+    from rayft.kube.settings import K8sConfig
     from rayft.schema import checked
 
     if args.action == "validate":
@@ -567,7 +575,6 @@ def eval_summary(result: dict[str, typing.Any], adapter: bool) -> str:
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
     from rayft.deploy import auth
     from rayft.model.build import held_as
-    from rayft.plan import plan_memory
     from rayft.preflight import check_continued_run, preflight
 
     checked = preflight(cfg)
@@ -584,14 +591,16 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     lora = checked.lora
     print(f"  model: {lora.architecture}, {checked.structure.params:,} params")
     print(f"  LoRA modules: {len(lora.modules)} ({', '.join(lora.names)}), trainable params {checked.structure.lora:,}")
+    print(f"  attention: {checked.attention.line()}")
     r = cfg.ray
     world = r.fewest_workers  # an elastic run's fewest workers hold the largest shares: its worst case
     where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")
     held = held_as(cfg.model)
     on_gpu = r.use_gpu is not False
-    plan = plan_memory(cfg, checked.structure, world, on_gpu=on_gpu, gpu=args.gpu, held=held)
+    plan, recompute = _validate_plan(cfg, checked.structure, held, args.gpu if on_gpu else None)
     print(f"  frozen base: {_storage(checked.structure, held, cfg.model.torch_dtype)}")
     print(f"  memory plan: {_memory_verdict(plan, where, on_gpu, args.gpu)} (rayft plan for details)")
+    print(f"  {recompute}")
     final = Path(cfg.train.output_dir).expanduser().resolve() / "final"
     print(f"  writes: final adapter {final}, run directory {cfg.run_uri}")
     if cfg.train.warmup_steps > 0 and cfg.train.max_steps <= 0:
@@ -603,6 +612,25 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
         if warning:
             print(f"rayft: warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _validate_plan(cfg: Config, s: Structure, held: Held, gpu: str | None) -> tuple[MemoryPlan, str]:
+    """The memory plan of the config's layout on its fewest workers and the line of its activation checkpointing:
+    on `gpu` with what `auto` chooses there (and its cost), or, CPU workers (None), what the config says."""
+    from rayft.plan import plan_memory
+    from rayft.plan.recompute import Recompute
+    from rayft.plan.report import format_recompute
+    from rayft.plan.steptime import Hardware, config_layout, layout_plan
+
+    if gpu is None:
+        recompute = Recompute.of(cfg, s.layers)
+        plan = plan_memory(cfg, s, cfg.ray.fewest_workers, False, held=held, recompute=recompute)
+        line = f"activation checkpointing {cfg.checkpointing} → {recompute.describe()} (CPU workers: no GPU to fit)"
+        return plan, line
+    cluster, layout = config_layout(cfg)
+    hw = Hardware(gpu)
+    chosen = layout_plan(cfg, s, layout, cluster, hw, held)
+    return chosen.memory, format_recompute(cfg, s, chosen, cluster, hw)
 
 
 def _show_example(cfg: Config, samples: list[SampleReport]) -> None:

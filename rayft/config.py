@@ -16,15 +16,14 @@ import string
 import typing
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import pydantic.dataclasses
 import yaml
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import Strict, model_validator
+from pydantic import BeforeValidator, Strict, model_validator
 
-from rayft.deploy.platform import K8sConfig
-from rayft.parallel.backend import NcclConfig
+from rayft.kube.settings import K8sConfig
 from rayft.schema import (
     SECTION_CONFIG,
     Broken,
@@ -82,6 +81,16 @@ Share = Annotated[Number, Ge(0), Lt(1)]  # a part of a whole, less than all of i
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+# fsdp.activation_checkpointing in words (true and false read as full and none)
+Checkpointing = Literal["auto", "full", "selective", "none"]
+
+
+def _checkpointing_word(value: Any) -> Any:
+    """true and false, as accelerate's and older rayft configs write the setting, in words."""
+    return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+
+CheckpointingSetting = Annotated[Checkpointing, BeforeValidator(_checkpointing_word)]
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
 ]
@@ -486,8 +495,13 @@ class FsdpConfig(Section):
     param_dtype: Dtype | Literal["auto"] = "auto"
     reduce_dtype: Dtype = "float32"
     cpu_offload: Flag = False
-    # Recompute each decoder layer in backward (train.gradient_checkpointing turns this on too).
-    activation_checkpointing: Flag = False
+    # Recompute decoder layers in backward instead of keeping their activations. auto: the planner's choice from the
+    # memory plan of the job's GPU (none when the activations fit, else every n-th layer, else every layer);
+    # full (true), selective (every `checkpoint_every_n_layers`-th layer; unset: the fewest layers that fit), none
+    # (false). An explicit setting wins; train.gradient_checkpointing: true asks for full.
+    activation_checkpointing: CheckpointingSetting = "auto"
+    # Selective checkpointing's period: layers 0, n, 2n, ... are recomputed (transformers' `every_n_layers`).
+    checkpoint_every_n_layers: Count | None = None
     # Layers whose all-gather is issued ahead of time; 0 leaves it to FSDP2's implicit prefetching.
     forward_prefetch: Annotated[Integer, Ge(0)] = 1
     backward_prefetch: Annotated[Integer, Ge(0)] = 1
@@ -495,6 +509,22 @@ class FsdpConfig(Section):
     # weight is ever gathered (DDP-like, for models that fit one worker); k = HSDP: sharded within groups of k
     # workers (a node), replicated across the groups, so only the LoRA gradients cross between groups.
     shard_size: Count | None = None
+
+    def broken(self) -> list[Broken | None]:
+        return [
+            broken(
+                f"fsdp.checkpoint_every_n_layers {self.checkpoint_every_n_layers} is selective checkpointing's period; "
+                f"fsdp.activation_checkpointing is {self.checkpointing()}: set it to selective or drop the period",
+                "checkpoint_every_n_layers",
+                "activation_checkpointing",
+            )
+            if self.checkpoint_every_n_layers is not None and self.checkpointing() != "selective"
+            else None
+        ]
+
+    def checkpointing(self) -> Checkpointing:
+        """`activation_checkpointing` in words, also where code set it to true or false without reading it."""
+        return cast(Checkpointing, _checkpointing_word(self.activation_checkpointing))
 
     def shard_group(self, world_size: int) -> int:
         """Workers that together hold one copy of the weights."""
@@ -705,6 +735,37 @@ class ParallelConfig(Section):
         ]
 
 
+@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
+class NcclConfig(Section):
+    """The config's `nccl` section: NCCL's fabric settings, given to every training worker on a GPU cluster through
+    Ray's runtime environment (so they reach workers on any Ray cluster, not only pods rendered by `rayft k8s
+    render`). None leaves a variable to the pod's environment or NCCL's own detection."""
+
+    section: ClassVar[str] = "nccl"
+
+    # NCCL_IB_HCA: '=mlx5_0,mlx5_1' names exact adapters (':1' a port); a bare 'mlx5' is a prefix match that
+    # also takes Ethernet/RoCE ports of the same driver.
+    ib_hca: Text | None = None
+    # NCCL_IB_GID_INDEX: RoCE fabrics need the GID of the RoCE v2 address (commonly 3); InfiniBand needs none.
+    ib_gid_index: Annotated[Integer, Ge(0)] | None = None
+    # NCCL_SOCKET_IFNAME: the interface for NCCL's bootstrap and socket fallback (e.g. net1, ^lo,docker).
+    socket_ifname: Text | None = None
+    # NCCL_DEBUG: WARN reports problems only; INFO prints per-rank set-up lines (which transport, NET/IB or
+    # NET/Socket) and is worth it only while a fabric is being brought up.
+    debug: Literal["VERSION", "WARN", "INFO", "TRACE"] = "WARN"
+    # NCCL_DEBUG_SUBSYS with debug INFO, e.g. INIT,NET.
+    debug_subsys: Text | None = None
+    # Any other NCCL_* variable, e.g. NCCL_IB_QPS_PER_CONNECTION: "1".
+    env: Keyed[Text] = field(default_factory=dict)
+
+    def broken(self) -> list[Broken | None]:
+        return [
+            broken(f"nccl.env: '{name}' is not an NCCL variable (names start with NCCL_)", f"env.{name}")
+            for name in self.env
+            if not name.startswith("NCCL_")
+        ]
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "lora": LoraConfig,
@@ -767,9 +828,28 @@ class Config(Section):
         return dataclasses.asdict(self)
 
     @property
+    def checkpointing(self) -> Checkpointing:
+        """Activation checkpointing as asked, in FSDP's section or as the HF trainer's `gradient_checkpointing`
+        (true: full, unless FSDP's section asks for selective)."""
+        asked = self.fsdp.checkpointing()
+        return "full" if self.train.gradient_checkpointing and asked in ("auto", "none") else asked
+
+    def checkpoint_every(self) -> int | None:
+        """Every n-th decoder layer recomputed in backward (1: every layer), None: none. `auto` is resolved on the
+        driver from the memory plan of the job's GPU (`rayft.plan.recompute`); where nothing resolved it (a model
+        built outside a job, a GPU the planner does not know) it keeps what rayft did before it chose: none, or
+        every layer with expert LoRA (a bf16 base's experts keep W + BA of every layer for backward)."""
+        mode = self.checkpointing
+        if mode == "auto":
+            return 1 if self.lora.target_experts else None
+        if mode == "selective":
+            return self.fsdp.checkpoint_every_n_layers or 2
+        return 1 if mode == "full" else None
+
+    @property
     def recomputes_activations(self) -> bool:
-        """Activation checkpointing, asked for in FSDP's section or as the HF trainer's `gradient_checkpointing`."""
-        return self.fsdp.activation_checkpointing or self.train.gradient_checkpointing
+        """Whether any decoder layer is recomputed in backward (`checkpoint_every`)."""
+        return self.checkpoint_every() is not None
 
     @property
     def storage_path(self) -> str:
@@ -811,15 +891,6 @@ class Config(Section):
     def _lora_broken(self) -> list[Broken | None]:
         lo, frozen, k = self.lora, self.model.frozen_dtype, self.parallel.expert_parallel
         return [
-            broken(
-                "lora.target_experts: true needs fsdp.activation_checkpointing: true (or train.gradient_checkpointing):"
-                " every expert's W + BA is materialised in forward, keeping it for backward does not fit",
-                "lora.target_experts",
-                "fsdp.activation_checkpointing",
-                "train.gradient_checkpointing",
-            )
-            if lo.target_experts and not self.recomputes_activations
-            else None,
             broken(DORA_ON_FP8, "lora.use_dora", "model.frozen_dtype")
             if lo.use_dora and frozen == "float8_e4m3fn"
             else None,

@@ -14,7 +14,7 @@ class Gpu:
     bf16_tflops: float  # dense tensor-core peak
     hbm_tbytes_per_s: float  # memory bandwidth: what the FP8 dequantisation kernel is bound by
     link_gbytes_per_s: float  # NVLink per GPU, both directions together as NVIDIA quotes it (PCIe where none)
-    fp8_tflops: float | None = None  # dense FP8 tensor-core peak; None: no FP8 matmuls (before compute capability 8.9)
+    fp8_tflops: float | None = None  # dense FP8 tensor-core peak; None: no FP8 tensor cores (capability < 8.9)
 
 
 # Ordered so that a device name matches its own entry first ("NVIDIA GH200 480GB" holds "H200").
@@ -28,3 +28,10 @@ GPUS: dict[str, Gpu] = {
     "a100": Gpu(79.3, 312, 2.0, 600),  # the 80 GB part
     "l40s": Gpu(44.4, 362, 0.864, 64, 733),  # PCIe 4.0 x16, no NVLink
 }
+
+
+def gpu_named(kind: str) -> str | None:
+    """The name in GPUS of a GPU as Ray's `accelerator_type` calls it ("H100", "A100-80G", "GH200"), None for one
+    the planner does not know."""
+    kind = kind.upper()
+    return next((name for name in GPUS if kind == name.upper() or kind.startswith(name.upper() + "-")), None)

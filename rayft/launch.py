@@ -23,7 +23,7 @@ from rayft.data.pipeline import build_datasets, build_eval_dataset, small_eval_r
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, check_adapter_files, with_adapter_shape
 from rayft.parallel.backend import nccl_env, process_group_backend
-from rayft.placement import resolve_use_gpu, wait_for_placement
+from rayft.placement import cluster_gpu, resolve_use_gpu, wait_for_placement
 from rayft.preflight import Preflight, preflight
 from rayft.startup import Profile
 from rayft.train.atomic import replace_dir, staging_dir
@@ -81,6 +81,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         plan = plan_steps(cfg, rows.train_stats.rows, rows.validation_rows, cfg.ray.num_workers) if rows else None
     with profile.stage("ray_start"):
         use_gpu = join_cluster(cfg)
+    _plan_recompute(cfg, checked, use_gpu)
     with profile.stage("data_plan"):
         datasets = build_datasets(cfg, sources, checked.records, checked.tokenizer, rows)
     plan = plan or plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
@@ -122,6 +123,14 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         # Ray keeps reported metrics with checkpoints only; without them, the run's own record has the last ones
         metrics=dict(result.metrics or {}) or _last_metrics(run),
     )
+
+
+def _plan_recompute(cfg: Config, checked: Preflight, use_gpu: bool) -> None:
+    """`fsdp.activation_checkpointing: auto` resolved for the GPU the cluster has, into the config the workers get."""
+    from rayft.model.build import held_as
+    from rayft.plan.steptime import planned_recompute
+
+    planned_recompute(cfg, checked.structure, held_as(cfg.model), cluster_gpu(use_gpu))
 
 
 def _trainer(job: Job, splits: dict[str, GenDataset], best: tuple[str, str] | None, use_gpu: bool) -> TorchTrainer:

@@ -1,6 +1,6 @@
-"""Where the workers go: GPU or CPU from the cluster's resources, and whether the workers' placement group can ever
-fit the cluster (now, once nodes join, or at its autoscaler's maximum), refused before Ray Train would cycle
-between scheduling and rescheduling forever."""
+"""Where the workers go: GPU or CPU (and which GPU) from the cluster's resources, and whether the workers'
+placement group can ever fit the cluster (now, once nodes join, or at its autoscaler's maximum), refused before Ray
+Train would cycle between scheduling and rescheduling forever."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import ray
 
 from rayft import ray_private
 from rayft.config import ConfigError, RayConfig
+from rayft.gpus import gpu_named
 
 log = logging.getLogger("rayft")
 
@@ -145,3 +146,18 @@ def describe_nodes(nodes: list[dict[str, float]]) -> str:
 
 def _amount(value: float) -> str:
     return f"{value:g}"
+
+
+def cluster_gpu(use_gpu: bool) -> str | None:
+    """The GPU the workers train on, by the `accelerator_type:` resource Ray gives each GPU node (a name of
+    rayft.gpus.GPUS); None on CPU workers, a GPU the planner does not know, or a cluster of several kinds."""
+    if not use_gpu:
+        return None
+    return gpu_of(ray.cluster_resources())  # type: ignore[no-untyped-call]  # unannotated in Ray 2.60
+
+
+def gpu_of(resources: dict[str, float]) -> str | None:
+    """The one GPU kind a cluster's resources name (`accelerator_type:H200`), as rayft.gpus names it; None for
+    none, several, or one the planner does not know."""
+    kinds = {gpu_named(key.split(":", 1)[1]) for key in resources if key.startswith("accelerator_type:")}
+    return kinds.pop() if len(kinds) == 1 else None

@@ -24,7 +24,7 @@ from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TokenizerFacts, check_tokenizer, tokenizer_path
 from rayft.hub import resolve_names
 from rayft.limits import check_max_length, local_placement, lora_rank_warning
-from rayft.model.attention import check_attention
+from rayft.model.attention import AttentionChoice, attention_choice, check_attention
 from rayft.model.files import check_model_dir, check_safetensors_dir, check_vocab, check_weights_match
 from rayft.parallel.backend import prefix_matched_hca
 from rayft.parallel.torch_compat import check_torch
@@ -51,6 +51,7 @@ class Preflight:
     lora: LoraTargets
     structure: Structure  # parameter counts, for the memory plan
     samples: list[SampleReport]  # what the job's record pipeline made of each split's first records
+    attention: AttentionChoice  # the kernel the workers build the model with, and why
     warnings: list[str]  # settings that run but are likely a mistake (validate prints them)
 
 
@@ -94,14 +95,16 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))
         check_max_length(cfg, cast("PreTrainedConfig", model.config).get_text_config())
+        attention = attention_choice(cfg, type(model.get_base_model()), on_gpu=cfg.ray.use_gpu is not False)
         said = (
             check_attention(cfg, model),
+            f"model.attn_implementation unset: {attention.reason}" if attention.loud else None,
             lora_rank_warning(cfg, model),
             local_placement(cfg),
             prefix_matched_hca(cfg.nccl),
         )
         warnings = [*data_warnings, *tracker_warnings, *(w for w in said if w)]
-    return Preflight(train, validation, records, tokenizer, targets, counts, samples, warnings)
+    return Preflight(train, validation, records, tokenizer, targets, counts, samples, attention, warnings)
 
 
 def check_continued_run(cfg: Config) -> str | None:

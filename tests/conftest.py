@@ -80,8 +80,10 @@ def _fixture_key(*sources: Path, packages: tuple[str, ...] = ()) -> str:
     """What a cached fixture is built from: the libraries that write it and the builder code."""
     from fixtures.cache import cache_key
 
-    return cache_key(("torch", "transformers", "safetensors", "pyarrow", "mistral-common", *packages),
-                     (Path(demo.__file__), *sources))  # fmt: skip
+    return cache_key(
+        ("torch", "transformers", "safetensors", "pyarrow", "mistral-common", *packages),
+        (Path(demo.__file__), *sources),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -212,9 +214,17 @@ CPU_PEAK_TFLOPS = 0.2  # about 2 cores × 3 GHz × 32 fp32 FLOPs per cycle (AVX2
 def checkpointing_config(fx: Fixtures, out: Path, **overrides) -> dict:
     """The tiny job checkpointing (and evaluating) every step for STEPS steps; `section__key=value` overrides."""
     cfg = tiny_config(
-        fx, out, max_steps=STEPS, logging_steps=1, eval_steps=1, save_steps=1, save_total_limit=2,
-        load_best_model_at_end=True, per_device_train_batch_size=2, learning_rate=3e-2,
-    )  # fmt: skip
+        fx,
+        out,
+        max_steps=STEPS,
+        logging_steps=1,
+        eval_steps=1,
+        save_steps=1,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        per_device_train_batch_size=2,
+        learning_rate=3e-2,
+    )
     cfg["data"]["max_length"] = 32
     cfg["data"]["max_eval_samples"] = 16  # of 58: one batch per rank, as each step evaluates (CI time)
     cfg["lora"]["lora_dropout"] = 0.1  # draws from each rank's RNG: exact resume must restore them

@@ -44,7 +44,7 @@ from rayft.logs import quiet_ray_data_here
 if TYPE_CHECKING:
     import torch
 
-    from rayft.train.reference import ReferenceTable
+    from rayft.data.reference_table import ReferenceTable
 
 # torch and transformers are imported where they are used: Ray Data task workers unpickle this module's functions
 # and would otherwise each spend seconds importing both just to split lines.

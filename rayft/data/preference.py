@@ -28,7 +28,7 @@ from rayft.data.records import _is_chat
 if TYPE_CHECKING:
     import torch
 
-    from rayft.train.reference import ReferenceTable
+    from rayft.data.reference_table import ReferenceTable
 
 IGNORE_INDEX = -100
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids", "prompt_length")
@@ -219,7 +219,7 @@ class PreferenceCollate(NumpyBatchCollateFn):
         keys: bool = False,
     ):
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
-        self.reference = reference  # rayft.train.reference.ReferenceTable
+        self.reference = reference  # rayft.data.reference_table.ReferenceTable
         self.keys = keys or reference is not None
 
     # Ray 2.60 hints the return as an unbound TypeVar (CollatedData), which no override can match; Ray's docs

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.credentials import secret_env
-from rayft.deploy.kuberay import AUTH_OPTIONS_SINCE, Operator, dotted
-from rayft.deploy.platform import K8sConfig
+from rayft.kube.credentials import secret_env
+from rayft.kube.kuberay import AUTH_OPTIONS_SINCE, Operator, dotted
+from rayft.kube.settings import K8sConfig
 
 TOKEN_KEY = "auth_token"  # the Secret's data key: KubeRay's, so one Secret serves both ways of handing it over
 MODE_ENV = "RAY_AUTH_MODE"  # Ray's names (ray._private.authentication)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.apirules import STRING_MAP, manifest_schema
+from rayft.kube.apirules import STRING_MAP, manifest_schema
 
 HEAD_SELECTOR = {"ray.io/node-type": "head"}  # KubeRay's label on every head pod
 

@@ -18,8 +18,8 @@ from typing import Any, cast
 import yaml
 
 from rayft import environment
-from rayft.deploy import apirules
-from rayft.deploy.kuberay import DELETION_GATE, Operator
+from rayft.kube import apirules
+from rayft.kube.kuberay import DELETION_GATE, Operator
 
 CRD_DIR_ENV = environment.KUBERAY_CRDS.name
 # The CRDs (RayJob, RayCluster) of every supported KubeRay release ship as package data, gzipped, one directory per
@@ -110,13 +110,19 @@ def validate(doc: Any, operator: Operator | None = None, directory: Path | None 
 
     if not isinstance(doc, dict):
         return ["not a mapping"]
-    from rayft.deploy import budget, monitoring, reach
+    from rayft.deploy import budget, monitoring, reach, start_watch_manifests
 
     api_kind: tuple[Any, Any] = (doc.get("apiVersion"), doc.get("kind"))  # from the manifest: either may be missing
-    own = {**monitoring.SCHEMAS, **budget.SCHEMAS, **reach.SCHEMAS}.get(api_kind)
-    if own is not None:  # PodMonitor, ConfigMap, PodDisruptionBudget, NetworkPolicy: rayft's own shape check, no CRD
+    own = {**monitoring.SCHEMAS, **budget.SCHEMAS, **reach.SCHEMAS, **start_watch_manifests.SCHEMAS}.get(api_kind)
+    if own is not None:  # PodMonitor, ConfigMap, PodDisruptionBudget, NetworkPolicy, the start watcher's Job and
+        # RBAC: rayft's own shape check, no CRD; a Job's pod template also by the API server's rules
         errors = sorted(Draft7Validator(own).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
-        return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
+        shape = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
+        if shape or doc["kind"] != "Job":
+            return shape
+        return name_problems("Job", doc["metadata"]["name"]) + apirules.pod_template(
+            "spec.template", doc["spec"]["template"]
+        )
     operator = operator or Operator()
     schema = schemas(directory or crd_dir(operator)).get(api_kind)
     if schema is None:

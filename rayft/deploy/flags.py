@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rayft.deploy.platform import K8sConfig, key_values, toleration
+from rayft.deploy.platform import key_values, toleration
+from rayft.kube.settings import K8sConfig
 
 
 def _none_is_null(value: str) -> str | None:

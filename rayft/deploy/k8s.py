@@ -20,11 +20,13 @@ from typing import Any
 import yaml
 
 from rayft import environment
-from rayft.config import Config, ConfigError, is_uri
-from rayft.deploy import auth, budget, platform, reach
-from rayft.deploy.apirules import quantity_bytes
+from rayft.config import Config, ConfigError, NcclConfig, is_uri
+from rayft.deploy import auth, budget, platform, reach, start_watch_manifests
 from rayft.deploy.crd import MAX_NAME, name_problems
-from rayft.deploy.kuberay import (
+from rayft.deploy.nodes import WorkerPods, placement_notes, worker_pods
+from rayft.hub import is_hub_name
+from rayft.kube.apirules import quantity_bytes
+from rayft.kube.kuberay import (
     DELETION_GATE,
     DELETION_STRATEGY_SINCE,
     GATES_ON_BY_DEFAULT_SINCE,
@@ -32,10 +34,8 @@ from rayft.deploy.kuberay import (
     Operator,
     dotted,
 )
-from rayft.deploy.nodes import WorkerPods, placement_notes, worker_pods
-from rayft.deploy.platform import K8sConfig
-from rayft.hub import is_hub_name
-from rayft.parallel.backend import NcclConfig, nccl_env
+from rayft.kube.settings import K8sConfig
+from rayft.parallel.backend import nccl_env
 
 RAY_VERSION = "2.60.0"
 IMAGE_ROOT = PurePosixPath("/app")  # where cluster/Containerfile puts the repository's jobs/
@@ -207,6 +207,7 @@ def render(
         "head-budget": head_budget,
         **policy,
         **monitoring_manifests(dep),
+        **start_watch(dep, plat),
     }
 
 
@@ -247,19 +248,35 @@ def notes(
     out += gid_index_note(plat, nccl or NcclConfig())
     if plat.kuberay_version is None:
         out.append(f"k8s.kuberay_version unset: rendered for {kuberay}, which every supported operator accepts")
-    if not kuberay.pre_running_deadline:
-        since = dotted(PRE_RUNNING_DEADLINE_SINCE)
-        out.append(
-            f"{kuberay}: no preRunningDeadlineSeconds (from {since}); the wait to start is bounded only by "
-            f"activeDeadlineSeconds ({_hours(dep.active_deadline_s)}), as the operator submits the job once every "
-            "pod runs: GPU pods that started wait that long for one that never does; --kuberay-version "
-            f"{since} or later bounds it by --pre-running-deadline ({_hours(dep.pre_running_deadline_s)})"
-        )
+    out += start_watch_notes(plat, dep)
     if plat.queueing != "kueue" and not uses_deletion_rules(plat):
         since, gated = dotted(GATES_ON_BY_DEFAULT_SINCE[DELETION_GATE]), dotted(DELETION_STRATEGY_SINCE)
         out.append(
             f"{kuberay}: no deletion rules (from {since}; {gated} with the {DELETION_GATE} gate): a failed "
             "job holds its GPUs until the TTL"
+        )
+    return out
+
+
+def start_watch_notes(plat: K8sConfig, dep: Deployment) -> list[str]:
+    """What bounds the wait for a job that never starts, where the operator has no preRunningDeadlineSeconds; and
+    where deletion rules cannot free the GPUs of a job failed that way (they match the Ray job's status, which a job
+    that never started lacks: KubeRay 1.5's handleDeletionRules)."""
+    kuberay = operator(plat)
+    if kuberay.pre_running_deadline:
+        return []
+    since, deadline = dotted(PRE_RUNNING_DEADLINE_SINCE), _hours(dep.pre_running_deadline_s)
+    queued = " (counted from admission under Kueue)" if plat.queueing == "kueue" else ""
+    out = [
+        f"{kuberay}: no preRunningDeadlineSeconds (from {since}); the Job {dep.name}{start_watch_manifests.SUFFIX} "
+        f"fails the RayJob (DeadlineExceeded) that is not running --pre-running-deadline ({deadline}) after it "
+        f"began initializing{queued}, by lowering its activeDeadlineSeconds; apply its ServiceAccount, Role and "
+        f"RoleBinding with it; from {since} (--kuberay-version) the operator bounds the wait itself"
+    ]
+    if uses_deletion_rules(plat):
+        out.append(
+            f"{kuberay}: a RayJob failed before it ran keeps its cluster (deletion rules match the Ray job's "
+            f"status, which it never had): delete it, kubectl delete rayjob {dep.name} -n {dep.namespace}"
         )
     return out
 
@@ -286,6 +303,20 @@ def reach_manifests(dep: Deployment, plat: K8sConfig) -> dict[str, dict[str, Any
         return {}
     meta = _metadata(dep, f"{dep.name}-reach", plat)
     return {"network-policy": reach.network_policy(meta, _labels(dep), plat.network_policy_admits, dep.monitoring)}
+
+
+def start_watch(dep: Deployment, plat: K8sConfig) -> dict[str, dict[str, Any]]:
+    """The start watcher's Job, ServiceAccount, Role and RoleBinding where the operator has no
+    preRunningDeadlineSeconds (`start_watch_manifests`), else nothing. Their objects carry rayft's labels and the
+    platform's, not the queue's: the watcher must run while the RayJob waits in a queue."""
+    if operator(plat).pre_running_deadline:
+        return {}
+    meta = _metadata(dep, dep.name)
+    meta["labels"] = {**meta["labels"], **plat.labels}
+    if plat.annotations:
+        meta["annotations"] = dict(plat.annotations)
+    deadlines = (dep.pre_running_deadline_s, dep.active_deadline_s, dep.ttl_after_finished_s)
+    return start_watch_manifests.manifests(dep.name, meta, _labels(dep), dep.image, deadlines, plat)
 
 
 def monitoring_manifests(dep: Deployment) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.apirules import METADATA_SCHEMA, STRING_MAP, manifest_schema
+from rayft.kube.apirules import METADATA_SCHEMA, STRING_MAP, manifest_schema
 
 METRICS_PORT_NAME = "metrics"  # the container port name on head and workers (Ray's --metrics-export-port 8080)
 METRICS_PORT = 8080

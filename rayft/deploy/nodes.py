@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 
 from rayft.config import ConfigError, RayConfig
-from rayft.deploy.apirules import memory_quantity, quantity_bytes
-from rayft.deploy.platform import NodeShape
+from rayft.kube.apirules import memory_quantity, quantity_bytes
+from rayft.kube.settings import NodeShape
 
 
 @dataclass(frozen=True)

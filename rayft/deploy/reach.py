@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayft.deploy.apirules import STRING_MAP, manifest_schema
 from rayft.deploy.monitoring import METRICS_PORT
+from rayft.kube.apirules import STRING_MAP, manifest_schema
 
 DASHBOARD_PORT = 8265  # the head's dashboard and job API
 OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}  # the KubeRay operator's pods, as its Helm chart labels them

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import DORA_ON_FP8, Config, ConfigError, ModelConfig
+from rayft.model.attention import AttentionChoice, attention_choice, with_attention
 from rayft.model.families import check_moe_family
 from rayft.model.frozen import Held
 from rayft.model.lora import LoraTargets, modules_to_save, wrap
@@ -101,6 +102,13 @@ def _checkpoint_quantization(model_cfg: ModelConfig) -> dict[str, Any]:
         getattr(config, "text_config", None), "quantization_config", None
     )
     return quant if isinstance(quant, dict) else (quant.to_dict() if quant is not None else {})
+
+
+def attention_model_config(cfg: Config, on_gpu: bool) -> tuple[ModelConfig, AttentionChoice]:
+    """`cfg.model` naming the attention kernel the model is built with on this worker (`choose_attention`: with the
+    setting unset, a varlen kernel for packed rows on GPUs), and the choice with its reason."""
+    choice = attention_choice(cfg, causal_lm_class(text_config(cfg.model.model_name_or_path)), on_gpu)
+    return with_attention(cfg.model, choice), choice
 
 
 def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:

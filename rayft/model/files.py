@@ -21,6 +21,7 @@ from torch import nn
 
 from rayft.config import Config, ConfigError
 from rayft.file_checks import check_json_file, check_link
+from rayft.model.safetensors_format import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -31,11 +32,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 REDOWNLOAD = "download or copy it again"
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
 
 
 def safetensors_header(path: Path, what: str) -> dict[str, Any]:
@@ -187,9 +183,8 @@ def with_adapter_shape(cfg: Config, adapter: Path) -> Config:
         use_rslora=bool(saved.get("use_rslora")),
         modules_to_save=saved.get("modules_to_save") or None,
     )
-    if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; neither matters for eval or export
+    if raw["lora"]["target_experts"]:  # what expert LoRA requires for training; it does not matter for eval or export
         raw["lora"]["lora_dropout"] = 0.0
-        raw["fsdp"]["activation_checkpointing"] = True
     return Config.from_dict(raw)
 
 

@@ -12,10 +12,10 @@ the forward FLOPs of attention scores and values per token attending k keys (bac
 and never crosses documents (packed rows restart at each one), so a document of n tokens attends n (n + 1) / 2
 keys in all: the window counts them from the batches it trained on, not from `max_length`; the start-up line's
 figures assume full-length documents, k = (s + 1) / 2.
-Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU. Where the frozen
-matmuls run in FP8 on the stored bytes (`model.fp8_compute`), their 4 · N_fp8 FLOPs count at the GPU's dense FP8 peak
-(H100/H200 SXM: 1,979 TFLOP/s) and the rest at bf16's: the peak MFU divides by is the rate that would do the
-step's mix in the same time, 1 / ((1 − f) / P_bf16 + f / P_fp8) with f the FP8 share of the FLOPs.
+Peak: dense bf16 tensor-core FLOP/s of the GPU (H100/H200 SXM: 989 TFLOP/s); no MFU on CPU. MFU divides by it
+whatever precision the matmuls ran in, so a frozen base multiplied in FP8 (`model.fp8_compute`) can show more than
+the bf16 matmuls alone would reach. The dense FP8 peak (H100/H200 SXM: 1,979 TFLOP/s; none before compute
+capability 8.9) is what the planner times those FP8 matmuls at.
 """
 
 from __future__ import annotations
@@ -47,12 +47,6 @@ class FlopModel:
     lora_params: int  # trainable ones
     attention: float  # forward attention FLOPs of one query attending one key (all layers and heads)
     seq_len: int = 1  # the document length the per-token properties assume (data.max_length)
-    fp8_params: int = 0  # of base_params, those multiplied in FP8 on their stored bytes (`model.fp8_compute`)
-
-    @property
-    def fp8_share(self) -> float:
-        """The share of the LoRA-aware FLOPs per token that FP8 matmuls do: forward and input gradient, 4 · N_fp8."""
-        return 4 * self.fp8_params / self.per_token_lora if self.fp8_params else 0.0
 
     def per_token(self, lora_aware: bool, keys_per_token: float | None = None) -> float:
         """FLOPs per trained token with attention over `keys_per_token` keys per query (a window's measured mean);
@@ -76,7 +70,7 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
     out: a DTensor's numel is the global one under FSDP, and a worker holding E/k routed experts a layer (expert
     parallelism) counts top_k of them per token all the same."""
     text = getattr(config, "text_config", None) or config
-    base = lora = fp8 = 0
+    base = lora = 0
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
@@ -103,8 +97,7 @@ def flop_model(model: nn.Module, config: Any, seq_len: int) -> FlopModel:
                 lora += count
             else:
                 base += count
-                fp8 += count if name in getattr(module, "on_fp8_bytes", ()) else 0
-    return FlopModel(base, lora, attention_flops(text, 1), seq_len, fp8)
+    return FlopModel(base, lora, attention_flops(text, 1), seq_len)
 
 
 def matrix_shape(module: nn.Module, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
@@ -164,26 +157,15 @@ def attention_flops(text: Any, seq_len: int) -> float:
     return 2.0 * layers * seq_len * heads * (d_qk + d_v)
 
 
-def peak_flops(device: torch.device, stated_tflops: float | None = None, fp8_share: float = 0.0) -> float | None:
-    """Peak FLOP/s of this rank's device: the one the config states (`train.peak_tflops`), else the table's figure
-    for a known GPU, bf16's mixed with FP8's for `fp8_share` of the FLOPs (`mixed_peak`); None on CPU or an unknown
-    GPU without a stated peak (MFU is then reported as null)."""
+def peak_flops(device: torch.device, stated_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of this rank's device: the one the config states (`train.peak_tflops`), else the table's bf16
+    figure for a known GPU; None on CPU or an unknown GPU without a stated peak (MFU is then reported as null)."""
     if stated_tflops is not None:
         return stated_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    key = next((key for key in PEAK_BF16_FLOPS if key in name), None)
-    return mixed_peak(key, fp8_share) if key else None
-
-
-def mixed_peak(gpu: str, fp8_share: float) -> float:
-    """The FLOP/s of GPU `gpu` (a `rayft.gpus` name) on a mix with `fp8_share` of its FLOPs in FP8 matmuls and the
-    rest in bf16, each at its dense peak: 1 / ((1 − f) / P_bf16 + f / P_fp8)."""
-    bf16, fp8 = PEAK_BF16_FLOPS[gpu.upper()], PEAK_FP8_FLOPS.get(gpu.upper())
-    if not fp8_share or fp8 is None:
-        return bf16
-    return 1 / ((1 - fp8_share) / bf16 + fp8_share / fp8)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None) -> float | None:

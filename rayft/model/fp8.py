@@ -467,11 +467,6 @@ class Fp8Linear(QuantisedLinear):
     def _dequantize(self) -> Callable[..., torch.Tensor]:
         return functools.partial(dequantize_rows, block=self.block)
 
-    @property
-    def on_fp8_bytes(self) -> tuple[str, ...]:
-        """The weights multiplied in FP8 on their stored bytes where the device allows (`rayft.model.flops`)."""
-        return ("weight",) if self.fp8_compute and self.block is None else ()
-
     def _on_bytes(self, x: torch.Tensor) -> torch.Tensor | None:
         dtype = _compute_dtype(x)
         if not on_bytes(self.fp8_compute, self.block, x.device, self.weight.shape, dtype):
@@ -642,11 +637,6 @@ class Fp8Experts(QuantisedExperts):
 
     def _weight(self, name: str) -> GroupedWeight:
         return GroupedWeight(functools.partial(dequantize_rows, block=self.blocks[name]), self.shapes[name])
-
-    @property
-    def on_fp8_bytes(self) -> tuple[str, ...]:
-        """The weights multiplied in FP8 on their stored bytes where the device allows (`rayft.model.flops`)."""
-        return tuple(name for name in EXPERT_WEIGHTS if self.fp8_compute and self.blocks[name] is None)
 
     def _on_bytes(self, name: str, device: torch.device, dtype: torch.dtype) -> bool:
         return on_bytes(self.fp8_compute, self.blocks[name], device, self.shapes[name], dtype)

@@ -30,11 +30,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rayft.model.files import SAFETENSORS_DTYPES
 from rayft.model.fp8 import block_scales, fp8_block, fp8_scale_params, quantize_rows_into_, rows_scale, scales
 from rayft.model.fp8_format import EXPERT_WEIGHTS, weight_block
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 from rayft.model.nf4 import Nf4Experts, Nf4Linear, block_absmax, double_quantize, encode, quantize, storage_of, store_
+from rayft.model.safetensors_format import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     from peft import PeftModel

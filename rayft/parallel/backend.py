@@ -7,49 +7,9 @@ tensors and NCCL for device tensors (`cpu:gloo,cuda:nccl`, which Ray Train passe
 
 from __future__ import annotations
 
-from dataclasses import field
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
-
-import pydantic.dataclasses
-from annotated_types import Ge
-
-from rayft.schema import SECTION_CONFIG, Broken, Integer, Keyed, Section, Text, broken
-
-if TYPE_CHECKING:
-    from rayft.config import Config
+from rayft.config import Config, NcclConfig
 
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
-
-
-@pydantic.dataclasses.dataclass(config=SECTION_CONFIG)
-class NcclConfig(Section):
-    """The config's `nccl` section: NCCL's fabric settings, given to every training worker on a GPU cluster through
-    Ray's runtime environment (so they reach workers on any Ray cluster, not only pods rendered by `rayft k8s
-    render`). None leaves a variable to the pod's environment or NCCL's own detection."""
-
-    section: ClassVar[str] = "nccl"
-
-    # NCCL_IB_HCA: '=mlx5_0,mlx5_1' names exact adapters (':1' a port); a bare 'mlx5' is a prefix match that
-    # also takes Ethernet/RoCE ports of the same driver.
-    ib_hca: Text | None = None
-    # NCCL_IB_GID_INDEX: RoCE fabrics need the GID of the RoCE v2 address (commonly 3); InfiniBand needs none.
-    ib_gid_index: Annotated[Integer, Ge(0)] | None = None
-    # NCCL_SOCKET_IFNAME: the interface for NCCL's bootstrap and socket fallback (e.g. net1, ^lo,docker).
-    socket_ifname: Text | None = None
-    # NCCL_DEBUG: WARN reports problems only; INFO prints per-rank set-up lines (which transport, NET/IB or
-    # NET/Socket) and is worth it only while a fabric is being brought up.
-    debug: Literal["VERSION", "WARN", "INFO", "TRACE"] = "WARN"
-    # NCCL_DEBUG_SUBSYS with debug INFO, e.g. INIT,NET.
-    debug_subsys: Text | None = None
-    # Any other NCCL_* variable, e.g. NCCL_IB_QPS_PER_CONNECTION: "1".
-    env: Keyed[Text] = field(default_factory=dict)
-
-    def broken(self) -> list[Broken | None]:
-        return [
-            broken(f"nccl.env: '{name}' is not an NCCL variable (names start with NCCL_)", f"env.{name}")
-            for name in self.env
-            if not name.startswith("NCCL_")
-        ]
 
 
 def process_group_backend(cfg: Config, use_gpu: bool) -> str:

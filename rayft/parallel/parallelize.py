@@ -20,7 +20,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from rayft.config import Config, FsdpConfig
-from rayft.model.build import check_quantised_storage, decoder_layers, empty_model, frozen_fp8, load_base_model
+from rayft.model.build import (
+    attention_model_config,
+    check_quantised_storage,
+    decoder_layers,
+    empty_model,
+    frozen_fp8,
+    load_base_model,
+)
 from rayft.model.fp8 import adopt_lora_, set_fp8_compute_, to_fp8_
 from rayft.model.fp8_format import weight_block
 from rayft.model.fp8_matmul import fp8_compute_on
@@ -55,7 +62,9 @@ def build_model(
     dims = dims or parallel_dims(cfg, "cuda" if on_gpu else "cpu")
     model: PreTrainedModel | peft.PeftModel  # the base model, then PEFT's around it
     if base is None:
-        base = empty_model(cfg.model) if sharded else load_base_model(cfg.model)
+        model_cfg, attention = attention_model_config(cfg, on_gpu)
+        (log.warning if attention.loud else log.info)("attention: %s", attention.line())
+        base = empty_model(model_cfg) if sharded else load_base_model(model_cfg)
     model = base
     # k > 1: the layout's meshes and groups; k = 1: FSDP over every expert, as without the setting.
     # `split_experts_` cuts the model to this worker's experts once LoRA is on.
@@ -64,11 +73,13 @@ def build_model(
     check_quantised_storage(cfg, model, fp8)
     # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
     quantize_frozen_base_(cfg, model, fp8, device or torch.device("cuda" if on_gpu else "cpu"))
-    if cfg.recomputes_activations:
-        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard. With expert
-        # parallelism the recompute reuses the saved all-to-all outputs instead of exchanging again.
+    every = cfg.checkpoint_every()
+    if every is not None:
+        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard; every n-th
+        # layer (selective) or all of them. With expert parallelism the recompute reuses the saved all-to-all outputs
+        # instead of exchanging again.
         kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
     model = apply_lora(model, cfg.lora)
     if fp8 or cfg.model.frozen_dtype == "nf4":
         adopt_lora_(model)

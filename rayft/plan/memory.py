@@ -6,8 +6,9 @@ c = bytes of the compute dtype, p = bytes of the stored weights):
   gathered layers      (1 + forward_prefetch) · P_layer · c      (every layer when reshard_after_forward is off)
   gathered root        P_root · c                                 (embeddings + head stay gathered after forward)
   LoRA                 P_lora · (4 param + 4 grad + 8 Adam) / W
-  activations, AC on   L · s · h · c  (layer inputs)  +  one layer's working set
-               AC off  L · (one layer's working set)
+  activations          K · s · h · c  (inputs of the K recomputed layers)  +  (L − K) · one layer's working set
+                       + one layer's working set while a recomputed one runs (K > 0); K = L with full activation
+                       checkpointing, 0 without, ceil(L / n) recomputing every n-th layer (`rayft.plan.recompute`)
       a layer's working set = s · h · 17c (attention/norms/MLP, flash attention: no s² term)
                               + s · top_k · moe_intermediate · 3c (routed experts' gate/up/act)
   logits + loss        s · V · (c + 8)    (logits, fp32 log-softmax, fp32 gradient)
@@ -16,9 +17,6 @@ With the frozen base in FP8 (`model.frozen_dtype`), the F decoder matrices (line
 1 byte + a 4-byte scale per row instead of p (sharded) or c (gathered), and one FP8 tensor at a time is dequantised
 for its matmul: + D · c + its fp32 block (≤ 256 MiB) + D bytes (experts gathered when not one range), D =
 the largest linear or one chunk of a layer's experts (≤ EXPERT_DEQUANT_BUDGET elements, `dequantised_at_once`).
-With FP8 matmuls (`model.fp8_compute`, `fp8_compute`) nothing is dequantised: + the input gradient's transposed copy
-of the largest FP8 tensor instead (a linear, or a layer's whole local expert stack, 1 byte a weight). On a one-rank
-shard group FSDP leaves the quantised storage (FP8 or NF4) to the layers: a gathered layer is only the rest of it.
 With the frozen base in NF4, the N matrices NF4 can block (M of them, an expert counting as one) count 0.5 + 1/64 +
 4/16384 bytes a weight + 4 a matrix, sharded and gathered alike, and the largest of them is dequantised for its
 matmul: + D · c + a block of ≤ 2^24 of its values twice in p (levels, scaled) + its codes gathered (experts).
@@ -26,14 +24,23 @@ Expert parallelism over k workers (rayft.parallel.expert): the routed experts E/
 FP8: 1 byte + row scales), the rest sharded over the S GPUs of a node (`fsdp.shard_size` as the planner sets it;
 whole with one GPU a node; its layers and root gathered as above when sharded), LoRA (P_lora_rest / S +
 P_lora_experts / k) · 16, the
-largest dequantised FP8 tensor / k, + one exchange's token buffers 2 · s · top_k · h · c (send and receive), and with
-AC on + L_moe · 2 · s · top_k · h · c: the outputs of both exchanges (dispatch and combine) of every one of the L_moe
-MoE layers, which the selective checkpoint policy keeps until the backward so that the recompute does not exchange
-again (`rayft.parallel.alltoall.checkpoint_context`).
+largest dequantised FP8 tensor / k, + one exchange's token buffers 2 · s · top_k · h · c (send and receive), and
++ K_moe · 2 · s · top_k · h · c: the outputs of both exchanges (dispatch and combine) of every recomputed one of the
+L_moe MoE layers (K_moe = ceil(K · L_moe / L)), which the checkpoint policy keeps until the backward so that the
+recompute does not exchange again (`rayft.parallel.alltoall.checkpoint_context`).
+With the FP8 base multiplied on its stored bytes (`model.fp8_compute`) nothing is dequantised: the transient is
+the largest FP8 tensor's bytes once more (its transpose for the input gradient): the largest linear, or a layer's
+whole local expert stack, which the grouped kernel takes at once (no chunks). On a one-rank shard group FSDP
+leaves the quantised storage to the layers (`rayft.parallel.parallelize.unsharded_storage`): a gathered layer is
+only its other parameters.
+Expert LoRA on a base not quantised (PEFT's `W + BA` of every local expert, `rayft.model.fp8` applies it as
+activations for FP8 and NF4): each MoE layer not recomputed keeps its experts' W + BA for backward,
+max(L_moe − K_moe, 1) · P_experts_layer / k · c.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -44,6 +51,7 @@ from rayft.model.frozen import Held
 from rayft.model.loss import chunk_rows
 from rayft.model.nf4_format import DEQUANT_ROWS_BLOCK
 from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
+from rayft.plan.recompute import Recompute, choose
 from rayft.plan.structure import Structure
 
 GIB = 2**30
@@ -57,6 +65,7 @@ class MemoryPlan:
     rows: list[tuple[str, float]]  # (component, GiB per GPU)
     gpu: str | None
     frozen: str = "bf16"  # how the frozen base is stored: bf16, fp32, fp8 or nf4
+    recompute: str = ""  # the layers recomputed in backward (`Recompute.short`)
 
     @property
     def total_gib(self) -> float:
@@ -99,12 +108,16 @@ def plan_memory(
     gpu: str | None = None,
     held: Held = "dtype",
     expert_parallel: int = 1,
+    recompute: Recompute | None = None,
+    fp8_compute: bool = False,
 ) -> MemoryPlan:
     """The plan with the frozen base `held` in `torch_dtype`, or its decoder matrices in FP8, or in NF4 (without
-    expert parallelism, which NF4 storage does not take).
+    expert parallelism, which NF4 storage does not take); the layers `recompute` says recomputed (by default what
+    the config says as it stands: `Recompute.of`); an FP8 base multiplied on its bytes with `fp8_compute`.
 
     With `expert_parallel` k > 1 each GPU holds E/k routed experts of every MoE layer whole (never gathered) and the
     rest of the model over the `fsdp.shard_size` workers of a node (rayft.parallel.expert), whole with one."""
+    recompute = recompute or Recompute.of(cfg, s.layers)
     c, p, tokens = compute_bytes(cfg, on_gpu), stored_bytes(cfg), tokens_per_micro_batch(cfg)
     shards = cfg.fsdp.shard_group(world_size)
     # logits in the compute dtype + fp32 logits + fp32 log-probs: for every token, or one chunk with the fused loss
@@ -121,11 +134,13 @@ def plan_memory(
             ("gathered root (embeddings, head)", s.root * c),
             (f"LoRA params+grads+AdamW (/{shards})", s.lora * 16 / shards),
         ]
-    rows = [*weights, _activations(cfg, s, tokens, c), ("logits + loss", logit_rows * s.vocab * (c + 8))]
+    rows = [*weights, _activations(s, tokens, c, recompute), ("logits + loss", logit_rows * s.vocab * (c + 8))]
     if expert_parallel > 1:
-        rows += _all_to_all(cfg, s, tokens, c)
-    if held == "fp8" and fp8_compute(cfg, held, gpu, on_gpu):
-        # no dequantisation: the input gradient's transposed copy of the largest FP8 tensor, a whole local stack
+        rows += _all_to_all(s, tokens, c, recompute)
+    if s.expert_lora and held == "dtype":
+        rows.append(_expert_lora_merged(s, c, recompute, expert_parallel))
+    if held == "fp8" and fp8_compute:
+        # the grouped kernel takes a layer's local stack whole (`rayft.model.fp8_matmul`): its bytes transposed
         local = max(1, s.num_experts // expert_parallel) * s.fp8_expert_numel
         rows.append(("FP8 weight transposed for its input gradient", max(s.fp8_linear_largest, local)))
     elif held == "fp8":
@@ -143,7 +158,7 @@ def plan_memory(
     if on_gpu:
         rows.append(("CUDA/NCCL/allocator overhead", RUNTIME_OVERHEAD_GIB * GIB))
     frozen = held if held != "dtype" else ("fp32" if p == 4 else "bf16")
-    return MemoryPlan(world_size=world_size, rows=[(name, b / GIB) for name, b in rows], gpu=gpu, frozen=frozen)
+    return MemoryPlan(world_size, [(name, b / GIB) for name, b in rows], gpu, frozen, recompute.short())
 
 
 def _gathered_layer(s: Structure, c: int, held: Held, storage_gathered: bool = True) -> float:
@@ -157,32 +172,38 @@ def _gathered_layer(s: Structure, c: int, held: Held, storage_gathered: bool = T
     return s.largest_layer * c
 
 
-def fp8_compute(cfg: Config, held: Held, gpu: str | None, on_gpu: bool = True) -> bool:
-    """Whether an FP8 base's frozen matmuls run in FP8 (`model.fp8_compute`; `auto`: on a GPU with an FP8 peak in
-    `rayft.gpus`, the H200 when none is named; a GPU without FP8 matmuls dequantises whatever the setting)."""
-    if held != "fp8" or cfg.model.fp8_compute is False or not on_gpu:
-        return False
-    return GPUS[(gpu or "h200").lower()].fp8_tflops is not None
-
-
-def _activations(cfg: Config, s: Structure, tokens: int, c: int) -> tuple[str, float]:
+def _activations(s: Structure, tokens: int, c: int, recompute: Recompute) -> tuple[str, float]:
+    """The recomputed layers keep their input, the others their working set, plus one working set while a
+    recomputed layer runs again."""
     layer_working_set = tokens * s.hidden * 17 * c + tokens * s.top_k * s.moe_intermediate * 3 * c
-    if cfg.recomputes_activations:
-        return "activations (AC on)", s.layers * tokens * s.hidden * c + layer_working_set
-    return "activations (AC off)", s.layers * layer_working_set
+    k = recompute.checkpointed
+    held = k * tokens * s.hidden * c + (s.layers - k) * layer_working_set + (layer_working_set if k else 0)
+    label = {"none": "AC off", "full": "AC on"}.get(recompute.mode, f"AC on {k} of {s.layers} layers")
+    return f"activations ({label})", held
 
 
-def _all_to_all(cfg: Config, s: Structure, tokens: int, c: int) -> list[tuple[str, float]]:
-    """Expert parallelism's token rows: one exchange in flight, and with AC the outputs every MoE layer's dispatch
-    and combine keep for the backward. Each exchange moves a row per (token, expert) pair: the dispatch receives
-    s · top_k rows under uniform routing, the combine exactly its own s · top_k back."""
+def _recomputed_moe_layers(s: Structure, recompute: Recompute) -> int:
+    """MoE layers among the recomputed ones, taken as spread like the MoE layers themselves."""
+    return math.ceil(recompute.checkpointed * s.moe_layers / s.layers) if s.layers else 0
+
+
+def _all_to_all(s: Structure, tokens: int, c: int, recompute: Recompute) -> list[tuple[str, float]]:
+    """Expert parallelism's token rows: one exchange in flight, and the outputs every recomputed MoE layer's
+    dispatch and combine keep for the backward. Each exchange moves a row per (token, expert) pair: the dispatch
+    receives s · top_k rows under uniform routing, the combine exactly its own s · top_k back."""
     exchange = tokens * s.top_k * s.hidden * c
     rows: list[tuple[str, float]] = [("token all-to-all buffers (send + receive)", 2 * exchange)]
-    if cfg.recomputes_activations:
-        rows.append(
-            (f"all-to-all outputs kept for backward ({s.moe_layers} MoE layers x 2)", s.moe_layers * 2 * exchange)
-        )
+    moe = _recomputed_moe_layers(s, recompute)
+    if moe:
+        rows.append((f"all-to-all outputs kept for backward ({moe} MoE layers x 2)", moe * 2 * exchange))
     return rows
+
+
+def _expert_lora_merged(s: Structure, c: int, recompute: Recompute, k: int) -> tuple[str, float]:
+    """PEFT's expert LoRA on a base not quantised: W + BA of every local expert, kept by each MoE layer that is not
+    recomputed (one layer's while a recomputed one runs)."""
+    kept = max(s.moe_layers - _recomputed_moe_layers(s, recompute), 1)
+    return f"expert LoRA W + BA kept for backward ({kept} MoE layers)", kept * s.experts_layer / k * c
 
 
 def _expert_parallel_weights(
@@ -233,6 +254,7 @@ def format_plans(
         label = name.split(" (/")[0] if "(/" in name else name
         lines.append(label.ljust(width) + "".join(f"{p.rows[i][1]:>10.2f}" for p in plans))
     lines.append("total GiB/GPU".ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in plans))
+    lines.append("  layers recomputed (AC)".ljust(width) + "".join(f"{p.recompute:>10}" for p in plans))
     if other:
         label = f"  with {other[0].frozen} base"
         lines.append(label.ljust(width) + "".join(f"{p.total_gib:>10.1f}" for p in other))
@@ -253,3 +275,24 @@ def dequantised_at_once(s: Structure, expert_parallel: int = 1) -> int:
         local = max(1, s.num_experts // expert_parallel)
         experts = min(local, max(1, EXPERT_DEQUANT_BUDGET // s.fp8_expert_numel)) * s.fp8_expert_numel
     return max(s.fp8_linear_largest, experts)
+
+
+def choose_recompute(
+    cfg: Config,
+    s: Structure,
+    world_size: int,
+    on_gpu: bool,
+    gpu: str | None,
+    held: Held = "dtype",
+    expert_parallel: int = 1,
+    fp8_compute: bool = False,
+) -> Recompute:
+    """`fsdp.activation_checkpointing: auto`: the least recompute whose memory plan fits `gpu`
+    (`rayft.plan.recompute.choose`); no capacity known (CPU workers, no GPU named): the config's fallback."""
+    capacity = GPU_GIB.get(gpu) if on_gpu and gpu else None
+
+    def fits(recompute: Recompute) -> bool:
+        plan = plan_memory(cfg, s, world_size, on_gpu, gpu, held, expert_parallel, recompute, fp8_compute)
+        return plan.total_gib <= cast(float, capacity)
+
+    return choose(cfg, s.layers, fits if capacity is not None else None)

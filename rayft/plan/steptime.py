@@ -4,22 +4,25 @@ that fits (`parallel.expert_parallel: auto`).
 Compute, per token, for LoRA on a frozen base: forward 2·N (every matrix weight a token meets: N_active, routed
 experts counting top_k / E of theirs), backward only the input gradient, 2·N (no weight gradient for frozen
 weights), so 4·N_active — not the 6·N of full training. The LoRA matrices get their weight gradients too: 6·N_lora
-(expert LoRA counted top_k / E). Attention scores and values add 3·A(s) (A = forward FLOPs at context s).
-Activation checkpointing recomputes the forward: + 2·N_active + 2·N_lora + A. Compute time = tokens · FLOPs per
-token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU; where an FP8 base's frozen
-matmuls run in FP8 on their stored bytes (`model.fp8_compute`: `auto` on a GPU with an FP8 peak), their
-(4 + 2·ac)·N_fp8 FLOPs (N_fp8: the FP8 weights a token meets) take the GPU's dense FP8 peak instead.
+(expert LoRA counted top_k / E). Attention scores and values add 3·A(k) (A = forward FLOPs of a query attending k
+keys; causal, k = (s + 1) / 2 for a full-length document: a causal kernel skips the masked blocks, and packed
+documents attend fewer). Activation checkpointing recomputes the forward of the share f of the layers it covers
+(`rayft.plan.recompute`: 1 full, 0 none, K / L every n-th layer): + f · (2·N_active + 2·N_lora + A). Compute time =
+tokens · FLOPs per token / (peak · MFU), MFU assumed (`--mfu`), peak = dense bf16 FLOP/s of the GPU; with the FP8
+base multiplied on its stored bytes (`model.fp8_compute`: `torch._scaled_mm` / `_scaled_grouped_mm`) its matmuls
+(forward, input gradient, recompute: (4 + 2f) · N_fp8_active) run at the dense FP8 peak instead, LoRA and the rest
+at bf16's.
 
-An FP8 or NF4 base is dequantised before each matmul that uses it, once per pass (forward, input gradient,
-recompute): every quantised linear whole, and the routed experts a GPU holds that got tokens (uniform routing: each
+Predicted throughput = W · m · s / predicted step; predicted MFU as the run reports it (`rayft.model.flops`): model
+FLOPs per token (4·N_active + 6·N_lora + 3·A, no recompute) · tokens/s per GPU / the bf16 peak.
+
+Without FP8 compute, an FP8 or NF4 base is dequantised before each matmul that uses it, once per pass (forward,
+input gradient, recompute): every quantised linear whole, and the routed experts a GPU holds that got tokens
+(uniform routing: each
 of the E/k local experts is hit by one of the s · top_k · k token slots its expert-parallel group routes with
 probability 1 − (1 − 1/E)^(s·top_k·k)). FP8's compiled kernel reads each E4M3 byte and writes c bytes; NF4's reads
 half a byte and a scale per 64 weights (`rayft.model.nf4_format.dequant_bytes_per_weight`). Either runs at the
-GPU's memory bandwidth, on the compute stream: dequantisation time adds to compute. The matmul then reads the c
-bytes again: a pass moves 1 + 2c bytes per FP8 weight (`pass_bytes_per_weight`). With FP8 matmuls nothing is
-dequantised: the forward (and its recompute) reads each byte once, and the input gradient, whose weight CUDA's
-kernel wants transposed, copies the bytes first (2 bytes moved) and reads the copy: 3 bytes in that pass, of
-which the copy's 2 are the planner's added time. The first layer's projections
+GPU's memory bandwidth, on the compute stream: dequantisation time adds to compute. The first layer's projections
 of the embeddings need no input gradient, which the count ignores (an upper bound by one of them per pass).
 
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
@@ -47,12 +50,13 @@ from rayft.plan.comm import MICRO_BATCH, Cluster, CommPlan, Layout, layouts, pla
 from rayft.plan.memory import (
     GPU_GIB,
     MemoryPlan,
+    choose_recompute,
     compute_bytes,
-    fp8_compute,
     plan_memory,
     stored_bytes,
     tokens_per_micro_batch,
 )
+from rayft.plan.recompute import Recompute
 from rayft.plan.structure import Structure
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ class Hardware:
     mfu: float = DEFAULT_MFU
     inter_gbits: float = DEFAULT_INTER_GBITS
     intra_gbytes: float | None = None  # None: the GPU's own NVLink (or PCIe) figure
+    fp8_compute: bool | None = None  # None: the config's `model.fp8_compute` (`fp8_compute`)
 
     def __post_init__(self) -> None:
         if self.intra_gbytes is None:
@@ -74,6 +79,16 @@ class Hardware:
     @property
     def peak(self) -> float:
         return PEAK_BF16_FLOPS[self.gpu.upper()]
+
+    @property
+    def fp8_peak(self) -> float | None:
+        """Dense FP8 FLOP/s; None for a GPU without FP8 tensor cores."""
+        return PEAK_FP8_FLOPS.get(self.gpu.upper())
+
+    def multiplies_fp8(self, cfg: Config, held: Held) -> bool:
+        """Whether an FP8 base's matmuls run on its stored bytes here (`fp8_compute`, unless this hardware says)."""
+        asked = fp8_compute(cfg, self.gpu) if self.fp8_compute is None else self.fp8_compute
+        return held == "fp8" and asked and self.fp8_peak is not None
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -126,24 +141,65 @@ class LayoutPlan:
     memory: MemoryPlan
     comm: CommPlan
     time: StepTime
+    recompute: Recompute
+    tokens_per_step: int = 0  # every GPU's tokens of one optimizer step
+    model_flops: float = 0.0  # per token, as the run's MFU counts them (no recompute)
+    peak: float = 0.0  # the GPU's dense bf16 FLOP/s, what MFU divides by
 
     @property
     def fits(self) -> bool:
         return self.memory.capacity_gib is None or self.memory.total_gib <= self.memory.capacity_gib
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Predicted tokens a second, all GPUs together."""
+        return self.tokens_per_step / self.time.predicted_s if self.time.predicted_s else 0.0
 
-def flops_per_token(cfg: Config, s: Structure) -> float:
-    """Hardware FLOPs per token of a LoRA step (module docstring), activation recompute included."""
-    ac = cfg.recomputes_activations
-    lora = s.lora - s.expert_lora + (s.expert_lora * s.top_k / s.num_experts if s.num_experts else 0)
-    attention = s.attention_per_position * cfg.data.max_length
-    return (4 + 2 * ac) * s.active_base + (6 + 2 * ac) * lora + (3 + ac) * attention
+    @property
+    def mfu(self) -> float:
+        """Predicted MFU as the run reports it (module docstring)."""
+        per_gpu = self.tokens_per_s / self.memory.world_size
+        return per_gpu * self.model_flops / self.peak if self.peak else 0.0
 
 
-def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int = 1, held: Storage = "fp8") -> float:
+def fp8_compute(cfg: Config, gpu: str) -> bool:
+    """`model.fp8_compute`, the runtime's key (true, false, or auto / null: on where the GPU has FP8 tensor cores,
+    compute capability 8.9 and up): whether a frozen FP8 base is multiplied on its stored bytes. The one place the
+    planner reads it; a config without the key reads as auto."""
+    asked = getattr(cfg.model, "fp8_compute", None)
+    return gpu.upper() in PEAK_FP8_FLOPS if asked in (None, "auto") else bool(asked)
+
+
+def _expert_lora_active(s: Structure) -> float:
+    return s.lora - s.expert_lora + (s.expert_lora * s.top_k / s.num_experts if s.num_experts else 0)
+
+
+def _fp8_active(s: Structure) -> float:
+    """Frozen FP8 weights a token is multiplied by: the FP8 linears, and top_k / E of the routed experts."""
+    return s.fp8 - s.experts + (s.experts * s.top_k / s.num_experts if s.num_experts else 0)
+
+
+def flops_per_token(cfg: Config, s: Structure, recompute: Recompute | None = None, fp8: bool = False) -> float:
+    """Hardware FLOPs per token of a LoRA step (module docstring), `recompute` (default: the config's as it stands)
+    included; with `fp8`, only the FP8 base's matmuls (forward, input gradient, recompute)."""
+    f = (recompute or Recompute.of(cfg, s.layers)).share
+    if fp8:
+        return (4 + 2 * f) * _fp8_active(s)
+    attention = s.attention_per_position * (cfg.data.max_length + 1) / 2
+    return (4 + 2 * f) * s.active_base + (6 + 2 * f) * _expert_lora_active(s) + (3 + f) * attention
+
+
+def model_flops_per_token(cfg: Config, s: Structure) -> float:
+    """FLOPs per token as the run's MFU counts them: no recompute (`rayft.model.flops.FlopModel.per_token_lora`)."""
+    return flops_per_token(cfg, s, Recompute(s.layers, None))
+
+
+def dequantised_per_micro_batch(
+    cfg: Config, s: Structure, expert_parallel: int = 1, held: Storage = "fp8", recompute: Recompute | None = None
+) -> float:
     """Quantised weight elements one GPU dequantises per micro-batch (module docstring): every pass over the FP8 (or
     NF4) linears and over its E/k routed experts that got tokens."""
-    passes = 2 + cfg.recomputes_activations
+    passes = 2 + (recompute or Recompute.of(cfg, s.layers)).share
     quantised, experts = (s.nf4, s.nf4_experts) if held == "nf4" else (s.fp8, s.experts)
     linears = quantised - experts
     hit = 0.0
@@ -153,43 +209,33 @@ def dequantised_per_micro_batch(cfg: Config, s: Structure, expert_parallel: int 
     return passes * (linears + experts / expert_parallel * hit)
 
 
-def dequant_bytes(cfg: Config, held: Storage, on_bytes: bool = False) -> float:
-    """Bytes of memory traffic per quantised weight and pass on a GPU before its matmul (module docstring): the
-    dequantisation kernel's, or with FP8 matmuls the input gradient's transposed copy, averaged over the passes."""
-    c = compute_bytes(cfg, True)
-    if on_bytes:
-        return 2 / (2 + cfg.recomputes_activations)
-    return 1 + c if held == "fp8" else nf4_dequant_bytes(stored_bytes(cfg), c)  # FP8: the compiled kernel
-
-
 def pass_bytes_per_weight(cfg: Config, on_bytes: bool) -> float:
-    """The most bytes a pass over an FP8 weight moves (module docstring): dequantised, 1 + 2c (the kernel's 1 + c,
-    then the matmul reads c); in FP8, 3 (the input gradient's transposed copy, then the matmul's read)."""
+    """The most bytes a pass over an FP8 weight moves: dequantised, 1 + 2c (the kernel's 1 + c, then the matmul reads
+    c); on its bytes (`model.fp8_compute`), 3 (CUDA's kernel reads the input gradient's weight column-major: a
+    transposed copy, 1 byte read and 1 written, then the matmul's read)."""
     return 3.0 if on_bytes else 1 + 2 * compute_bytes(cfg, True)
 
 
-def fp8_active(s: Structure) -> float:
-    """FP8 weights a token is multiplied by: every FP8 linear, and top_k / E of the routed experts' stacks."""
-    return s.fp8 - s.experts + (s.experts * s.top_k / s.num_experts if s.num_experts else 0)
+def dequant_bytes(cfg: Config, held: Storage) -> float:
+    """Bytes of memory traffic per quantised weight dequantised on a GPU (module docstring)."""
+    c = compute_bytes(cfg, True)
+    return 1 + c if held == "fp8" else nf4_dequant_bytes(stored_bytes(cfg), c)  # FP8: the compiled kernel
 
 
-def compute_seconds(cfg: Config, s: Structure, hw: Hardware, on_bytes: bool) -> float:
-    """A step's matmuls and attention at the assumed MFU: the FP8 matmuls (`on_bytes`) at the FP8 peak."""
-    tokens = cfg.train.gradient_accumulation_steps * tokens_per_micro_batch(cfg)
-    flops = flops_per_token(cfg, s)
-    fp8 = (4 + 2 * cfg.recomputes_activations) * fp8_active(s) if on_bytes else 0.0
-    fp8_time = fp8 / PEAK_FP8_FLOPS[hw.gpu.upper()] if on_bytes else 0.0
-    return tokens * ((flops - fp8) / hw.peak + fp8_time) / hw.mfu
-
-
-def step_time(cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, held: Held = "dtype") -> StepTime:
-    m = cfg.train.gradient_accumulation_steps
-    on_bytes = fp8_compute(cfg, held, hw.gpu)
-    compute = compute_seconds(cfg, s, hw, on_bytes)
+def step_time(
+    cfg: Config, s: Structure, comm: CommPlan, hw: Hardware, held: Held = "dtype", recompute: Recompute | None = None
+) -> StepTime:
+    """Seconds of one optimizer step (module docstring) with `recompute` (default: the config's as it stands)."""
+    recompute = recompute or Recompute.of(cfg, s.layers)
+    m, tokens = cfg.train.gradient_accumulation_steps, tokens_per_micro_batch(cfg)
+    on_fp8 = hw.multiplies_fp8(cfg, held)
+    fp8 = flops_per_token(cfg, s, recompute, fp8=True) if on_fp8 else 0.0
+    seconds_per_token = (flops_per_token(cfg, s, recompute) - fp8) / hw.peak + fp8 / cast(float, hw.fp8_peak or 1)
+    compute = m * tokens * seconds_per_token / hw.mfu
     dequant = 0.0
-    if held != "dtype":
-        dequantised = dequantised_per_micro_batch(cfg, s, comm.layout.expert_parallel, held)
-        dequant = m * dequantised * dequant_bytes(cfg, held, on_bytes) / hw.hbm_bytes_per_s
+    if held != "dtype" and not on_fp8:
+        dequantised = dequantised_per_micro_batch(cfg, s, comm.layout.expert_parallel, held, recompute)
+        dequant = m * dequantised * dequant_bytes(cfg, held) / hw.hbm_bytes_per_s
     overlapped = all_to_all = 0.0
     for t in comm.transfers:
         seconds = t.inter_node / hw.inter_bytes_per_s + (t.received - t.inter_node) / hw.intra_bytes_per_s
@@ -208,18 +254,29 @@ def plan_layouts(
     base's layouts are those without expert parallelism, which it does not take."""
     if candidates is None:
         candidates = [lo for lo in layouts(cluster, s) if held != "nf4" or lo.expert_parallel == 1]
-    out = []
-    for layout in candidates:
-        memory = _memory(cfg, s, layout, cluster, hw, held)
-        comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held)
-        out.append(LayoutPlan(layout, held, memory, comm, step_time(cfg, s, comm, hw, held)))
-    return out
+    return [layout_plan(cfg, s, layout, cluster, hw, held) for layout in candidates]
 
 
-def _memory(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, hw: Hardware, held: Held) -> MemoryPlan:
+def layout_plan(
+    cfg: Config,
+    s: Structure,
+    layout: Layout,
+    cluster: Cluster,
+    hw: Hardware,
+    held: Held,
+    recompute: Recompute | None = None,
+) -> LayoutPlan:
+    """One layout's memory, bytes and time with `recompute`, by default what `fsdp.activation_checkpointing` asks
+    for or, `auto`, chooses for this layout's memory."""
     sharded = copy.copy(cfg)  # a layout the planner tries, not the user's: the config's rules are not asked
     sharded.fsdp = dataclasses.replace(cfg.fsdp, shard_size=layout.shard)
-    return plan_memory(sharded, s, cluster.world, True, hw.gpu, held=held, expert_parallel=layout.expert_parallel)
+    k, fp8 = layout.expert_parallel, hw.multiplies_fp8(cfg, held)
+    recompute = recompute or choose_recompute(sharded, s, cluster.world, True, hw.gpu, held, k, fp8)
+    memory = plan_memory(sharded, s, cluster.world, True, hw.gpu, held, k, recompute, fp8)
+    comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held)
+    time = step_time(cfg, s, comm, hw, held, recompute)
+    tokens = cluster.world * cfg.train.gradient_accumulation_steps * tokens_per_micro_batch(cfg)
+    return LayoutPlan(layout, held, memory, comm, time, recompute, tokens, model_flops_per_token(cfg, s), hw.peak)
 
 
 def fastest_fitting(plans: list[LayoutPlan]) -> LayoutPlan | None:
@@ -256,3 +313,33 @@ def planned_expert_parallel(cfg: Config, s: Structure, held: Held) -> int:
         cluster.gpus_per_node,
     )
     return k
+
+
+def config_layout(cfg: Config) -> tuple[Cluster, Layout]:
+    """The cluster and layout the config trains on: `ray.workers_per_node` workers a node, as many nodes as its
+    fewest workers fill (an elastic run's smallest group holds the largest shares), `fsdp.shard_size` and
+    `parallel.expert_parallel` (resolved)."""
+    per_node = cfg.ray.workers_per_node
+    cluster = Cluster(nodes=max(1, cfg.ray.fewest_workers // per_node), gpus_per_node=per_node)
+    k = cfg.parallel.expert_groups()
+    layout = Layout.expert(k, cluster) if k > 1 else Layout(shard=cfg.fsdp.shard_group(cluster.world))
+    return cluster, layout
+
+
+def planned_recompute(cfg: Config, s: Structure, held: Held, gpu: str | None) -> Recompute:
+    """`fsdp.activation_checkpointing: auto` (or selective without its period) resolved for the job's `gpu` (None:
+    CPU workers or a GPU the planner does not know: the config's fallback), written into `cfg` for the workers."""
+    from rayft.plan.recompute import resolve_
+
+    asked = cfg.checkpointing
+    if gpu is None:
+        chosen = Recompute.of(cfg, s.layers)
+    else:
+        cluster, layout = config_layout(cfg)
+        (plan,) = plan_layouts(cfg, s, cluster, Hardware(gpu), held, [layout])
+        chosen = plan.recompute
+    resolve_(cfg, chosen)
+    if asked != chosen.mode or asked == "selective":
+        where = gpu or "no GPU capacity known"
+        log.info("fsdp.activation_checkpointing: %s → %s (%s)", asked, chosen.describe(), where)
+    return chosen

@@ -417,7 +417,7 @@ def _build_state(
     optimizer = build_optimizer(model, cfg.train, on_gpu)
     scheduler = build_scheduler(optimizer, cfg.train, plan)
     flops = flop_model(model, model.config, cfg.data.max_length)
-    peak = peak_flops(device, cfg.train.peak_tflops, flops.fp8_share)
+    peak = peak_flops(device, cfg.train.peak_tflops)
     log.info("%s", measured.flops_line(flops, peak, device, stated=cfg.train.peak_tflops is not None))
     log.info("compute: %s", _precision_line(model, cpu_bf16(cfg, device), on_gpu))
     state = TrainState(model, optimizer, scheduler, Progress(world_size=world_size, global_order=plan.global_order))

@@ -33,8 +33,12 @@ def test_load_memory_benchmark_runs_and_reports_every_case(tmp_path):
     _small_bench("load_memory", out)
     report = json.loads(out.read_text())
     assert set(report["results"]) == {
-        "sharded", "full_from_pretrained", "sharded_fp8_hub_layout", "sharded_nf4", "sharded_nf4_from_fp8_hub_layout"
-    }  # fmt: skip
+        "sharded",
+        "full_from_pretrained",
+        "sharded_fp8_hub_layout",
+        "sharded_nf4",
+        "sharded_nf4_from_fp8_hub_layout",
+    }
     for case in report["results"].values():
         assert len(case["per_rank"]) == 2 and all(r["peak_minus_start_mib"] > 0 for r in case["per_rank"])
     assert report["versions"]["torch"] and report["machine"]["cpus"]
@@ -116,8 +120,11 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     out = tmp_path / "train_vs_trl.json"
     result = subprocess.run(
         [sys.executable, "bench/train_vs_trl.py", "--size", "smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     (seed,) = report["results"]
@@ -134,8 +141,11 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     startup = summarise({**seed["runs"], "ray_train_empty": [run_ray_train_empty(tmp_path / "empty")]})
     (rayft,), (trl,), (empty,) = (startup["runs"][k] for k in ("rayft", "baseline", "ray_train_empty"))
     cores = os.cpu_count()
-    for run, parts in ((rayft, {"driver", "ray", "train_workers"}), (trl, {"launcher", "ranks"}),
-                       (empty, {"driver", "ray", "train_workers"})):  # fmt: skip
+    for run, parts in (
+        (rayft, {"driver", "ray", "train_workers"}),
+        (trl, {"launcher", "ranks"}),
+        (empty, {"driver", "ray", "train_workers"}),
+    ):
         cpu = run["cpu_s_to_first_step"]
         assert set(cpu) == parts | {"total"} and all(cpu[p] > 0 for p in parts), cpu
         assert cpu["total"] == pytest.approx(sum(cpu[p] for p in parts), abs=0.05)
@@ -143,16 +153,26 @@ def test_train_vs_trl_and_startup_benchmarks_on_one_pair_of_runs(tmp_path):
     assert 0 < empty["time_to_first_step_s"] <= empty["wall_s"]
     assert startup["rayft_floor_s"] == pytest.approx(rayft["cpu_s_to_first_step"]["total"] / cores, abs=0.01)
     assert startup["ratio_ray_train_empty_over_trl"] == pytest.approx(
-        empty["time_to_first_step_s"] / trl["time_to_first_step_s"], rel=1e-2)  # fmt: skip
+        empty["time_to_first_step_s"] / trl["time_to_first_step_s"], rel=1e-2
+    )
     assert 0 < rayft["time_to_first_step_s"] <= rayft["wall_s"] and 0 < trl["time_to_first_step_s"] <= trl["wall_s"]
     stages = rayft["profile"]
-    for stage in ("launch", "preflight_tokenizer", "ray_start", "data_plan", "worker_group_start", "model_build_load",
-                  "first_batch", "first_step"):  # fmt: skip
+    for stage in (
+        "launch",
+        "preflight_tokenizer",
+        "ray_start",
+        "data_plan",
+        "worker_group_start",
+        "model_build_load",
+        "first_batch",
+        "first_step",
+    ):
         assert stage in stages, stages
     parts = sum(v for k, v in stages.items() if k != "to_first_step_s")
     assert parts <= stages["to_first_step_s"] <= rayft["time_to_first_step_s"] + 1.0
-    assert startup["ratio_rayft_over_trl"] == pytest.approx(rayft["time_to_first_step_s"] / trl["time_to_first_step_s"],
-                                                            rel=1e-2)  # fmt: skip
+    assert startup["ratio_rayft_over_trl"] == pytest.approx(
+        rayft["time_to_first_step_s"] / trl["time_to_first_step_s"], rel=1e-2
+    )
     assert startup["ratio_ok"] == (startup["ratio_rayft_over_trl"] <= 1.5)
 
 
@@ -174,8 +194,11 @@ def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
     results."""
     result = subprocess.run(
         ["make", "--no-print-directory", "gpu-check", "GPU_CHECK_ARGS=--dry-run", f"PY={sys.executable}"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     budgets = dry_run_budgets(out)
@@ -194,8 +217,13 @@ def test_gpu_check_dry_run_lists_every_stage_and_builds_the_bench_configs():
     import torch
 
     if not torch.cuda.is_available():
-        refused = subprocess.run([sys.executable, "bench/gpu_check.py", "--stage", "tests"], capture_output=True,
-                                 text=True, timeout=120, cwd=REPO)  # fmt: skip
+        refused = subprocess.run(
+            [sys.executable, "bench/gpu_check.py", "--stage", "tests"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert refused.returncode == 2 and "no CUDA GPU here" in refused.stderr, refused.stderr
 
 
@@ -247,8 +275,12 @@ def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path):
     )
     summary = junit_summary(xml)
     assert (summary["passed"], summary["skipped"], summary["failed"], summary["error"]) == (1, 1, 1, 0)
-    assert summary["tests"][1] == {"test": "tests.test_gpu::test_b", "outcome": "skipped", "seconds": 0.1,
-                                   "message": "needs CUDA"}  # fmt: skip
+    assert summary["tests"][1] == {
+        "test": "tests.test_gpu::test_b",
+        "outcome": "skipped",
+        "seconds": 0.1,
+        "message": "needs CUDA",
+    }
     assert summary["tests"][0]["measured"] == {"device_load_peak_mib": 41.5} and "measured" not in summary["tests"][1]
     assert summary["seconds"] == 3.5 and "error" in junit_summary(tmp_path / "absent.xml")
     assert stage_outcome(0, {"passed": 3, "skipped": 1})[0] == 1
@@ -267,10 +299,20 @@ def test_gpu_bench_arithmetic_from_rayft_rows_to_acceptance():
     peak, flops = 989.0, 40e9  # TFLOP/s, LoRA-aware FLOPs per token
 
     def row(step: int, tokens_per_s: float, allocated: float) -> dict:
-        return {"step": step, "loss": 2.0, "time": 100.0 + step, "step_time_s": 2.0, "tokens_per_s": tokens_per_s,
-                "tokens_per_s_per_worker": tokens_per_s, "host_rss_gib": 3.0, "peak_tflops": peak,
-                "mfu_lora": tokens_per_s * flops / (peak * 1e12), "mfu_6n": tokens_per_s * 1.4 * flops / (peak * 1e12),
-                "memory_allocated_gib": allocated, "memory_reserved_gib": allocated + 1}  # fmt: skip
+        return {
+            "step": step,
+            "loss": 2.0,
+            "time": 100.0 + step,
+            "step_time_s": 2.0,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_worker": tokens_per_s,
+            "host_rss_gib": 3.0,
+            "peak_tflops": peak,
+            "mfu_lora": tokens_per_s * flops / (peak * 1e12),
+            "mfu_6n": tokens_per_s * 1.4 * flops / (peak * 1e12),
+            "memory_allocated_gib": allocated,
+            "memory_reserved_gib": allocated + 1,
+        }
 
     rows = [row(1, 1000.0, 30.0), row(2, 9000.0, 31.0), row(3, 10000.0, 31.5), row(4, 12000.0, 31.0)]
     rayft = summarise_rayft(rows, started=100.0, skip=2)
@@ -282,8 +324,11 @@ def test_gpu_bench_arithmetic_from_rayft_rows_to_acceptance():
     summary = summarise_gpu({"rayft": [rayft], "baseline": [{**rayft, "tokens_per_s": 5500.0}]}, per_token)
     assert summary["rayft"]["mfu_lora"] == round(11000 * flops / 989e12, 4)
     assert summary["baseline"]["mfu_lora"] == round(5500 * flops / 989e12, 4)  # same yardstick for both
-    report = {"gpu": {"name": "NVIDIA H100"}, "dense": {**summary, "ratio_tokens_per_s": 2.0},
-              "moe": {"rayft": {"mfu_lora": 0.15}}}  # fmt: skip
+    report = {
+        "gpu": {"name": "NVIDIA H100"},
+        "dense": {**summary, "ratio_tokens_per_s": 2.0},
+        "moe": {"rayft": {"mfu_lora": 0.15}},
+    }
     verdicts = acceptance(report)
     assert verdicts["dense_ratio_tokens_per_s"]["ok"] is True and verdicts["moe_mfu_lora"]["ok"] is False
     assert verdicts["dense_mfu_lora"]["ok"] is (summary["rayft"]["mfu_lora"] >= 0.4)

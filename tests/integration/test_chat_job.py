@@ -24,8 +24,17 @@ def chat_config(fx: Fixtures, model: Path, root: Path, **model_keys) -> dict:
         (data / f"{split}.jsonl").write_text("".join(json.dumps({"messages": CONVERSATION}) + "\n" for _ in range(n)))
     out = root / "out"
     out.mkdir()
-    cfg = tiny_config(fx, out, max_steps=2, logging_steps=1, eval_steps=2, save_steps=2, per_device_train_batch_size=2,
-                      gradient_accumulation_steps=1, learning_rate=1e-3)  # fmt: skip
+    cfg = tiny_config(
+        fx,
+        out,
+        max_steps=2,
+        logging_steps=1,
+        eval_steps=2,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+    )
     cfg["model"].update(model_name_or_path=str(model), **model_keys)
     cfg["data"].update(dataset_name_or_path=str(data), dataset_config_name=None, max_length=128, packing=False)
     return cfg

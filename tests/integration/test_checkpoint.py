@@ -97,10 +97,15 @@ def _load(rank: int, world: int, port: int, raw: dict, out: str) -> None:
         progress = load_checkpoint(Path(out), model, optimizer, scheduler)
         draws = {"python": random.random(), "numpy": float(np.random.rand())}
         torch.save(
-            {**_full_state(model, optimizer), "rng": torch.get_rng_state(), "lr": scheduler.get_last_lr(),
-             "progress": progress == Progress(2, 0, 4, 2), "draws": draws},
+            {
+                **_full_state(model, optimizer),
+                "rng": torch.get_rng_state(),
+                "lr": scheduler.get_last_lr(),
+                "progress": progress == Progress(2, 0, 4, 2),
+                "draws": draws,
+            },
             Path(out) / "loaded.pt",
-        )  # fmt: skip
+        )
     finally:
         dist.destroy_process_group()
 
@@ -191,9 +196,14 @@ def test_housekeeping_deletes_only_this_runs_checkpoints_newer_than_the_register
 
     run_path = _run_dir_with(
         tmp_path,
-        {"checkpoint-000001": "run-a", "checkpoint-000002": "run-a", "checkpoint-000003": "run-a",
-         "checkpoint-000004": "run-b", "checkpoint-000005": None},
-    )  # fmt: skip
+        {
+            "checkpoint-000001": "run-a",
+            "checkpoint-000002": "run-a",
+            "checkpoint-000003": "run-a",
+            "checkpoint-000004": "run-b",
+            "checkpoint-000005": None,
+        },
+    )
     run = RunDir(str(run_path))
     assert remove_unregistered(run, None, 2) == []  # a run without an identity proves nothing
     assert remove_unregistered(run, "run-a", 2) == ["checkpoint-000003"]

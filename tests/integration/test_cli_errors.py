@@ -77,8 +77,9 @@ def test_user_errors_exit_2_with_a_short_message(command, case, good_config, cap
     assert not ray.is_initialized(), "a Ray cluster was started before the error"
 
 
-@pytest.mark.parametrize("entrypoint", [["-m", "rayft.cli", "validate"], ["jobs/mistral4.py"]],
-                         ids=["rayft validate", "jobs/mistral4.py"])  # fmt: skip
+@pytest.mark.parametrize(
+    "entrypoint", [["-m", "rayft.cli", "validate"], ["jobs/mistral4.py"]], ids=["rayft validate", "jobs/mistral4.py"]
+)
 def test_the_entrypoints_as_processes_exit_2_with_the_message_only(entrypoint, good_config):
     result = _run(*entrypoint, "--config", str(good_config), "--override", "train.learnin_rate=1e-4")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -107,6 +108,27 @@ def test_a_good_config_validates(good_config, capsys):
     assert result.rc == 0 and one, (result.err, alone)
     fewest = r"memory plan: ([\d.]+) GiB per GPU on 1 workers \(the fewest of ray.num_workers \[1, 2\]\): fits"
     assert re.search(fewest, result.out)[1] == one[1], result.out
+
+
+def test_validate_says_what_activation_checkpointing_does_and_costs(good_config, capsys):
+    """`fsdp.activation_checkpointing`: on CPU workers auto keeps no recompute (no GPU to fit); on a GPU auto finds
+    the tiny model fits without recompute, and an explicit full says what it saves and costs against none."""
+    result = _validate(capsys, good_config)
+    assert "activation checkpointing auto → none (CPU workers: no GPU to fit)" in result.out, result.out
+    on_gpu = ("ray.use_gpu=true", "fsdp.param_dtype=auto")
+    result = _validate(capsys, good_config, *on_gpu)
+    line = r"activation checkpointing auto → none \(FSDP, fp32 base, h200\): [\d.]+ GiB/GPU, step [\d.]+ s \(no layer"
+    assert re.search(line, result.out), result.out
+    result = _validate(capsys, good_config, *on_gpu, "fsdp.activation_checkpointing=full")
+    found = re.search(
+        r"activation checkpointing full \(FSDP, fp32 base, h200\): ([\d.]+) GiB/GPU, step ([\d.]+) s; without "
+        r"recompute ([\d.]+) GiB/GPU \(fits\), step ([\d.]+) s: recompute saves ([\d.]+) GiB and costs ([\d.]+) s "
+        r"a step",
+        result.out,
+    )
+    assert found, result.out
+    full_gib, full_s, none_gib, none_s, saved, cost = map(float, found.groups())
+    assert full_gib <= none_gib and full_s >= none_s and saved >= 0 and cost >= 0, found.groups()
 
 
 @pytest.mark.parametrize("command", [_validate, _job])
@@ -209,8 +231,17 @@ def test_eval_with_base_refuses_what_it_cannot_compare(overrides, extra, needle,
 
 def test_plan_of_a_cpu_config_says_it_plans_gpus(capsys):
     """`rayft plan` sizes GPU clusters: for a config that trains on CPU workers it says so before its GPU verdicts."""
-    result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts", "--override", "ray.use_gpu=false",
-                     "--override", "fsdp.param_dtype=auto")  # fmt: skip
+    result = run_cli(
+        capsys,
+        "plan",
+        "--preset",
+        "mistral-small-4",
+        "--no-layouts",
+        "--override",
+        "ray.use_gpu=false",
+        "--override",
+        "fsdp.param_dtype=auto",
+    )
     assert result.rc == 0, result.err[-3000:]
     assert result.out.startswith("rayft plan: the config trains on CPU workers (ray.use_gpu: false)"), result.out
     result = run_cli(capsys, "plan", "--preset", "mistral-small-4", "--no-layouts")
@@ -225,8 +256,14 @@ def test_ctrl_c_during_training_exits_130_with_one_line(fixtures: Fixtures, tmp_
 
     config = write_yaml(tmp_path / "long.yaml", tiny_config(fixtures, tmp_path / "out", max_steps=500, logging_steps=1))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    job = subprocess.Popen([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "jobs/mistral4.py", "--config", str(config)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = []
         for line in job.stdout:
@@ -241,6 +278,7 @@ def test_ctrl_c_during_training_exits_130_with_one_line(fixtures: Fixtures, tmp_
     text = "".join(seen) + rest
     assert job.returncode == 130, text[-4000:]
     said = [line for line in text.splitlines() if line.startswith("rayft: interrupted")]
-    assert said == [f"rayft: interrupted: {tmp_path / 'out' / 'ray_run'} keeps its checkpoints; the same command "
-                    "continues the run"], text[-4000:]  # fmt: skip
+    assert said == [
+        f"rayft: interrupted: {tmp_path / 'out' / 'ray_run'} keeps its checkpoints; the same command continues the run"
+    ], text[-4000:]
     assert "Traceback" not in text, text[-4000:]

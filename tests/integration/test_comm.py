@@ -86,16 +86,30 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
             for _ in range(STEPS):
                 before = dict(window.moved)
                 with C10dBytes() as witness, WorkCounter() as work:
-                    norm = train_step(model, optimizer, scheduler, group, window, loss=objective.loss, world_size=world,
-                                      kept_layers=kept, autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
+                    norm = train_step(
+                        model,
+                        optimizer,
+                        scheduler,
+                        group,
+                        window,
+                        loss=objective.loss,
+                        world_size=world,
+                        kept_layers=kept,
+                        autocast=nullcontext,
+                        max_grad_norm=1.0,
+                    )
                 tallied.append({k: window.moved[k] - before[k] for k in KINDS})
                 witnessed.append(witness.take())
                 dequantised.append(sum(work.dequantised))
                 host_copies.append(dict(work.host_copies))
             metrics = window.take(norm, scheduler, 0.0)
-            results[label] = {"tallied": tallied, "witnessed": witnessed, "dequantised": dequantised,
-                              "host_copies": host_copies,
-                              "metrics": {k: v for k, v in metrics.items() if k.startswith("comm_")}}  # fmt: skip
+            results[label] = {
+                "tallied": tallied,
+                "witnessed": witnessed,
+                "dequantised": dequantised,
+                "host_copies": host_copies,
+                "metrics": {k: v for k, v in metrics.items() if k.startswith("comm_")},
+            }
             del model, optimizer
         if rank == 0:
             with open(out, "w") as f:
@@ -109,7 +123,7 @@ def _check_dequantised_against_the_planner(label: str, cfg: Config, s, k: int, c
     planner has every pass need every matrix and uniform routing hit each local expert with 1 − (1 − 1/E)^slots;
     what ran may leave out the input gradient of the first layer's projections of the embeddings (the dense
     fixture's q, k, v: no AC, nothing asks for that gradient) and may hit every expert."""
-    passes = 2 + cfg.fsdp.activation_checkpointing
+    passes = 2 + cfg.recomputes_activations
     every_expert = ACCUM * passes * (s.fp8 - s.experts + s.experts / k)
     first_layer_skipped = ACCUM * (dequantised_per_micro_batch(cfg, s, k) - (s.fp8 - s.experts) / s.layers)
     print(label, "dequantised", counted, ACCUM * dequantised_per_micro_batch(cfg, s, k))

@@ -63,8 +63,13 @@ def test_every_reader_loads_its_records(ray_driver, fixtures: Fixtures, tmp_path
     import datasets
 
     docs = [f"document number {i} about the river ." for i in range(7)]
-    wikitext = [t for t in pq.read_table(next((fixtures.dataset / "wikitext-2-raw-v1").glob("train-*"))).column(
-        "text").to_pylist() if t.strip()]  # fmt: skip
+    wikitext = [
+        t
+        for t in pq.read_table(next((fixtures.dataset / "wikitext-2-raw-v1").glob("train-*")))
+        .column("text")
+        .to_pylist()
+        if t.strip()
+    ]
     (tmp_path / "one.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)) + "\n")
     (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in docs]))
     (tmp_path / "plain.txt").write_text("\n".join(docs) + "\n")
@@ -107,8 +112,10 @@ def test_packing_keeps_every_token_once_and_restarts_positions_per_document(pack
     got = np.concatenate([b["input_ids"] for b in blocks])
     positions = np.concatenate([b["position_ids"] for b in blocks])
     assert len(blocks) == ds.train_rows == ds.train_stats.rows and ds.train_stats.tokens == len(want)
-    assert len(got) == len(want) and hashlib.sha256(got.astype(np.int32)).digest() == hashlib.sha256(
-        want.astype(np.int32)).digest()  # fmt: skip
+    assert (
+        len(got) == len(want)
+        and hashlib.sha256(got.astype(np.int32)).digest() == hashlib.sha256(want.astype(np.int32)).digest()
+    )
     assert all(len(b["input_ids"]) <= BLOCK for b in blocks) and sum(len(b["input_ids"]) < BLOCK for b in blocks) <= 1
 
     doc_starts = set(np.cumsum([0] + [len(r) for r in reference[:-1]]).tolist())
@@ -219,8 +226,13 @@ def test_bad_records_are_counted_and_the_rest_trains(ray_driver, fixtures: Fixtu
     lines[3:3] = [b"\xff\xfe binary \x00\x01 garbage", b'{"question": "cut off', b'{"question": "no answer"}', b""]
     (tmp_path / "qa.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     raw = tiny_config(fixtures, tmp_path / "out")
-    raw["data"].update(dataset_name_or_path=str(tmp_path / "qa.jsonl"), prompt_template="Q: {question}\nA:",
-                       completion_field="answer", val_ratio=0.0, packing=False)  # fmt: skip
+    raw["data"].update(
+        dataset_name_or_path=str(tmp_path / "qa.jsonl"),
+        prompt_template="Q: {question}\nA:",
+        completion_field="answer",
+        val_ratio=0.0,
+        packing=False,
+    )
     ds = build_datasets(Config.from_dict(raw))
     assert ds.train_stats.skipped == {"not_utf8": 1, "bad_json": 1, "missing_field": 1, "empty": 1}
     assert (ds.train_stats.records, ds.train_stats.examples, ds.train_rows) == (16, 12, 12)

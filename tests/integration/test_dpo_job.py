@@ -18,14 +18,30 @@ from fixtures.local_run import LocalRun, train_locally
 from fixtures.preference import write_preference_data
 
 STEPS = 6
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")  # fmt: skip
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def dpo_config(fx: Fixtures, data: Path, out: Path) -> dict:
-    cfg = tiny_config(fx, out, max_steps=STEPS, logging_steps=1, eval_steps=2, save_steps=2, save_total_limit=2,
-                      per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=2e-2,
-                      objective="dpo")  # fmt: skip
+    cfg = tiny_config(
+        fx,
+        out,
+        max_steps=STEPS,
+        logging_steps=1,
+        eval_steps=2,
+        save_steps=2,
+        save_total_limit=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=2e-2,
+        objective="dpo",
+    )
     cfg["data"].update(dataset_name_or_path=str(data), max_length=64, packing=False)
     cfg["data"]["dataset_config_name"] = None
     cfg["lora"]["lora_dropout"] = 0.1  # draws from each rank's RNG: exact resume must restore them
@@ -74,13 +90,29 @@ def test_rayft_eval_ranks_held_out_pairs_after_training(dpo_run: LocalRun, ray_c
     """Rewards of base + adapter against the base on the validation pairs (new prompts, same word sets)."""
     env = {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}
     result = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "eval", "--config", str(dpo_run.out / "config.yaml"), "--adapter",
-         str(dpo_run.out / "final")], env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "eval",
+            "--config",
+            str(dpo_run.out / "config.yaml"),
+            "--adapter",
+            str(dpo_run.out / "final"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     print(result.stdout)
-    found = re.search(r"on 'validation' \(16 pairs\): DPO loss ([\d.]+), .*rewards/accuracies ([\d.]+), "
-                      r"rewards/margins (-?[\d.]+)", result.stdout)  # fmt: skip
+    found = re.search(
+        r"on 'validation' \(16 pairs\): DPO loss ([\d.]+), .*rewards/accuracies ([\d.]+), "
+        r"rewards/margins (-?[\d.]+)",
+        result.stdout,
+    )
     assert found, result.stdout + result.stderr[-3000:]
     loss, accuracy, margin = (float(found[i]) for i in (1, 2, 3))
     assert margin > 0 and accuracy > 0.5 and loss < 0.6931

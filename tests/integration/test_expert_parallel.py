@@ -252,9 +252,12 @@ def test_auto_takes_expert_parallelism_where_the_network_would_bind_fsdp(tmp_pat
     from rayft.plan import meta_structure
     from rayft.plan.steptime import planned_expert_parallel
 
-    raw = {"data": {"max_length": 4096}, "fsdp": {"activation_checkpointing": True},
-           "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
-           "parallel": {"expert_parallel": "auto"}}  # fmt: skip
+    raw = {
+        "data": {"max_length": 4096},
+        "fsdp": {"activation_checkpointing": True},
+        "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
+        "parallel": {"expert_parallel": "auto"},
+    }
     for workers, expected in ((2, 2), (3, 1)):
         raw["ray"] = {"num_workers": workers}
         cfg = Config.from_dict(raw)
@@ -371,8 +374,12 @@ def _one_forward_rank(rank: int, world: int, port: int, runs: dict[str, dict], o
                 loss = model(input_ids=ids, labels=ids).loss
             kept = exchanges.alive()
             loss.backward()
-            results[label] = {"made": exchanges.made(), "kept": kept, "base": flops.base_params,
-                              "lora": flops.lora_params}  # fmt: skip
+            results[label] = {
+                "made": exchanges.made(),
+                "kept": kept,
+                "base": flops.base_params,
+                "lora": flops.lora_params,
+            }
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

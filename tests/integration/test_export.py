@@ -26,8 +26,9 @@ def _dequantised_model(base, dtype="float32"):
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rayft.cli", "export", *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "export", *args], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
 
 
 def _adapter_logits(base, adapter) -> torch.Tensor:
@@ -41,8 +42,17 @@ def test_merged_export_loads_in_plain_transformers_and_matches_the_adapter(
     mistral4_hub, trained_expert_adapter, tmp_path
 ):
     out = tmp_path / "merged"
-    result = _export("--adapter", str(trained_expert_adapter), "--base", str(mistral4_hub), "--out", str(out),
-                     "--merge", "--dtype", "float32")  # fmt: skip
+    result = _export(
+        "--adapter",
+        str(trained_expert_adapter),
+        "--base",
+        str(mistral4_hub),
+        "--out",
+        str(out),
+        "--merge",
+        "--dtype",
+        "float32",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     merged = Mistral4ForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # no rayft, no PEFT
     assert not any("vision" in n or "lora" in n for n, _ in merged.named_parameters())

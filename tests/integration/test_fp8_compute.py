@@ -213,24 +213,6 @@ def test_the_setting_reaches_every_fp8_layer_and_auto_keeps_cpu_workers_dequanti
         assert layers and all(m.fp8_compute is want for m in layers), setting
 
 
-def test_mfu_counts_the_fp8_matmuls_at_the_fp8_peak():
-    """The FLOP model counts the frozen weights multiplied on their bytes (a linear's whole, the routed experts'
-    top_k / E), and the peak of a mix is the rate that does it in the time the two peaks take."""
-    from rayft.model.flops import flop_model, mixed_peak
-
-    fp8, _ = _fp8_and_reference("dense")
-    model = _lora(fp8, "dense")
-    adopt_lora_(model)
-    assert flop_model(model, model.config, 16).fp8_params == 0
-    set_fp8_compute_(model, True)
-    flops = flop_model(model, model.config, 16)
-    linears = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Fp8Linear))
-    assert flops.fp8_params == linears > 0
-    assert flops.fp8_share == 4 * linears / flops.per_token_lora
-    assert mixed_peak("h200", 0.5) == 1 / (0.5 / 989e12 + 0.5 / 1979e12)
-    assert mixed_peak("h200", 0.0) == 989e12 and mixed_peak("a100", 0.5) == 312e12  # no FP8 matmuls on an A100
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_activation_quantisation_gives_the_eager_bytes(dtype, caplog):
     """Where the dequantisation is compiled (CUDA; here forced on the CPU), rounding activations to E4M3 is one

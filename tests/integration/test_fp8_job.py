@@ -1,12 +1,16 @@
-"""The frozen base in FP8 (`model.frozen_dtype: auto` on the hub-layout Mistral-Small-4) through real `ray job submit`
-runs, and two jobs of the same default `ray.name` on one cluster at once.
+"""The frozen base in FP8 (`model.frozen_dtype: auto` on the hub-layout Mistral-Small-4) and expert parallelism
+through real `ray job submit` runs, and two jobs of the same default `ray.name` on one cluster at once.
 
 One pair of concurrent submissions on the two-node test cluster serves every test here: both train the tiny FP8
 Mistral-Small-4 (fp32 compute, LoRA on the MLA set, the shared expert and the routed experts), checkpointing and
-evaluating every step, with the default `ray.name` and different output directories; one of them loses a worker
-(SIGKILL by PID from Ray's state API) after its first checkpoint and resumes. Every expected value comes from
-outside the code under test: the uninterrupted run, PEFT on a model holding weights decoded from the checkpoint's
-raw E4M3 bytes with numpy (`test_weights._dequantised_reference`), transformers loading the merged export.
+evaluating every step, with the default `ray.name` and different output directories. The `reference` job runs
+FSDP alone, uninterrupted; the `killed` one runs `parallel.expert_parallel: 2` and loses a worker (SIGKILL by PID
+from Ray's state API) after its first checkpoint: Ray restarts the expert-parallel group, which resumes, and it must
+end where the reference ends (the same sums in another order); a k = 1 run continuing from its checkpoint on gloo
+ranks must too. Every expected value comes from outside the code under test: the uninterrupted run, PEFT on a
+model holding weights decoded from the checkpoint's raw E4M3 bytes with numpy (`test_weights._dequantised_reference`),
+transformers loading the merged export. That a killed FP8 run resumes *exactly* is checked on gloo ranks
+(test_local_trainer.py, Qwen3-MoE stored in FP8), a killed run on Ray exactly in test_recovery.py.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from conftest import (
     working_dir,
     write_yaml,
 )
+from fixtures.local_run import train_locally
 from peft import PeftModel
 from safetensors.torch import load_file
-from test_recovery import assert_same_training, resumes, wait_until
+from test_recovery import resumes, wait_until
 from test_weights import _dequantised_reference
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -46,6 +51,37 @@ from transformers import Mistral4Config, Mistral4ForCausalLM
 pytestmark = pytest.mark.ray
 
 PROBE = torch.tensor([[1, 1784, 3937, 1278, 8312, 1321, 1261, 2], [1, 1278, 8321, 7932, 1044, 2, 11, 11]])
+
+
+TOLERANCE = 1e-4  # EP and FSDP sum the same numbers in another order (fp32)
+FROZEN = {"mistral4_hub": "auto", "qwen3_moe": "float8_e4m3fn"}  # FP8 either way: the checkpoint's, or stored so
+
+
+def ep_config(fixtures: Fixtures, hub: Path, out: Path, k: int, frozen: str = "auto", **overrides) -> dict:
+    """The checkpointing job on the MoE model at `hub` with LoRA on its experts, `k`-way expert parallel, the base
+    stored as `frozen`; every checkpoint kept and the final adapter the last step's, so runs of other k compare."""
+    cfg = checkpointing_config(fixtures, out, **overrides)
+    cfg["model"].update(model_name_or_path=str(hub), torch_dtype="float32", frozen_dtype=frozen)
+    cfg["lora"].update(target_modules=["auto"], target_experts=True, lora_dropout=0.0)
+    cfg["fsdp"] = {"activation_checkpointing": True}
+    cfg["train"].update(load_best_model_at_end=False, save_total_limit=None)  # final = the last step, all kept
+    cfg["parallel"] = {"expert_parallel": k}
+    return cfg
+
+
+def assert_close_adapters(got: Path, want: Path) -> None:
+    a, b = load_file(str(got / "adapter_model.safetensors")), load_file(str(want / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=TOLERANCE, rtol=1e-3, msg=f"{got}: {key}")
+
+
+def assert_close_losses(got, want, steps: range) -> None:
+    """`got` and `want`: runs with `metrics()` (a Ray `Run`, or a gloo-rank `LocalRun`)."""
+    mine = {r["step"]: r["loss"] for r in got.metrics()}
+    theirs = {r["step"]: r["loss"] for r in want.metrics()}
+    for step in steps:
+        assert abs(mine[step] - theirs[step]) <= TOLERANCE, f"step {step}: {mine[step]} vs {theirs[step]}"
 
 
 def _fp8_config(fx: Fixtures, hub: Path, out: Path) -> dict:
@@ -70,9 +106,9 @@ def _job_workers(address: str, submission_id: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict[str, Run]:
-    """`reference`: the FP8 job uninterrupted; `killed`: the same job, submitted at the same time with the same
-    default `ray.name` into another output dir, whose worker is SIGKILLed after its first registered checkpoint
-    (`ray.max_failures` 2: Ray restarts the group, which resumes from the latest checkpoint)."""
+    """`reference`: the FP8 job uninterrupted; `killed`: the same job expert parallel (k = 2), submitted at the
+    same time with the same default `ray.name` into another output dir, whose worker is SIGKILLed after its first
+    registered checkpoint (`ray.max_failures` 2: Ray restarts the group, which resumes from the latest checkpoint)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_AUTH_MODE", "disabled")  # the state API and job client talk to the test cluster
         return _run_fp8_jobs(ray_cluster, fixtures, mistral4_hub, tmp_path_factory.mktemp("fp8-jobs"))
@@ -83,13 +119,26 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
     for label in ("reference", "killed"):
         out = root / label
         out.mkdir()
-        config = write_yaml(out / "config.yaml", _fp8_config(fixtures, mistral4_hub, out))
+        cfg = _fp8_config(fixtures, mistral4_hub, out)
+        if label == "killed":
+            cfg = ep_config(fixtures, mistral4_hub, out, 2, FROZEN["mistral4_hub"], train__bf16=False)
+        config = write_yaml(out / "config.yaml", cfg)
         jobs[label] = Submitted(submit_no_wait(ray_cluster, config, working_dir(out)), Run(out, out / "job.log"))
     killed = jobs["killed"]
-    wait_until(lambda: "checkpoint-000001" in killed.run.registered(), "the first checkpoint", killed.run,
-               timeout=600, every=0.5)  # fmt: skip
-    group = wait_until(lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
-                       "the two training workers", killed.run, timeout=600, every=0.5)  # fmt: skip
+    wait_until(
+        lambda: "checkpoint-000001" in killed.run.registered(),
+        "the first checkpoint",
+        killed.run,
+        timeout=600,
+        every=0.5,
+    )
+    group = wait_until(
+        lambda: len(w := _job_workers(ray_cluster.address, killed.submission_id)) == 2 and w,
+        "the two training workers",
+        killed.run,
+        timeout=600,
+        every=0.5,
+    )
     steps_before_kill = max((r["step"] for r in killed.run.metrics()), default=0)
     os.kill(max(group), signal.SIGKILL)
     wait_for_jobs(ray_cluster, list(jobs.values()))
@@ -97,16 +146,48 @@ def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Pat
     return {label: job.run for label, job in jobs.items()}
 
 
-def test_fp8_job_trains_in_fp8_and_a_killed_worker_resumes_to_the_uninterrupted_adapter(fp8_jobs: dict[str, Run]):
+def test_fp8_job_trains_in_fp8_and_a_killed_expert_parallel_worker_resumes_to_the_uninterrupted_adapter(
+    fp8_jobs: dict[str, Run],
+):
     reference, killed = fp8_jobs["reference"], fp8_jobs["killed"]
     for run in (reference, killed):
         # 8 linears + 1 routed-expert stack per layer, 2 layers: the FP8 checkpoint stayed FP8 in memory
         assert "frozen base: 18 decoder matrices stored as FP8 E4M3" in run.text(), run.text()[:4000]
     losses = [r["loss"] for r in reference.metrics()]
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
-    resumed = resumes(killed.text())
-    assert len(resumed) == 1 and resumed[0] >= 1, killed.text()[-6000:]
-    assert_same_training(killed, reference)
+    text = killed.text()
+    resumed = resumes(text)
+    assert len(resumed) == 1 and resumed[0] >= 1, text[-6000:]
+    assert "expert parallel: 2 MoE layers, 4 of 8 experts" in text, text[-6000:]
+    assert [r["step"] for r in killed.metrics()] == list(range(1, STEPS + 1))
+    assert_close_losses(killed, reference, range(1, STEPS + 1))
+    assert_close_adapters(killed.out / "final", _last_adapter(reference))
+
+
+def _last_adapter(run: Run) -> Path:
+    """The adapter of the run's last step (its `final` is its best step's)."""
+    return run.run_dir / f"checkpoint-{STEPS:06d}" / "adapter"
+
+
+def test_the_expert_parallel_checkpoint_continues_with_one_rank_per_expert_to_the_uninterrupted_result(
+    fp8_jobs: dict[str, Run], fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path
+):
+    """The Ray run's k = 2 checkpoint continued with k = 1 on gloo ranks ends where the uninterrupted run ends."""
+    reference, source = fp8_jobs["reference"], fp8_jobs["killed"].run_dir / f"checkpoint-{STEPS - 2:06d}"
+    cfg = ep_config(
+        fixtures,
+        mistral4_hub,
+        tmp_path / "k1-from-k2",
+        1,
+        FROZEN["mistral4_hub"],
+        train__bf16=False,
+        train__resume_from_checkpoint=str(source),
+    )
+    again = train_locally(cfg, 2)
+    assert again.resumes() == [STEPS - 2], again.text()[-6000:]
+    assert [r["step"] for r in again.metrics()] == [STEPS - 1, STEPS]
+    assert_close_losses(again, reference, range(STEPS - 1, STEPS + 1))
+    assert_close_adapters(again.out / "final", _last_adapter(reference))
 
 
 def _checkpoint_files_present_and_loading(run: Run, tmp: Path) -> int:
@@ -172,10 +253,26 @@ def test_fp8_adapter_loads_with_peft_on_the_dequantised_base_and_the_merged_expo
 
     out = tmp_path / "merged"
     merged_run = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "export", "--adapter", str(final), "--base",
-         str(mistral4_hub), "--out", str(out), "--merge", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "export",
+            "--adapter",
+            str(final),
+            "--base",
+            str(mistral4_hub),
+            "--out",
+            str(out),
+            "--merge",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert merged_run.returncode == 0, merged_run.stderr[-3000:]
     merged = Mistral4ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     reference = tuned.merge_and_unload()  # PEFT folds the adapter (routed experts included) into the numpy base
@@ -214,16 +311,22 @@ def _evals(cluster: RayCluster, runs: list[tuple[Path, tuple[str, ...]]]) -> lis
     return losses
 
 
-def test_eval_on_the_fp8_base_scores_as_the_dequantised_fp32_base(fp8_jobs: dict[str, Run], ray_cluster):
+def test_eval_on_the_fp8_base_scores_as_the_dequantised_fp32_base(
+    fp8_jobs: dict[str, Run], ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path
+):
     """`rayft eval --adapter final` with the base kept in FP8 (`auto`) and dequantised at load (`float32`): the
-    same loss, and the one training reported for that (best) checkpoint. (The second eval runs from the other
-    job's config: the same settings, another output dir.)"""
+    same loss, and the one training reported for that (best) checkpoint. (The second eval runs from a copy of the
+    job's config with another output dir: each eval has its own run dir.)"""
     run = fp8_jobs["reference"]
     adapter = ("--adapter", str(run.out / "final"))
-    (fp8, fp8_log), (fp32, fp32_log) = _evals(ray_cluster, [
-        (run.out / "config.yaml", adapter),
-        (fp8_jobs["killed"].out / "config.yaml", (*adapter, "--override", "model.frozen_dtype=float32")),
-    ])  # fmt: skip
+    copy = write_yaml(tmp_path / "config.yaml", _fp8_config(fixtures, mistral4_hub, tmp_path))
+    (fp8, fp8_log), (fp32, fp32_log) = _evals(
+        ray_cluster,
+        [
+            (run.out / "config.yaml", adapter),
+            (copy, (*adapter, "--override", "model.frozen_dtype=float32")),
+        ],
+    )
     assert "stored as FP8 E4M3" in fp8_log and "stored as FP8 E4M3" not in fp32_log, fp8_log[-3000:]
     assert fp8 == pytest.approx(fp32, rel=1e-4)
     best = min(r["eval_loss"] for r in run.metrics() if "eval_loss" in r)

@@ -65,8 +65,11 @@ class Temporaries(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.made += [(t.device.type, t.numel()) for t in tree_leaves(out)
-                      if isinstance(t, torch.Tensor) and t.dtype == torch.float32]  # fmt: skip
+        self.made += [
+            (t.device.type, t.numel())
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+        ]
         return out
 
 

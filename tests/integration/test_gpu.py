@@ -91,9 +91,14 @@ def _cpu_reference(gpu_model, raw: dict, model_dir: Path):
     lora = raw["lora"]
     reference = peft.get_peft_model(
         base,
-        peft.LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
-                        target_modules=lora["target_modules"], task_type=peft.TaskType.CAUSAL_LM),
-    )  # fmt: skip
+        peft.LoraConfig(
+            r=lora["r"],
+            lora_alpha=lora["lora_alpha"],
+            lora_dropout=0.0,
+            target_modules=lora["target_modules"],
+            task_type=peft.TaskType.CAUSAL_LM,
+        ),
+    )
     missing, unexpected = reference.load_state_dict(_dense_weights(gpu_model), strict=False)
     assert not unexpected and not [k for k in missing if k in dict(reference.named_parameters())], missing
     return reference
@@ -191,8 +196,11 @@ def test_fused_loss_equals_full_logits_in_both_branches(packed, fixtures: Fixtur
             assert _relative_error(grads[name], grad) < GRAD_RTOL["dense"], (name, drop_unscored)
 
 
-@pytest.mark.parametrize("kind, frozen", [("dense", "auto"), ("mistral4-hub", "bfloat16"), ("mistral4-hub", "auto")],
-                         ids=["dense", "hub-bf16", "hub-fp8"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, frozen",
+    [("dense", "auto"), ("mistral4-hub", "bfloat16"), ("mistral4-hub", "auto")],
+    ids=["dense", "hub-bf16", "hub-fp8"],
+)
 def test_sharded_loading_onto_the_device_equals_the_files(
     kind, frozen, fixtures: Fixtures, mistral4_hub, tmp_path, device_group, record_property
 ):

@@ -71,12 +71,32 @@ def gpu_cluster(request) -> Head:
     log = temp_dir.with_name(temp_dir.name + "-head.log")
     with open(log, "w") as sink:
         head = subprocess.Popen(
-            [ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--temp-dir", str(temp_dir),
-             "--num-gpus", "1" if cuda else "0", "--num-cpus", str(max(4, min(8, os.cpu_count() or 1))),
-             "--disable-usage-stats"],
-            env=env, start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                ray_cli(),
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                str(gcs_port),
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(dashboard_port),
+                "--temp-dir",
+                str(temp_dir),
+                "--num-gpus",
+                "1" if cuda else "0",
+                "--num-cpus",
+                str(max(4, min(8, os.cpu_count() or 1))),
+                "--disable-usage-stats",
+            ],
+            env=env,
+            start_new_session=True,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         if not wait_for_dashboard(dashboard, head, log):
@@ -94,9 +114,16 @@ def gpu_job_config(fixtures: Fixtures, out: Path, storage: Path, cuda: bool) -> 
     """The test suite's checkpointing job (6 steps, save + eval every step, dropout on) on one GPU worker (or one
     CPU worker), bf16."""
     return checkpointing_config(
-        fixtures, out, ray__use_gpu=cuda, ray__num_workers=1, ray__placement_strategy="PACK", ray__max_failures=0,
-        ray__name=RUN_NAME, ray__storage_path=str(storage), train__bf16=True,
-    )  # fmt: skip
+        fixtures,
+        out,
+        ray__use_gpu=cuda,
+        ray__num_workers=1,
+        ray__placement_strategy="PACK",
+        ray__max_failures=0,
+        ray__name=RUN_NAME,
+        ray__storage_path=str(storage),
+        train__bf16=True,
+    )
 
 
 def submit(cluster: RayCluster, cfg: dict, out: Path, log: str) -> tuple[Run, str]:

@@ -25,17 +25,21 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_the_toy_run_writes_every_configurations_figures_and_plan(tmp_path: Path):
-    result = subprocess.run([*COMMAND, "--out", str(tmp_path), "--only", *FOUR], capture_output=True, text=True,
-                            timeout=600, cwd=REPO)  # fmt: skip
+    result = subprocess.run(
+        [*COMMAND, "--out", str(tmp_path), "--only", *FOUR], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     written = _lines(tmp_path / "gpu_mfu.jsonl")
     trl = [r for r in written if r.get("system") == "trl"]
     lines = [r for r in written if r.get("system") != "trl"]
     _check_trl_lines(written, trl)
     assert [(r["config"], r["variant"]) for r in lines] == [
-        ("dense-12l-ac", "packed"), ("dense-12l-ac", "one_doc_per_row"), ("dense-12l-noac", "packed"),
-        ("moe-2l-fp8", "packed"), ("moe-2l-bf16", "packed"),
-    ], lines  # fmt: skip
+        ("dense-12l-ac", "packed"),
+        ("dense-12l-ac", "one_doc_per_row"),
+        ("dense-12l-noac", "packed"),
+        ("moe-2l-fp8", "packed"),
+        ("moe-2l-bf16", "packed"),
+    ], lines
     for r in lines:
         assert "error" not in r and r["tokens_per_s"] > 0 and r["peak_tflops"] > 0, r
         assert 0 < r["mfu_lora"] < r["mfu_6n"], r  # a frozen base has no weight gradients to count
@@ -75,8 +79,14 @@ def test_without_trl_the_trl_side_says_so_and_fails_nothing(tmp_path: Path):
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("no trl on this device")\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(REPO)])}
-    result = subprocess.run([*COMMAND, "--out", str(tmp_path), "--only", "dense-12l-noac"], capture_output=True,
-                            text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    result = subprocess.run(
+        [*COMMAND, "--out", str(tmp_path), "--only", "dense-12l-noac"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     ours, theirs = _lines(tmp_path / "gpu_mfu.jsonl")
     assert ours["system"] == "rayft" and ours["tokens_per_s"] > 0, ours
@@ -88,9 +98,13 @@ def test_an_interrupt_keeps_the_lines_written_and_ends_the_process_at_once(tmp_p
     """SIGINT after the first configuration's line: that line stays whole, the configuration running then gets a
     line saying it was interrupted (or none, if it was caught between two), and the process exits within seconds."""
     out = tmp_path / "gpu_mfu.jsonl"
-    proc = subprocess.Popen([*COMMAND, "--out", str(tmp_path), "--only", "dense-12l-noac", "moe-2l-bf16",
-                             "moe-2l-fp8"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*COMMAND, "--out", str(tmp_path), "--only", "dense-12l-noac", "moe-2l-bf16", "moe-2l-fp8"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         waited = time.monotonic()
         while not out.exists() or not out.read_text().endswith("\n"):

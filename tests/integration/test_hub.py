@@ -78,16 +78,27 @@ def test_validate_accepts_hub_names_from_the_offline_cache(offline: Path, fixtur
 
 
 REFUSED = {
-    "missing model revision": (["model.revision=v2"], rf"model.model_name_or_path: revision 'v2' of model repo "
-                               rf"'{MODEL}' is not in .*refs: main; commits: {MODEL_COMMIT[:12]}"),
-    "missing dataset revision": (["data.revision=refs/pr/1"], rf"data.dataset_name_or_path: revision 'refs/pr/1' "
-                                 rf"of dataset repo '{DATASET}'.*`hf download {DATASET} --repo-type dataset "
-                                 r"--revision refs/pr/1 --cache-dir"),
-    "missing model repo": ([f"model.model_name_or_path={MODEL}-v2"], rf"model repo '{MODEL}-v2' is not in the "
-                           rf"Hugging Face cache .*\(`hf download {MODEL}-v2 --cache-dir \S+`\)"),
-    "revision of a local path": (["model.model_name_or_path=/nonexistent/m", "model.revision=v2"],
-                                 "model.revision: /nonexistent/m is a local path"),
-}  # fmt: skip
+    "missing model revision": (
+        ["model.revision=v2"],
+        rf"model.model_name_or_path: revision 'v2' of model repo "
+        rf"'{MODEL}' is not in .*refs: main; commits: {MODEL_COMMIT[:12]}",
+    ),
+    "missing dataset revision": (
+        ["data.revision=refs/pr/1"],
+        rf"data.dataset_name_or_path: revision 'refs/pr/1' "
+        rf"of dataset repo '{DATASET}'.*`hf download {DATASET} --repo-type dataset "
+        r"--revision refs/pr/1 --cache-dir",
+    ),
+    "missing model repo": (
+        [f"model.model_name_or_path={MODEL}-v2"],
+        rf"model repo '{MODEL}-v2' is not in the "
+        rf"Hugging Face cache .*\(`hf download {MODEL}-v2 --cache-dir \S+`\)",
+    ),
+    "revision of a local path": (
+        ["model.model_name_or_path=/nonexistent/m", "model.revision=v2"],
+        "model.revision: /nonexistent/m is a local path",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -118,8 +129,16 @@ def test_a_job_trains_on_a_model_and_dataset_named_by_hub_id_offline(ray_cluster
     out = tmp_path / "out"
     config = write_yaml(tmp_path / "hub.yaml", _hub_config(fixtures, out, revision=MODEL_COMMIT))
     env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    job = submit_job(ray_cluster, "--config", str(config), "--override", "train.max_steps=2",
-                     "--override", "train.logging_steps=1", env=env)  # fmt: skip
+    job = submit_job(
+        ray_cluster,
+        "--config",
+        str(config),
+        "--override",
+        "train.max_steps=2",
+        "--override",
+        "train.logging_steps=1",
+        env=env,
+    )
     logs = job.stdout + job.stderr
     assert job.returncode == 0 and "succeeded" in logs, logs[-6000:]
     assert str(_snapshot(hf_home, "model", MODEL, MODEL_COMMIT)) in logs  # the workers were handed the snapshot

@@ -71,11 +71,28 @@ def test_tiny_job_trains_checkpoints_and_exports_a_correct_adapter(reference_run
 
 
 TRAIN_FIELDS = {
-    "step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s", "tokens_per_s_per_worker", "step_time_s",
-    "data_wait_share", "mfu_6n", "mfu_lora", "flops_per_token_6n", "flops_per_token_lora", "peak_tflops",
-    "memory_allocated_gib", "memory_reserved_gib", "host_rss_gib", "trainable_params", "total_params", "elapsed_s",
+    "step",
+    "epoch",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_worker",
+    "step_time_s",
+    "data_wait_share",
+    "mfu_6n",
+    "mfu_lora",
+    "flops_per_token_6n",
+    "flops_per_token_lora",
+    "peak_tflops",
+    "memory_allocated_gib",
+    "memory_reserved_gib",
+    "host_rss_gib",
+    "trainable_params",
+    "total_params",
+    "elapsed_s",
     "checkpoint_stall_s",
-}  # fmt: skip
+}
 
 
 def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(reference_run: Run, ray_cluster):
@@ -88,8 +105,10 @@ def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(refer
     assert re.search(rf"→ {STEPS} steps", logs)
     # one progress line per logging step (every step here), with throughput, MFU against the stated CPU peak
     # (train.peak_tflops), memory and ETA
-    line = re.compile(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss [\d.]+ .*\| tok/s [\d,]+ \| step [\d.]+s "
-                      r"\| MFU\(LoRA\) [\d.]+% \| MFU\(6N\) [\d.]+% .*\| rss [\d.]+ GiB \| ETA \d+m\d+s")  # fmt: skip
+    line = re.compile(
+        r"step (\d+)/\d+ \| epoch [\d.]+ \| loss [\d.]+ .*\| tok/s [\d,]+ \| step [\d.]+s "
+        r"\| MFU\(LoRA\) [\d.]+% \| MFU\(6N\) [\d.]+% .*\| rss [\d.]+ GiB \| ETA \d+m\d+s"
+    )
     assert {int(m[1]) for m in line.finditer(logs)} == set(range(1, STEPS + 1)), logs[-4000:]
     assert f"peak {CPU_PEAK_TFLOPS:g} TFLOP/s per worker (train.peak_tflops)" in logs
     per_token = re.search(r"FLOPs/token: ([\d.]+) G \(6N\), ([\d.]+) G \(LoRA-aware\)", logs)
@@ -153,8 +172,13 @@ def test_job_log_has_one_line_per_event_and_hides_no_trouble(reference_run: Run)
             ray_lines.append(line)
     events = 3 * STEPS  # logging, eval and save at every step
     assert len(ray_lines) <= events, "\n".join(ray_lines)
-    for chatter in ("Checkpoint successfully created", "Reporting training result", "Execution plan of Dataset",
-                    "Starting execution of Dataset", "execution finished in"):  # fmt: skip
+    for chatter in (
+        "Checkpoint successfully created",
+        "Reporting training result",
+        "Execution plan of Dataset",
+        "Starting execution of Dataset",
+        "execution finished in",
+    ):
         assert chatter not in text, chatter
     saves = [m for m in messages if re.match(r"checkpoint-\d+: training paused [\d.]+ s", m)]
     assert len(saves) == STEPS, saves  # one line per save, with its pause
@@ -171,8 +195,16 @@ def test_job_log_has_one_line_per_event_and_hides_no_trouble(reference_run: Run)
 
     profile = next(filter(None, (re.match(r"start-up ([\d.]+) s to the first step: (.*) \(s\)", m) for m in messages)))
     stages = dict(part.rsplit(" ", 1) for part in profile[2].split(" | "))
-    for stage in ("launch", "preflight_data", "ray_start", "data_plan", "worker_group_start", "model_build_load",
-                  "first_batch", "first_step"):  # fmt: skip
+    for stage in (
+        "launch",
+        "preflight_data",
+        "ray_start",
+        "data_plan",
+        "worker_group_start",
+        "model_build_load",
+        "first_batch",
+        "first_step",
+    ):
         assert stage in stages, stages
     assert sum(map(float, stages.values())) <= float(profile[1]) + 0.5  # stages are parts of the whole
     first_row = reference_run.metrics()[0]
@@ -187,8 +219,14 @@ EVAL_LINE = re.compile(
 def _eval(cluster, config: Path, *args: str) -> dict[str, float]:
     """`rayft eval` on the test cluster: the loss of each model its result lines name."""
     env = {**cluster.env, "RAY_ADDRESS": cluster.address}
-    result = subprocess.run([sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args], env=env,
-                            capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     found = EVAL_LINE.findall(result.stdout)
     assert found, result.stdout + result.stderr[-3000:]
@@ -248,15 +286,24 @@ def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
     per-step logging and a learning rate that make 4 steps (16 micro-batches each) show a trend."""
     out = tmp_path / "seed-out"
     job = submit_job(
-        ray_cluster, "--config", str(SEED_CONFIG),
-        "--override", f"model.model_name_or_path={mistral4_hub}",
-        "--override", f"data.dataset_name_or_path={fixtures.dataset}",
-        "--override", f"train.output_dir={out}",
-        "--override", "lora.target_modules=[auto]",
-        "--override", "train.max_steps=4",
-        "--override", "train.logging_steps=1",
-        "--override", "train.learning_rate=1e-2",
-    )  # fmt: skip
+        ray_cluster,
+        "--config",
+        str(SEED_CONFIG),
+        "--override",
+        f"model.model_name_or_path={mistral4_hub}",
+        "--override",
+        f"data.dataset_name_or_path={fixtures.dataset}",
+        "--override",
+        f"train.output_dir={out}",
+        "--override",
+        "lora.target_modules=[auto]",
+        "--override",
+        "train.max_steps=4",
+        "--override",
+        "train.logging_steps=1",
+        "--override",
+        "train.learning_rate=1e-2",
+    )
     logs = _assert_succeeded(job)
     assert re.search(r"model Mistral4ForCausalLM \(.*\): [\d,]+ params, LoRA r=\d+ on 16 modules", logs), logs[:4000]
     # model.frozen_dtype auto: the FP8 checkpoint stays FP8 (8 linears + 1 expert stack per layer, 2 layers)
@@ -269,8 +316,16 @@ def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
 
     adapter = load_file(out / "final" / "adapter_model.safetensors")
     modules = {k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in adapter}
-    assert modules == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj"}  # fmt: skip
+    assert modules == {
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert len(adapter) == 2 * 2 * 8  # A and B x 2 layers x 8 modules, nothing from the vision tower
     assert all(adapter[k].abs().sum() > 0 for k in adapter if ".lora_B." in k)
 
@@ -290,8 +345,16 @@ def test_tied_embedding_models_of_three_families_fine_tune_with_sharded_loading(
     configs = {}
     for family, model_dir in models.items():
         out = tmp_path / f"{family}-out"
-        cfg = tiny_config(fixtures, out, max_steps=3, logging_steps=1, eval_strategy="no", save_strategy="no",
-                          per_device_train_batch_size=2, gradient_accumulation_steps=1)  # fmt: skip
+        cfg = tiny_config(
+            fixtures,
+            out,
+            max_steps=3,
+            logging_steps=1,
+            eval_strategy="no",
+            save_strategy="no",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=1,
+        )
         cfg["model"]["model_name_or_path"] = str(model_dir)
         cfg["lora"]["target_modules"] = ["auto"]
         out.mkdir()
@@ -310,8 +373,14 @@ def test_tied_embedding_models_of_three_families_fine_tune_with_sharded_loading(
 
         saved = load_file(out / "final" / "adapter_model.safetensors")
         assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == {
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
-        }, family  # fmt: skip
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        }, family
         assert all(saved[k].abs().sum() > 0 for k in saved if ".lora_B." in k), family  # it trained
         base = _base(model_dir)
         assert base.get_output_embeddings().weight is base.get_input_embeddings().weight

@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from rayft.deploy.crd import CRD_DIR_ENV, PACKAGED_CRD_DIR, ManifestError, crd_dir, schemas
-from rayft.deploy.kuberay import RELEASES, Operator
+from rayft.kube.kuberay import RELEASES, Operator
 
 REPO = Path(__file__).resolve().parents[2]
+WATCHER_FILES = ["start-watch-account.yaml", "start-watch-binding.yaml", "start-watch-role.yaml", "start-watch.yaml"]
 
 
 def test_default_crds_are_the_packaged_copies_of_the_chosen_release(monkeypatch):
@@ -60,8 +61,9 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
         crds = {n for n in z.namelist() if n.startswith("rayft/deploy/crds/")}
-        assert crds == {f"rayft/deploy/crds/v{r}/ray.io_{k}.yaml.gz" for r in RELEASES.values()
-                        for k in ("rayjobs", "rayclusters")}  # fmt: skip
+        assert crds == {
+            f"rayft/deploy/crds/v{r}/ray.io_{k}.yaml.gz" for r in RELEASES.values() for k in ("rayjobs", "rayclusters")
+        }
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     config = elsewhere / "job.yaml"
@@ -71,20 +73,41 @@ def test_render_and_validate_from_a_built_wheel_with_nothing_beside_it(tmp_path)
     out = elsewhere / "out"
 
     def rayft(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", code, *args], cwd=elsewhere, env=env, capture_output=True,
-                              text=True)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=elsewhere, env=env, capture_output=True, text=True
+        )
 
-    probe = subprocess.run([sys.executable, "-c", "import rayft.deploy.crd as c; print(c.crd_dir())"],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", "import rayft.deploy.crd as c; print(c.crd_dir())"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(probe.stdout.strip()).is_relative_to(site), probe.stdout
     for version in [None, *(".".join(map(str, minor)) for minor in RELEASES)]:
         named = ["--kuberay-version", version] if version else []
-        done = rayft("k8s", "render", "--config", str(config), "--config-in-cluster", "/data/job.yaml", *named,
-                     "--out", str(out / str(version)))  # fmt: skip
+        done = rayft(
+            "k8s",
+            "render",
+            "--config",
+            str(config),
+            "--config-in-cluster",
+            "/data/job.yaml",
+            *named,
+            "--out",
+            str(out / str(version)),
+        )
         assert done.returncode == 0, done.stderr
         files = sorted((out / str(version)).glob("*.yaml"))
-        assert [p.name for p in files] == ["head-budget.yaml", "raycluster.yaml", "rayjob.yaml"]
+        watcher = [] if version in ("1.6", "1.7") else WATCHER_FILES  # no preRunningDeadlineSeconds: a watcher
+        assert [p.name for p in files] == sorted(["head-budget.yaml", "raycluster.yaml", "rayjob.yaml", *watcher])
         checked = rayft("k8s", "validate", *map(str, files), *named)
         assert checked.returncode == 0 and "valid" in checked.stdout, (version, checked.stderr)
         job = yaml.safe_load((out / str(version) / "rayjob.yaml").read_text())
         assert job["kind"] == "RayJob" and "--config /data/job.yaml" in job["spec"]["entrypoint"]
+    # The start watcher's program runs from the installed package alone, as its pod runs it in the image.
+    module = [sys.executable, "-m", "rayft.deploy.start_watch", "--help"]
+    watcher_help = subprocess.run(module, cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert watcher_help.returncode == 0 and "--deadline-s" in watcher_help.stdout, watcher_help.stderr

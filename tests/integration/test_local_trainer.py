@@ -25,14 +25,14 @@ from fixtures.trackers import wandb_records
 from safetensors.torch import load_file
 from test_chat_job import TRAIN, assert_adapter_saved, chat_config
 from test_dpo_job import dpo_config
-from test_expert_parallel_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
+from test_fp8_job import FROZEN, assert_close_adapters, assert_close_losses, ep_config
 
 from rayft.train.runtime import PreemptionNotice
 from rayft.train.spool import SPOOL_ROOT
 
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
 TOLERANCE = 1e-6  # exact resume: the same sums in the same order
-REORDERED = 1e-4  # the same sums in another order, fp32 (as test_expert_parallel_job's EP against FSDP)
+REORDERED = 1e-4  # the same sums in another order, fp32 (as test_fp8_job's EP against FSDP)
 TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
 OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
@@ -86,6 +86,7 @@ def test_a_run_stopped_after_a_checkpoint_continues_to_the_uninterrupted_result(
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it_exactly(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
 ):
@@ -99,8 +100,11 @@ def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it
     saved = sorted(p.name for p in run.run_dir.glob("checkpoint-*"))
     assert saved == ["checkpoint-000002", f"checkpoint-{STEPS:06d}"], saved
     text = run.text()
-    assert re.search(r"preemption notice at step 2: node\(s\) node-b \(ranks \[1\]\) draining, deadline in 1\d\d s; "
-                     r"checkpoint-000002 holds the run", text), text[-3000:]  # fmt: skip
+    assert re.search(
+        r"preemption notice at step 2: node\(s\) node-b \(ranks \[1\]\) draining, deadline in 1\d\d s; "
+        r"checkpoint-000002 holds the run",
+        text,
+    ), text[-3000:]
     assert text.count("preemption notice") == 1
     assert [r["step"] for r in run.metrics()] == list(range(1, STEPS + 1))
     resumed = train_locally(cfg, 2, resume=run.checkpoint(2))
@@ -108,6 +112,7 @@ def test_a_drain_notice_saves_a_checkpoint_at_once_and_the_run_continues_from_it
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_a_drain_notice_without_a_deadline_saves_at_once_and_says_so(fixtures: Fixtures, tmp_path: Path):
     """A drain that gave no deadline (`ray drain-node` without one; Ray then stops the group after its own default):
     the checkpoint is saved at the first look all the same, and the job log says no deadline was given."""
@@ -120,6 +125,7 @@ def test_a_drain_notice_without_a_deadline_saves_at_once_and_says_so(fixtures: F
     ), run.text()[-3000:]
 
 
+@pytest.mark.torch_agnostic
 @pytest.mark.parametrize(
     ("logging_steps", "save_steps"), [(1, 1), (100, 2)], ids=["seen in the logged window", "seen before a save"]
 )
@@ -132,10 +138,15 @@ def test_a_diverging_run_stops_at_the_step_keeps_its_last_finite_checkpoint_and_
     checkpoint after that step and no final adapter. The expected step is read from the run's own record: the rows
     logged, and the saved weights, not from the loop's verdict."""
     cfg = checkpointing_config(
-        fixtures, tmp_path, train__learning_rate=1e30, train__logging_steps=logging_steps,
-        train__save_steps=save_steps, train__max_steps=10, train__load_best_model_at_end=False,
+        fixtures,
+        tmp_path,
+        train__learning_rate=1e30,
+        train__logging_steps=logging_steps,
+        train__save_steps=save_steps,
+        train__max_steps=10,
+        train__load_best_model_at_end=False,
         train__eval_strategy="no",
-    )  # fmt: skip
+    )
     with pytest.raises(Exception, match=r"training stopped at step \d+") as err:
         train_locally(cfg, 2)
     (reason,) = re.findall(r"NonFinite: (training stopped at step .*)", str(err.value))
@@ -183,9 +194,12 @@ def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(f
     # learning rate than the recovery tests' 3e-2, at which Adam's first steps grow the reordered sums' 1e-7 gaps
     # to 1e-4 within a few steps.
     elastic = {
-        "ray__num_workers": [2, 3], "train__per_device_eval_batch_size": 1, "train__learning_rate": 3e-3,
-        "train__record_ledger": True, "data__packing": False,  # each sequence a record, counted in the ledger
-    }  # fmt: skip
+        "ray__num_workers": [2, 3],
+        "train__per_device_eval_batch_size": 1,
+        "train__learning_rate": 3e-3,
+        "train__record_ledger": True,
+        "data__packing": False,  # each sequence a record, counted in the ledger
+    }
     cfg = checkpointing_config(fixtures, tmp_path / "elastic", **elastic)
     reference = train_locally(checkpointing_config(fixtures, tmp_path / "reference", **elastic), 3)
     first = train_locally(cfg, 3, crash_saving=3)
@@ -204,6 +218,7 @@ def test_an_elastic_run_shrunk_and_grown_back_ends_at_the_uninterrupted_result(f
     assert_each_record_once(ledger, STEPS, t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * 3)
 
 
+@pytest.mark.torch_agnostic
 def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metrics(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path
 ):
@@ -217,6 +232,7 @@ def test_a_run_stopped_right_after_a_checkpoint_registered_keeps_that_steps_metr
     _assert_same_training(resumed, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path):
     """The comparison above can fail: another seed (other dropout draws, another shuffle) trains otherwise."""
     losses = [r["loss"] for r in uninterrupted.metrics()]
@@ -226,6 +242,7 @@ def test_the_losses_move_and_differ_between_seeds(fixtures: Fixtures, uninterrup
         _assert_same_training(other, uninterrupted, range(1, STEPS + 1))
 
 
+@pytest.mark.torch_agnostic
 def test_another_runs_checkpoint_of_another_adapter_shape_is_refused_before_anything_starts(
     fixtures: Fixtures, uninterrupted: LocalRun, tmp_path: Path, capsys
 ):
@@ -256,7 +273,7 @@ def test_qwen3_moe_expert_parallel_resumes_exactly_and_continues_with_another_k(
     """A tiny Qwen3-MoE (fused expert keys, stored as FP8 by `model.frozen_dtype`, LoRA on attention and the routed
     experts) with `parallel.expert_parallel: 2`, stopped while saving its second checkpoint and continued from the
     first, ends where its uninterrupted FSDP-only run (k = 1) ends; a k = 1 run from the k = 2 run's checkpoint
-    does too. (The same on the Ray cluster, with a killed worker: test_expert_parallel_job.py, Mistral-Small-4.)"""
+    does too. (The same on the Ray cluster, with a killed worker: test_fp8_job.py, Mistral-Small-4.)"""
     frozen = FROZEN["qwen3_moe"]
     reference = train_locally(ep_config(fixtures, qwen3_moe, tmp_path / "fsdp", 1, frozen), 2)
     cfg = ep_config(fixtures, qwen3_moe, tmp_path / "ep", 2, frozen)
@@ -315,6 +332,7 @@ def test_dpo_with_a_precomputed_reference_stopped_and_continued_ends_at_the_live
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+@pytest.mark.torch_agnostic
 def test_chat_template_job_uses_every_record_and_saves_the_adapter(fixtures: Fixtures, smollm2: Path, tmp_path: Path):
     """SmolLM2's `tokenizer.json` + chat template: the job's record pipeline (here in this process, as the driver runs
     it) keeps every conversation with the ids an independent encoding gives, and the two ranks train and save the
@@ -331,8 +349,11 @@ def _ray_checkpoint_config(raw: dict):
     """The retention the job hands Ray for `raw` (`launch._run_config`): save_total_limit, ranked by eval_loss."""
     from ray.train import CheckpointConfig
 
-    return CheckpointConfig(num_to_keep=raw["train"]["save_total_limit"], checkpoint_score_attribute="eval_loss",
-                            checkpoint_score_order="min")  # fmt: skip
+    return CheckpointConfig(
+        num_to_keep=raw["train"]["save_total_limit"],
+        checkpoint_score_attribute="eval_loss",
+        checkpoint_score_order="min",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +387,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.torch_agnostic
 def test_a_damaged_newest_checkpoint_is_set_aside_and_out_of_rays_registry_before_the_run_continues(
     fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, caplog
 ):
@@ -403,6 +425,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_out_of_rays_registry_befor
     ), line
 
 
+@pytest.mark.torch_agnostic
 def test_a_run_whose_newest_checkpoint_is_damaged_continues_from_the_intact_one_to_the_uninterrupted_result(
     fixtures: Fixtures, stopped_at_3: LocalRun, uninterrupted: LocalRun, tmp_path: Path
 ):
@@ -448,6 +471,7 @@ def test_validate_says_what_the_job_will_do_with_a_damaged_newest_checkpoint_and
     assert refused.rc == 2 and "no checkpoint Ray registered is intact" in refused.err, refused.err
 
 
+@pytest.mark.torch_agnostic
 def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothing_is_touched(
     fixtures: Fixtures, stopped_at_3: LocalRun, tmp_path: Path, capsys
 ):
@@ -461,8 +485,13 @@ def test_a_run_whose_registered_checkpoints_are_all_damaged_is_refused_and_nothi
         _delete_a_shard(run.run_dir / name)
     before = _tree(run.run_dir)
     result = run_cli(capsys, "train", "--config", str(write_yaml(tmp_path / "config.yaml", raw)))
-    said = "; ".join(rf"{name} is incomplete: \S+/{name}/state/\S+ \(missing\), which its \.metadata references"
-                     for name in sorted(names, reverse=True))  # fmt: skip
-    assert_refused(result, rf"no checkpoint Ray registered is intact \({said}\); nothing was renamed or deleted: "
-                           r"start a new run \(another train\.output_dir or ray\.name\)")  # fmt: skip
+    said = "; ".join(
+        rf"{name} is incomplete: \S+/{name}/state/\S+ \(missing\), which its \.metadata references"
+        for name in sorted(names, reverse=True)
+    )
+    assert_refused(
+        result,
+        rf"no checkpoint Ray registered is intact \({said}\); nothing was renamed or deleted: "
+        r"start a new run \(another train\.output_dir or ray\.name\)",
+    )
     assert _tree(run.run_dir) == before

@@ -37,8 +37,10 @@ def test_seed_list_on_mistral4_warns_what_actually_matched(mistral4_hub):
     targets = _resolve(mistral4_hub, SEED_TARGETS)
     assert targets.architecture == "Mistral4ForCausalLM"
     assert targets.unmatched == ["q_proj", "k_proj", "v_proj"]
-    assert all(m.endswith(("o_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"))
-               for m in targets.modules)  # fmt: skip
+    assert all(
+        m.endswith(("o_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"))
+        for m in targets.modules
+    )
     warning = targets.warning
     assert "q_proj, k_proj, v_proj match nothing in Mistral4ForCausalLM" in warning
     assert "q_a_proj" in warning and "kv_a_proj_with_mqa" in warning and "auto" in warning
@@ -55,12 +57,25 @@ def test_auto_on_mistral4_is_mla_plus_shared_expert_and_never_the_vision_tower(m
 
 def test_validate_prints_the_warning_for_the_seed_yaml_on_mistral4(mistral4_hub, fixtures: Fixtures, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "validate", "--config", str(SEED_CONFIG),
-         "--override", f"model.model_name_or_path={mistral4_hub}",
-         "--override", f"data.dataset_name_or_path={fixtures.dataset}",
-         "--override", f"train.output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "validate",
+            "--config",
+            str(SEED_CONFIG),
+            "--override",
+            f"model.model_name_or_path={mistral4_hub}",
+            "--override",
+            f"data.dataset_name_or_path={fixtures.dataset}",
+            "--override",
+            f"train.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     assert "Mistral4ForCausalLM" in result.stdout and "trainable params" in result.stdout
     assert "warning: lora.target_modules: q_proj, k_proj, v_proj match nothing" in result.stderr

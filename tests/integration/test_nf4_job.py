@@ -124,9 +124,16 @@ def assert_torchaos_nf4(stored: dict[str, dict[str, torch.Tensor]], weights: dic
 # A tiny Mistral-Small-4 in the hub's FP8 layout whose decoder matrices NF4 can block, but for MLA's kv_a_proj_with_mqa
 # ((kv_lora_rank + rope) × hidden = 160 × 128): it stays in torch_dtype.
 NF4_MISTRAL4 = {
-    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "q_lora_rank": 128,
-    "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 64,
-}  # fmt: skip
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "head_dim": 64,
+}
 MISTRAL4_NF4 = (2 * 8, 2)  # per layer: q_a, q_b, kv_b, o, shared gate/up/down and the experts; kv_a_proj_with_mqa not
 
 
@@ -193,18 +200,31 @@ NF4_FAMILIES = {
     "mixtral": ({"intermediate_size": 128}, (2 * 5, 0)),
     "gpt_oss": ({"intermediate_size": 128}, (2 * 5, 0)),  # transposed, biased experts
     "deepseek_v3": (
-        {"moe_intermediate_size": 128, "intermediate_size": 256, "q_lora_rank": 128, "kv_lora_rank": 128,
-         "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32},
+        {
+            "moe_intermediate_size": 128,
+            "intermediate_size": 256,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 128,
+            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+        },
         (2 * 4 + 3 + 4, 2),  # MLA's q_a, q_b, kv_b, o; the dense MLP; shared MLP + experts; kv_a_proj_with_mqa not
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("family", sorted(NF4_FAMILIES))
 def test_each_moe_familys_logits_and_input_gradient_over_nf4_are_those_of_torchaos_dequantised_weights(family: str):
     overrides, swapped = NF4_FAMILIES[family]
-    fields = {**COMMON, **MOE_FAMILIES[family], "hidden_size": 128, "num_key_value_heads": 4, "head_dim": 32,
-              **overrides}  # fmt: skip
+    fields = {
+        **COMMON,
+        **MOE_FAMILIES[family],
+        "hidden_size": 128,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        **overrides,
+    }
     assert_computes_with_torchaos_weights(_random_model(family, fields), swapped)
 
 
@@ -226,8 +246,9 @@ def assert_computes_with_torchaos_weights(reference: nn.Module, swapped: tuple[i
                     weight.copy_(torch.stack([to_nf4(m.contiguous()).get_original_weight() for m in weight]))
         ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
         embeds = reference.get_input_embeddings()(ids)
-    (got, got_grad), (want, want_grad), (before, _) = (_logits_and_input_grad(m, embeds) for m in
-                                                       (quantised, reference, unquantised))  # fmt: skip
+    (got, got_grad), (want, want_grad), (before, _) = (
+        _logits_and_input_grad(m, embeds) for m in (quantised, reference, unquantised)
+    )
     torch.testing.assert_close(got, want)
     assert (got - before).abs().max() > 10 * (got - want).abs().max()
     torch.testing.assert_close(got_grad, want_grad)
@@ -383,8 +404,11 @@ def _nf4_reference(model: nn.Module, hub: Path, raw: dict) -> nn.Module:
 
     base = _numpy_dequantised_text_model(hub).to(torch.bfloat16)
     base.config.use_cache = False  # as in training: with a cache transformers would not split packed rows
-    held = {name.removeprefix("base_model.model.").replace(".base_layer", "") for name, m in model.named_modules()
-            if isinstance(m, (Nf4Linear, Nf4Experts))}  # fmt: skip
+    held = {
+        name.removeprefix("base_model.model.").replace(".base_layer", "")
+        for name, m in model.named_modules()
+        if isinstance(m, (Nf4Linear, Nf4Experts))
+    }
     with torch.no_grad():
         for name in held:
             module = base.get_submodule(name)
@@ -395,9 +419,14 @@ def _nf4_reference(model: nn.Module, hub: Path, raw: dict) -> nn.Module:
     lora = raw["lora"]
     reference = peft.get_peft_model(
         base,
-        peft.LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
-                        target_modules=list(AUTO_TARGETS["mistral4"]), task_type=peft.TaskType.CAUSAL_LM),
-    )  # fmt: skip
+        peft.LoraConfig(
+            r=lora["r"],
+            lora_alpha=lora["lora_alpha"],
+            lora_dropout=0.0,
+            target_modules=list(AUTO_TARGETS["mistral4"]),
+            task_type=peft.TaskType.CAUSAL_LM,
+        ),
+    )
     trained = {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
     unexpected = reference.load_state_dict(trained, strict=False).unexpected_keys
     assert not unexpected, unexpected

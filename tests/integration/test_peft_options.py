@@ -45,12 +45,16 @@ def _reference(fixtures: Fixtures, raw: dict) -> peft.PeftModel:
     return peft.get_peft_model(
         AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32),
         peft.LoraConfig(
-            r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=0.0,
+            r=lora["r"],
+            lora_alpha=lora["lora_alpha"],
+            lora_dropout=0.0,
             target_modules="all-linear" if targets == ["all-linear"] else targets,
-            use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False),
-            modules_to_save=lora.get("modules_to_save"), task_type=peft.TaskType.CAUSAL_LM,
+            use_dora=lora.get("use_dora", False),
+            use_rslora=lora.get("use_rslora", False),
+            modules_to_save=lora.get("modules_to_save"),
+            task_type=peft.TaskType.CAUSAL_LM,
         ),
-    )  # fmt: skip
+    )
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
@@ -141,16 +145,18 @@ def test_modules_to_save_on_a_bf16_base_train_fp32_copies_as_peft_does_on_its_va
 
 
 def test_all_linear_is_every_linear_layer_but_the_head(fixtures: Fixtures):
-    targets = resolve_targets(empty_model(ModelConfig(model_name_or_path=str(fixtures.model))),
-                              LoraConfig(target_modules=["all-linear"]))  # fmt: skip
+    targets = resolve_targets(
+        empty_model(ModelConfig(model_name_or_path=str(fixtures.model))), LoraConfig(target_modules=["all-linear"])
+    )
     assert len(targets.modules) == 2 * 7 and not [m for m in targets.modules if "lm_head" in m or "embed" in m]
 
 
 def test_unknown_targets_list_linear_layers_apart_from_embeddings(fixtures: Fixtures):
     """The message once listed `embed_tokens` among the linear layers."""
     with pytest.raises(ConfigError) as error:
-        resolve_targets(empty_model(ModelConfig(model_name_or_path=str(fixtures.model))),
-                        LoraConfig(target_modules=["qkv_proj"]))  # fmt: skip
+        resolve_targets(
+            empty_model(ModelConfig(model_name_or_path=str(fixtures.model))), LoraConfig(target_modules=["qkv_proj"])
+        )
     assert "its linear layers are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj;" in str(
         error.value
     )
@@ -170,8 +176,13 @@ def test_expert_weight_names_point_at_target_experts(tmp_path):
     assert resolve_targets(model, LoraConfig(target_modules=["q_proj"], lora_dropout=0.0)).modules
 
 
-COMBINED = {"target_modules": ["all-linear"], "use_dora": True, "use_rslora": True,
-            "modules_to_save": ["lm_head", "embed_tokens"], "lora_dropout": 0.0}  # fmt: skip
+COMBINED = {
+    "target_modules": ["all-linear"],
+    "use_dora": True,
+    "use_rslora": True,
+    "modules_to_save": ["lm_head", "embed_tokens"],
+    "lora_dropout": 0.0,
+}
 
 
 def _train_and_save_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
@@ -257,24 +268,41 @@ def test_checkpoint_resume_adapter_and_export_keep_every_option(fixtures: Fixtur
 
 
 REFUSED = {
-    "dora-on-fp8-storage": ({"lora": {"use_dora": True}, "model": {"frozen_dtype": "float8_e4m3fn"}},
-                            "lora.use_dora: true needs the frozen weights in bf16/fp32"),
-    "dora-on-experts": ({"lora": {"use_dora": True, "target_experts": True, "lora_dropout": 0.0},
-                         "fsdp": {"activation_checkpointing": True}},
-                        "lora.use_dora: true cannot be combined with lora.target_experts: true"),
-    "modules_to_save-with-expert-parallel": ({"lora": {"modules_to_save": ["lm_head"]},
-                                              "parallel": {"expert_parallel": 2}, "ray": {"num_workers": 2}},
-                                             "cannot be combined with parallel.expert_parallel 2"),
-    "modules_to_save-of-an-fp8-matrix": ({"lora": {"modules_to_save": ["o_proj"], "target_modules": ["q_proj"]},
-                                          "model": {"frozen_dtype": "float8_e4m3fn"}},
-                                         "lora.modules_to_save: model.layers.0.self_attn.o_proj is a decoder matrix"),
-    "all-linear-with-names": ({"lora": {"target_modules": ["all-linear", "q_proj"]}},
-                              "all-linear already names every linear layer"),
-    "dora-on-an-embedding": ({"lora": {"use_dora": True, "target_modules": ["embed_tokens", "q_proj"]}},
-                             "lora.use_dora: true on the embedding model.embed_tokens"),
-    "unknown-modules_to_save": ({"lora": {"modules_to_save": ["score"]}},
-                                "lora.modules_to_save: 'score' matches no module of MistralForCausalLM"),
-}  # fmt: skip
+    "dora-on-fp8-storage": (
+        {"lora": {"use_dora": True}, "model": {"frozen_dtype": "float8_e4m3fn"}},
+        "lora.use_dora: true needs the frozen weights in bf16/fp32",
+    ),
+    "dora-on-experts": (
+        {
+            "lora": {"use_dora": True, "target_experts": True, "lora_dropout": 0.0},
+            "fsdp": {"activation_checkpointing": True},
+        },
+        "lora.use_dora: true cannot be combined with lora.target_experts: true",
+    ),
+    "modules_to_save-with-expert-parallel": (
+        {"lora": {"modules_to_save": ["lm_head"]}, "parallel": {"expert_parallel": 2}, "ray": {"num_workers": 2}},
+        "cannot be combined with parallel.expert_parallel 2",
+    ),
+    "modules_to_save-of-an-fp8-matrix": (
+        {
+            "lora": {"modules_to_save": ["o_proj"], "target_modules": ["q_proj"]},
+            "model": {"frozen_dtype": "float8_e4m3fn"},
+        },
+        "lora.modules_to_save: model.layers.0.self_attn.o_proj is a decoder matrix",
+    ),
+    "all-linear-with-names": (
+        {"lora": {"target_modules": ["all-linear", "q_proj"]}},
+        "all-linear already names every linear layer",
+    ),
+    "dora-on-an-embedding": (
+        {"lora": {"use_dora": True, "target_modules": ["embed_tokens", "q_proj"]}},
+        "lora.use_dora: true on the embedding model.embed_tokens",
+    ),
+    "unknown-modules_to_save": (
+        {"lora": {"modules_to_save": ["score"]}},
+        "lora.modules_to_save: 'score' matches no module of MistralForCausalLM",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -287,8 +315,9 @@ def test_combinations_that_cannot_work_are_refused_by_validate(case, fixtures: F
     assert result.rc == 2 and message in result.err, result.err
 
 
-def test_dora_on_an_fp8_checkpoint_under_frozen_dtype_auto_is_refused(mistral4_hub, fixtures: Fixtures, tmp_path,
-                                                                       capsys):  # fmt: skip
+def test_dora_on_an_fp8_checkpoint_under_frozen_dtype_auto_is_refused(
+    mistral4_hub, fixtures: Fixtures, tmp_path, capsys
+):
     """`frozen_dtype: auto` keeps an FP8 checkpoint in FP8: only the checkpoint's config says so, read by preflight."""
     raw = tiny_config(fixtures, tmp_path / "out")
     raw["model"]["model_name_or_path"] = str(mistral4_hub)
@@ -313,8 +342,16 @@ def test_modules_to_save_refuses_a_tied_head():
     """A trained copy of a tied LM head would untie it from the embedding; the exported config still ties them."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ConfigError, match=r"lora.modules_to_save: 'lm_head' is tied"):

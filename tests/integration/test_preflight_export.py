@@ -15,10 +15,13 @@ from fixtures.preflight import (
 EXPORT_CASES = {
     "truncated adapter": (False, r"adapter_model\.safetensors is truncated: its header declares"),
     "truncated adapter, --merge": (True, r"adapter_model\.safetensors is truncated: its header declares"),
-    "another base": (False, r"tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' has "
-                     r"shape \[4, 64\], the model at .* needs \[4, 32\]"),
+    "another base": (
+        False,
+        r"tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' has "
+        r"shape \[4, 64\], the model at .* needs \[4, 32\]",
+    ),
     "another base, --merge": (True, r"q_proj\.lora_A\.weight' has shape \[4, 64\], the model at .* needs \[4, 32\]"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(EXPORT_CASES))
@@ -26,12 +29,22 @@ def test_export_of_a_damaged_or_foreign_adapter_is_refused_and_leaves_nothing(
     case, adapter, other_base, fixtures, tmp_path, capsys
 ):
     merge, pattern = EXPORT_CASES[case]
-    source, base = (adapter, other_base) if "another base" in case else (truncated_adapter(adapter, tmp_path),
-                                                                          fixtures.model)  # fmt: skip
+    source, base = (
+        (adapter, other_base) if "another base" in case else (truncated_adapter(adapter, tmp_path), fixtures.model)
+    )
     out = tmp_path / "exports" / "x"
     before = set(tmp_path.iterdir())
-    result = run_cli(capsys, "export", "--adapter", str(source), "--base", str(base), "--out", str(out),
-                     *(["--merge"] if merge else []))  # fmt: skip
+    result = run_cli(
+        capsys,
+        "export",
+        "--adapter",
+        str(source),
+        "--base",
+        str(base),
+        "--out",
+        str(out),
+        *(["--merge"] if merge else []),
+    )
     assert_refused(result, pattern)
     assert set(tmp_path.iterdir()) == before, "something was left behind"
 
@@ -43,8 +56,9 @@ def test_export_out_that_is_a_file_or_a_foreign_directory_is_refused(adapter, fi
     assert_refused(result, r"--out .*out\.txt is a file; give a directory path")
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_text("meow")
-    result = run_cli(capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model),
-                     "--out", str(tmp_path / "photos"))  # fmt: skip
+    result = run_cli(
+        capsys, "export", "--adapter", str(adapter), "--base", str(fixtures.model), "--out", str(tmp_path / "photos")
+    )
     assert_refused(result, r"--out .*photos is a directory with other content")
     assert file.read_text() == "mine" and (tmp_path / "photos" / "cat.jpg").read_text() == "meow"
 

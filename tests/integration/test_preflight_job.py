@@ -25,8 +25,14 @@ def test_the_job_refuses_a_model_config_that_does_not_match_its_weights_without_
     config = config_file(tmp_path, base, model={"model_name_or_path": str(model)})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     start = time.monotonic()
-    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    job = subprocess.run(
+        [sys.executable, "jobs/mistral4.py", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     output = job.stdout + job.stderr
     assert job.returncode == 2, output[-3000:]
     assert "k_proj.weight' has shape [32, 64] in the checkpoint" in job.stderr and "Traceback" not in output
@@ -42,8 +48,14 @@ def test_workers_the_cluster_can_never_place_are_refused_within_the_deadline(ray
     raw["ray"].update(address=ray_cluster.address, num_workers=12, placement_strategy="PACK", placement_timeout_s=5)
     config = write_yaml(tmp_path / "config.yaml", raw)
     start = time.monotonic()
-    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=ray_cluster.env)  # fmt: skip
+    job = subprocess.run(
+        [sys.executable, "jobs/mistral4.py", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=ray_cluster.env,
+    )
     elapsed = time.monotonic() - start
     assert job.returncode == 2, job.stderr[-3000:]
     assert "waiting up to 5s (ray.placement_timeout_s)" in job.stderr
@@ -55,8 +67,13 @@ def test_workers_the_cluster_can_never_place_are_refused_within_the_deadline(ray
 
     raw["ray"]["placement_timeout_s"] = 600
     write_yaml(config, raw)
-    waiting = subprocess.Popen([sys.executable, "jobs/mistral4.py", "--config", str(config)], cwd=REPO,
-                               env=ray_cluster.env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    waiting = subprocess.Popen(
+        [sys.executable, "jobs/mistral4.py", "--config", str(config)],
+        cwd=REPO,
+        env=ray_cluster.env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen = []
         for line in waiting.stderr:
@@ -87,8 +104,14 @@ def test_the_job_refuses_a_split_too_small_for_its_workers_without_starting_ray(
     raw["data"] = {"dataset_name_or_path": str(data), "val_split": None, "max_length": 64, "packing": True}
     config = write_yaml(tmp_path / "config.yaml", raw)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    job = subprocess.run([sys.executable, "jobs/mistral4.py", "--config", str(config)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    job = subprocess.run(
+        [sys.executable, "jobs/mistral4.py", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     output = job.stdout + job.stderr
     assert job.returncode == 2, output[-3000:]
     refusals = [line for line in job.stderr.splitlines() if line.startswith("rayft: config error:")]

@@ -79,23 +79,30 @@ def _garbage_header(fx: Fixtures, hub: Path, tmp: Path) -> Path:
 
 MODEL_CASES = {
     "num_key_value_heads 2→1": (
-        kv_heads, r"does not fit the model \(4 tensors\): 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
+        kv_heads,
+        r"does not fit the model \(4 tensors\): 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
         r"\[32, 64\] in the checkpoint, the model's '.*k_proj\.weight' has \[16, 64\]",
     ),
     "vocab_size +512": (_vocab, r"'model\.embed_tokens\.weight' has shape \[131072, 64\] .* has \[131584, 64\]"),
-    "hub hidden_size mismatch": (_hub_hidden, r"'language_model\.model\.embed_tokens\.weight' has shape "
-                                 r"\[131072, 64\] in the checkpoint, .* has \[131072, 96\]"),
+    "hub hidden_size mismatch": (
+        _hub_hidden,
+        r"'language_model\.model\.embed_tokens\.weight' has shape "
+        r"\[131072, 64\] in the checkpoint, .* has \[131072, 96\]",
+    ),
     "truncated shard": (_truncated_shard, r"model-00002-of-00002\.safetensors is truncated: its header declares"),
     "index names a missing shard": (_missing_shard, r"index\.json names shard model-00002-of-00002\.safetensors"),
     "shard holds a tensor the index does not list": (
-        _unlisted_tensor, r"holds tensor 'language_model\.lm_head\.weight' that model\.safetensors\.index\.json does "
+        _unlisted_tensor,
+        r"holds tensor 'language_model\.lm_head\.weight' that model\.safetensors\.index\.json does "
         "not list",
     ),
-    "index names a tensor its shard lacks": (_index_names_absent_tensor,
-                                             r"puts tensor 'language_model\.model\.extra\.weight' in model-00001"),
+    "index names a tensor its shard lacks": (
+        _index_names_absent_tensor,
+        r"puts tensor 'language_model\.model\.extra\.weight' in model-00001",
+    ),
     "garbage safetensors header": (_garbage_header, r"model\.safetensors has a corrupt safetensors header"),
     "tokenizer larger than the embedding": (small_embedding, r"has 131,072 tokens, the model's embedding 1,000 rows"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
@@ -141,10 +148,15 @@ def test_an_moe_family_rayft_does_not_know_is_refused(model_type, fixtures, base
 def test_a_supported_moe_family_with_fused_expert_keys_passes(fixtures, base, tmp_path, capsys):
     """Qwen3-MoE in the fused layout with expert LoRA and EP 2: admitted by the family table."""
     model = make_tiny_moe("qwen3_moe", tmp_path / "m", vocab_size=TOKENIZER_IDS, tokenizer_from=fixtures.model)
-    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)},
-                         lora={"target_modules": ["auto"], "target_experts": True},
-                         fsdp={"activation_checkpointing": True}, ray={"num_workers": 2},
-                         parallel={"expert_parallel": 2})  # fmt: skip
+    config = config_file(
+        tmp_path,
+        base,
+        model={"model_name_or_path": str(model)},
+        lora={"target_modules": ["auto"], "target_experts": True},
+        fsdp={"activation_checkpointing": True},
+        ray={"num_workers": 2},
+        parallel={"expert_parallel": 2},
+    )
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert "Qwen3MoeForCausalLM" in result.out
@@ -221,8 +233,12 @@ def _utf32_bom(tmp: Path) -> dict:
 
 def _parquet(tmp: Path, rows: int = 4000) -> Path:
     path = tmp / "train.parquet"
-    pq.write_table(pa.table({"text": [LINES[i % 40] + f" {i}" for i in range(rows)]}), path, compression="snappy",
-                   row_group_size=1000)  # fmt: skip
+    pq.write_table(
+        pa.table({"text": [LINES[i % 40] + f" {i}" for i in range(rows)]}),
+        path,
+        compression="snappy",
+        row_group_size=1000,
+    )
     return path
 
 
@@ -260,10 +276,13 @@ DATA_CASES = {
     "UTF-16 JSON Lines without BOM": (_utf16_no_bom, r"train\.jsonl: [\d,]+ of its first [\d,]+ bytes are NUL"),
     "truncated parquet": (_truncated_parquet, r"train\.parquet: not a readable parquet file"),
     "garbled parquet pages": (_garbled_parquet, r"train\.parquet: row group 1 does not decode"),
-    "no record has the field": (_no_record_has_the_field, r"records have no field 'text' \(data\.text_field\); their "
-                                r"fields are body"),
+    "no record has the field": (
+        _no_record_has_the_field,
+        r"records have no field 'text' \(data\.text_field\); their "
+        r"fields are body",
+    ),
     "one record, no validation split": (_one_record, r"has 1 record\(s\) and there is no validation split: too few"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(DATA_CASES))
@@ -298,8 +317,10 @@ def test_records_lacking_the_field_anywhere_are_skipped_not_fatal(base, tmp_path
 def test_an_output_dir_that_cannot_be_created_is_refused(base, tmp_path, capsys):
     """/proc accepts no new entries, whatever the permission bits (and root's os.access) say."""
     config = config_file(tmp_path, base, train={"output_dir": "/proc/rayft-out"})
-    assert_refused(run_cli(capsys, "validate", "--config", str(config)),
-                   r"train\.output_dir: cannot create /proc/rayft-out: creating anything in /proc fails")  # fmt: skip
+    assert_refused(
+        run_cli(capsys, "validate", "--config", str(config)),
+        r"train\.output_dir: cannot create /proc/rayft-out: creating anything in /proc fails",
+    )
 
 
 # --- a checkpoint to resume from ---------------------------------------------------------------------------------
@@ -366,28 +387,40 @@ def _chat_data(tmp: Path, conversations: list[list[dict]]) -> Path:
 
 
 @pytest.mark.parametrize("tokenizer", ["tekken", "smollm2"])
-def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(tokenizer, fixtures, base, tmp_path,
-                                                                             capsys, request):  # fmt: skip
+def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(
+    tokenizer, fixtures, base, tmp_path, capsys, request
+):
     """On main `validate` said "config ok" to all of these: SmolLM2's template renders any role (a `narrator` was
     trained on), and the job found out about the rest only after the cluster started."""
 
     model = tekken_model(fixtures, tmp_path / "tekken") if tokenizer == "tekken" else request.getfixturevalue(tokenizer)
     narrator = [CONVERSATION[1], {"role": "narrator", "content": "They wait."}, CONVERSATION[2]]
     cases = {
-        "narrator": (narrator, r"record 2 .*role\(s\) narrator unknown to the chat template \(it knows system, user, "
-                               r"assistant, tool\); fix or drop the record"),
+        "narrator": (
+            narrator,
+            r"record 2 .*role\(s\) narrator unknown to the chat template \(it knows system, user, "
+            r"assistant, tool\); fix or drop the record",
+        ),
         "user last": (CONVERSATION[:4], r"record 2 .*the last turn is 'user', not 'assistant': nothing to learn"),
-    }  # fmt: skip
+    }
     for i, (conversation, pattern) in enumerate(cases.values()):
         data = _chat_data(tmp_path / str(i), [CONVERSATION, CONVERSATION, conversation])
-        config = config_file(tmp_path, base, model={"model_name_or_path": str(model)},
-                         data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
+        config = config_file(
+            tmp_path,
+            base,
+            model={"model_name_or_path": str(model)},
+            data={"dataset_name_or_path": str(data), "dataset_config_name": None},
+        )
         result = run_cli(capsys, "validate", "--config", str(config))
         assert_refused(result, pattern)
         assert f"{data / 'train.jsonl'}: record 2" in result.err
     data = _chat_data(tmp_path / "good", [CONVERSATION, CONVERSATION])
-    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)},
-                     data={"dataset_name_or_path": str(data), "dataset_config_name": None})  # fmt: skip
+    config = config_file(
+        tmp_path,
+        base,
+        model={"model_name_or_path": str(model)},
+        data={"dataset_name_or_path": str(data), "dataset_config_name": None},
+    )
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert "records: messages, loss on completions only" in result.out
@@ -424,62 +457,85 @@ def _wrong_type_parquet(tmp: Path) -> Path:
 # found out after Ray started, or trained on nothing.
 SAMPLE_CASES = {
     "empty assistant replies": (
-        [{"messages": CONVERSATION}] + [{"messages": REPLY}] * 9, {}, {},
+        [{"messages": CONVERSATION}] + [{"messages": REPLY}] * 9,
+        {},
+        {},
         r"train\.jsonl: 9 of all 10 records \(90%\) trains on nothing \(assistant replies .*over "
         r"data\.max_no_signal_share 0\.1; first: .*train\.jsonl: record 1 ",
     ),
     "identical preference pairs": (
-        [{"prompt": f"Q{i}?", "chosen": " yes", "rejected": " yes"} for i in range(8)], DPO, {"objective": "dpo"},
+        [{"prompt": f"Q{i}?", "chosen": " yes", "rejected": " yes"} for i in range(8)],
+        DPO,
+        {"objective": "dpo"},
         r"8 of all 8 records \(100%\) trains on nothing .*chosen and rejected tokenize alike.*record 0 ",
     ),
     "text and chat records in one file": (
-        [{"text": t} for t in LINES[:6]] + [{"messages": CONVERSATION}] * 4, {}, {},
+        [{"text": t} for t in LINES[:6]] + [{"messages": CONVERSATION}] * 4,
+        {},
+        {},
         r"train\.jsonl mixes record kinds in all 10 records: text 6 \(first: .*train\.jsonl: record 0\), messages 4 "
         r"\(first: .*record 6\).*Set data\.format to the kind to train on",
     ),
     "prompt/completion and chat records in one file": (
-        [{"prompt": "Say hi.", "completion": " hi"}] * 5 + [{"messages": CONVERSATION}] * 5, {}, {},
+        [{"prompt": "Say hi.", "completion": " hi"}] * 5 + [{"messages": CONVERSATION}] * 5,
+        {},
+        {},
         r"mixes record kinds in all 10 records: prompt_completion 5 .*messages 5 ",
     ),
     "messages stored as a string": (
-        [{"messages": json.dumps(CONVERSATION)}] * 6, {}, {},
+        [{"messages": json.dumps(CONVERSATION)}] * 6,
+        {},
+        {},
         r"none of all 6 records would train \(not_text 6\); first: .*train\.jsonl: record 0 holds the field in "
         r"another type .*a chat needs a list of \{role, content\} messages",
     ),
     "chat prompts with string completions": (
-        [{"prompt": CONVERSATION[:2], "chosen": "Hello!", "rejected": "Go away."}] * 6, DPO, {"objective": "dpo"},
+        [{"prompt": CONVERSATION[:2], "chosen": "Hello!", "rejected": "Go away."}] * 6,
+        DPO,
+        {"objective": "dpo"},
         r"none of all 6 records would train \(not_text 6\)",
     ),
     "list and string sides of one pair": (
-        [{"prompt": "Hi", "chosen": [CONVERSATION[2]], "rejected": "Go away."}] * 6, DPO, {"objective": "dpo"},
+        [{"prompt": "Hi", "chosen": [CONVERSATION[2]], "rejected": "Go away."}] * 6,
+        DPO,
+        {"objective": "dpo"},
         r"none of all 6 records would train \(not_text 6\)",
     ),
     "parquet column of numbers": (_wrong_type_parquet, {}, {}, r"none of all 40 records would train \(not_text 40\)"),
     "bad_records: error and one undecodable line": (
         [{"text": t} for t in LINES[:5]] + ['{"text": "cut off'] + [{"text": t} for t in LINES[5:9]],
-        {"bad_records": "error"}, {},
+        {"bad_records": "error"},
+        {},
         r"1 of all 10 records would be skipped \(bad_json 1\) and data\.bad_records is error; first: "
         r".*train\.jsonl: record 5 is not one JSON object",
     ),
     "most records without the field": (
-        [{"body": t} for t in LINES[:30]] + [{"text": t} for t in LINES[30:]], {}, {},
+        [{"body": t} for t in LINES[:30]] + [{"text": t} for t in LINES[30:]],
+        {},
+        {},
         r"30 of all 40 records \(75%\) would be skipped \(missing_field 30\), over data\.max_skipped_share 0\.5; "
         r"first: .*train\.jsonl: record 0 lacks a field",
     ),
     "gzip data named .jsonl": (
-        _gzip_named_jsonl, {}, {},
+        _gzip_named_jsonl,
+        {},
+        {},
         r"train\.jsonl is gzip-compressed data, not text: .*decompress it first: gzip -dc < train\.jsonl > ",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(SAMPLE_CASES))
 def test_validate_runs_the_jobs_record_pipeline_over_each_split(case, smollm2, base, tmp_path, capsys):
     records, data, train, pattern = SAMPLE_CASES[case]
     path = records(tmp_path) if callable(records) else _jsonl(tmp_path, records)
-    config = config_file(tmp_path, base, model={"model_name_or_path": str(smollm2)}, train=train,
-                         data={"dataset_name_or_path": str(path), "dataset_config_name": None, "val_ratio": 0.0,
-                               **data})  # fmt: skip
+    config = config_file(
+        tmp_path,
+        base,
+        model={"model_name_or_path": str(smollm2)},
+        train=train,
+        data={"dataset_name_or_path": str(path), "dataset_config_name": None, "val_ratio": 0.0, **data},
+    )
     result = run_cli(capsys, "validate", "--config", str(config))
     assert_refused(result, pattern)
 
@@ -496,13 +552,17 @@ def test_a_few_bad_or_empty_records_are_warned_with_counts_and_the_sample_is_nam
     assert f"checked with the job's pipeline: {path}: all 33 records checked, 31 kept; bad_json 2, no_signal 1" in (
         result.out
     ), result.out
-    assert re.search(r"warning: data: .*: 2 of all 33 records \(6%\) would be skipped \(bad_json 2, no_signal 1\); "
-                     r"first: .*train\.jsonl: record 31 is not one JSON object", result.err), result.err  # fmt: skip
+    assert re.search(
+        r"warning: data: .*: 2 of all 33 records \(6%\) would be skipped \(bad_json 2, no_signal 1\); "
+        r"first: .*train\.jsonl: record 31 is not one JSON object",
+        result.err,
+    ), result.err
     assert re.search(r"warning: data: .*: 1 of all 33 records \(3%\) trains on nothing .*record 30 ", result.err)
 
     big = _jsonl(tmp_path, [{"text": LINES[i % 40]} for i in range(1500)], "big.jsonl")
-    config = config_file(tmp_path, base, data={"dataset_name_or_path": str(big), "dataset_config_name": None,
-                                               "val_ratio": 0.0})  # fmt: skip
+    config = config_file(
+        tmp_path, base, data={"dataset_name_or_path": str(big), "dataset_config_name": None, "val_ratio": 0.0}
+    )
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert f"{big}: the first 1,000 records checked, 1,000 kept" in result.out, result.out
@@ -520,12 +580,16 @@ def _split_layouts(tmp: Path) -> dict[str, tuple[dict, str]]:
     loop = tmp / "loop"
     loop.symlink_to(loop)
     return {
-        "misspelled train split": ({"dataset_name_or_path": str(flat), "train_split": "trian"},
-                                   r"data\.train_split: no split 'trian' in .*flat \(it has train, validation\)"),
-        "broken train symlink": ({"dataset_name_or_path": str(broken)},
-                                 r"train\.jsonl is a symbolic link to .*gone/train\.jsonl, which does not exist"),
+        "misspelled train split": (
+            {"dataset_name_or_path": str(flat), "train_split": "trian"},
+            r"data\.train_split: no split 'trian' in .*flat \(it has train, validation\)",
+        ),
+        "broken train symlink": (
+            {"dataset_name_or_path": str(broken)},
+            r"train\.jsonl is a symbolic link to .*gone/train\.jsonl, which does not exist",
+        ),
         "symlink loop": ({"dataset_name_or_path": str(loop)}, r"loop is a symbolic link loop"),
-    }  # fmt: skip
+    }
 
 
 def test_split_names_and_unreadable_split_files_are_refused_on_a_flat_folder(base, tmp_path, capsys):
@@ -542,8 +606,10 @@ def test_split_names_and_unreadable_split_files_are_refused_on_a_flat_folder(bas
 def _truncated_tokenizer(fx: Fixtures, tmp: Path) -> tuple[dict, str]:
     model = variant(fx.model, tmp / "m", copy=("tokenizer.json",))
     truncate(model / "tokenizer.json")
-    return ({"model_name_or_path": str(model)},
-            r"m/tokenizer\.json: not valid JSON \(.*\): cut short or damaged; copy it again")  # fmt: skip
+    return (
+        {"model_name_or_path": str(model)},
+        r"m/tokenizer\.json: not valid JSON \(.*\): cut short or damaged; copy it again",
+    )
 
 
 def _model_link_loop(fx: Fixtures, tmp: Path) -> tuple[dict, str]:
@@ -562,12 +628,11 @@ LIMIT_CASES = {
         r"ray\.num_workers: the local Ray cluster this run would start .* cannot place 4 workers × \{CPU 3\} .* "
         r"offers CPU 8, .*\(its CPUs: ray\.local_num_cpus 8\)",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", ["truncated tokenizer.json", "model dir symlink loop", *LIMIT_CASES])
-def test_model_limits_and_unreadable_files_are_refused_naming_the_key_or_file(case, fixtures, base, tmp_path,
-                                                                              capsys):  # fmt: skip
+def test_model_limits_and_unreadable_files_are_refused_naming_the_key_or_file(case, fixtures, base, tmp_path, capsys):
     """On main: the first said the parser's text without the file, the second "does not exist", and the others
     passed `validate` (the local Ray was refused only after it started)."""
     if case in LIMIT_CASES:
@@ -584,11 +649,13 @@ def test_model_limits_and_unreadable_files_are_refused_naming_the_key_or_file(ca
 
 def test_rope_scaling_covers_a_longer_max_length_and_a_large_lora_rank_is_warned(fixtures, base, tmp_path, capsys):
     model = variant(fixtures.model, tmp_path / "m", copy=("config.json",))
-    edit_json(model / "config.json",
-              lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                               "original_max_position_embeddings": 2048}))  # fmt: skip
-    config = config_file(tmp_path, base, model={"model_name_or_path": str(model)}, data={"max_length": 4096},
-                     lora={"r": 128})  # fmt: skip
+    edit_json(
+        model / "config.json",
+        lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}),
+    )
+    config = config_file(
+        tmp_path, base, model={"model_name_or_path": str(model)}, data={"max_length": 4096}, lora={"r": 128}
+    )
     result = run_cli(capsys, "validate", "--config", str(config))
     assert result.rc == 0, result.err
     assert re.search(r"warning: lora\.r 128 is larger than the smaller side of .*k_proj \(32\)", result.err), result.err
@@ -629,7 +696,7 @@ VALUE_CASES = {
         lambda fx, tmp: {"data": {"dataset_name_or_path": "org/wiki$text"}},
         r"data\.dataset_name_or_path: 'org/wiki\$text' is no local path, and not a hub repo id either",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(VALUE_CASES))
@@ -652,6 +719,23 @@ def test_a_flash_kernel_not_installed_here_is_a_warning_for_a_gpu_config(base, t
     assert (said in result.err) == (importlib.util.find_spec("flash_attn") is None), result.err
     config = config_file(tmp_path, base, model={"attn_implementation": "sdpa"})
     assert run_cli(capsys, "validate", "--config", str(config)).rc == 0
+
+
+def test_validate_says_which_attention_kernel_the_job_runs_and_why(base, tmp_path, capsys):
+    """model.attn_implementation unset: packed rows on GPUs get a varlen kernel (flash-attention where flash_attn is
+    installed, else FlexAttention), CPU workers and padded rows SDPA; validate names the kernel and the reason."""
+    import importlib.util
+
+    varlen = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention (packed rows on GPUs"
+    cases = [
+        ({"packing": True}, {"use_gpu": True}, f"  attention: {varlen}"),
+        ({"packing": True}, {"use_gpu": False}, "  attention: sdpa (CPU workers: flash-attention is CUDA-only"),
+        ({"packing": False}, {"use_gpu": True}, "  attention: sdpa (rows padded per batch, data.packing false"),
+    ]
+    for data, ray, said in cases:
+        result = run_cli(capsys, "validate", "--config", str(config_file(tmp_path, base, data=data, ray=ray)))
+        assert result.rc == 0, result.err
+        assert said in result.out, result.out
 
 
 def test_a_remote_storage_path_is_written_to_before_anything_starts(base, tmp_path, capsys, monkeypatch):
@@ -681,8 +765,10 @@ def test_tracker_credentials_are_checked_where_the_workers_would_use_them(base, 
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     config = config_file(tmp_path, base, train={"report_to": ["wandb"]})
-    assert_refused(run_cli(capsys, "validate", "--config", str(config)),
-                   r"train\.report_to: wandb has no credentials .* set WANDB_API_KEY, run `wandb login`")  # fmt: skip
+    assert_refused(
+        run_cli(capsys, "validate", "--config", str(config)),
+        r"train\.report_to: wandb has no credentials .* set WANDB_API_KEY, run `wandb login`",
+    )
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
     (tmp_path / ".netrc").chmod(0o600)
     assert run_cli(capsys, "validate", "--config", str(config)).rc == 0  # what `wandb login` writes

@@ -65,10 +65,23 @@ def test_ray_refuses_a_submission_without_the_token_or_with_another(auth_cluster
         ({**stranger, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "rayft-not-the-token"}, "Forbidden: Invalid"),
     ):
         job = subprocess.run(
-            [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", auth_cluster.dashboard, "--",
-             "python", "-c", "print('ran')"],
-            env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
-        )  # fmt: skip
+            [
+                str(Path(sys.executable).parent / "ray"),
+                "job",
+                "submit",
+                "--address",
+                auth_cluster.dashboard,
+                "--",
+                "python",
+                "-c",
+                "print('ran')",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
         output = job.stdout + job.stderr
         assert job.returncode != 0 and says in output and "ran\n" not in output, output[-3000:]
 
@@ -80,8 +93,16 @@ def test_the_job_runs_with_the_token_to_its_final_adapter_and_writes_no_secret(
     puts them there): neither they nor the cluster's own token appear in the job's output or in any file the run
     writes (output_dir, which holds the run's storage: checkpoints, rayft_run.json, metrics.jsonl)."""
     out = tmp_path / "out"
-    cfg = tiny_config(fixtures, out, max_steps=2, logging_steps=1, eval_strategy="no", save_steps=1,
-                      per_device_train_batch_size=2, gradient_accumulation_steps=1)  # fmt: skip
+    cfg = tiny_config(
+        fixtures,
+        out,
+        max_steps=2,
+        logging_steps=1,
+        eval_strategy="no",
+        save_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+    )
     config = write_yaml(tmp_path / "config.yaml", cfg)
     planted = {name: f"rayft-planted-{name.lower()}-{secrets.token_hex(8)}" for name in PLANTED}
     job = submit_job(auth_cluster, "--config", str(config), timeout=900, env=planted)
@@ -107,8 +128,12 @@ def test_rayft_says_in_one_line_what_is_missing(auth_cluster: RayCluster, fixtur
     ):
         done = subprocess.run(
             [sys.executable, "-m", "rayft.cli", "train", "--config", str(config)],
-            env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
         errors = [line for line in done.stderr.splitlines() if line.startswith("rayft: config error:")]
         assert done.returncode == 2 and len(errors) == 1, done.stderr[-4000:]
         assert f"ray.address: the Ray cluster at {auth_cluster.address} refused rayft: " in errors[0], errors

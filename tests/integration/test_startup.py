@@ -15,8 +15,12 @@ from rayft.startup import DRIVER_STAGES, WORKER_STAGES, Profile, process_start_t
 def test_process_start_time_is_this_process_launch():
     """From /proc: a child started now reports a launch time between before and after its start."""
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", "from rayft.startup import process_start_time as p; print(p())"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "from rayft.startup import process_start_time as p; print(p())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     after = time.time()
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert before - 1.0 - tick <= float(out.stdout) <= after  # the boot time in /proc/stat is whole seconds
@@ -74,8 +78,7 @@ def test_a_private_local_ray_starts_ray_datas_cluster_actors_at_once_and_no_trai
 
     unset = ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    out = subprocess.run([sys.executable, "-c", LOCAL_RAY_PROBE], capture_output=True, text=True, timeout=300,
-                         env=env)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", LOCAL_RAY_PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     named = {(a["name"], a["namespace"]) for a in seen["named"]}
@@ -130,8 +133,7 @@ def test_a_private_local_rays_processes_never_ask_another_rays_state_api():
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     env["RAY_AUTH_MODE"] = "disabled"
-    out = subprocess.run([sys.executable, "-c", OTHER_RAY_PROBE], capture_output=True, text=True, timeout=300,
-                         env=env)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", OTHER_RAY_PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"1": "found", "0": "no answer"}, out.stderr[-3000:]
 

@@ -43,10 +43,14 @@ def _dataset(root: Path) -> Path:
 
 def _config(fixtures: Fixtures, hub: Path, data: Path, out: Path, nodes: int, per_node: int) -> dict:
     cfg = checkpointing_config(
-        fixtures, out, ray__num_workers=nodes * per_node, ray__workers_per_node=per_node,
-        ray__placement_strategy="STRICT_SPREAD", ray__resources_per_worker={"CPU": 1, "trainer": 1},
+        fixtures,
+        out,
+        ray__num_workers=nodes * per_node,
+        ray__workers_per_node=per_node,
+        ray__placement_strategy="STRICT_SPREAD",
+        ray__resources_per_worker={"CPU": 1, "trainer": 1},
         ray__max_failures=0,
-    )  # fmt: skip
+    )
     cfg["model"].update(model_name_or_path=str(hub), torch_dtype="float32")
     cfg["lora"].update(target_modules=["auto"], target_experts=True, lora_dropout=0.0)
     cfg["fsdp"] = {"activation_checkpointing": True}
@@ -56,10 +60,15 @@ def _config(fixtures: Fixtures, hub: Path, data: Path, out: Path, nodes: int, pe
     # nearly cancels shows the other summation order of 4 workers against 2 at full size: a small rate keeps that
     # below the exact-resume tolerance, while a wrong gradient would still move the adapter by ~lr
     cfg["train"].update(
-        learning_rate=1e-3, warmup_ratio=0.0, max_steps=STEPS, per_device_train_batch_size=1,
-        gradient_accumulation_steps=ROWS // (nodes * per_node), eval_strategy="no", save_strategy="no",
+        learning_rate=1e-3,
+        warmup_ratio=0.0,
+        max_steps=STEPS,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=ROWS // (nodes * per_node),
+        eval_strategy="no",
+        save_strategy="no",
         load_best_model_at_end=False,
-    )  # fmt: skip
+    )
     return cfg
 
 
@@ -73,10 +82,15 @@ def test_two_workers_a_node_keep_expert_groups_and_shards_on_their_node(
     gcs_port = free_port()
     # The nodes' processes inherit this environment: their state API answers for this cluster (conftest.own_state_api)
     monkeypatch.setenv("RAY_ADDRESS", f"{get_node_ip_address()}:{gcs_port}")
-    cluster = RayTestCluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "gcs_server_port": gcs_port, "dashboard_agent_listen_port": free_port(),
-        "ray_client_server_port": free_port(),
-    })  # fmt: skip
+    cluster = RayTestCluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "gcs_server_port": gcs_port,
+            "dashboard_agent_listen_port": free_port(),
+            "ray_client_server_port": free_port(),
+        },
+    )
     try:
         # Two trainer nodes whose resources hold exactly two workers each: driver, controller and data stay on the head
         trainers = [cluster.add_node(num_cpus=2, resources={"trainer": 2}) for _ in range(2)]
@@ -107,8 +121,9 @@ def test_two_workers_a_node_keep_expert_groups_and_shards_on_their_node(
     # Between the nodes: the gradient all-reduces of the replicas (non-expert shards, expert LoRA, target count)
     cfg = Config.from_dict(_config(fixtures, mistral4_hub, data, tmp_path / "plan", 2, 2))
     cluster_2x2 = Cluster(nodes=2, gpus_per_node=2)
-    predicted = plan_comm(cfg, meta_structure(cfg), Layout.expert(2, cluster_2x2), cluster_2x2, False,
-                          held_as(cfg.model))  # fmt: skip
+    predicted = plan_comm(
+        cfg, meta_structure(cfg), Layout.expert(2, cluster_2x2), cluster_2x2, False, held_as(cfg.model)
+    )
     planned = predicted.per_step(inter_node=True)
     print("inter-node bytes per step", [r["comm_inter_node_bytes"] for r in run.metrics()], "planned", planned)
     for row in run.metrics():

@@ -44,8 +44,14 @@ def test_the_fp8_mistral4_trains_the_same_on_the_floor_torch_as_on_the_pinned_on
     config = tmp_path / "pinned.json"
     config.write_text(json.dumps(_hub_fp8_config(fixtures, mistral4_hub, tmp_path / "pinned")))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
-    done = subprocess.run([pinned, "-m", "fixtures.local_run", str(config), "2"], cwd=REPO / "tests", env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [pinned, "-m", "fixtures.local_run", str(config), "2"],
+        cwd=REPO / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     there = json.loads(done.stdout.strip().splitlines()[-1])
     assert torch_release(there["torch"]) > FLOOR, there["torch"]

@@ -102,8 +102,10 @@ def _fp8_reference(path: Path, key: str, scale_key: str) -> np.ndarray:
 
 def test_fp8_slices_dequantise_like_the_file_bytes_say(tmp_path):
     checkpoint, _ = _fp8_checkpoint(tmp_path)
-    for key, scale in (("layers.0.proj.weight", "layers.0.proj.weight_scale_inv"),
-                       ("layers.0.experts.gate_up_proj", "layers.0.experts.gate_up_proj_scale_inv")):  # fmt: skip
+    for key, scale in (
+        ("layers.0.proj.weight", "layers.0.proj.weight_scale_inv"),
+        ("layers.0.experts.gate_up_proj", "layers.0.experts.gate_up_proj_scale_inv"),
+    ):
         whole = torch.from_numpy(_fp8_reference(tmp_path / "model.safetensors", key, scale))
         assert whole.abs().max() > 0 and not whole.isnan().any()
         rows = checkpoint.rows(key, 1, 3)
@@ -131,8 +133,9 @@ def _dequantised_reference(model_dir: str) -> dict[str, torch.Tensor]:
         for key in keys:
             if not key.startswith("language_model.") or key.endswith(("_scale_inv", "activation_scale")):
                 continue
-            scale = next((k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in keys),
-                         None)  # fmt: skip
+            scale = next(
+                (k for k in (f"{key}_scale_inv", f"{key.rsplit('.', 1)[0]}.weight_scale_inv") if k in keys), None
+            )
             if scale is not None:
                 out[key] = torch.from_numpy(_fp8_reference(path, key, scale))
             else:
@@ -334,16 +337,25 @@ def _sentinel_model() -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("stored", "message"),
     [
-        ({"0.weight": torch.ones(4, 6)}, r"'0\.weight' has shape \[4, 6\] in the checkpoint, the model's '0\.weight' "
-                                         r"has \[6, 4\]"),  # transposed
-        ({"1.weight": torch.ones(9, 4)}, r"'1\.weight' has shape \[9, 4\] in the checkpoint, the model's '1\.weight' "
-                                         r"has \[8, 4\]"),  # a bigger vocabulary: main copied its first 8 rows
+        (
+            {"0.weight": torch.ones(4, 6)},
+            r"'0\.weight' has shape \[4, 6\] in the checkpoint, the model's '0\.weight' "
+            r"has \[6, 4\]",
+        ),  # transposed
+        (
+            {"1.weight": torch.ones(9, 4)},
+            r"'1\.weight' has shape \[9, 4\] in the checkpoint, the model's '1\.weight' "
+            r"has \[8, 4\]",
+        ),  # a bigger vocabulary: main copied its first 8 rows
         ({"0.bias": torch.ones(5)}, r"'0\.bias' has shape \[5\] .* has \[6\]"),  # main read past its end
-        ({"0.weight": torch.ones(6, 4, dtype=torch.int32)}, r"'0\.weight' is torch\.int32 in the checkpoint, the "
-                                                            r"model's '0\.weight' is torch\.float32"),
+        (
+            {"0.weight": torch.ones(6, 4, dtype=torch.int32)},
+            r"'0\.weight' is torch\.int32 in the checkpoint, the "
+            r"model's '0\.weight' is torch\.float32",
+        ),
     ],
     ids=["transposed", "more-rows", "fewer-rows", "integer"],
-)  # fmt: skip
+)
 def test_a_tensor_that_does_not_fit_is_refused_before_any_copy(tmp_path, stored, message):
     fitting = {"0.weight": torch.zeros(6, 4), "0.bias": torch.zeros(6), "1.weight": torch.zeros(8, 4)}
     save_file({**fitting, **stored}, str(tmp_path / "model.safetensors"))
@@ -380,8 +392,10 @@ def test_embedding_lora_starts_like_peft_a_zero_delta(tmp_path, tied):
     assert (base.lm_head.weight is base.model.embed_tokens.base_layer.weight) is tied  # retied after to_empty
     # PEFT's own init of the same adapter on from_pretrained, for comparison
     theirs = dict(peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)), lora).named_parameters())
-    for name in ("base_model.model.model.embed_tokens.lora_embedding_A.default",
-                 "base_model.model.model.embed_tokens.lora_embedding_B.default"):  # fmt: skip
+    for name in (
+        "base_model.model.model.embed_tokens.lora_embedding_A.default",
+        "base_model.model.model.embed_tokens.lora_embedding_B.default",
+    ):
         assert ours[name].shape == theirs[name].shape
         assert ours[name].any().item() == theirs[name].any().item(), name  # A = 0, B ≠ 0 in both
     b_ours, b_theirs = (p["base_model.model.model.embed_tokens.lora_embedding_B.default"] for p in (ours, theirs))

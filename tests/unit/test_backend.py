@@ -41,11 +41,17 @@ def test_auto_expert_parallelism_is_never_chosen_for_an_offloaded_run(tmp_path: 
     from rayft.plan import meta_structure
     from rayft.plan.steptime import planned_expert_parallel
 
-    raw = {"data": {"max_length": 4096}, "fsdp": {"activation_checkpointing": True},
-           "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
-           "parallel": {"expert_parallel": "auto"}, "ray": {"num_workers": 2}}  # fmt: skip
-    assert planned_expert_parallel(Config.from_dict(raw), meta_structure(Config.from_dict(raw), Mistral4Config()),
-                                   "fp8") == 2  # fmt: skip
+    raw = {
+        "data": {"max_length": 4096},
+        "fsdp": {"activation_checkpointing": True},
+        "train": {"output_dir": str(tmp_path), "gradient_accumulation_steps": 1},
+        "parallel": {"expert_parallel": "auto"},
+        "ray": {"num_workers": 2},
+    }
+    assert (
+        planned_expert_parallel(Config.from_dict(raw), meta_structure(Config.from_dict(raw), Mistral4Config()), "fp8")
+        == 2
+    )
     raw["fsdp"]["cpu_offload"] = True
     cfg = Config.from_dict(raw)
     assert planned_expert_parallel(cfg, meta_structure(cfg, Mistral4Config()), "fp8") == 1
@@ -56,9 +62,15 @@ def test_the_nccl_section_reaches_gpu_workers_through_the_runtime_env():
     rendered pods): the quiet WARN level by default, exact adapter names, RoCE's GID index and extras; CPU workers
     get none of it."""
     cfg = Config.from_dict(
-        {"nccl": {"ib_hca": "=mlx5_0,mlx5_1", "ib_gid_index": 3, "socket_ifname": "net1",
-                  "env": {"NCCL_IB_QPS_PER_CONNECTION": 1}}}
-    )  # fmt: skip
+        {
+            "nccl": {
+                "ib_hca": "=mlx5_0,mlx5_1",
+                "ib_gid_index": 3,
+                "socket_ifname": "net1",
+                "env": {"NCCL_IB_QPS_PER_CONNECTION": 1},
+            }
+        }
+    )
     env = worker_runtime_env(cfg, use_gpu=True)["env_vars"]
     assert {k: v for k, v in env.items() if k.startswith("NCCL_")} == {
         "NCCL_IB_HCA": "=mlx5_0,mlx5_1",

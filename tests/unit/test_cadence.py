@@ -10,8 +10,15 @@ from rayft.train.checkpoint_dir import Progress
 from rayft.train.loop import Cadence
 from rayft.train.steps import StepPlan
 
-PLAN = StepPlan(world_size=2, train_rows=80, validation_rows=0, micro_batches_per_epoch=20, steps_per_epoch=10,
-                total_steps=10, warmup_steps=0)  # fmt: skip
+PLAN = StepPlan(
+    world_size=2,
+    train_rows=80,
+    validation_rows=0,
+    micro_batches_per_epoch=20,
+    steps_per_epoch=10,
+    total_steps=10,
+    warmup_steps=0,
+)
 
 
 def looks(**sections) -> list[int]:

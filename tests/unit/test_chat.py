@@ -30,8 +30,9 @@ def tekken(fixtures: Fixtures, tmp_path_factory) -> Path:
 def tokenize(model: Path, fmt, max_length: int = 256) -> Tokenize:
     model_cfg = ModelConfig(model_name_or_path=str(model))
     facts = dataclasses.asdict(tokenizer_facts(model_cfg))
-    return Tokenize(dataclasses.asdict(model_cfg), facts, dataclasses.asdict(fmt), "json", max_length, False,
-                    "truncate")  # fmt: skip
+    return Tokenize(
+        dataclasses.asdict(model_cfg), facts, dataclasses.asdict(fmt), "json", max_length, False, "truncate"
+    )
 
 
 def encode_rows(model: Path, records: list[dict]) -> list[dict]:
@@ -78,8 +79,11 @@ def test_tekken_preference_pairs_use_the_fine_tuning_encoding(tekken: Path):
     facts = dataclasses.asdict(tokenizer_facts(model_cfg))
     limits = dataclasses.asdict(PairLimits(256, None, "truncate"))
     actor = PreferenceTokenize(dataclasses.asdict(model_cfg), facts, "json", limits)
-    record = {"prompt": CONVERSATION[:4], "chosen": CONVERSATION[4:],
-              "rejected": [{"role": "assistant", "content": "It is 5."}]}  # fmt: skip
+    record = {
+        "prompt": CONVERSATION[:4],
+        "chosen": CONVERSATION[4:],
+        "rejected": [{"role": "assistant", "content": "It is 5."}],
+    }
     row = actor(pa.table({"_raw": pa.array([json.dumps(record).encode()], type=pa.binary())})).to_pylist()[0]
     ids, mask = tekken_expected(tekken)
     prompt = ids[: mask.index(1)]
@@ -91,8 +95,12 @@ def test_tekken_preference_pairs_use_the_fine_tuning_encoding(tekken: Path):
 
 
 # Chats as people write them: content as a list of parts, tool calls, ShareGPT's turns.
-PARTS = [dict(m, content=[{"type": "text", "text": m["content"]}, {"type": "text", "text": "Thanks."}])
-         if m["role"] == "user" else m for m in CONVERSATION]  # fmt: skip
+PARTS = [
+    dict(m, content=[{"type": "text", "text": m["content"]}, {"type": "text", "text": "Thanks."}])
+    if m["role"] == "user"
+    else m
+    for m in CONVERSATION
+]
 JOINED = [dict(m, content=f"{m['content']}\n\nThanks.") if m["role"] == "user" else m for m in CONVERSATION]
 CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
 TOOLS = [

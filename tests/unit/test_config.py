@@ -68,7 +68,14 @@ def test_round_trips_through_a_plain_dict():
         ({"data": {"val_ratio": 1.5}}, ["data.val_ratio"]),
         ({"data": {"max_eval_samples": 0}}, ["data.max_eval_samples must be >= 1"]),
         ({"lora": {"target_experts": True}, "fsdp": {"activation_checkpointing": True}}, ["lora.lora_dropout: 0"]),
-        ({"lora": {"target_experts": True, "lora_dropout": 0}}, ["fsdp.activation_checkpointing: true"]),
+        (
+            {"fsdp": {"activation_checkpointing": "partial"}},
+            ["fsdp.activation_checkpointing: unknown value 'partial'", "auto, full, selective, none"],
+        ),
+        (
+            {"fsdp": {"checkpoint_every_n_layers": 2}},
+            ["fsdp.checkpoint_every_n_layers 2", "fsdp.activation_checkpointing is auto", "set it to selective"],
+        ),
         ({"model": {"load_mode": "rank0"}}, ["model.load_mode", "sharded"]),
         (
             {"train": {"load_best_model_at_end": True, "eval_strategy": "no"}},
@@ -156,3 +163,32 @@ def test_unquoted_no_strategies_mean_no(tmp_path):
 def test_uri_storage_paths_are_kept_as_uris():
     cfg = Config.from_dict({"ray": {"storage_path": "s3://bucket/runs", "name": "m4"}})
     assert cfg.storage_path == "s3://bucket/runs" and cfg.run_uri == "s3://bucket/runs/m4"
+
+
+@pytest.mark.parametrize(
+    ("raw", "mode", "every"),
+    [
+        ({}, "auto", None),  # auto unresolved (no job chose): no recompute, rayft's former default
+        ({"fsdp": {"activation_checkpointing": True}}, "full", 1),  # accelerate's and older configs' true and false
+        ({"fsdp": {"activation_checkpointing": False}}, "none", None),
+        ({"fsdp": {"activation_checkpointing": "selective", "checkpoint_every_n_layers": 3}}, "selective", 3),
+        ({"train": {"gradient_checkpointing": True}}, "full", 1),  # the HF trainer's flag asks for every layer
+        (
+            {"train": {"gradient_checkpointing": True}, "fsdp": {"activation_checkpointing": "selective"}},
+            "selective",
+            2,
+        ),
+    ],
+)
+def test_activation_checkpointing_reads_words_and_flags(raw, mode, every):
+    cfg = Config.from_dict(raw)
+    assert (cfg.checkpointing, cfg.checkpoint_every()) == (mode, every)
+
+
+def test_expert_lora_no_longer_forces_recompute_and_keeps_it_where_nothing_chose():
+    """The rule refusing expert LoRA without activation checkpointing was about memory (a bf16 base's experts keep
+    W + BA for backward): the planner now counts that memory and chooses. An explicit none is the user's to make;
+    `auto` left unresolved (no GPU capacity known) recomputes every layer, as the rule made every run do."""
+    lora = {"target_experts": True, "lora_dropout": 0}
+    assert Config.from_dict({"lora": lora, "fsdp": {"activation_checkpointing": "none"}}).checkpoint_every() is None
+    assert Config.from_dict({"lora": lora}).checkpoint_every() == 1

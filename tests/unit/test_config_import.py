@@ -19,15 +19,19 @@ FLATTENED = SEEDS / "accelerate_fsdp_2node_flattened.txt"
 
 
 def _fixture_paths(fixtures: Fixtures, out) -> list[str]:
-    return [f"model.model_name_or_path={fixtures.model}", f"data.dataset_name_or_path={fixtures.dataset}",
-            f"train.output_dir={out}"]  # fmt: skip
+    return [
+        f"model.model_name_or_path={fixtures.model}",
+        f"data.dataset_name_or_path={fixtures.dataset}",
+        f"train.output_dir={out}",
+    ]
 
 
 def test_seed_files_convert_to_a_config_that_validates(fixtures: Fixtures, tmp_path, capsys):
     out = tmp_path / "rayft.yaml"
     overrides = [a for o in _fixture_paths(fixtures, tmp_path / "run") for a in ("--override", o)]
-    result = run_cli(capsys, "config", "from-accelerate", str(ACCELERATE), "--trl", str(SEED_CONFIG),
-                     *overrides, "--out", str(out))  # fmt: skip
+    result = run_cli(
+        capsys, "config", "from-accelerate", str(ACCELERATE), "--trl", str(SEED_CONFIG), *overrides, "--out", str(out)
+    )
     assert result.rc == 0, result.err
     assert out.read_text().startswith(f"# Written by: rayft config from-accelerate {ACCELERATE} --trl {SEED_CONFIG}")
     result = run_cli(capsys, "validate", "--config", str(out))
@@ -39,8 +43,14 @@ def test_the_converted_config_trains_the_seed_settings_key_by_key():
     acc = yaml.safe_load(ACCELERATE.read_text())
     fsdp = acc["fsdp_config"]
     raw, notes = convert(str(ACCELERATE), str(SEED_CONFIG))
-    cfg = load_config(None, [f"{s}.{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"
-                             for s, values in raw.items() for k, v in values.items()])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"{s}.{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"
+            for s, values in raw.items()
+            for k, v in values.items()
+        ],
+    )
     seed = yaml.safe_load(SEED_CONFIG.read_text())
     as_loaded = load_config(SEED_CONFIG)  # the seed's values as rayft reads them (report_to: none → [none])
     for section, values in seed.items():
@@ -51,7 +61,7 @@ def test_the_converted_config_trains_the_seed_settings_key_by_key():
     assert cfg.train.bf16 is (acc["mixed_precision"] == "bf16")
     assert cfg.fsdp.reshard_after_forward is fsdp["fsdp_reshard_after_forward"]
     assert cfg.fsdp.cpu_offload is fsdp["fsdp_offload_params"]
-    assert cfg.fsdp.activation_checkpointing is fsdp["fsdp_activation_checkpointing"]
+    assert cfg.fsdp.checkpointing() == ("full" if fsdp["fsdp_activation_checkpointing"] else "none")
     assert cfg.fsdp.forward_prefetch == int(fsdp["fsdp_forward_prefetch"])
     assert cfg.fsdp.backward_prefetch == 1  # BACKWARD_PRE: the next layer's gather during backward
     assert cfg.model.load_mode == "sharded"  # fsdp_cpu_ram_efficient_loading: no rank holds the whole model
@@ -68,15 +78,24 @@ def test_a_flattened_fsdp1_file_and_its_sharding_strategy():
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("num_processes: 4\nnum_machines: 2\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
-         {"ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "STRICT_SPREAD"},
-          "fsdp": {"reshard_after_forward": True, "shard_size": 2}}),
-        ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: 'no'\n",
-         {"ray": {"num_workers": 2, "placement_strategy": "PACK"}, "fsdp": {"shard_size": 1},
-          "train": {"bf16": False}}),
+        (
+            "num_processes: 4\nnum_machines: 2\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
+            {
+                "ray": {"num_workers": 4, "workers_per_node": 2, "placement_strategy": "STRICT_SPREAD"},
+                "fsdp": {"reshard_after_forward": True, "shard_size": 2},
+            },
+        ),
+        (
+            "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: 'no'\n",
+            {
+                "ray": {"num_workers": 2, "placement_strategy": "PACK"},
+                "fsdp": {"shard_size": 1},
+                "train": {"bf16": False},
+            },
+        ),
     ],
     ids=["hybrid shard", "DDP"],
-)  # fmt: skip
+)
 def test_other_layouts(tmp_path, text, expected):
     path = tmp_path / "acc.yaml"
     path.write_text(text)
@@ -88,8 +107,10 @@ def test_other_layouts(tmp_path, text, expected):
 def test_flat_trl_keys_map_to_sections(tmp_path):
     acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
     acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
-    trl.write_text("lora_r: 8\nlora_target_modules: [q_proj]\nmax_seq_length: 512\nlearning_rate: 2.0e-4\n"
-                   "dataset_name: org/data\npush_to_hub: false\n")  # fmt: skip
+    trl.write_text(
+        "lora_r: 8\nlora_target_modules: [q_proj]\nmax_seq_length: 512\nlearning_rate: 2.0e-4\n"
+        "dataset_name: org/data\npush_to_hub: false\n"
+    )
     raw, notes = convert(str(acc), str(trl), accept_differences=True)  # use_peft and the chat loss left to TRL
     assert {k: raw["lora"][k] for k in ("r", "target_modules")} == {"r": 8, "target_modules": ["q_proj"]}
     assert raw["data"]["max_length"] == 512
@@ -128,26 +149,67 @@ def test_what_cannot_be_carried_over_is_refused(tmp_path, text, needle, capsys):
 
 # rayft's setting ← TRL's effective one, as TRL's own SFTConfig / ModelConfig hold it for the same file.
 EFFECTIVE = {
-    "train.learning_rate": "learning_rate", "train.gradient_accumulation_steps": "gradient_accumulation_steps",
-    "train.per_device_train_batch_size": "per_device_train_batch_size", "train.lr_scheduler_type": "lr_scheduler_type",
-    "train.warmup_steps": "warmup_steps", "train.weight_decay": "weight_decay",
+    "train.learning_rate": "learning_rate",
+    "train.gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train.per_device_train_batch_size": "per_device_train_batch_size",
+    "train.lr_scheduler_type": "lr_scheduler_type",
+    "train.warmup_steps": "warmup_steps",
+    "train.weight_decay": "weight_decay",
     "train.num_train_epochs": "num_train_epochs",
-    "train.max_steps": "max_steps", "train.eval_strategy": "eval_strategy", "train.save_steps": "save_steps",
-    "train.save_total_limit": "save_total_limit", "train.logging_steps": "logging_steps", "train.seed": "seed",
-    "train.max_grad_norm": "max_grad_norm", "train.optim": "optim",
+    "train.max_steps": "max_steps",
+    "train.eval_strategy": "eval_strategy",
+    "train.save_steps": "save_steps",
+    "train.save_total_limit": "save_total_limit",
+    "train.logging_steps": "logging_steps",
+    "train.seed": "seed",
+    "train.max_grad_norm": "max_grad_norm",
+    "train.optim": "optim",
     "train.gradient_checkpointing": "gradient_checkpointing",
-    "data.max_length": "max_length", "data.packing": "packing", "data.text_field": "dataset_text_field",
-    "lora.r": "lora_r", "lora.lora_alpha": "lora_alpha", "lora.lora_dropout": "lora_dropout",
-    "lora.use_rslora": "use_rslora", "model.torch_dtype": "dtype",
-}  # fmt: skip
-MINIMAL = {"model_name_or_path": "/models/m", "dataset_name": "org/chats", "use_peft": True,
-           "lora_target_modules": ["q_proj", "v_proj"], "assistant_only_loss": True}  # fmt: skip
-FULL = {**MINIMAL, "learning_rate": 1e-4, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 2,
-        "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.01, "num_train_epochs": 2,
-        "max_steps": 300, "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 3,
-        "logging_steps": 5, "seed": 7, "max_grad_norm": 0.5, "optim": "adamw_torch", "gradient_checkpointing": False,
-        "max_length": 512, "packing": True, "packing_strategy": "wrapped", "dataset_text_field": "content",
-        "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "use_rslora": True, "dtype": "bfloat16"}  # fmt: skip
+    "data.max_length": "max_length",
+    "data.packing": "packing",
+    "data.text_field": "dataset_text_field",
+    "lora.r": "lora_r",
+    "lora.lora_alpha": "lora_alpha",
+    "lora.lora_dropout": "lora_dropout",
+    "lora.use_rslora": "use_rslora",
+    "model.torch_dtype": "dtype",
+}
+MINIMAL = {
+    "model_name_or_path": "/models/m",
+    "dataset_name": "org/chats",
+    "use_peft": True,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "assistant_only_loss": True,
+}
+FULL = {
+    **MINIMAL,
+    "learning_rate": 1e-4,
+    "gradient_accumulation_steps": 4,
+    "per_device_train_batch_size": 2,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 10,
+    "weight_decay": 0.01,
+    "num_train_epochs": 2,
+    "max_steps": 300,
+    "eval_strategy": "steps",
+    "eval_steps": 50,
+    "save_steps": 100,
+    "save_total_limit": 3,
+    "logging_steps": 5,
+    "seed": 7,
+    "max_grad_norm": 0.5,
+    "optim": "adamw_torch",
+    "gradient_checkpointing": False,
+    "max_length": 512,
+    "packing": True,
+    "packing_strategy": "wrapped",
+    "dataset_text_field": "content",
+    "lora_r": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.1,
+    "use_rslora": True,
+    "dtype": "bfloat16",
+}
 
 
 def _plain(value):
@@ -169,8 +231,12 @@ def test_a_flat_trl_file_trains_what_trl_would_key_by_key(sft, tmp_path):
     ours = Config.from_dict(raw)
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     theirs_model = ModelConfig(**{k: v for k, v in sft.items() if k in model_fields})
-    theirs = SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
-                       **{k: v for k, v in sft.items() if k not in model_fields and k != "dataset_name"})  # fmt: skip
+    theirs = SFTConfig(
+        output_dir=str(tmp_path / "trl"),
+        use_cpu=True,
+        bf16=False,
+        **{k: v for k, v in sft.items() if k not in model_fields and k != "dataset_name"},
+    )
     for dotted, field in EFFECTIVE.items():
         section, key = dotted.split(".")
         want = _plain(getattr(theirs_model if field in model_fields else theirs, field))
@@ -184,8 +250,14 @@ def test_trls_qlora_is_the_nf4_base(tmp_path, capsys):
     """load_in_4bit with bitsandbytes' NF4 and nested (double) quantisation: QLoRA as rayft holds it, no difference."""
     acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
     acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
-    qlora = {"model_name_or_path": "/models/m", "use_peft": True, "lora_target_modules": ["q_proj"],
-             "assistant_only_loss": True, "load_in_4bit": True, "use_bnb_nested_quant": True}  # fmt: skip
+    qlora = {
+        "model_name_or_path": "/models/m",
+        "use_peft": True,
+        "lora_target_modules": ["q_proj"],
+        "assistant_only_loss": True,
+        "load_in_4bit": True,
+        "use_bnb_nested_quant": True,
+    }
     trl.write_text(yaml.safe_dump(qlora))
     out = tmp_path / "rayft.yaml"
     result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl), "--out", str(out))
@@ -201,17 +273,32 @@ def test_what_rayft_would_train_otherwise_than_trl_is_refused_or_listed(tmp_path
     target modules and TRL's whole-conversation loss: refused, each named, unless --accept-differences."""
     acc, trl = tmp_path / "acc.yaml", tmp_path / "sft.yaml"
     acc.write_text("distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n")
-    trl.write_text(yaml.safe_dump({"model_name_or_path": "/models/m", "load_in_4bit": True, "neftune_noise_alpha": 5,
-                                   "chat_template_path": "t.jinja"}))  # fmt: skip
+    trl.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": "/models/m",
+                "load_in_4bit": True,
+                "neftune_noise_alpha": 5,
+                "chat_template_path": "t.jinja",
+            }
+        )
+    )
     result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl))
     assert result.rc == 2, result.err
-    for says in ("use_peft false (TRL's default): full fine-tuning", "use_bnb_nested_quant false (TRL's default)",
-                 "neftune_noise_alpha: NEFTune", "chat_template_path:", "lora_target_modules unset",
-                 "assistant_only_loss false (TRL's default)", "--accept-differences"):  # fmt: skip
+    for says in (
+        "use_peft false (TRL's default): full fine-tuning",
+        "use_bnb_nested_quant false (TRL's default)",
+        "neftune_noise_alpha: NEFTune",
+        "chat_template_path:",
+        "lora_target_modules unset",
+        "assistant_only_loss false (TRL's default)",
+        "--accept-differences",
+    ):
         assert says in result.err, result.err
     out = tmp_path / "rayft.yaml"
-    result = run_cli(capsys, "config", "from-accelerate", str(acc), "--trl", str(trl), "--accept-differences",
-                     "--out", str(out))  # fmt: skip
+    result = run_cli(
+        capsys, "config", "from-accelerate", str(acc), "--trl", str(trl), "--accept-differences", "--out", str(out)
+    )
     assert result.rc == 0, result.err
     listed = [line for line in out.read_text().splitlines() if line.startswith("# note: differs from TRL:")]
     assert len(listed) == 6, out.read_text()

@@ -215,27 +215,36 @@ CANNOT_WORK = [
     ("lora:\n  lora_dropout: nan\n", 2, "lora.lora_dropout must be a finite number, got nan (float)"),
     ("dpo:\n  beta: inf\n", 2, "dpo.beta must be a finite number, got inf (float)"),
     ("ray:\n  preemption_grace_s: .inf\n", 2, "ray.preemption_grace_s must be a finite number, got inf (float)"),
-    ("ray:\n  resources_per_worker:\n    CPU: inf\n", 3,
-     "ray.resources_per_worker.CPU must be a finite number, got inf (float)"),
-    ("ray:\n  resources_per_worker:\n    GPU: 0.5\n", 3,
-     "ray.resources_per_worker.GPU must be a whole number, got 0.5: each worker is one NCCL rank"),
+    (
+        "ray:\n  resources_per_worker:\n    CPU: inf\n",
+        3,
+        "ray.resources_per_worker.CPU must be a finite number, got inf (float)",
+    ),
+    (
+        "ray:\n  resources_per_worker:\n    GPU: 0.5\n",
+        3,
+        "ray.resources_per_worker.GPU must be a whole number, got 0.5: each worker is one NCCL rank",
+    ),
     ("train:\n  seed: -1\n", 2, "train.seed must be in [0, 4294967296), got -1"),
     ("train:\n  seed: 4294967296\n", 2, "train.seed must be in [0, 4294967296), got 4294967296"),
-    ("train:\n  max_steps: 10\n  warmup_steps: 10\n", 3,
-     "train.warmup_steps 10 is not shorter than train.max_steps 10: the learning rate would never reach "
-     "train.learning_rate; set fewer warm-up steps (or use train.warmup_ratio)"),
+    (
+        "train:\n  max_steps: 10\n  warmup_steps: 10\n",
+        3,
+        "train.warmup_steps 10 is not shorter than train.max_steps 10: the learning rate would never reach "
+        "train.learning_rate; set fewer warm-up steps (or use train.warmup_ratio)",
+    ),
     ("ray:\n  name: ..\n", 2, "ray.name must be one directory name inside the storage path, got '..'"),
     ("ray:\n  name: .\n", 2, "ray.name must be one directory name inside the storage path, got '.'"),
     ("ray:\n  name: runs/a\n", 2, "ray.name must be one directory name inside the storage path, got 'runs/a'"),
-    ("ray:\n  name: ../sibling\n", 2,
-     "ray.name must be one directory name inside the storage path, got '../sibling'"),
+    ("ray:\n  name: ../sibling\n", 2, "ray.name must be one directory name inside the storage path, got '../sibling'"),
     ("ray:\n  name: /abs\n", 2, "ray.name must be one directory name inside the storage path, got '/abs'"),
     ("ray:\n  name: a\\b\n", 2, "ray.name must be one directory name inside the storage path, got 'a\\\\b'"),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("text", "line", "message"), CANNOT_WORK, ids=[c[2].split(" ")[0] + f"-{i}"
-                         for i, c in enumerate(CANNOT_WORK)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "line", "message"), CANNOT_WORK, ids=[c[2].split(" ")[0] + f"-{i}" for i, c in enumerate(CANNOT_WORK)]
+)
 def test_values_that_type_check_but_cannot_work_are_refused(tmp_path, text, line, message):
     path = tmp_path / "cannot.yaml"
     path.write_text(text)

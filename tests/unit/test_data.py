@@ -28,8 +28,9 @@ CHAT_TEMPLATE = (
 def tokenize(fx: Fixtures, fmt: RecordFormat, max_length: int = 64, packing=False, overlong="truncate", **model):
     model_cfg = ModelConfig(model_name_or_path=str(fx.model), **model)
     facts = dataclasses.asdict(tokenizer_facts(model_cfg))
-    return Tokenize(dataclasses.asdict(model_cfg), facts, dataclasses.asdict(fmt), "parquet", max_length, packing,
-                    overlong)  # fmt: skip
+    return Tokenize(
+        dataclasses.asdict(model_cfg), facts, dataclasses.asdict(fmt), "parquet", max_length, packing, overlong
+    )
 
 
 def test_wikitext_layout_resolves_both_splits(fixtures: Fixtures):
@@ -176,8 +177,11 @@ def test_rust_fast_path_encodes_exactly_like_transformers(fixtures: Fixtures):
 def test_completion_only_labels_on_a_hand_checked_tekken_example(fixtures: Fixtures):
     """Real tekken ids, checked token by token: <s> Question : ĠWhat Ġis Ġthe Ġcapital Ġof ĠFrance ?Ċ Answer :
     | ĠParis </s> — loss on the last two only."""
-    fmt = record_format(DataConfig(prompt_template="Question: {question}\nAnswer:", completion_field="answer"),
-                        ["question", "answer"], "x")  # fmt: skip
+    fmt = record_format(
+        DataConfig(prompt_template="Question: {question}\nAnswer:", completion_field="answer"),
+        ["question", "answer"],
+        "x",
+    )
     assert fmt.completion_only
     out = tokenize(fixtures, fmt)(pa.table({"question": ["What is the capital of France?"], "answer": [" Paris"]}))
     row = out.to_pylist()[0]
@@ -231,17 +235,27 @@ def test_pack_keeps_every_token_and_restarts_positions_per_example():
     # restart per example, and at each block start (a block never continues another one's positions)
     assert [b["position_ids"] for b in blocks] == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2], [0, 1, 2, 3, 0], [0]]
     stats = finish(
-        pa.table({"input_ids": pa.array([*docs, []], type=pa.list_(pa.int32())), "skip": ["", "", "", "", "empty"],
-                  "truncated": [False] * 5, "records": [1] * 5}),
-        max_length=5, packing=True, counting=True,
-    ).to_pylist()[0]  # fmt: skip
+        pa.table(
+            {
+                "input_ids": pa.array([*docs, []], type=pa.list_(pa.int32())),
+                "skip": ["", "", "", "", "empty"],
+                "truncated": [False] * 5,
+                "records": [1] * 5,
+            }
+        ),
+        max_length=5,
+        packing=True,
+        counting=True,
+    ).to_pylist()[0]
     counted = (stats["records"], stats["examples"], stats["rows"], stats["tokens"], stats["skip_empty"])
     assert counted == (5, 4, 4, 16, 1)
 
 
 def test_packed_collate_is_padding_free_and_never_predicts_across_examples():
-    blocks = {"input_ids": [np.array([1, 5, 2, 1, 7]), np.array([8, 2])], "position_ids": [np.array([0, 1, 2, 0, 1]),
-              np.array([0, 1])]}  # fmt: skip
+    blocks = {
+        "input_ids": [np.array([1, 5, 2, 1, 7]), np.array([8, 2])],
+        "position_ids": [np.array([0, 1, 2, 0, 1]), np.array([0, 1])],
+    }
     batch = PackedCollate()(blocks)
     assert batch["input_ids"].tolist() == [[1, 5, 2, 1, 7, 8, 2]] and "attention_mask" not in batch
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
@@ -256,8 +270,9 @@ def test_packed_documents_do_not_attend_to_each_other(fixtures: Fixtures):
 
     model = AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32, attn_implementation="sdpa")
     first, second = torch.tensor([1, 1784, 3937, 1278, 2]), torch.tensor([1, 1278, 8321, 7932, 1044, 2])
-    packed = PackedCollate()({"input_ids": [np.concatenate([first, second])],
-                              "position_ids": [np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5])]})  # fmt: skip
+    packed = PackedCollate()(
+        {"input_ids": [np.concatenate([first, second])], "position_ids": [np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5])]}
+    )
     with torch.no_grad():
         together = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False)
         together = together.logits[0, 5:]
@@ -285,8 +300,16 @@ def test_collate_pads_right_and_masks_padding_out_of_the_loss():
 
 
 def test_plan_counts_equal_shards_and_partial_accumulation():
-    cfg = Config.from_dict({"train": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-                                      "num_train_epochs": 2, "warmup_ratio": 0.1}})  # fmt: skip
+    cfg = Config.from_dict(
+        {
+            "train": {
+                "per_device_train_batch_size": 4,
+                "gradient_accumulation_steps": 2,
+                "num_train_epochs": 2,
+                "warmup_ratio": 0.1,
+            }
+        }
+    )
     plan = plan_steps(cfg, train_rows=331, validation_rows=42, world_size=2)
     # 165 rows per worker → 42 micro-batches → 21 optimizer steps per epoch
     assert (plan.micro_batches_per_epoch, plan.steps_per_epoch, plan.total_steps) == (42, 21, 42)

@@ -21,10 +21,10 @@ from rayft.config import Config, ConfigError, DataConfig, DpoConfig, ModelConfig
 from rayft.data.pipeline import _check_usable, count, finish
 from rayft.data.preference import PairLimits, PreferenceCollate, PreferenceTokenize, pair_key
 from rayft.data.records import record_format
+from rayft.data.reference_table import ReferenceTable
 from rayft.data.tokenizer import tokenizer_facts
 from rayft.model.loss import sequence_logprobs
 from rayft.train.dpo import pair_scores
-from rayft.train.reference import ReferenceTable
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
@@ -67,6 +67,7 @@ def test_preference_records_are_detected_and_need_dpo(fixtures: Fixtures):
         Config.from_dict({"dpo": {"bta": 0.1}})
 
 
+@pytest.mark.torch_agnostic
 def test_explicit_and_implicit_prompts_give_the_same_pair(fixtures: Fixtures):
     """prompt + completion ids as the tokenizer gives them for the whole text, BOS first, EOS last; the completion
     starts where both sequences leave the prompt, whether the prompt is given or implicit (TRL's common prefix)."""
@@ -81,6 +82,7 @@ def test_explicit_and_implicit_prompts_give_the_same_pair(fixtures: Fixtures):
         assert row["prompt_length"] == 1 + len(prompt) and chosen[: len(prompt)] == prompt
 
 
+@pytest.mark.torch_agnostic
 def test_conversational_pairs_use_the_chat_template(fixtures: Fixtures, tmp_path):
     from transformers import AutoTokenizer
 
@@ -110,11 +112,24 @@ def test_bad_preference_records_are_counted_and_refused_on_error(fixtures: Fixtu
     counted under its reason and never a training row; `data.bad_records: error` refuses the split."""
     good = {"prompt": "Which fruit?", "chosen": " An apple.", "rejected": " A stone."}
     long_prompt = {"prompt": "word " * 80, "chosen": " yes", "rejected": " no"}
-    records = [good, {"prompt": "Q", "chosen": " A"}, {"prompt": "Q", "chosen": "  ", "rejected": " B"},
-               long_prompt, {"prompt": "Q", "chosen": 3, "rejected": " B"}, good]  # fmt: skip
+    records = [
+        good,
+        {"prompt": "Q", "chosen": " A"},
+        {"prompt": "Q", "chosen": "  ", "rejected": " B"},
+        long_prompt,
+        {"prompt": "Q", "chosen": 3, "rejected": " B"},
+        good,
+    ]
     table = actor(fixtures, max_length=32)(pa.concat_tables([raw(records), pa.table({"_raw": [b"{not json"]})]))
-    assert table.column("skip").to_pylist() == ["", "missing_field", "empty", "no_completion", "not_text", "",
-                                                "bad_json"]  # fmt: skip
+    assert table.column("skip").to_pylist() == [
+        "",
+        "missing_field",
+        "empty",
+        "no_completion",
+        "not_text",
+        "",
+        "bad_json",
+    ]
     kept = finish(table, 32, packing=False, counting=False)
     assert kept.num_rows == 2 and kept.column_names == ["chosen_ids", "rejected_ids", "prompt_length"]
     stats = count(RowsAtHand(finish(table, 32, packing=False, counting=True)), "x")
@@ -145,14 +160,25 @@ class RowsAtHand:
 
 
 def test_collate_keeps_pairs_together_and_scores_completions_only():
-    batch = {"chosen_ids": [[1, 5, 6, 7, 2], [1, 8, 9, 2]], "rejected_ids": [[1, 5, 6, 3, 3, 2], [1, 8, 4, 2]],
-             "prompt_length": [3, 2]}  # fmt: skip
+    batch = {
+        "chosen_ids": [[1, 5, 6, 7, 2], [1, 8, 9, 2]],
+        "rejected_ids": [[1, 5, 6, 3, 3, 2], [1, 8, 4, 2]],
+        "prompt_length": [3, 2],
+    }
     out = PreferenceCollate(pad_id=0, multiple=8, max_length=64)(batch)
     assert out["input_ids"].shape == (4, 8)
-    assert out["input_ids"][:, :6].tolist() == [[1, 5, 6, 7, 2, 0], [1, 8, 9, 2, 0, 0], [1, 5, 6, 3, 3, 2],
-                                                [1, 8, 4, 2, 0, 0]]  # fmt: skip
-    assert out["labels"][:, :6].tolist() == [[-100, -100, -100, 7, 2, -100], [-100, -100, 9, 2, -100, -100],
-                                             [-100, -100, -100, 3, 3, 2], [-100, -100, 4, 2, -100, -100]]  # fmt: skip
+    assert out["input_ids"][:, :6].tolist() == [
+        [1, 5, 6, 7, 2, 0],
+        [1, 8, 9, 2, 0, 0],
+        [1, 5, 6, 3, 3, 2],
+        [1, 8, 4, 2, 0, 0],
+    ]
+    assert out["labels"][:, :6].tolist() == [
+        [-100, -100, -100, 7, 2, -100],
+        [-100, -100, 9, 2, -100, -100],
+        [-100, -100, -100, 3, 3, 2],
+        [-100, -100, 4, 2, -100, -100],
+    ]
     assert out["attention_mask"].sum(1).tolist() == [5, 4, 6, 4]
 
 
@@ -221,6 +247,7 @@ def gap(a: list[dict], b: list[dict], key: str) -> float:
 PARITY = [("sigmoid", 0.1), ("ipo", 0.5)]
 
 
+@pytest.mark.torch_agnostic
 def test_dpo_matches_trl_dpotrainer(fixtures: Fixtures, tmp_path):
     """Same tiny Mistral, pairs, file order, initial LoRA weights and beta, 10 steps of 2 × 2 pairs, for sigmoid
     and ipo: the first step is ln 2 (sigmoid) or 1/(4β²) (ipo) on both sides (policy = reference before any
@@ -234,10 +261,24 @@ def test_dpo_matches_trl_dpotrainer(fixtures: Fixtures, tmp_path):
     reseeded = [dataclasses.replace(s, seed=s.seed + 1) for s in settings]
     other = in_process("run_each", "run_rayft", reseeded, records, tmp_path / "reseeded")
     for (loss_type, beta), a, b, c in zip(PARITY, ours, theirs, other, strict=True):
-        print(loss_type, json.dumps({k: [round(r["loss"], 5) for r in run["steps"]]
-                                     for k, run in (("rayft", a), ("trl", b), ("reseeded", c))}))  # fmt: skip
-        print(loss_type, json.dumps({k: [r["rewards/accuracies"] for r in run["steps"]]
-                                     for k, run in (("rayft", a), ("trl", b), ("reseeded", c))}))  # fmt: skip
+        print(
+            loss_type,
+            json.dumps(
+                {
+                    k: [round(r["loss"], 5) for r in run["steps"]]
+                    for k, run in (("rayft", a), ("trl", b), ("reseeded", c))
+                }
+            ),
+        )
+        print(
+            loss_type,
+            json.dumps(
+                {
+                    k: [r["rewards/accuracies"] for r in run["steps"]]
+                    for k, run in (("rayft", a), ("trl", b), ("reseeded", c))
+                }
+            ),
+        )
         assert a["first_ids"] == b["first_ids"]  # same token ids, BOS and EOS included
         a, b, c = a["steps"], b["steps"], c["steps"]
         assert len(a) == len(b) == 10
@@ -254,16 +295,26 @@ def test_eval_result_line_for_preference_pairs():
     from rayft.cli import eval_summary
     from rayft.train.metrics import progress_line
 
-    result = {"split": "validation", "rows": 16, "eval_loss": 0.61, "eval_rewards/chosen": 0.2,
-              "eval_rewards/rejected": -0.1, "eval_rewards/accuracies": 0.875, "eval_rewards/margins": 0.3,
-              "eval_logps/chosen": -20.0, "eval_logps/rejected": -25.0, "eval_s": 1.0}  # fmt: skip
+    result = {
+        "split": "validation",
+        "rows": 16,
+        "eval_loss": 0.61,
+        "eval_rewards/chosen": 0.2,
+        "eval_rewards/rejected": -0.1,
+        "eval_rewards/accuracies": 0.875,
+        "eval_rewards/margins": 0.3,
+        "eval_logps/chosen": -20.0,
+        "eval_logps/rejected": -25.0,
+        "eval_s": 1.0,
+    }
     assert eval_summary(result, adapter=True) == (
         "rayft: eval base + adapter on 'validation' (16 pairs): DPO loss 0.6100, rewards/chosen 0.2000, "
         "rewards/rejected -0.1000, rewards/accuracies 0.8750, rewards/margins 0.3000, logps/chosen -20.0000, "
         "logps/rejected -25.0000"
     )
-    line = progress_line({"step": 3, "epoch": 0.5, "loss": 0.6, "rewards/margins": 0.25, "rewards/accuracies": 0.75},
-                         10, None)  # fmt: skip
+    line = progress_line(
+        {"step": 3, "epoch": 0.5, "loss": 0.6, "rewards/margins": 0.25, "rewards/accuracies": 0.75}, 10, None
+    )
     assert line == "step 3/10 | epoch 0.50 | loss 0.6000 | rewards/margins 0.2500 | rewards/accuracies 0.7500"
 
 
@@ -290,8 +341,11 @@ def test_reference_table_finds_each_pair_by_its_tokens_whatever_the_batch():
     assert len(table) == 2
     table = ReferenceTable.from_bytes(table.to_bytes())
     assert table.identity == {"model": "m"}
-    batch = {"chosen_ids": [p[0] for p in pairs[::-1]], "rejected_ids": [p[1] for p in pairs[::-1]],
-             "prompt_length": [p[2] for p in pairs[::-1]]}  # fmt: skip
+    batch = {
+        "chosen_ids": [p[0] for p in pairs[::-1]],
+        "rejected_ids": [p[1] for p in pairs[::-1]],
+        "prompt_length": [p[2] for p in pairs[::-1]],
+    }
     out = PreferenceCollate(pad_id=0, reference=table)(batch)
     assert out["pair_key"].tolist() == keys[::-1]
     got = out["reference_logps"].tolist()
@@ -305,8 +359,10 @@ def test_precomputed_reference_trains_as_the_live_one_with_half_the_forwards(fix
     reference scored live under the adapter switched off (two forwards): the same losses and rewards, step by step;
     and so with a table lacking the first step's first pair (that step alone scores its reference live)."""
     records = make_pairs(24, seed=5)
-    settings = [Settings(model=str(fixtures.model), steps=6, batch=2, reference=r, reference_dropped=n)
-                for r, n in (("adapter_off", 0), ("precomputed", 0), ("precomputed", 1))]  # fmt: skip
+    settings = [
+        Settings(model=str(fixtures.model), steps=6, batch=2, reference=r, reference_dropped=n)
+        for r, n in (("adapter_off", 0), ("precomputed", 0), ("precomputed", 1))
+    ]
     live, precomputed, patched = in_process("run_each", "run_rayft", settings, records, tmp_path)
     assert live["forwards_per_micro_batch"] == 2 and precomputed["forwards_per_micro_batch"] == 1
     assert patched["forwards_per_micro_batch"] == (2 * 2 + 1 * 10) / 12  # step 1's two micro-batches live

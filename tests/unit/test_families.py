@@ -14,8 +14,10 @@ from rayft.config import ConfigError, LoraConfig
 from rayft.model.families import FAMILIES, check_moe_family, moe_blocks, num_routed_experts
 from rayft.model.lora import resolve_targets
 
-CONFIGS = {**{t: {**COMMON, **fields} for t, fields in MOE_FAMILIES.items()},
-           "mistral4": {**TINY_MISTRAL4, "vocab_size": 1024}}  # fmt: skip
+CONFIGS = {
+    **{t: {**COMMON, **fields} for t, fields in MOE_FAMILIES.items()},
+    "mistral4": {**TINY_MISTRAL4, "vocab_size": 1024},
+}
 
 
 def _model(model_type: str, fields: dict) -> torch.nn.Module:
@@ -33,8 +35,9 @@ def test_each_moe_entry_describes_the_block_transformers_builds(model_type: str)
     moe = FAMILIES[model_type].moe
     blocks = moe_blocks(model)
     assert blocks and {type(b).__name__ for b in blocks} == {moe.block}
-    expected_experts = next(v for k, v in CONFIGS[model_type].items() if k in ("num_experts", "n_routed_experts",
-                                                                              "num_local_experts"))  # fmt: skip
+    expected_experts = next(
+        v for k, v in CONFIGS[model_type].items() if k in ("num_experts", "n_routed_experts", "num_local_experts")
+    )
     assert num_routed_experts(model.config) == expected_experts == blocks[0].experts.num_experts
     block, hidden = blocks[0], torch.randn(1, 5, model.config.hidden_size)
     logits, weights, index = getattr(block, moe.router)(hidden.view(-1, hidden.shape[-1]))

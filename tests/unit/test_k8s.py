@@ -14,11 +14,13 @@ from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import CRD_DIR_ENV, ManifestError, crd_dir, schemas, validate, validate_file
 from rayft.deploy.k8s import IMAGE_ROOT, RAY_VERSION
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = sorted((REPO / "cluster").glob("*.yaml"))
 EXAMPLE = "jobs/mistral4-3xh200.yaml"
+WATCHER_KINDS = ("Job", "ServiceAccount", "Role", "RoleBinding")  # the start watcher's, rendered for KubeRay 1.4
+WATCHER_FILES = {"start-watch.yaml", "start-watch-account.yaml", "start-watch-role.yaml", "start-watch-binding.yaml"}
 
 
 def render(capsys, *args: str) -> dict[str, dict]:
@@ -107,7 +109,7 @@ def test_checked_in_manifests_are_valid_and_exactly_what_the_renderer_writes(pat
 
 
 def test_checked_in_set_is_the_seeds_3xh200_job():
-    assert {p.name for p in CHECKED_IN} == {"rayjob.yaml", "raycluster.yaml", "head-budget.yaml"}
+    assert {p.name for p in CHECKED_IN} == {"rayjob.yaml", "raycluster.yaml", "head-budget.yaml", *WATCHER_FILES}
     job = yaml.safe_load((REPO / "cluster" / "rayjob.yaml").read_text())
     assert gpu_groups(job)[0]["replicas"] == 3 and EXAMPLE.split("/")[-1] in job["spec"]["entrypoint"]
 
@@ -142,7 +144,9 @@ def test_rendered_manifests_validate_and_agree_with_the_config(capsys, monkeypat
     flag = dict(zip(extra[::2], extra[1::2], strict=False))
     mount = PurePosixPath(flag.get("--mount-path", "/data"))
     gpus = int(flag.get("--gpus-per-pod", "1"))
-    assert validate(docs.pop("PodDisruptionBudget")) == []
+    for kind in ("PodDisruptionBudget", *WATCHER_KINDS):
+        assert validate(docs.pop(kind)) == [], kind
+    assert set(docs) == {"RayJob", "RayCluster"}
     for doc in docs.values():
         assert validate(doc) == []
         (group,) = gpu_groups(doc)
@@ -262,8 +266,11 @@ def test_operator_rules_the_schema_cannot_express():
     _breaks(lambda d: d["spec"].update(runtimeEnvYAML="a: [b"), "spec.runtimeEnvYAML")
     _breaks(lambda d: d["spec"].pop("rayClusterSpec"), "needs rayClusterSpec")
     _breaks(lambda d: d["metadata"].update(name="x" * 48), "at most 47")
-    _breaks(lambda d: worker(d).update(resources={"GPU": "1"}) or worker(d)["rayStartParams"].update({"num-gpus": "1"}),
-            "num-gpus set in both rayStartParams and resources", Operator.of("1.7"))  # fmt: skip
+    _breaks(
+        lambda d: worker(d).update(resources={"GPU": "1"}) or worker(d)["rayStartParams"].update({"num-gpus": "1"}),
+        "num-gpus set in both rayStartParams and resources",
+        Operator.of("1.7"),
+    )
     _breaks(lambda d: worker(d).update(minReplicas=4), "minReplicas 4 > maxReplicas 3")
     _breaks(lambda d: worker(d).update(replicas=5), "outside [minReplicas, maxReplicas]")
     _breaks(
@@ -319,9 +326,18 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
         "--grafana-host": "http://grafana.monitoring:80",
         "--grafana-iframe-host": "https://grafana.example.com",
     }
-    docs = render(capsys, "--config", EXAMPLE, "--monitoring", "--namespace", "ml", "--name", "ft",
-                  *[a for kv in hosts.items() for a in kv])  # fmt: skip
-    assert set(docs) == {"RayJob", "RayCluster", "PodDisruptionBudget", "PodMonitor", "ConfigMap"}
+    docs = render(
+        capsys,
+        "--config",
+        EXAMPLE,
+        "--monitoring",
+        "--namespace",
+        "ml",
+        "--name",
+        "ft",
+        *[a for kv in hosts.items() for a in kv],
+    )
+    assert set(docs) == {"RayJob", "RayCluster", "PodDisruptionBudget", "PodMonitor", "ConfigMap", *WATCHER_KINDS}
     for doc in docs.values():
         assert validate(doc) == [], doc["kind"]
     spec = docs["RayCluster"]["spec"]
@@ -350,20 +366,15 @@ def test_monitoring_flags_render_grafana_settings_a_pod_monitor_and_the_dashboar
 
     # Without the flags nothing of this is rendered; --out writes one file per manifest.
     plain = render(capsys, "--config", EXAMPLE)
-    assert set(plain) == {"RayJob", "RayCluster", "PodDisruptionBudget"}
+    assert set(plain) == {"RayJob", "RayCluster", "PodDisruptionBudget", *WATCHER_KINDS}
     plain_env = {
         e["name"] for e in plain["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert not {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"} & plain_env
     assert cli.main(["k8s", "render", "--config", EXAMPLE, "--monitoring", "--out", str(tmp_path)]) == cli.EXIT_OK
     written = sorted(p.name for p in tmp_path.glob("*.yaml"))
-    assert written == [
-        "grafana-dashboard.yaml",
-        "head-budget.yaml",
-        "podmonitor.yaml",
-        "raycluster.yaml",
-        "rayjob.yaml",
-    ]
+    plain_files = ["grafana-dashboard.yaml", "head-budget.yaml", "podmonitor.yaml", "raycluster.yaml", "rayjob.yaml"]
+    assert written == sorted([*plain_files, *WATCHER_FILES])
     capsys.readouterr()
     assert cli.main(["k8s", "validate", *map(str, tmp_path.glob("*.yaml"))]) == cli.EXIT_OK
 
@@ -396,22 +407,37 @@ def test_api_server_rules_no_schema_states_for_labels_selectors_and_tolerations(
     templates' only when the operator creates the pods, and the job waits for its deadline)."""
     worker = lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]  # noqa: E731
     pod = lambda d: worker(d)["spec"]  # noqa: E731
-    _breaks(lambda d: pod(d)["tolerations"].append({"key": "gpu", "operator": "Exist"}),
-            "spec.tolerations[1].operator: 'Exist' is neither of Equal, Exists")  # fmt: skip
-    _breaks(lambda d: pod(d)["tolerations"].append({"key": "gpu", "operator": "Exists", "effect": "NoSchedul"}),
-            "spec.tolerations[1].effect: 'NoSchedul' is none of NoSchedule, PreferNoSchedule, NoExecute")  # fmt: skip
-    _breaks(lambda d: pod(d)["tolerations"].append({"operator": "Equal", "value": "x"}),
-            "an empty key (every taint) needs operator Exists")  # fmt: skip
-    _breaks(lambda d: pod(d)["tolerations"].append({"key": "a", "operator": "Exists", "value": "x"}),
-            "value: must be empty with operator Exists")  # fmt: skip
-    _breaks(lambda d: pod(d)["tolerations"].append({"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}),
-            "tolerationSeconds: only with effect NoExecute")  # fmt: skip
-    _breaks(lambda d: pod(d).update(nodeSelector={"pool": "gpu nodes"}),
-            "spec.nodeSelector.pool: value 'gpu nodes' is not a valid label value")  # fmt: skip
-    _breaks(lambda d: worker(d)["metadata"].setdefault("labels", {}).update({"team/a/b": "x"}),
-            "key 'team/a/b': its prefix 'team/a' must be a DNS subdomain")  # fmt: skip
-    _breaks(lambda d: d["metadata"].setdefault("labels", {}).update({"owner": "x" * 64}),
-            "metadata.labels.owner: value")  # fmt: skip
+    _breaks(
+        lambda d: pod(d)["tolerations"].append({"key": "gpu", "operator": "Exist"}),
+        "spec.tolerations[1].operator: 'Exist' is neither of Equal, Exists",
+    )
+    _breaks(
+        lambda d: pod(d)["tolerations"].append({"key": "gpu", "operator": "Exists", "effect": "NoSchedul"}),
+        "spec.tolerations[1].effect: 'NoSchedul' is none of NoSchedule, PreferNoSchedule, NoExecute",
+    )
+    _breaks(
+        lambda d: pod(d)["tolerations"].append({"operator": "Equal", "value": "x"}),
+        "an empty key (every taint) needs operator Exists",
+    )
+    _breaks(
+        lambda d: pod(d)["tolerations"].append({"key": "a", "operator": "Exists", "value": "x"}),
+        "value: must be empty with operator Exists",
+    )
+    _breaks(
+        lambda d: pod(d)["tolerations"].append({"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}),
+        "tolerationSeconds: only with effect NoExecute",
+    )
+    _breaks(
+        lambda d: pod(d).update(nodeSelector={"pool": "gpu nodes"}),
+        "spec.nodeSelector.pool: value 'gpu nodes' is not a valid label value",
+    )
+    _breaks(
+        lambda d: worker(d)["metadata"].setdefault("labels", {}).update({"team/a/b": "x"}),
+        "key 'team/a/b': its prefix 'team/a' must be a DNS subdomain",
+    )
+    _breaks(
+        lambda d: d["metadata"].setdefault("labels", {}).update({"owner": "x" * 64}), "metadata.labels.owner: value"
+    )
     _breaks(lambda d: d["metadata"].setdefault("annotations", {}).update({"-bad": "ok"}), "key '-bad'")
     assert validate(_job()) == []  # the checked-in job passes every rule
 
@@ -420,12 +446,24 @@ def test_k8s_values_are_refused_all_at_once_before_rendering(capsys, monkeypatch
     """Values in the config's k8s section that the API server or Kueue would refuse: every one named at once."""
     monkeypatch.chdir(REPO)
     err = render_error(
-        capsys, "--config", EXAMPLE,
-        "--override", "k8s.queueing=kueue", "--override", "k8s.queue=Team_A",
-        "--override", "k8s.tolerations=[{key: nvidia.com/gpu, operator: exists}]",
-        "--override", "k8s.labels={cost-center: research lab}",
-        "--override", "k8s.priority_class_name=High",
-    )  # fmt: skip
-    for says in ("k8s.queue: 'Team_A' is not a valid object name", "k8s.tolerations[0].operator: 'exists'",
-                 "k8s.labels.cost-center: value 'research lab'", "k8s.priority_class_name: 'High'"):  # fmt: skip
+        capsys,
+        "--config",
+        EXAMPLE,
+        "--override",
+        "k8s.queueing=kueue",
+        "--override",
+        "k8s.queue=Team_A",
+        "--override",
+        "k8s.tolerations=[{key: nvidia.com/gpu, operator: exists}]",
+        "--override",
+        "k8s.labels={cost-center: research lab}",
+        "--override",
+        "k8s.priority_class_name=High",
+    )
+    for says in (
+        "k8s.queue: 'Team_A' is not a valid object name",
+        "k8s.tolerations[0].operator: 'exists'",
+        "k8s.labels.cost-center: value 'research lab'",
+        "k8s.priority_class_name: 'High'",
+    ):
         assert says in err, err

@@ -12,7 +12,7 @@ import yaml
 from rayft import cli
 from rayft.config import ConfigError, load_config
 from rayft.deploy.crd import validate
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"
@@ -85,8 +85,10 @@ def test_the_render_says_how_to_create_the_secret_and_writes_no_token(capsys):
     assert how in err and how in text  # on the terminal and in the RayJob's header
     assert '-n ml --from-literal=auth_token="$(openssl rand -hex 32)"' in err
     tokens = [e for c in ray_containers(docs).values() for e in c["env"] if e["name"] == "RAY_AUTH_TOKEN"]
-    assert tokens and all(e == {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": "team-ray-token", "key": "auth_token"}}} for e in tokens)  # fmt: skip
+    assert tokens and all(
+        e == {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "team-ray-token", "key": "auth_token"}}}
+        for e in tokens
+    )
 
 
 def test_auth_none_is_rendered_without_auth_and_warned_about_in_one_line(capsys):
@@ -144,8 +146,16 @@ def test_auth_settings_that_cannot_work_are_refused_in_one_line(capsys, args, sa
 
 # --- credentials only by reference ---------------------------------------------------------------------------------
 
-CREDENTIALS = ["HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-               "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GITHUB_TOKEN", "OPENAI_API_KEY"]  # fmt: skip
+CREDENTIALS = [
+    "HF_TOKEN",
+    "WANDB_API_KEY",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "GITHUB_TOKEN",
+    "OPENAI_API_KEY",
+]
 
 
 @pytest.mark.parametrize("name", CREDENTIALS)
@@ -196,8 +206,9 @@ def test_a_secret_reference_that_names_no_secret_key_is_refused(capsys, ref, say
 
 
 def test_a_variable_given_both_ways_is_refused(capsys):
-    line = refused(capsys, "k8s", "render", "--config", str(EXAMPLE), "--env", "HF_HOME_X=1",
-                   "--secret-env", "HF_HOME_X=s/k")  # fmt: skip
+    line = refused(
+        capsys, "k8s", "render", "--config", str(EXAMPLE), "--env", "HF_HOME_X=1", "--secret-env", "HF_HOME_X=s/k"
+    )
     assert "k8s.env.HF_HOME_X: also in k8s.secret_env; give it once" in line
 
 

@@ -15,7 +15,7 @@ import yaml
 from rayft import cli
 from rayft.config import load_config
 from rayft.deploy.crd import validate
-from rayft.deploy.kuberay import Operator
+from rayft.kube.kuberay import Operator
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "jobs" / "mistral4-3xh200.yaml"
@@ -106,8 +106,13 @@ def test_every_platform_key_lands_where_kuberay_reads_it(capsys, tmp_path):
         assert spec["priorityClassName"] == "train-high" and spec["serviceAccountName"] == "rayft"
         assert spec["imagePullSecrets"] == [{"name": "regcred"}]
         # fsGroup without a change policy chowned the whole shared volume at every pod start
-        assert spec["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                                           "fsGroupChangePolicy": "OnRootMismatch", "runAsNonRoot": True}  # fmt: skip
+        assert spec["securityContext"] == {
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "runAsNonRoot": True,
+        }
         container = spec["containers"][0]
         assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"], role
         if role != "submitter":
@@ -138,8 +143,21 @@ def test_every_platform_key_lands_where_kuberay_reads_it(capsys, tmp_path):
 
 def test_flags_add_to_the_config_section(capsys, tmp_path):
     config = config_with(tmp_path, {"labels": {"team": "nlp"}, "tolerations": [TOLERATION]})
-    docs = render(capsys, "--config", str(config), "--config-in-cluster", "/data/job.yaml", "--label", "run=7",
-                  "--toleration", "spot:NoExecute", "--queueing", "runai", "--queue", "proj-a")  # fmt: skip
+    docs = render(
+        capsys,
+        "--config",
+        str(config),
+        "--config-in-cluster",
+        "/data/job.yaml",
+        "--label",
+        "run=7",
+        "--toleration",
+        "spot:NoExecute",
+        "--queueing",
+        "runai",
+        "--queue",
+        "proj-a",
+    )
     for role, pod in pods(docs["RayJob"]).items():
         assert {"team": "nlp", "run": "7", "runai/queue": "proj-a"}.items() <= pod["metadata"]["labels"].items(), role
         assert pod["spec"]["schedulerName"] == "runai-scheduler"
@@ -150,26 +168,40 @@ def test_flags_add_to_the_config_section(capsys, tmp_path):
 
 def test_volcano_is_named_where_kuberay_reads_it(capsys):
     docs = render(capsys, "--config", str(EXAMPLE), "--queueing", "volcano", "--queue", "q1")
+    watcher = {"Job", "ServiceAccount", "Role", "RoleBinding"}  # the start watcher's: it runs while the job queues
     for doc in docs.values():
-        assert doc["metadata"]["labels"]["ray.io/scheduler-name"] == "volcano"
-        assert doc["metadata"]["labels"]["volcano.sh/queue-name"] == "q1"
+        queued = doc["kind"] not in watcher
+        assert (doc["metadata"]["labels"].get("ray.io/scheduler-name") == "volcano") == queued, doc["kind"]
+        assert (doc["metadata"]["labels"].get("volcano.sh/queue-name") == "q1") == queued, doc["kind"]
+    assert watcher <= set(docs)
 
 
 @pytest.mark.parametrize(
     ("version", "gates", "rules"),
-    [("1.7.0", [], True), ("1.6", [], True), ("1.5", ["RayJobDeletionPolicy"], True), ("1.5", [], False),
-     ("1.4.2", [], False), (None, [], False)],
-)  # fmt: skip
+    [
+        ("1.7.0", [], True),
+        ("1.6", [], True),
+        ("1.5", ["RayJobDeletionPolicy"], True),
+        ("1.5", [], False),
+        ("1.4.2", [], False),
+        (None, [], False),
+    ],
+)
 def test_deletion_rules_where_the_operator_has_them(capsys, version, gates, rules):
     args = ["--kuberay-version", version] if version else []
     args += [a for g in gates for a in ("--kuberay-feature-gate", g)]
     spec = render(capsys, "--config", str(EXAMPLE), *args)["RayJob"]["spec"]
     if rules:
         assert "shutdownAfterJobFinishes" not in spec and "ttlSecondsAfterFinished" not in spec
-        got = {(r["condition"]["jobStatus"], r["policy"]): r["condition"]["ttlSeconds"]
-               for r in spec["deletionStrategy"]["deletionRules"]}  # fmt: skip
-        assert got == {("FAILED", "DeleteWorkers"): 0, ("FAILED", "DeleteCluster"): 3600,
-                       ("SUCCEEDED", "DeleteCluster"): 3600}  # fmt: skip
+        got = {
+            (r["condition"]["jobStatus"], r["policy"]): r["condition"]["ttlSeconds"]
+            for r in spec["deletionStrategy"]["deletionRules"]
+        }
+        assert got == {
+            ("FAILED", "DeleteWorkers"): 0,
+            ("FAILED", "DeleteCluster"): 3600,
+            ("SUCCEEDED", "DeleteCluster"): 3600,
+        }
     else:
         assert "deletionStrategy" not in spec
         assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 3600
@@ -191,20 +223,50 @@ def changed(before: dict, after: dict) -> dict[str, tuple]:
 def test_a_patch_changes_what_it_says_and_nothing_else(capsys, tmp_path):
     plain = render(capsys, "--config", str(EXAMPLE))
     strategic = tmp_path / "sm.yaml"
-    strategic.write_text(yaml.safe_dump({
-        "apiVersion": "ray.io/v1", "kind": "RayJob",
-        "spec": {"rayClusterSpec": {"workerGroupSpecs": [{"groupName": "gpu", "template": {"spec": {
-            "containers": [{"name": "ray-worker", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}]}}}]}},
-    }))  # fmt: skip
+    strategic.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "ray.io/v1",
+                "kind": "RayJob",
+                "spec": {
+                    "rayClusterSpec": {
+                        "workerGroupSpecs": [
+                            {
+                                "groupName": "gpu",
+                                "template": {
+                                    "spec": {
+                                        "containers": [
+                                            {"name": "ray-worker", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}
+                                        ]
+                                    }
+                                },
+                            }
+                        ]
+                    }
+                },
+            }
+        )
+    )
     json6902 = tmp_path / "jp.yaml"
-    json6902.write_text(yaml.safe_dump({"target": "raycluster", "patch": [
-        {"op": "add", "path": "/spec/headGroupSpec/template/spec/hostNetwork", "value": True},
-        {"op": "remove", "path": "/spec/headGroupSpec/template/spec/containers/0/ports/3"},
-    ]}))  # fmt: skip
+    json6902.write_text(
+        yaml.safe_dump(
+            {
+                "target": "raycluster",
+                "patch": [
+                    {"op": "add", "path": "/spec/headGroupSpec/template/spec/hostNetwork", "value": True},
+                    {"op": "remove", "path": "/spec/headGroupSpec/template/spec/containers/0/ports/3"},
+                ],
+            }
+        )
+    )
     patched = render(capsys, "--config", str(EXAMPLE), "--patch", str(strategic), "--patch", str(json6902))
     env_at = "/spec/rayClusterSpec/workerGroupSpecs/0/template/spec/containers/0/env"
-    index = [e["name"] for e in plain["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
-             ["spec"]["containers"][0]["env"]].index("NCCL_DEBUG")  # fmt: skip
+    index = [
+        e["name"]
+        for e in plain["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0][
+            "env"
+        ]
+    ].index("NCCL_DEBUG")
     assert changed(plain["RayJob"], patched["RayJob"]) == {f"{env_at}/{index}/value": ("WARN", "INFO")}
     head = "/spec/headGroupSpec/template/spec"
     assert changed(plain["RayCluster"], patched["RayCluster"]) == {
@@ -343,8 +405,20 @@ def test_fabric_flags_override_the_config_and_need_a_fabric(capsys, tmp_path):
     err = render_error(capsys, *args, "--network", "ib-network")
     assert "k8s.rdma.network: 'ib-network' is given but k8s.fabric is none" in err and "--fabric" in err
     assert "--ib-hca" in render_error(capsys, *args, "--ib-hca", "=mlx5_0")
-    _, container = worker_of(render(capsys, *args, "--fabric", "roce", "--ib-resource", "openshift.io/mellanoxnics",
-                                    "--ib-hca", "=mlx5_0", "--socket-ifname", "net2"))  # fmt: skip
+    _, container = worker_of(
+        render(
+            capsys,
+            *args,
+            "--fabric",
+            "roce",
+            "--ib-resource",
+            "openshift.io/mellanoxnics",
+            "--ib-hca",
+            "=mlx5_0",
+            "--socket-ifname",
+            "net2",
+        )
+    )
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NCCL_IB_HCA"] == "=mlx5_0" and env["NCCL_SOCKET_IFNAME"] == "net2"
     assert container["resources"]["limits"]["openshift.io/mellanoxnics"] == "1"
@@ -378,13 +452,29 @@ def test_pods_get_the_nodes_cpus_and_memory_per_gpu(capsys, tmp_path, per_pod):
 
 def test_two_eight_gpu_nodes_get_two_pods_of_eight_gpus(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    docs = render(capsys, "--config", "jobs/mistral4-3xh200.yaml", "--override", "ray.num_workers=16",
-                  "--override", "ray.workers_per_node=8", "--nodes", "2", "--node-cpus", "192",
-                  "--node-memory", "2000Gi")  # fmt: skip
+    docs = render(
+        capsys,
+        "--config",
+        "jobs/mistral4-3xh200.yaml",
+        "--override",
+        "ray.num_workers=16",
+        "--override",
+        "ray.workers_per_node=8",
+        "--nodes",
+        "2",
+        "--node-cpus",
+        "192",
+        "--node-memory",
+        "2000Gi",
+    )
     group, container = worker_of(docs)
     assert group["replicas"] == 2
-    assert container["resources"]["limits"] == {"cpu": "192", "memory": "2000Gi", "nvidia.com/gpu": "8",
-                                                "rdma/rdma_shared_device_a": "1"}  # fmt: skip
+    assert container["resources"]["limits"] == {
+        "cpu": "192",
+        "memory": "2000Gi",
+        "nvidia.com/gpu": "8",
+        "rdma/rdma_shared_device_a": "1",
+    }
 
 
 def test_pods_the_declared_nodes_cannot_hold_are_refused_with_the_arithmetic(capsys, monkeypatch):
@@ -396,8 +486,9 @@ def test_pods_the_declared_nodes_cannot_hold_are_refused_with_the_arithmetic(cap
     assert "set ray.workers_per_node: 8" in err and "k8s.one_pod_per_node: false" in err
     group, _ = worker_of(render(capsys, *args, "--override", "k8s.one_pod_per_node=false"))
     assert group["replicas"] == 16 and "affinity" not in group["template"]["spec"]  # eight a node
-    err = render_error(capsys, *args, "--node-cpus", "40", "--worker-cpus", "12", "--override",
-                       "k8s.one_pod_per_node=false")  # fmt: skip
+    err = render_error(
+        capsys, *args, "--node-cpus", "40", "--worker-cpus", "12", "--override", "k8s.one_pod_per_node=false"
+    )
     assert "at 3 a node (limited by its CPUs) need 6 nodes" in err  # 40 // 12 = 3 pods a node, 16 / 3 → 6
     err = render_error(capsys, *args, "--override", "ray.workers_per_node=16", "--override", "ray.num_workers=16")
     assert "ray.workers_per_node: a worker pod of 16 GPUs does not fit a node of 8" in err
@@ -432,8 +523,13 @@ def test_a_stopping_gpu_pod_gives_ray_a_preemption_notice_first(capsys, tmp_path
     assert (shell, flag, wait) == ("/bin/sh", "-c", "sleep 45")
     assert group["template"]["spec"]["terminationGracePeriodSeconds"] > 45
     env = {"PATH": os.environ["PATH"], "FQ_RAY_IP": "rayft-head-svc.ml.svc.cluster.local", "HOSTNAME": "gpu-0"}
-    words = subprocess.run([shell, flag, drain.replace("ray drain-node", "printf '%s\\n'", 1)], env=env,
-                           capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    words = subprocess.run(
+        [shell, flag, drain.replace("ray drain-node", "printf '%s\\n'", 1)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     params = drain_node.make_context("drain-node", words).params
     assert params["address"] == "rayft-head-svc.ml.svc.cluster.local:6379" and params["node_id"] is None
     assert (params["reason"], params["deadline_remaining_seconds"]) == ("DRAIN_NODE_REASON_PREEMPTION", 45)
@@ -480,7 +576,7 @@ def test_render_flags_follow_the_k8s_keys_they_set():
     import typing
 
     from rayft.deploy.flags import KUBERAY_FLAGS, PLATFORM_FLAGS, add_flags, given
-    from rayft.deploy.platform import K8sConfig
+    from rayft.kube.settings import K8sConfig
 
     hints = typing.get_type_hints(K8sConfig)
     keys = set()

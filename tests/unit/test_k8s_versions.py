@@ -12,7 +12,7 @@ import yaml
 
 from rayft import cli
 from rayft.deploy.crd import PACKAGED_CRD_DIR, schemas, validate
-from rayft.deploy.kuberay import RELEASES, Operator
+from rayft.kube.kuberay import RELEASES, Operator
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "jobs").glob("*.yaml"))
@@ -34,13 +34,29 @@ KUBERAY_BLOBS = {
 SETTINGS = {
     "defaults": [],
     "kueue": ["--queueing", "kueue", "--queue", "team-a"],
-    "pods": ["--node-selector", "pool=h200", "--toleration", "spot:NoExecute", "--run-as-user", "1000",
-             "--fs-group", "1000", "--priority-class", "train-high", "--service-account", "rayft",
-             "--image-pull-secret", "regcred", "--config-delivery", "inline", "--monitoring"],
+    "pods": [
+        "--node-selector",
+        "pool=h200",
+        "--toleration",
+        "spot:NoExecute",
+        "--run-as-user",
+        "1000",
+        "--fs-group",
+        "1000",
+        "--priority-class",
+        "train-high",
+        "--service-account",
+        "rayft",
+        "--image-pull-secret",
+        "regcred",
+        "--config-delivery",
+        "inline",
+        "--monitoring",
+    ],
     # Ray's token from a named Secret, a credential by reference; and auth deliberately off
     "secrets": ["--auth-secret", "team-ray-token", "--secret-env", "HF_TOKEN=hf-token/token"],
     "no-auth": ["--auth", "none"],
-}  # fmt: skip
+}
 
 
 def render(capsys, config: Path, *args: str) -> tuple[dict[str, dict], str]:
@@ -63,8 +79,11 @@ def git_blob(data: bytes) -> str:
 
 
 def test_packaged_crds_are_kuberays_own_for_every_supported_release():
-    shipped = {(p.parent.name.removeprefix("v"), p.name.removesuffix(".gz")): p
-               for p in PACKAGED_CRD_DIR.rglob("*") if p.is_file()}  # fmt: skip
+    shipped = {
+        (p.parent.name.removeprefix("v"), p.name.removesuffix(".gz")): p
+        for p in PACKAGED_CRD_DIR.rglob("*")
+        if p.is_file()
+    }
     files = ("ray.io_rayjobs.yaml", "ray.io_rayclusters.yaml")
     assert set(shipped) == set(KUBERAY_BLOBS) == {(r, f) for r in RELEASES.values() for f in files}
     for key, path in shipped.items():
@@ -107,11 +126,13 @@ def test_each_release_gets_the_fields_it_has(capsys, version, gates, deadline, r
     spec = docs["RayJob"]["spec"]
     assert ("preRunningDeadlineSeconds" in spec) == deadline
     assert ("no preRunningDeadlineSeconds" in header) == (not deadline)
+    assert ("Job" in docs) == (not deadline)  # the start watcher, where the operator has no such deadline
     if deadline:  # the operator's own bound on the wait to start: the pods' scheduling and image pulls
         assert spec["preRunningDeadlineSeconds"] == 1800 and spec["activeDeadlineSeconds"] == 3 * 24 * 3600
-    else:  # the only bound such an operator has, said with how long it holds GPUs and what bounds it sooner
+    else:  # the start watcher bounds it, said with its deadline and that a later operator does it itself
         assert spec["activeDeadlineSeconds"] == 3 * 24 * 3600
-        assert "bounded only by activeDeadlineSeconds (72 h)" in header and "--pre-running-deadline (0.5 h)" in header
+        assert "bounded only by" not in header and "--pre-running-deadline (0.5 h)" in header
+        assert "rayft-start-watch fails the RayJob (DeadlineExceeded)" in header
     if rules:
         assert {r["policy"] for r in spec["deletionStrategy"]["deletionRules"]} == {"DeleteWorkers", "DeleteCluster"}
         assert "shutdownAfterJobFinishes" not in spec and "no deletion rules" not in header
@@ -144,15 +165,18 @@ def test_older_releases_refuse_what_newer_ones_accept(capsys):
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--kuberay-version", "1.3.2"], "k8s.kuberay_version: KubeRay 1.3.2 is not supported; rayft renders for "
-                                         "1.4, 1.5, 1.6, 1.7 (any patch release)"),
+        (
+            ["--kuberay-version", "1.3.2"],
+            "k8s.kuberay_version: KubeRay 1.3.2 is not supported; rayft renders for "
+            "1.4, 1.5, 1.6, 1.7 (any patch release)",
+        ),
         (["--kuberay-version", "1.8.0"], "KubeRay 1.8.0 is not supported"),
         (["--kuberay-version", "latest"], "'latest' is not a version such as 1.7.0"),
         (["--kuberay-version", "1.7", "--kuberay-feature-gate", "RayCronJob"], "'RayCronJob' changes nothing"),
         (["--kuberay-version", "1.4", "--kuberay-feature-gate", "RayJobDeletionPolicy"], "needs KubeRay 1.5"),
         (["--kuberay-feature-gate", "RayJobDeletionPolicy"], "needs KubeRay 1.5"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_releases_and_gates_are_refused_in_one_line(capsys, args, says):
     capsys.readouterr()
     config = REPO / "jobs" / "mistral4-3xh200.yaml"

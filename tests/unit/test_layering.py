@@ -1,5 +1,8 @@
-"""The package's layers point one way: config → data + model → parallel → train → launch. The planner predicts a
-run from the model side alone, so nothing under `rayft/plan` may import the training loop's modules."""
+"""The package's layers point one way: config → data + model → parallel → train → launch. `LAYERS` states the
+order, lowest first; a module may import from its own layer and the ones below, never from above, and no two parts
+import each other (a circle). Imports inside functions and under TYPE_CHECKING count: they are the same dependency,
+paid later. The planner predicts a run from the model side alone, so nothing under `rayft/plan` may import the
+training loop's modules."""
 
 from __future__ import annotations
 
@@ -22,6 +25,106 @@ def rayft_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
     return {n for n in names if n == "rayft" or n.startswith("rayft.")}
+
+
+# The parts of the package (a top-level module, or a subpackage as one), lowest layer first. A new part goes where
+# its imports put it; a part that needs one above it is in the wrong place, or the fact it needs is.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
+    "trl_names gpus ray_private ray_auth startup demo",  # leaves: facts and probes that import nothing of rayft
+    "schema",  # how a config section is checked
+    "kube",  # what Kubernetes and KubeRay accept, and the k8s section checked against it
+    "config environment",  # what a user can say, in a file or in the environment
+    "config_import placement hub file_checks logs cache",
+    "model data limits",
+    "parallel plan export",
+    "train",
+    "workers preflight deploy",
+    "launch",
+    "cli",
+))  # fmt: skip
+
+
+def part_of(module: str) -> str:
+    """`rayft.model.fp8` → `model`; `rayft.config` → `config`."""
+    return module.split(".")[1]
+
+
+def part_imports() -> dict[tuple[str, str], set[str]]:
+    """(importing part, imported part) → the files of the first that import the second, other parts only."""
+    edges: dict[tuple[str, str], set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.name == "__init__.py" and len(relative.parts) == 1:
+            continue
+        mine = relative.parts[0].removesuffix(".py")
+        for module in rayft_imports(path):
+            if module != "rayft" and (theirs := part_of(module)) != mine:
+                edges.setdefault((mine, theirs), set()).add(str(relative))
+    return edges
+
+
+def layer_of(part: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if part in layer)
+
+
+def test_every_part_of_the_package_has_a_layer():
+    parts = {
+        p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    placed = set().union(*LAYERS)
+    assert parts - {"__init__"} == placed, (
+        f"not in LAYERS: {sorted(parts - placed - {'__init__'})}; gone: {sorted(placed - parts)}"
+    )
+
+
+def test_no_part_imports_one_above_it():
+    upward = {edge: sorted(files) for edge, files in part_imports().items() if layer_of(edge[1]) > layer_of(edge[0])}
+    assert upward == {}
+
+
+def test_no_two_parts_import_each_other_through_any_path():
+    reach: dict[str, set[str]] = {}
+    for a, b in part_imports():
+        reach.setdefault(a, set()).add(b)
+    changed = True
+    while changed:  # the transitive closure: small enough to grow until it stops
+        changed = False
+        for seen in reach.values():
+            more = set().union(*(reach.get(b, set()) for b in seen)) - seen
+            if more:
+                seen |= more
+                changed = True
+    circles = sorted(a for a, seen in reach.items() if a in seen)
+    assert circles == [], f"parts that reach themselves through their imports: {circles}"
+
+
+def module_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
+
+
+def test_no_two_modules_import_each_other_through_any_path():
+    """Within a part too: a circle of modules hidden by imports inside functions is still one (each needs the
+    other loaded to work)."""
+    modules = {module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: {m for m in rayft_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                circles.append([*path[path.index(other) :], other])
+            elif other not in state:
+                visit(other, [*path, other])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == [], circles
 
 
 def test_the_planner_imports_nothing_from_the_training_loop():

@@ -23,8 +23,15 @@ from rayft.train.sinks import plot_losses
 
 @pytest.fixture(scope="module")
 def small_lora_model():
-    config = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=1000, tie_word_embeddings=False)  # fmt: skip
+    config = MistralConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = MistralForCausalLM(config)
     return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), config
@@ -56,8 +63,15 @@ def test_flop_counts_and_both_mfus_match_the_hand_computation(small_lora_model):
 def test_a_tied_head_still_counts_as_a_matmul():
     """With tied word embeddings the head is the embedding matrix (skipped as a lookup), but every token is still
     multiplied by it: the same FLOPs as the untied model."""
-    config = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    config = MistralConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = MistralForCausalLM(config)
     model.tie_weights()
@@ -159,8 +173,12 @@ def test_moe_flops_count_the_top_k_experts_and_their_lora(model_type: str):
     """Each MoE family's tiny model with LoRA on its routed experts: the hand count of 6N-style FLOPs per token."""
     targets, base, lora, attention = HAND_COUNTS[model_type]
     config = Mistral4Config(**TINY_MISTRAL4) if model_type == "mistral4" else tiny_moe_config(model_type)
-    cfg = Config.from_dict({"lora": {"r": R, "target_modules": targets, "target_experts": True, "lora_dropout": 0.0},
-                            "fsdp": {"activation_checkpointing": True}})  # fmt: skip
+    cfg = Config.from_dict(
+        {
+            "lora": {"r": R, "target_modules": targets, "target_experts": True, "lora_dropout": 0.0},
+            "fsdp": {"activation_checkpointing": True},
+        }
+    )
     model, _ = weightless_lora_model(cfg, config)
     flops = flop_model(model, config, seq_len=16)
     assert (flops.base_params, flops.lora_params, flops.attention) == (base, lora, attention)
@@ -196,14 +214,25 @@ def _stored_lora_model(model_type: str, storage: str):
     from rayft.model.lora import apply_lora
     from rayft.model.nf4 import Nf4Experts, Nf4Linear, to_nf4_
 
-    dims = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
-            "vocab_size": 512, "num_hidden_layers": 2, "tie_word_embeddings": False}  # fmt: skip
+    dims = {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "vocab_size": 512,
+        "num_hidden_layers": 2,
+        "tie_word_embeddings": False,
+    }
     if model_type == "mistral":
         config, lora = MistralConfig(**dims, intermediate_size=256), {}
     else:
         config, lora = tiny_moe_config(model_type, **dims, moe_intermediate_size=128), {"target_experts": True}
-    cfg = Config.from_dict({"lora": {"r": R, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, **lora},
-                            "fsdp": {"activation_checkpointing": True}})  # fmt: skip
+    cfg = Config.from_dict(
+        {
+            "lora": {"r": R, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, **lora},
+            "fsdp": {"activation_checkpointing": True},
+        }
+    )
     with torch.device("meta"):
         model = causal_lm_class(config)._from_config(config, dtype=torch.bfloat16)
     layers = decoder_layers(model)

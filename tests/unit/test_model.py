@@ -108,8 +108,10 @@ def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_p
     from rayft.model.loss import why_not_fused
     from rayft.train.objectives import build_objective
 
-    dora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(fixtures.model)),
-                               peft.LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))  # fmt: skip
+    dora = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(fixtures.model)),
+        peft.LoraConfig(r=4, target_modules=["lm_head"], use_dora=True),
+    )
     assert "DoRA" in why_not_fused(dora.get_base_model())
     raw = tiny_config(fixtures, tmp_path)
     raw["lora"]["target_modules"] = list(DENSE)
@@ -232,3 +234,28 @@ def test_lora_master_weights_and_adamw_state_stay_fp32_over_a_low_precision_base
         assert g.abs().sum() > 0, name
         expected = before[name] - lr * g / (g.abs() + eps)  # Adam's first step: bias-corrected m / sqrt(v) = g / |g|
         torch.testing.assert_close(p.full_tensor(), expected, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_selective_and_full_recompute_give_the_gradients_of_no_recompute(fixtures: Fixtures, tmp_path, process_group):
+    """`fsdp.activation_checkpointing`: selective (every 2nd of the 2 layers: layer 0 recomputed, layer 1 keeping
+    its activations) and full recompute change what is kept, not what is computed: the LoRA gradients of one
+    step are those of the run without recompute."""
+    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2, 1784, 3937]])
+    grads, recomputed = {}, {}
+    for setting in ("none", "selective", "full"):
+        raw = tiny_config(fixtures, tmp_path)
+        raw["lora"]["lora_dropout"] = 0.0
+        raw["fsdp"] = {"activation_checkpointing": setting}
+        if setting == "selective":
+            raw["fsdp"]["checkpoint_every_n_layers"] = 2
+        torch.manual_seed(0)  # the same LoRA initialisation each time
+        model = build_model(Config.from_dict(raw), on_gpu=False)
+        recomputed[setting] = [layer.gradient_checkpointing for layer in decoder_layers(model)]
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[setting] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert recomputed == {"none": [False, False], "selective": [True, False], "full": [True, True]}
+    assert any(g.abs().sum() > 0 for g in grads["none"].values())
+    for setting in ("selective", "full"):
+        assert grads[setting].keys() == grads["none"].keys()
+        for name, grad in grads[setting].items():
+            torch.testing.assert_close(grad, grads["none"][name], rtol=1e-6, atol=0, msg=f"{setting}: {name}")

@@ -65,8 +65,11 @@ def test_preflight_names_every_missing_and_misfit_expert_tensor(tmp_path):
     tensors = load_file(str(model_dir / "model.safetensors"))
     tensors["model.layers.1.mlp.experts.0.up_proj.weight"] = torch.zeros(15, 32)  # one row short
     save_file(tensors, str(broken / "model.safetensors"))
-    with pytest.raises(ConfigError, match=r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' \(\[16, 32\] \+ "
-                                          r"\[15, 32\] concatenated\) does not make expert 0"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' \(\[16, 32\] \+ "
+        r"\[15, 32\] concatenated\) does not make expert 0",
+    ):
         check_weights_match(model, broken)
 
 

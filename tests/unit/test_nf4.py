@@ -61,8 +61,15 @@ def test_lora_over_nf4_linears_of_a_bf16_model_is_fp32():
 
     from rayft.model.build import decoder_layers
 
-    config = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=4, head_dim=32)  # fmt: skip
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+    )
     model = MistralForCausalLM(config).to(torch.bfloat16)
     assert to_nf4_(decoder_layers(model), torch.bfloat16) == (7, 0)
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
@@ -77,8 +84,15 @@ def test_a_trainable_copy_of_a_quantised_decoder_matrix_is_refused_with_the_fix(
     from rayft.config import Config, ConfigError
     from rayft.model.build import check_quantised_storage
 
-    config = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=4, head_dim=32)  # fmt: skip
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+    )
     cfg = Config.from_dict(
         {"model": {"model_name_or_path": "m", "frozen_dtype": frozen_dtype}, "lora": {"modules_to_save": ["o_proj"]}}
     )
@@ -93,10 +107,13 @@ def test_a_trainable_copy_of_a_quantised_decoder_matrix_is_refused_with_the_fix(
 # Every pair of dtypes on the CPU; on a GPU the pair a bf16 job runs (each case compiles twice, within the GPU check's
 # time budget).
 COMPILED_CASES = [
-    *(pytest.param(quant, compute, "cpu") for quant in (torch.bfloat16, torch.float32)
-      for compute in (torch.bfloat16, torch.float32)),
+    *(
+        pytest.param(quant, compute, "cpu")
+        for quant in (torch.bfloat16, torch.float32)
+        for compute in (torch.bfloat16, torch.float32)
+    ),
     pytest.param(torch.bfloat16, torch.bfloat16, "cuda", marks=DEVICES[1].marks),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("quant", "compute", "device"), COMPILED_CASES)

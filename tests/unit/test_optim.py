@@ -33,11 +33,14 @@ def test_each_supported_optimizer_lowers_the_loss(name):
     assert losses[-1] < losses[0], (name, losses)
 
 
-@pytest.mark.parametrize(("name", "needle"), [
-    ("adamw_8bit", "train.optim: adamw_8bit is a bitsandbytes optimizer"),
-    ("paged_adamw_32bit", "is a bitsandbytes optimizer"),
-    ("adamw_apex_fused", "train.optim: unknown value 'adamw_apex_fused'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("adamw_8bit", "train.optim: adamw_8bit is a bitsandbytes optimizer"),
+        ("paged_adamw_32bit", "is a bitsandbytes optimizer"),
+        ("adamw_apex_fused", "train.optim: unknown value 'adamw_apex_fused'"),
+    ],
+)
 def test_unsupported_optimizers_are_refused_with_the_supported_ones(name, needle):
     with pytest.raises(ConfigError) as err:
         Config.from_dict({"train": {"optim": name}})

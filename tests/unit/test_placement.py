@@ -43,3 +43,37 @@ def test_placement_feasibility_with_several_workers_per_node(workers, bundle, pe
     assert request.fits(nodes) is (refused_by is None)
     if refused_by:
         assert request.refusal(nodes, "the cluster").startswith(refused_by)
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("H100", "h100"),
+        ("H200", "h200"),
+        ("GH200", "gh200"),
+        ("A100-80G", "a100"),
+        ("B200", "b200"),
+        ("L40S", "l40s"),
+        ("H20", None),
+        ("GB200", None),
+        ("T4", None),
+    ],
+)
+def test_rays_accelerator_types_name_the_planners_gpus(kind, name):
+    """Ray's `accelerator_type:` resource names what the job's GPU is (`rayft.placement.cluster_gpu`): a kind the
+    planner knows by its own name or a variant of it (A100-80G), never a different GPU that contains its letters."""
+    from rayft.gpus import gpu_named
+
+    assert gpu_named(kind) == name
+
+
+def test_the_clusters_gpu_is_its_one_known_accelerator_type():
+    """What `rayft.placement.cluster_gpu` reads from `ray.cluster_resources()` to plan `auto` recompute for: one kind
+    of GPU node, named as the planner names it; mixed kinds or an unknown one leave nothing to plan for."""
+    from rayft.placement import gpu_of
+
+    h200_nodes = {"CPU": 64.0, "GPU": 16.0, "accelerator_type:H200": 2.0, "node:10.0.0.1": 1.0}
+    assert gpu_of(h200_nodes) == "h200"
+    assert gpu_of({"CPU": 8.0}) is None
+    assert gpu_of({**h200_nodes, "accelerator_type:H100": 1.0}) is None
+    assert gpu_of({"GPU": 8.0, "accelerator_type:H20": 1.0}) is None

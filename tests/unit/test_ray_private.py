@@ -46,11 +46,16 @@ def _assert_checkpoint_registry_read_and_rewritten() -> None:
 
     ranked = [result(2, 0.9), result(3, 0.8), result(1, 0.7)]  # worst first, as Ray keeps them
     state = _CheckpointManagerState(
-        checkpoint_results=ranked, checkpoint_report_indices=[1, 2, 0], latest_checkpoint_result=result(3, 0.8),
-        pending_training_results=[], pending_validation_specs=[], current_report_index=3,
-        validated_checkpoint_dir_names=["checkpoint-000003"], timed_out_validation_checkpoint_dir_names=[],
+        checkpoint_results=ranked,
+        checkpoint_report_indices=[1, 2, 0],
+        latest_checkpoint_result=result(3, 0.8),
+        pending_training_results=[],
+        pending_validation_specs=[],
+        current_report_index=3,
+        validated_checkpoint_dir_names=["checkpoint-000003"],
+        timed_out_validation_checkpoint_dir_names=[],
         failed_validation_checkpoint_dir_names=[],
-    )  # fmt: skip
+    )
     snapshot = state.json().encode()
     assert ray_private.registered_checkpoints(snapshot) == [
         "checkpoint-000003",

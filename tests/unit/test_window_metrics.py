@@ -39,8 +39,15 @@ def one_rank():
 @pytest.fixture(scope="module")
 def tiny(one_rank):
     torch.manual_seed(0)
-    config = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=1000, tie_word_embeddings=False)  # fmt: skip
+    config = MistralConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
     model = get_peft_model(MistralForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     fully_shard(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -58,8 +65,18 @@ def packed_batch(lengths: list[int]) -> dict[str, torch.Tensor]:
 
 def step(tiny, window: LossWindow, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     model, _, optimizer, scheduler = tiny
-    return train_step(model, optimizer, scheduler, [batch], window, loss=PLAIN, world_size=1, kept_layers=[],
-                      autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
+    return train_step(
+        model,
+        optimizer,
+        scheduler,
+        [batch],
+        window,
+        loss=PLAIN,
+        world_size=1,
+        kept_layers=[],
+        autocast=nullcontext,
+        max_grad_norm=1.0,
+    )
 
 
 def test_mfu_counts_causal_attention_per_packed_document(tiny):

@@ -4,8 +4,9 @@ The facts come from KubeRay's own sources at each release tag: the RayJob CRD (w
 gates (`pkg/features`: which are on by default) and the operator's RayJob validation (which fields need a gate).
 Their CRDs ship in `crds/` so that a manifest is checked against the operator it is meant for.
 
-- `spec.preRunningDeadlineSeconds` exists from 1.6. Before that the time to Running is bounded only by
-  `activeDeadlineSeconds`, which counts from the job's start, the pre-running phase included.
+- `spec.preRunningDeadlineSeconds` exists from 1.6. Before that the operator bounds the time to Running only by
+  `activeDeadlineSeconds`, which counts from the job's start, the pre-running phase included; rayft renders a start
+  watcher beside such a RayJob (`start_watch`), which lowers that deadline once the pre-running one has passed.
 - `spec.deletionStrategy` (`onSuccess`/`onFailure`, `deletionRules`) exists from 1.5; 1.4 has only
   `spec.deletionPolicy`, one policy for success and failure alike. The operator refuses either unless its
   RayJobDeletionPolicy feature gate is on: an alpha gate, off by default, in 1.4 and 1.5; beta, on, from 1.6.

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rayft.deploy import apirules
+from rayft.kube import apirules
 
 # The credentials of the services a run talks to, by the names their libraries read; any other name ending in one of
 # CREDENTIAL_ENDINGS is taken for one too (`GITHUB_TOKEN`, `OPENAI_API_KEY`). Paths to credentials
