@@ -104,6 +104,27 @@ def quantize_rows_into_(data: torch.Tensor, scale: torch.Tensor, weight: torch.T
         out_scale[lo : lo + n].copy_(s)
 
 
+def quantize_activation(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An operand of an FP8 matmul (`rayft.model.fp8_matmul`: activations, output gradients) `[M, K]` in E4M3 per
+    row: (the E4M3 tensor, its fp32 scales `[M, 1]`). Where the dequantisation is compiled (`fuses`: CUDA) this is
+    one kernel too, reading the operand once and writing its bytes; elsewhere `quantize_rows`, a bounded block of
+    rows at a time. Both divide in fp32 by the same scale: the same bytes."""
+    return fused_or_eager("FP8 activation quantisation", rowwise_e4m3, (a,), eager=_rowwise_e4m3_blocks)
+
+
+def rowwise_e4m3(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise core: each row of `a` divided in fp32 by its amax / 448 (at least fp32's smallest normal),
+    clamped to ±448 and rounded to E4M3, as `quantize_rows` does."""
+    rows = a.to(torch.float32)
+    scale = (rows.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (rows / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _rowwise_e4m3_blocks(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    data, scale = quantize_rows(a)
+    return data.view(E4M3), scale.unsqueeze(-1)
+
+
 def block_scales(scale: torch.Tensor, block: int | None, columns: int) -> torch.Tensor:
     """Row scales (`[..., rows]`) or row and column-block scales (`[..., rows, blocks]`) broadcast to a weight's
     `[..., rows, columns]`."""
@@ -474,7 +495,7 @@ class Fp8Linear(QuantisedLinear):
         with torch.autocast(x.device.type, enabled=False):
             # torch leaves autograd.Function.apply unannotated
             out: torch.Tensor = fp8_matmul.ScaledFrozenLinear.apply(  # type: ignore[no-untyped-call]
-                x, dtype, self.weight, scales(self.weight_scale)
+                x, dtype, quantize_activation, self.weight, scales(self.weight_scale)
             )
         return out
 
@@ -582,7 +603,7 @@ class QuantisedExperts(nn.Module):
         if self._on_bytes(name, x.device, dtype):
             with torch.autocast(x.device.type, enabled=False):
                 out = fp8_matmul.ScaledFrozenGrouped.apply(  # type: ignore[no-untyped-call]
-                    x, dtype, self.is_transposed, expert_ids, offs, *self._storage(name)
+                    x, dtype, self.is_transposed, expert_ids, offs, quantize_activation, *self._storage(name)
                 )
             return out
         out = _FrozenGroupedLinear.apply(  # type: ignore[no-untyped-call]

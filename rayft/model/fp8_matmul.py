@@ -8,8 +8,9 @@ storage. Where the storage's rows are B's columns (a linear's or expert's forwar
 `g · W`, and GPT-OSS's transposed experts' forward), no row-wise scale of B can apply them: they are folded,
 exactly, into the other operand before it is quantised, `a · (s ⊙ B) = (a ⊙ sᵀ) · B`, and B's scale is one.
 The other operand (activations, or output gradients) is quantised per token row to E4M3 with its own scale
-(`quantize_rows`: amax / 448), which is where this path departs from the dequantised one: E4M3 keeps 3 mantissa
-bits, a relative rounding error of at most 2⁻⁴ per element.
+(amax / 448) by the storage's quantiser, handed in (`rayft.model.fp8.quantize_activation`: this module imports
+nothing of the layers'), which is where this path departs from the dequantised one: E4M3 keeps 3 mantissa bits, a
+relative rounding error of at most 2⁻⁴ per element.
 
 CUDA's kernels want the second operand column-major: `Wᵀ` of a row-major `[out, in]` weight is that view, but the
 input gradient's `W` is not, and takes a transposed copy of the bytes (1 byte read and 1 written per weight, the
@@ -27,13 +28,14 @@ the work): it is what the CPU checks run, and like the CUDA kernel it never read
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from rayft.model import fp8 as storage  # the storage's own quantisation, read at call time (fp8 imports this)
-
 E4M3 = torch.float8_e4m3fn
+# Rows of an operand in E4M3: (the E4M3 tensor, its fp32 scales [M, 1]); the storage's own (`rayft.model.fp8`).
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 log = logging.getLogger(__name__)
 ALIGNMENT = 16  # CUDA's FP8 kernels: the contraction and output dims a multiple of this
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer run FP8 tensor-core matmuls
@@ -71,35 +73,23 @@ def warn_dequantised(reason: str) -> None:
         log.warning("model.fp8_compute: a frozen FP8 matmul runs dequantised instead: %s", reason)
 
 
-def quantize_activation(a: torch.Tensor, row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`a` `[M, K]` (times `row_scale`, `[K]` or `[M, K]`, folded in fp32 first) in E4M3 per row: (the E4M3
-    tensor, its fp32 scales `[M, 1]`). Where the dequantisation is compiled (`rayft.model.fp8.fuses`: CUDA) this is
-    one kernel too, reading the activations once and writing their bytes; elsewhere the storage's own quantisation,
-    a bounded block of rows at a time. Both divide in fp32 by the same scale: the same bytes."""
-    if row_scale is not None:
-        a = a.to(torch.float32) * row_scale
-    return storage.fused_or_eager("FP8 activation quantisation", rowwise_e4m3, (a,), eager=_rowwise_e4m3_blocks)
-
-
-def rowwise_e4m3(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The elementwise core: each row of `a` divided in fp32 by its amax / 448 (at least fp32's smallest normal),
-    clamped to ±448 and rounded to E4M3, as `quantize_rows` does."""
-    rows = a.to(torch.float32)
-    scale = (rows.abs().amax(dim=-1, keepdim=True) / storage.E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (rows / scale).clamp(-storage.E4M3_MAX, storage.E4M3_MAX).to(E4M3), scale
-
-
-def _rowwise_e4m3_blocks(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    data, scale = storage.quantize_rows(a)
-    return data.view(E4M3), scale.unsqueeze(-1)
+def operand(a: torch.Tensor, row_scale: torch.Tensor | None, quantize: Quantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """`a` `[M, K]` (times `row_scale`, `[K]` or `[M, K]`, folded in fp32 first: the weight's scales that lie on
+    the contraction dimension) rounded per row by `quantize`."""
+    return quantize(a if row_scale is None else a.to(torch.float32) * row_scale)
 
 
 def matmul(
-    a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, scale_on_rows: bool, out_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    scale_on_rows: bool,
+    out_dtype: torch.dtype,
+    quantize: Quantize,
 ) -> torch.Tensor:
     """`a` `[M, K]` · B, B = `b` (E4M3 `[K, N]`) with its fp32 `scale` on its columns (`[N]`) or, `scale_on_rows`,
-    on its rows (`[K]`, folded into `a`)."""
-    aq, a_scale = quantize_activation(a, scale if scale_on_rows else None)
+    on its rows (`[K]`, folded into `a`); `a` rounded per row by `quantize`."""
+    aq, a_scale = operand(a, scale if scale_on_rows else None, quantize)
     if scale_on_rows:
         scale = torch.ones(b.shape[1], dtype=torch.float32, device=b.device)
     if b.device.type == "cuda" and b.stride(0) != 1:
@@ -115,11 +105,12 @@ def grouped(
     expert_ids: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
+    quantize: Quantize,
 ) -> torch.Tensor:
     """Per expert group: rows of `a` `[M, K]` (sorted by expert: `expert_ids` `[M]`, group ends `offs` `[E]`) ·
     B_e, B = `b` (E4M3 `[E, K, N]`) with its fp32 `scale` on each expert's columns (`[E, N]`) or, `scale_on_rows`,
-    its rows (`[E, K]`, folded into each row of `a` by that row's expert)."""
-    aq, a_scale = quantize_activation(a, scale[expert_ids] if scale_on_rows else None)
+    its rows (`[E, K]`, folded into each row of `a` by that row's expert); `a` rounded per row by `quantize`."""
+    aq, a_scale = operand(a, scale[expert_ids] if scale_on_rows else None, quantize)
     if scale_on_rows:
         scale = torch.ones(b.shape[0], b.shape[2], dtype=torch.float32, device=b.device)
     if b.device.type == "cuda":
@@ -152,21 +143,24 @@ class ScaledFrozenLinear(torch.autograd.Function):
     `[out]`); the input gradient g · W likewise; no weight gradient. Saves only the storage."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, dtype: torch.dtype, quantize: Quantize, data: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
         ctx.save_for_backward(data, scale)
-        ctx.dtype, ctx.input_dtype = dtype, x.dtype
+        ctx.dtype, ctx.input_dtype, ctx.quantize = dtype, x.dtype, quantize
         rows = x.reshape(-1, x.shape[-1])
-        out = matmul(rows, data.view(E4M3).t(), scale, False, dtype)
+        out = matmul(rows, data.view(E4M3).t(), scale, False, dtype, quantize)
         return out.view(*x.shape[:-1], data.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        unused = (None,) * 4
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return (None, *unused)
         data, scale = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
-        dx = matmul(rows, data.view(E4M3), scale, True, ctx.dtype)
-        return dx.view(*grad.shape[:-1], data.shape[1]).to(ctx.input_dtype), None, None, None
+        dx = matmul(rows, data.view(E4M3), scale, True, ctx.dtype, ctx.quantize)
+        return (dx.view(*grad.shape[:-1], data.shape[1]).to(ctx.input_dtype), *unused)
 
 
 class ScaledFrozenGrouped(torch.autograd.Function):
@@ -181,22 +175,23 @@ class ScaledFrozenGrouped(torch.autograd.Function):
         transposed: bool,
         expert_ids: torch.Tensor,
         offs: torch.Tensor,
+        quantize: Quantize,
         data: torch.Tensor,
         scale: torch.Tensor,
     ) -> torch.Tensor:
         ctx.save_for_backward(expert_ids, offs, data, scale)
-        ctx.dtype, ctx.input_dtype, ctx.transposed = dtype, x.dtype, transposed
+        ctx.dtype, ctx.input_dtype, ctx.transposed, ctx.quantize = dtype, x.dtype, transposed, quantize
         b = data.view(E4M3)
         b = b if transposed else b.transpose(-2, -1)
-        return grouped(x, b, scale, transposed, expert_ids, offs, dtype)
+        return grouped(x, b, scale, transposed, expert_ids, offs, dtype, quantize)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        unused = (None,) * 6
+        unused = (None,) * 7
         if not ctx.needs_input_grad[0]:
             return (None, *unused)
         expert_ids, offs, data, scale = ctx.saved_tensors
         b = data.view(E4M3)
         b = b.transpose(-2, -1) if ctx.transposed else b
-        dx = grouped(grad, b, scale, not ctx.transposed, expert_ids, offs, ctx.dtype)
+        dx = grouped(grad, b, scale, not ctx.transposed, expert_ids, offs, ctx.dtype, ctx.quantize)
         return (dx.to(ctx.input_dtype), *unused)

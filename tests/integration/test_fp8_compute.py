@@ -108,7 +108,7 @@ def test_an_expert_stack_on_its_bytes_is_the_per_expert_hand_product(arch, devic
     probe = torch.randn(len(ids), 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     xi = x.to(device).clone().requires_grad_()
     storage = (fp8.gate_up_proj, fp8.scale("gate_up_proj"))
-    args = (dtype, fp8.is_transposed, ids.to(device), offs.to(device), *storage)
+    args = (dtype, fp8.is_transposed, ids.to(device), offs.to(device), fp8_module.quantize_activation, *storage)
     out = fp8_matmul.ScaledFrozenGrouped.apply(xi, *args)
     (out * probe.to(device)).sum().backward()
     out, grad, x, probe = out.detach().float().cpu(), xi.grad.float().cpu(), x.float(), probe.float()
@@ -221,9 +221,9 @@ def test_the_compiled_activation_quantisation_gives_the_eager_bytes(dtype, caplo
 
     a = (torch.randn(37, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 96)).to(dtype)
     a[3] = 0
-    eager_bytes, eager_scale = fp8_matmul.quantize_activation(a)
+    eager_bytes, eager_scale = fp8_module.quantize_activation(a)
     with fused_dequantization("cpu", True):
-        fused_bytes, fused_scale = fp8_matmul.quantize_activation(a)
+        fused_bytes, fused_scale = fp8_module.quantize_activation(a)
     assert "stays eager" not in caplog.text, caplog.text
     assert torch.equal(fused_bytes.view(torch.uint8), eager_bytes.view(torch.uint8))
     assert torch.equal(fused_scale, eager_scale) and fused_scale.shape == (37, 1)
