@@ -40,9 +40,14 @@ def _tiny(arch: str, **overrides) -> nn.Module:
     torch.manual_seed(0)
     if arch == "dense":
         config = MistralConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16,
-        )  # fmt: skip
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
         return MistralForCausalLM(config).float()
     if arch == "gpt_oss":  # transposed, biased experts, interleaved gate/up; a limit low enough that it clamps
         fields = {"hidden_size": 64, "intermediate_size": 32, "vocab_size": 512, "swiglu_limit": 0.05, **overrides}
@@ -503,9 +508,16 @@ class _Dequantised(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         source = args[0] if args else None
-        if isinstance(source, torch.Tensor) and source.dtype == torch.float8_e4m3fn and func in (
-            torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.copy_.default,
-        ):  # fmt: skip
+        if (
+            isinstance(source, torch.Tensor)
+            and source.dtype == torch.float8_e4m3fn
+            and func
+            in (
+                torch.ops.aten._to_copy.default,
+                torch.ops.aten.to.dtype,
+                torch.ops.aten.copy_.default,
+            )
+        ):
             self.sizes.append(source.numel())
         return func(*args, **(kwargs or {}))
 

@@ -25,11 +25,29 @@ REFERENCE_GIB = {3: 97, 4: 79, 8: 51}
 
 def test_real_config_plan_is_within_10_percent_of_the_reference():
     result = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "plan", "--preset", "mistral-small-4", "--num-nodes", "3", "4", "8",
-         "--override", "data.max_length=4096", "--override", "fsdp.activation_checkpointing=true",
-         "--override", "model.frozen_dtype=bfloat16"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "plan",
+            "--preset",
+            "mistral-small-4",
+            "--num-nodes",
+            "3",
+            "4",
+            "8",
+            "--override",
+            "data.max_length=4096",
+            "--override",
+            "fsdp.activation_checkpointing=true",
+            "--override",
+            "model.frozen_dtype=bfloat16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Mistral4ForCausalLM: 118.97B params" in result.stdout
     totals = [float(x) for x in re.search(r"total GiB/GPU\s+([\d.\s]+)", result.stdout)[1].split()]
@@ -43,11 +61,28 @@ def test_real_config_plan_is_within_10_percent_of_the_reference():
 
 def test_plan_layouts_for_the_seeds_two_and_three_single_gpu_nodes():
     result = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "plan", "--preset", "mistral-small-4", "--num-nodes", "2", "3",
-         "--override", "data.max_length=4096", "--override", "fsdp.activation_checkpointing=true",
-         "--override", "train.gradient_accumulation_steps=1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "plan",
+            "--preset",
+            "mistral-small-4",
+            "--num-nodes",
+            "2",
+            "3",
+            "--override",
+            "data.max_length=4096",
+            "--override",
+            "fsdp.activation_checkpointing=true",
+            "--override",
+            "train.gradient_accumulation_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     two, three = result.stdout.split("layouts on ")[1:]
     assert two.startswith(
@@ -91,10 +126,25 @@ def test_plan_layouts_of_an_nf4_base_beside_fp8():
     """The QLoRA example on two single-GPU nodes: NF4's layouts (no expert parallelism, which NF4 does not take)
     beside FP8's, each with what it gathers and what its dequantisation costs the compute stream."""
     result = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "plan", "--config", "jobs/mistral4-nf4-1xh200.yaml", "--preset",
-         "mistral-small-4", "--num-nodes", "2", "--override", "train.gradient_accumulation_steps=1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "plan",
+            "--config",
+            "jobs/mistral4-nf4-1xh200.yaml",
+            "--preset",
+            "mistral-small-4",
+            "--num-nodes",
+            "2",
+            "--override",
+            "train.gradient_accumulation_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     table = result.stdout.split("layouts on ")[1]
     assert "compute of an NF4 base includes its dequantisation" in table
@@ -132,12 +182,35 @@ def test_plan_rows_follow_the_config(fixtures: Fixtures):
 
 # A toy structure whose every count is picked by hand; the expected bytes below are worked out by hand from them.
 TOY = Structure(
-    architecture="Toy", total=10_000, largest_layer=5_000, layers=2, root=1_100, lora=300, hidden=16, vocab=64,
-    top_k=2, moe_intermediate=8, fp8=7_000, fp8_rows=500, fp8_layer=3_500, fp8_layer_rows=250, fp8_largest=1_500,
-    layers_lora=200, experts=6_000, expert_rows=400, experts_layer=3_000, expert_lora=100, num_experts=4,
-    moe_layers=2, active_base=2_000, attention_per_position=10.0, nf4=6_500, nf4_matrices=10, nf4_layer=3_250,
+    architecture="Toy",
+    total=10_000,
+    largest_layer=5_000,
+    layers=2,
+    root=1_100,
+    lora=300,
+    hidden=16,
+    vocab=64,
+    top_k=2,
+    moe_intermediate=8,
+    fp8=7_000,
+    fp8_rows=500,
+    fp8_layer=3_500,
+    fp8_layer_rows=250,
+    fp8_largest=1_500,
+    layers_lora=200,
+    experts=6_000,
+    expert_rows=400,
+    experts_layer=3_000,
+    expert_lora=100,
+    num_experts=4,
+    moe_layers=2,
+    active_base=2_000,
+    attention_per_position=10.0,
+    nf4=6_500,
+    nf4_matrices=10,
+    nf4_layer=3_250,
     nf4_experts=6_000,
-)  # fmt: skip
+)
 # frozen: 9,000 in layers, 1,000 in the root; LoRA: 200 in layers (100 of it on experts), 100 in the root. NF4 holds
 # the 8 experts and 2 of the linears (500 weights); FP8 every linear.
 
@@ -235,10 +308,16 @@ def test_an_fp8_base_without_fp8_compute_adds_its_dequantisation_at_memory_bandw
     # EP 2: each GPU holds 2 of the 4 experts, hit by the pair's 128 slots
     assert math.isclose(timed(Layout(2, 2), "fp8").dequant_s, 2 * 2 * (1_000 + 3_000 * (1 - 0.75**128)) * per_weight)
     # 2 tokens a micro-batch: 4 slots leave an expert idle with probability (3/4)^4; the recompute is a third pass
-    short = Config.from_dict({"data": {"max_length": 2}, "train": {"gradient_accumulation_steps": 2},
-                              "fsdp": {"activation_checkpointing": True}})  # fmt: skip
-    assert math.isclose(timed(Layout(shard=4), "fp8", short).dequant_s,
-                        2 * 3 * (1_000 + 6_000 * (1 - 0.75**4)) * per_weight)  # fmt: skip
+    short = Config.from_dict(
+        {
+            "data": {"max_length": 2},
+            "train": {"gradient_accumulation_steps": 2},
+            "fsdp": {"activation_checkpointing": True},
+        }
+    )
+    assert math.isclose(
+        timed(Layout(shard=4), "fp8", short).dequant_s, 2 * 3 * (1_000 + 6_000 * (1 - 0.75**4)) * per_weight
+    )
 
 
 def test_an_fp8_base_with_fp8_compute_multiplies_at_the_fp8_peak_and_dequantises_nothing():
@@ -310,8 +389,11 @@ def test_the_fp8_step_of_the_two_h200_example_is_no_slower_than_the_bf16_one():
     dequantised every micro-batch it was 3.06 s against 1.87 s a step for EP 2)."""
     result = subprocess.run(
         [sys.executable, "-m", "rayft.cli", "plan", "--preset", "mistral-small-4", "--num-nodes", "2", "--gpu", "h200"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     table = result.stdout.split("layouts on ")[1]
     found = re.finditer(r"^([ *][\w +]+?)\s+(fp8|bf16)\s+(.+)$", table, re.M)
@@ -383,9 +465,21 @@ def test_fp8_transient_is_one_chunk_of_experts_not_a_whole_stack():
     at Mistral-Small-4's 128 experts of 4096 x 4096 that is 16 experts, not 128; with 16-way EP, all 8 local ones."""
     from rayft.plan.memory import dequantised_at_once
 
-    s = Structure(architecture="x", total=0, largest_layer=0, layers=1, root=0, lora=0, hidden=1, vocab=1, top_k=4,
-                  moe_intermediate=1, num_experts=128, fp8_expert_numel=4096 * 4096,
-                  fp8_linear_largest=4096 * 1024)  # fmt: skip
+    s = Structure(
+        architecture="x",
+        total=0,
+        largest_layer=0,
+        layers=1,
+        root=0,
+        lora=0,
+        hidden=1,
+        vocab=1,
+        top_k=4,
+        moe_intermediate=1,
+        num_experts=128,
+        fp8_expert_numel=4096 * 4096,
+        fp8_linear_largest=4096 * 1024,
+    )
     assert dequantised_at_once(s) == 16 * 4096 * 4096
     assert dequantised_at_once(s, expert_parallel=16) == 8 * 4096 * 4096
     huge = Structure(**{**s.__dict__, "fp8_expert_numel": 2**29})  # one expert over the budget: still whole
@@ -405,7 +499,13 @@ def test_the_planner_offers_only_expert_parallel_groups_that_keep_to_nodes():
     offered = sorted({layout.expert_parallel for layout in layouts(Cluster(nodes=3, gpus_per_node=4), twelve)})
     assert offered == [1, 2, 4, 12]  # the divisors of 12 that divide 4 or that 4 divides
     assert sorted({lay.expert_parallel for lay in layouts(Cluster(nodes=12, gpus_per_node=1), twelve)}) == [
-        1, 2, 3, 4, 6, 12]  # fmt: skip
+        1,
+        2,
+        3,
+        4,
+        6,
+        12,
+    ]
 
 
 def test_plan_follows_the_configs_nodes_and_knows_gpus_beyond_h100_and_h200(capsys):
@@ -413,8 +513,17 @@ def test_plan_follows_the_configs_nodes_and_knows_gpus_beyond_h100_and_h200(caps
     from rayft import cli
 
     capsys.readouterr()
-    argv = ["plan", "--preset", "mistral-small-4", "--override", "ray.num_workers=16",
-            "--override", "ray.workers_per_node=8", "--gpu", "b200"]  # fmt: skip
+    argv = [
+        "plan",
+        "--preset",
+        "mistral-small-4",
+        "--override",
+        "ray.num_workers=16",
+        "--override",
+        "ray.workers_per_node=8",
+        "--gpu",
+        "b200",
+    ]
     assert cli.main(argv) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert re.search(r"^component\s+W=16$", out, re.M)  # 16 workers, 8 a node: 2 nodes of 8
@@ -481,10 +590,25 @@ def test_a_restart_reads_the_checkpoints_bytes_not_the_storage_the_job_holds(tmp
     with init_empty_weights():
         frozen = sum(p.numel() for p in Mistral4ForCausalLM(config).parameters())
     result = subprocess.run(
-        [sys.executable, "-m", "rayft.cli", "plan", "--config", "jobs/mistral4-nf4-1xh200.yaml", "--num-nodes", "1",
-         "--override", f"model.model_name_or_path={tmp_path}", "--override", "model.frozen_dtype=float8_e4m3fn"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rayft.cli",
+            "plan",
+            "--config",
+            "jobs/mistral4-nf4-1xh200.yaml",
+            "--num-nodes",
+            "1",
+            "--override",
+            f"model.model_name_or_path={tmp_path}",
+            "--override",
+            "model.frozen_dtype=float8_e4m3fn",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "* fastest that fits: FSDP, fp8 base" in result.stdout, result.stdout
     assert f"the restart reads {frozen * 2 / 1e9:.1f} GB of the frozen base" in result.stdout, result.stdout
