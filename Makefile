@@ -48,8 +48,8 @@ test: lint prometheus
 # losses against the pinned torch's. Its venv holds only that torch: every other package is .venv's, added behind it
 # by a .pth file.
 FLOOR_VENV ?= .venv-torch-floor
-FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.py tests/integration/test_block_fp8.py \
-	tests/integration/test_local_trainer.py tests/integration/test_expert_parallel.py \
+FLOOR_TESTS := tests/integration/test_torch_floor.py tests/integration/test_fp8.py tests/integration/test_fp8_compute.py \
+	tests/integration/test_block_fp8.py tests/integration/test_local_trainer.py tests/integration/test_expert_parallel.py \
 	tests/integration/test_moe_weights.py tests/integration/test_peft_options.py tests/integration/test_checkpoint.py \
 	tests/integration/test_lora.py tests/unit/test_dpo.py tests/unit/test_nf4.py tests/integration/test_nf4_job.py
 

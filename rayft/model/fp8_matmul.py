@@ -27,6 +27,7 @@ the work): it is what the CPU checks run, and like the CUDA kernel it never read
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -53,10 +54,22 @@ def fp8_compute_on(setting: bool | str, device: torch.device) -> bool:
     return supported(device) if setting == "auto" else bool(setting)
 
 
+@functools.cache
+def cpu_row_scales() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes a scale per row; older releases (2.11) take one per tensor on the
+    CPU (and assert otherwise), CUDA's row-wise kernel notwithstanding. Asked once, of a 16 × 16 product."""
+    a = torch.zeros(16, 16, dtype=E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def unfit(device: torch.device, k: int, n: int, out_dtype: torch.dtype) -> str | None:
     """Why a `[M, K] · [K, N]` product in `out_dtype` cannot run as an FP8 matmul on `device` (None: it can)."""
     if device.type != "cuda":
-        return None
+        return None if cpu_row_scales() else f"torch {torch.__version__}'s CPU _scaled_mm takes no row-wise scales"
     if not supported(device):
         return f"compute capability {torch.cuda.get_device_capability(device)} runs no FP8 matmuls (8.9+ does)"
     if k % ALIGNMENT or n % ALIGNMENT:

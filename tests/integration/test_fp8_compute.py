@@ -31,6 +31,12 @@ REL, SUB = 2.0**-4, 2.0**-10  # E4M3's largest relative rounding error; half its
 STEPS = 4
 # E4M3 rounds an element by at most 2⁻⁴ of itself, about 2.7 % r.m.s.: each FP8 matmul's product is off by about
 # that much (relative L2), and a loss averages over every token, so it moves far less.
+# torch 2.11's CPU `_scaled_mm` takes one scale per tensor (the torch-floor leg): the checks of the FP8 products on
+# the CPU need row-wise scales, and what such a torch does instead is the fallback test below.
+ROW_SCALES_ON_CPU = pytest.mark.skipif(
+    not fp8_matmul.cpu_row_scales(), reason="this torch's CPU _scaled_mm takes no row-wise scales (CUDA's does)"
+)
+CPU_AND_CUDA = [pytest.param("cpu", marks=ROW_SCALES_ON_CPU), DEVICES[1]]
 LOSS_TOLERANCE = 2.0**-6
 GRAD_TOLERANCE = 2.0**-3  # forward and backward roundings of every layer compound into the gradient
 ADAPTER_TOLERANCE = 2.0**-1  # AdamW turns small gradients' rounding noise into full-size steps
@@ -51,7 +57,7 @@ def _bound(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return REL * (a.abs() @ w.abs()) + SUB * scale * w.abs().sum(dim=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_the_fp8_linear_on_its_bytes_is_the_hand_quantised_product_within_e4m3_of_the_dequantised(device):
     """Forward x · Wᵀ (x per token row, W's row scales as `scale_b`) and input gradient g · W (W's row scales folded
     into g before it is quantised) equal the hand emulation, and stay within E4M3's bound of the dequantised
@@ -90,7 +96,7 @@ def test_the_fp8_linear_on_its_bytes_is_the_hand_quantised_product_within_e4m3_o
     assert not torch.equal(out, out_ref)  # the activations were quantised: not the dequantised product
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("arch", ["mistral4", "gpt_oss"])  # [E, out, in] with row scales on out; transposed
 def test_an_expert_stack_on_its_bytes_is_the_per_expert_hand_product(arch, device):
     """Each expert group's rows times its expert's stored bytes, forward and input gradient, through the grouped
@@ -127,6 +133,7 @@ def test_an_expert_stack_on_its_bytes_is_the_per_expert_hand_product(arch, devic
     torch.testing.assert_close(grad, want_grad, rtol=tol, atol=tol * want_grad.abs().max().item())
 
 
+@ROW_SCALES_ON_CPU
 def test_the_expert_path_on_its_bytes_never_syncs_and_reads_each_weight_once_a_pass(monkeypatch):
     """A layer larger than one dequantisation chunk (budget: 2 of its 8 experts), which the dequantised path serves
     with one host sync (the routed counts, to chunk the experts with rows): on its bytes, no host sync and no
@@ -173,6 +180,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
+@ROW_SCALES_ON_CPU
 @pytest.mark.parametrize("arch", ["dense", "mistral4"])
 def test_lora_on_fp8_matmuls_trains_within_the_stated_tolerance_of_the_dequantised_path(arch):
     """fp32 LoRA on a tiny FP8 model, `STEPS` AdamW steps with the frozen matmuls on their bytes against the same
@@ -198,6 +206,29 @@ def test_lora_on_fp8_matmuls_trains_within_the_stated_tolerance_of_the_dequantis
     errors = (loss_error, _relative(grad, grad_ref), _relative(change, change_ref))
     print(f"{arch}: loss {errors[0]:.2e}, first gradient {errors[1]:.2e}, adapter change {errors[2]:.2e}")
     assert all(e <= t for e, t in zip(errors, (LOSS_TOLERANCE, GRAD_TOLERANCE, ADAPTER_TOLERANCE), strict=True)), errors
+
+
+@pytest.mark.skipif(fp8_matmul.cpu_row_scales(), reason="this torch's CPU takes row-wise scales: nothing falls back")
+def test_a_torch_whose_cpu_takes_no_row_scales_runs_the_setting_dequantised_and_says_why(caplog):
+    """`model.fp8_compute: true` on CPU workers of a torch whose `_scaled_mm` takes one scale per tensor there: every
+    layer runs the dequantised path (the same logits and input gradients as with the setting off, to the bit),
+    with one warning naming the reason, rather than torch's internal assert in the first forward."""
+    fp8, _ = _fp8_and_reference("mistral4")
+    dequantised = copy.deepcopy(fp8)
+    assert set_fp8_compute_(fp8, True) > 0
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    fp8_matmul._warned.clear()
+    with caplog.at_level("WARNING", logger=fp8_matmul.log.name), WorkCounter() as work:
+        embeds = fp8.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = fp8(inputs_embeds=embeds).logits
+        logits.square().sum().backward()
+    assert not work.fp8_matmul_weights and work.dequantised
+    want_embeds = dequantised.get_input_embeddings()(ids).detach().requires_grad_()
+    want = dequantised(inputs_embeds=want_embeds).logits
+    want.square().sum().backward()
+    assert torch.equal(logits, want) and torch.equal(embeds.grad, want_embeds.grad)
+    said = [r.getMessage() for r in caplog.records if "fp8_compute" in r.getMessage()]
+    assert len(said) == 1 and "CPU _scaled_mm takes no row-wise scales" in said[0], said
 
 
 def test_the_setting_reaches_every_fp8_layer_and_auto_keeps_cpu_workers_dequantised():
