@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
-from rayft.model.loss import Batch, CausalLMLoss
+from rayft.model.loss import IGNORE_INDEX, Batch, CausalLMLoss, next_token_targets
 from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
@@ -156,7 +156,7 @@ def mean_eval_loss(
 
 def targets(batch: Batch) -> torch.Tensor:
     """Tokens a batch is scored on: labels other than -100 after the one-position shift."""
-    return (batch["labels"][..., 1:] != -100).sum()
+    return (next_token_targets(batch["labels"], batch.get("shift_labels")) != IGNORE_INDEX).sum()
 
 
 def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:

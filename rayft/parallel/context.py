@@ -1,0 +1,160 @@
+"""Context parallelism, Ulysses-style: one sequence split over the N ranks of a group, attention run on the whole
+sequence for H/N of the heads.
+
+Each rank holds a contiguous 1/N of every row (its tokens, their position ids, their targets). Everything but
+attention is per token, so it runs on the shard unchanged: the projections, the MLP and the experts, the norms, and
+RoPE (YaRN too), which reads each token's own position id. Around attention, one all-to-all turns q, k and v from
+(b, H, s/N, d) into (b, H/N, s, d), the chosen kernel runs on the whole sequence with the whole sequence's mask, and
+a second all-to-all turns the output back. Why heads rather than a ring over the sequence: the kernel sees the full
+sequence, so any kernel transformers has (SDPA, eager) serves, with the document mask of packed rows as transformers
+builds it at N = 1, and MLA's different q/k and v head sizes need nothing of their own; a ring needs a kernel that
+returns its log-sum-exp and load-balanced causal chunks.
+
+GQA: when the kv heads do not divide N, k and v are repeated by the least factor that makes them divide it (the
+query heads always divide N: `check_heads` refuses the rest), so each rank's query heads find their own kv heads.
+
+The shard travels with the micro-batch as the model call's `context_parallel` keyword, which transformers hands down
+to every attention call (and again in the recompute of a checkpointed layer): no global state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rayft.parallel.alltoall import exchange
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+NAME = "rayft_ulysses"  # the attention implementation a context-parallel model is set to
+KERNELS = ("sdpa", "eager")  # inner kernels this has been checked with
+SHARDED = ("input_ids", "labels", "position_ids")  # per-token columns of a micro-batch that each rank slices
+IGNORE_INDEX = -100
+
+
+@dataclass(eq=False)
+class SequenceShard:
+    """What attention needs beyond its rank's tokens: the group, the whole rows' position ids (the document mask
+    comes from them) and the inner kernel; the whole sequence's mask is built once, at the first layer."""
+
+    group: dist.ProcessGroup
+    position_ids: torch.Tensor  # (b, s): the whole rows'
+    kernel: str
+    masks: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def mask(self, module: torch.nn.Module, dtype: torch.dtype) -> Any:
+        """The whole sequence's mask as transformers builds it for `kernel` at N = 1 (None: plainly causal)."""
+        from transformers.masking_utils import create_causal_mask
+
+        own = cast("PreTrainedConfig", module.config)
+        if id(own) not in self.masks:
+            config = copy.copy(own)
+            config._attn_implementation_internal = self.kernel  # a copy: the model keeps its own setting
+            b, s = self.position_ids.shape
+            shape_only = torch.empty(b, s, 0, dtype=dtype, device=self.position_ids.device)
+            self.masks[id(own)] = create_causal_mask(config, shape_only, None, None, self.position_ids)
+        return self.masks[id(own)]
+
+
+def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, kernel: str) -> dict[str, Any]:
+    """This rank's contiguous 1/N of every row of a padding-free micro-batch, with `shift_labels` (the next-token
+    targets taken on the whole row, so the target of a shard's last token, the next shard's first label, is not
+    lost) and the `SequenceShard` for attention."""
+    if "position_ids" not in batch:
+        raise ValueError("parallel.context_parallel > 1 needs padding-free rows (position_ids); this batch has none")
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    length = batch["input_ids"].shape[-1]
+    if length % n:
+        raise ValueError(f"a row of {length} tokens does not split over parallel.context_parallel {n} ranks")
+    part = slice(rank * length // n, (rank + 1) * length // n)
+    shifted = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
+    out: dict[str, Any] = {k: v[..., part].contiguous() if k in SHARDED else v for k, v in batch.items()}
+    out["shift_labels"] = shifted[..., part].contiguous()
+    out["context_parallel"] = SequenceShard(group, batch["position_ids"], kernel)
+    return out
+
+
+def _to_heads(x: torch.Tensor, n: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, h, s/N, d), this rank's tokens of every head → (b, h/N, s, d), every token of this rank's heads."""
+    b, h, s_local, d = x.shape
+    chunks = x.reshape(b, n, h // n, s_local, d).transpose(0, 1).contiguous()
+    got = exchange(chunks, [1] * n, [1] * n, group)  # chunk r: rank r's tokens of this rank's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s_local, d)
+
+
+def _to_tokens(x: torch.Tensor, n: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, s, h/N, d), the kernel's output layout → (b, s/N, h, d): this rank's tokens of every head."""
+    b, s, h_local, d = x.shape
+    chunks = x.reshape(b, n, s // n, h_local, d).transpose(0, 1).contiguous()
+    got = exchange(chunks, [1] * n, [1] * n, group)  # chunk r: this rank's tokens of rank r's heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h_local, d)
+
+
+def _kv_repeat(kv_heads: int, n: int) -> int:
+    """The least factor by which to repeat the kv heads so that N divides them (1 when it already does)."""
+    return n // math.gcd(kv_heads, n)
+
+
+class _Groups:
+    """The attention module as the kernel sees it, with the kv grouping left after k and v were repeated."""
+
+    def __init__(self, module: torch.nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def ulysses_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """An attention function for transformers' `AttentionInterface`: heads exchanged for tokens, the inner kernel
+    on the whole sequence, tokens exchanged back. The model's own (shard-sized) `attention_mask` is not used."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    shard = cast(SequenceShard, kwargs.pop("context_parallel"))
+    kwargs.pop("position_ids", None)  # the shard's: a kernel reading them (flash) is refused
+    n, group = shard.ranks, shard.group
+    repeat = _kv_repeat(key.shape[1], n)
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = (_to_heads(t, n, group) for t in (query, key, value))
+    inner = eager_attention_forward if shard.kernel == "eager" else ALL_ATTENTION_FUNCTIONS[shard.kernel]
+    mask = shard.mask(module, query.dtype)
+    out, _ = inner(cast(torch.nn.Module, _Groups(module, groups)), q, k, v, mask, **kwargs)
+    return _to_tokens(out, n, group), None
+
+
+def register() -> None:
+    """Make `NAME` an attention implementation transformers accepts (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, ulysses_attention)
+
+
+def check_heads(heads: int, n: int) -> str | None:
+    """Why N ranks cannot split a model's query heads; None when they can."""
+    if n > 1 and heads % n:
+        return (
+            f"parallel.context_parallel {n} must divide the model's {heads} attention heads (each rank attends "
+            f"with heads/N of them); use a divisor of {heads}"
+        )
+    return None

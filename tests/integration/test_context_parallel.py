@@ -1,0 +1,121 @@
+"""Context parallelism (Ulysses, `rayft.parallel.context`) on gloo ranks: one packed micro-batch of several documents
+with a completion-only mask, split over N ranks, gives the loss and the LoRA gradients of the whole micro-batch on
+one rank (fp32, 1e-5 relative), for a dense GQA family and the tiny Mistral-Small-4 (MLA).
+
+The reference is transformers' own path on the whole rows: the model's SDPA attention with its packed-sequence mask
+from `position_ids`, and the model's own loss from its logits (`labels`), with no rayft code in it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import free_port
+from fixtures.families import FAMILIES, TINY
+from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.ranks import spawn_ranks
+
+DOCS = [(3, 6), (2, 5), (4, 4)]  # (prompt, completion) tokens of the packed documents of a row: 24 tokens
+ROWS = 2
+LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral4": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+def _model(family: str) -> torch.nn.Module:
+    """A random tiny model (seeded: every rank builds the same one) with random LoRA factors (B ≠ 0, so that both
+    factors have gradients)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, Mistral4Config, Mistral4ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "mistral4":  # the text model of Mistral-Small-4 (the vision tower never sees a long row)
+        config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 256}, attn_implementation="sdpa")
+        model = Mistral4ForCausalLM(config).float()
+    else:
+        config = AutoConfig.for_model(family, vocab_size=256, **TINY, **FAMILIES[family])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[family], init_lora_weights=False)
+    return get_peft_model(model, lora)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """Packed rows: documents back to back, position ids restarting at each, prompts unscored."""
+    gen = torch.Generator().manual_seed(1)
+    ids, labels, positions = [], [], []
+    for _ in range(ROWS):
+        row_ids, row_labels, row_pos = [], [], []
+        for prompt, completion in DOCS:
+            tokens = torch.randint(3, 256, (prompt + completion,), generator=gen)
+            row_ids.append(tokens)
+            row_labels.append(torch.cat([torch.full((prompt,), -100), tokens[prompt:]]))
+            row_pos.append(torch.arange(prompt + completion))
+        ids.append(torch.cat(row_ids))
+        labels.append(torch.cat(row_labels))
+        positions.append(torch.cat(row_pos))
+    return {"input_ids": torch.stack(ids), "labels": torch.stack(labels), "position_ids": torch.stack(positions)}
+
+
+def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rank(rank: int, world: int, port: int, family: str, kernel: str, fused: bool, result: str) -> None:
+    import torch.distributed as dist
+
+    from rayft.model.loss import CausalLMLoss
+    from rayft.parallel.context import NAME, register, shard_batch
+    from rayft.train.step import targets
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, batch = _model(family), _batch()
+        reference = model(**batch, use_cache=False).loss  # transformers alone, on the whole rows
+        reference.backward()
+        expected = _lora_grads(model)
+        model.zero_grad(set_to_none=True)
+
+        register()
+        model.set_attn_implementation(NAME)
+        shard = shard_batch(batch, dist.group.WORLD, kernel)
+        count = targets(shard).double()
+        dist.all_reduce(count)  # the whole micro-batch's target count
+        loss = CausalLMLoss(fused)(model, shard, count)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # the group's sum: the gradient of the whole micro-batch's loss
+        got = _lora_grads(model)
+        if rank == 0:
+            worst = max(((got[n] - g).norm() / g.norm()).item() for n, g in expected.items())
+            torch.save({"loss": (total.item(), reference.item()), "worst": worst, "n": len(got)}, result)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("family", "ranks", "kernel", "fused"),
+    [
+        ("llama", 2, "sdpa", True),  # 2 kv heads split over 2 ranks
+        ("llama", 4, "sdpa", True),  # 2 kv heads repeated to 4
+        ("llama", 2, "eager", False),  # the eager kernel, the model's own loss from logits
+        ("mistral", 4, "sdpa", False),
+        ("mistral4", 2, "sdpa", True),  # MLA: q/k head 16, v head 16 from a 16-rank latent
+        ("mistral4", 4, "sdpa", True),
+    ],
+)
+def test_context_parallel_equals_one_rank(tmp_path, family: str, ranks: int, kernel: str, fused: bool) -> None:
+    result = str(tmp_path / "result.pt")
+    spawn_ranks(_rank, args=(ranks, free_port(), family, kernel, fused, result), nprocs=ranks)
+    out = torch.load(result)
+    got, reference = out["loss"]
+    assert out["n"] > 0
+    assert got == pytest.approx(reference, rel=1e-5)
+    assert out["worst"] < 1e-5, out
