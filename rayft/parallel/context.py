@@ -28,10 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rayft.config import ConfigError
 from rayft.parallel.alltoall import exchange
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
+    from collections.abc import Callable
+
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    from rayft.parallel.layout import ParallelDims
 
 NAME = "rayft_ulysses"  # the attention implementation a context-parallel model is set to
 KERNELS = ("sdpa", "eager")  # inner kernels this has been checked with
@@ -53,7 +58,7 @@ class SequenceShard:
     def ranks(self) -> int:
         return dist.get_world_size(self.group)
 
-    def mask(self, module: torch.nn.Module, dtype: torch.dtype) -> Any:
+    def mask(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Any:
         """The whole sequence's mask as transformers builds it for `kernel` at N = 1 (None: plainly causal)."""
         from transformers.masking_utils import create_causal_mask
 
@@ -61,10 +66,23 @@ class SequenceShard:
         if id(own) not in self.masks:
             config = copy.copy(own)
             config._attn_implementation_internal = self.kernel  # a copy: the model keeps its own setting
-            b, s = self.position_ids.shape
-            shape_only = torch.empty(b, s, 0, dtype=dtype, device=self.position_ids.device)
-            self.masks[id(own)] = create_causal_mask(config, shape_only, None, None, self.position_ids)
+            positions = self.position_ids.to(device)  # collated on the host; a mask per micro-batch, not per layer
+            shape_only = torch.empty(*positions.shape, 0, dtype=dtype, device=device)
+            self.masks[id(own)] = create_causal_mask(config, shape_only, None, None, positions)
         return self.masks[id(own)]
+
+
+def _padded(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Rows lengthened to a multiple of N by a padding document: positions from 0 (so no real token attends to it
+    and it to none of them, as a document of its own), no targets, token id 0."""
+    pad = -batch["input_ids"].shape[-1] % n
+    if not pad:
+        return batch
+    tail = torch.arange(pad, device=batch["position_ids"].device).expand(*batch["position_ids"].shape[:-1], pad)
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX}
+    out = {k: F.pad(v, (0, pad), value=fill[k]) if k in fill else v for k, v in batch.items()}
+    out["position_ids"] = torch.cat([batch["position_ids"], tail], dim=-1)
+    return out
 
 
 def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, kernel: str) -> dict[str, Any]:
@@ -74,9 +92,8 @@ def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, kernel
     if "position_ids" not in batch:
         raise ValueError("parallel.context_parallel > 1 needs padding-free rows (position_ids); this batch has none")
     n, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch = _padded(batch, n)
     length = batch["input_ids"].shape[-1]
-    if length % n:
-        raise ValueError(f"a row of {length} tokens does not split over parallel.context_parallel {n} ranks")
     part = slice(rank * length // n, (rank + 1) * length // n)
     shifted = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
     out: dict[str, Any] = {k: v[..., part].contiguous() if k in SHARDED else v for k, v in batch.items()}
@@ -138,9 +155,45 @@ def ulysses_attention(
     groups = query.shape[1] // key.shape[1]
     q, k, v = (_to_heads(t, n, group) for t in (query, key, value))
     inner = eager_attention_forward if shard.kernel == "eager" else ALL_ATTENTION_FUNCTIONS[shard.kernel]
-    mask = shard.mask(module, query.dtype)
+    mask = shard.mask(module, query.dtype, query.device)
     out, _ = inner(cast(torch.nn.Module, _Groups(module, groups)), q, k, v, mask, **kwargs)
     return _to_tokens(out, n, group), None
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A worker's context-parallel setting: its group, the kernel run inside, and its data-parallel place (the
+    group's index among the groups, and their count): every rank of a group reads the same rows."""
+
+    group: dist.ProcessGroup
+    kernel: str
+    data_rank: int
+    data_ranks: int
+
+    def collate(self, collate: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`collate`, then this rank's shard of the micro-batch."""
+        return lambda rows: shard_batch(collate(rows), self.group, self.kernel)
+
+
+def enable_context_parallel(model: PreTrainedModel, dims: ParallelDims) -> ContextParallel:
+    """The model's attention switched to `NAME` around the kernel it was built with (sdpa when that one reads
+    the shard's position ids itself: a flash kernel), kept on the model for `context_parallel_of`."""
+    problem = check_heads(model.config.get_text_config().num_attention_heads, dims.context)
+    if problem is not None:
+        raise ConfigError(problem)
+    group, index = dims.own_context_group()
+    built = model.config._attn_implementation
+    context = ContextParallel(group, built if built in KERNELS else "sdpa", index, dims.world // dims.context)
+    register()
+    model.set_attn_implementation(NAME)
+    cast(Any, model).rayft_context_parallel = context  # a plain attribute: no parameter, no state-dict key
+    return context
+
+
+def context_parallel_of(model: torch.nn.Module) -> ContextParallel | None:
+    """The context-parallel setting a model was built with (`enable_context_parallel`); None without."""
+    found = (getattr(m, "rayft_context_parallel", None) for m in model.modules())
+    return next((c for c in found if c is not None), None)
 
 
 def register() -> None:

@@ -146,8 +146,9 @@ def mean_eval_loss(
     totals = torch.zeros(2, dtype=torch.float64, device=device)
 
     def score(batch: Batch) -> None:
-        predicted = targets(batch)
-        totals.add_(torch.stack([loss(model, batch).double() * predicted, predicted.double()]))
+        # the sum over the batch's targets (a divisor of one), as a context-parallel shard may have none
+        summed = loss(model, batch, torch.ones((), device=device))
+        totals.add_(torch.stack([summed.double(), targets(batch).double()]))
 
     eval_pass(model, shard, batch_size, collate, device, autocast, score)
     dist.all_reduce(totals)

@@ -9,16 +9,22 @@ from `position_ids`, and the model's own loss from its logits (`labels`), with n
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import Fixtures, free_port, tiny_config
 from fixtures.families import FAMILIES, TINY
 from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.local_run import LocalRun, train_locally
 from fixtures.ranks import spawn_ranks
+from safetensors.torch import load_file
 
 DOCS = [(3, 6), (2, 5), (4, 4)]  # (prompt, completion) tokens of the packed documents of a row: 24 tokens
 ROWS = 2
+# Gradient norms and trained adapters after a few steps: the same sums over the tokens in another order (per shard,
+# then over the ranks) in fp32, near a uniform softmax over 131k logits (as test_local_trainer's REORDERED).
+REORDERED = 1e-4
 LORA_TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
     "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -116,6 +122,64 @@ def test_context_parallel_equals_one_rank(tmp_path, family: str, ranks: int, ker
     spawn_ranks(_rank, args=(ranks, free_port(), family, kernel, fused, result), nprocs=ranks)
     out = torch.load(result)
     got, reference = out["loss"]
+    print(f"{family} N={ranks}: loss {got!r} vs {reference!r}, worst LoRA gradient {out['worst']:.3g} (relative)")
     assert out["n"] > 0
     assert got == pytest.approx(reference, rel=1e-5)
     assert out["worst"] < 1e-5, out
+
+
+def _run_config(fixtures: Fixtures, out: Path, workers: int, n: int, model: Path | None = None) -> dict:
+    """A few steps of the tiny job, every step logged and evaluated, on `workers` workers split `n` ways."""
+    cfg = tiny_config(
+        fixtures, out, max_steps=3, logging_steps=1, eval_steps=1, save_steps=3, per_device_train_batch_size=2
+    )
+    cfg["data"]["max_eval_samples"] = 16  # 2 batches: one for each data-parallel rank of the 4-worker run
+    cfg["ray"]["num_workers"] = workers
+    cfg["parallel"] = {"context_parallel": n}
+    if model is not None:
+        cfg["model"]["model_name_or_path"] = str(model)
+    return cfg
+
+
+def _assert_same_run(got: LocalRun, want: LocalRun) -> None:
+    mine, theirs = got.metrics(), want.metrics()
+    assert len(mine) == len(theirs) and sum("eval_loss" in r for r in theirs) == 3
+    for a, b in zip(mine, theirs, strict=True):
+        compared = [key for key in ("loss", "eval_loss", "grad_norm") if key in b]
+        assert compared and all(key in a for key in compared), (a, b)
+        for key in compared:
+            print(f"step {a['step']} {key}: {a[key]!r} vs {b[key]!r}")
+            assert a[key] == pytest.approx(b[key], rel=1e-5 if "loss" in key else REORDERED), (a["step"], key)
+    adapters = [load_file(run.out / "final" / "adapter_model.safetensors") for run in (got, want)]
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    gap = max(((adapters[0][k] - t).norm() / t.norm()).item() for k, t in adapters[1].items())
+    print(f"adapter gap {gap:.3g} (relative, worst tensor)")
+    assert gap < REORDERED
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_context_parallel_run_trains_as_one_rank(fixtures: Fixtures, tmp_path: Path, n: int) -> None:
+    """The Trainer under FSDP2 on N gloo ranks, one sequence split over all of them, against one rank: the same
+    losses, evaluation losses, gradient norms and final adapter."""
+    one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1), 1)
+    split = train_locally(_run_config(fixtures, tmp_path / "split", n, n), n)
+    assert "attention" in split.text()
+    _assert_same_run(split, one)
+
+
+def test_a_context_parallel_run_keeps_data_parallel_groups(fixtures: Fixtures, tmp_path: Path) -> None:
+    """4 workers as 2 data-parallel groups of 2: each group reads its own micro-batches of the global stream, the
+    pair within a group the same ones, so the run trains as 2 workers reading that stream without context
+    parallelism (an elastic run's global order: ray.min_workers)."""
+    raw = _run_config(fixtures, tmp_path / "dp", 2, 1)
+    raw["ray"]["min_workers"] = 1
+    dp = train_locally(raw, 2)
+    both = train_locally(_run_config(fixtures, tmp_path / "both", 4, 2), 4)
+    _assert_same_run(both, dp)
+
+
+def test_mistral_small_4_trains_context_parallel(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path) -> None:
+    """The tiny Mistral-Small-4 from its hub layout (MLA attention, FP8 storage, routed experts) split 2 ways."""
+    one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1, mistral4_hub), 1)
+    split = train_locally(_run_config(fixtures, tmp_path / "split", 2, 2, mistral4_hub), 2)
+    _assert_same_run(split, one)
