@@ -183,3 +183,19 @@ def test_mistral_small_4_trains_context_parallel(fixtures: Fixtures, mistral4_hu
     one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1, mistral4_hub), 1)
     split = train_locally(_run_config(fixtures, tmp_path / "split", 2, 2, mistral4_hub), 2)
     _assert_same_run(split, one)
+
+
+def test_a_context_parallel_run_stopped_after_a_checkpoint_resumes_to_the_same_losses(
+    fixtures: Fixtures, tmp_path: Path
+) -> None:
+    """Checkpoints keep their meaning: a 2-way run stopped dead while saving step 3's checkpoint and continued from
+    step 2's ends where the one-rank run ends (the data position is the global stream's, the same at any split)."""
+    raw = _run_config(fixtures, tmp_path / "split", 2, 2)
+    raw["train"]["save_steps"] = 1
+    stopped = train_locally(raw, 2, crash_saving=3)
+    assert [r["step"] for r in stopped.metrics() if "loss" in r] == [1, 2]
+    assert not stopped.checkpoint(3).exists()
+    resumed = train_locally(raw, 2, resume=stopped.checkpoint(2))
+    assert resumed.resumes()[-1] == 2
+    one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1), 1)
+    _assert_same_run(resumed, one)
