@@ -1024,7 +1024,7 @@ class Config(Section):
 
     def _context_broken(self) -> list[Broken | None]:
         """What context parallelism needs, and what it is not yet combined with (the heads' count is checked where
-        the model's config is read: `rayft.parallel.context.check_heads`)."""
+        the model's config is read, in preflight: `rayft.parallel.context.check_heads`)."""
         n, workers = self.parallel.context_parallel, self.ray.num_workers
         if n == 1:
             return []

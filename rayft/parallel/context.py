@@ -11,7 +11,8 @@ builds it at N = 1, and MLA's different q/k and v head sizes need nothing of the
 returns its log-sum-exp and load-balanced causal chunks.
 
 GQA: when the kv heads do not divide N, k and v are repeated by the least factor that makes them divide it (the
-query heads always divide N: `check_heads` refuses the rest), so each rank's query heads find their own kv heads.
+query heads always divide N: `check_heads` refuses the rest, in preflight), so each rank's query heads find their
+own kv heads.
 
 The shard travels with the micro-batch as the model call's `context_parallel` keyword, which transformers hands down
 to every attention call (and again in the recompute of a checkpointed layer): no global state.
@@ -178,9 +179,7 @@ class ContextParallel:
 def enable_context_parallel(model: PreTrainedModel, dims: ParallelDims) -> ContextParallel:
     """The model's attention switched to `NAME` around the kernel it was built with (sdpa when that one reads
     the shard's position ids itself: a flash kernel), kept on the model for `context_parallel_of`."""
-    problem = check_heads(model.config.get_text_config().num_attention_heads, dims.context)
-    if problem is not None:
-        raise ConfigError(problem)
+    check_heads(model.config, dims.context)
     group, index = dims.own_context_group()
     built = model.config._attn_implementation
     context = ContextParallel(group, built if built in KERNELS else "sdpa", index, dims.world // dims.context)
@@ -203,11 +202,13 @@ def register() -> None:
     AttentionInterface.register(NAME, ulysses_attention)
 
 
-def check_heads(heads: int, n: int) -> str | None:
-    """Why N ranks cannot split a model's query heads; None when they can."""
+def check_heads(config: PreTrainedConfig, n: int) -> None:
+    """ConfigError when N ranks cannot split the model's query heads (each attends with H/N of them), naming the
+    valid N; the kv heads are repeated where they do not divide N (`_kv_repeat`)."""
+    heads = config.get_text_config().num_attention_heads
     if n > 1 and heads % n:
-        return (
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(
             f"parallel.context_parallel {n} must divide the model's {heads} attention heads (each rank attends "
-            f"with heads/N of them); use a divisor of {heads}"
+            f"with heads/N of them); valid: {valid}"
         )
-    return None

@@ -199,3 +199,18 @@ def test_a_context_parallel_run_stopped_after_a_checkpoint_resumes_to_the_same_l
     assert resumed.resumes()[-1] == 2
     one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1), 1)
     _assert_same_run(resumed, one)
+
+
+def test_preflight_refuses_n_that_does_not_split_the_heads(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path):
+    """Before any worker starts (as `rayft validate` and the job's preflight run it): the tiny models' 4 heads do
+    not split 3 ways; 2 ways they do."""
+    from rayft.config import Config, ConfigError
+    from rayft.model.build import text_config
+    from rayft.parallel.context import check_heads
+
+    for model in (fixtures.model, mistral4_hub):
+        with pytest.raises(ConfigError, match=r"parallel.context_parallel 3 must divide the model's 4 attention"):
+            check_heads(text_config(str(model)), 3)
+        check_heads(text_config(str(model)), 2)
+    raw = _run_config(fixtures, tmp_path, 3, 3)
+    assert Config.from_dict(raw).parallel.context_parallel == 3  # the config alone cannot know the heads
