@@ -14,6 +14,10 @@ GQA: when the kv heads do not divide N, k and v are repeated by the least factor
 query heads always divide N: `check_heads` refuses the rest, in preflight), so each rank's query heads find their
 own kv heads.
 
+A single packed row (what padding-free collation makes) runs SDPA causally on each document in turn, with no mask
+at all, as a varlen kernel would: the whole row's dense s × s document mask would otherwise be the same on every
+rank, the one activation N does not divide. Several rows, and eager, take transformers' mask of the whole rows.
+
 The shard travels with the micro-batch as the model call's `context_parallel` keyword, which transformers hands down
 to every attention call (and again in the recompute of a checkpointed layer): no global state.
 """
@@ -21,6 +25,7 @@ to every attention call (and again in the recompute of a checkpointed layer): no
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -53,11 +58,22 @@ class SequenceShard:
     group: dist.ProcessGroup
     position_ids: torch.Tensor  # (b, s): the whole rows'
     kernel: str
-    masks: dict[int, Any] = field(default_factory=dict)
+    masks: dict[int | str, Any] = field(default_factory=dict)  # built on first use, kept for the other layers
 
     @property
     def ranks(self) -> int:
         return dist.get_world_size(self.group)
+
+    def documents(self) -> list[tuple[int, int]] | None:
+        """[start, end) of each document of a single packed row (a position id 0 starts one); None for several rows,
+        whose documents need not line up."""
+        if self.position_ids.shape[0] != 1:
+            return None
+        if "documents" not in self.masks:
+            starts = [*(self.position_ids[0] == 0).nonzero()[:, 0].tolist(), self.position_ids.shape[-1]]
+            starts = starts if starts[0] == 0 else [0, *starts]
+            self.masks["documents"] = list(itertools.pairwise(starts))
+        return cast("list[tuple[int, int]]", self.masks["documents"])
 
     def mask(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Any:
         """The whole sequence's mask as transformers builds it for `kernel` at N = 1 (None: plainly causal)."""
@@ -155,9 +171,14 @@ def ulysses_attention(
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     groups = query.shape[1] // key.shape[1]
     q, k, v = (_to_heads(t, n, group) for t in (query, key, value))
+    view = cast(torch.nn.Module, _Groups(module, groups))
+    documents = shard.documents() if shard.kernel == "sdpa" else None
+    if documents is not None:  # SDPA causal on each document: no s × s mask, as a varlen kernel
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        parts = [sdpa(view, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **kwargs)[0] for a, b in documents]
+        return _to_tokens(torch.cat(parts, dim=1), n, group), None
     inner = eager_attention_forward if shard.kernel == "eager" else ALL_ATTENTION_FUNCTIONS[shard.kernel]
-    mask = shard.mask(module, query.dtype, query.device)
-    out, _ = inner(cast(torch.nn.Module, _Groups(module, groups)), q, k, v, mask, **kwargs)
+    out, _ = inner(view, q, k, v, shard.mask(module, query.dtype, query.device), **kwargs)
     return _to_tokens(out, n, group), None
 
 
