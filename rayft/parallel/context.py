@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -150,6 +151,17 @@ class _Groups:
         return getattr(self._module, name)
 
 
+def _eager(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The eager attention of the module's own family (its modeling file's, with whatever that adds: soft-capping,
+    sinks), as transformers calls it for `eager`."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    family = sys.modules[type(module).__module__]
+    return cast(
+        "Callable[..., tuple[torch.Tensor, Any]]", getattr(family, "eager_attention_forward", eager_attention_forward)
+    )
+
+
 def ulysses_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -161,10 +173,9 @@ def ulysses_attention(
     """An attention function for transformers' `AttentionInterface`: heads exchanged for tokens, the inner kernel
     on the whole sequence, tokens exchanged back. The model's own (shard-sized) `attention_mask` is not used."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     shard = cast(SequenceShard, kwargs.pop("context_parallel"))
-    kwargs.pop("position_ids", None)  # the shard's: a kernel reading them (flash) is refused
+    kwargs.pop("position_ids", None)  # the shard's: no inner kernel here reads them (a flash kernel would)
     n, group = shard.ranks, shard.group
     repeat = _kv_repeat(key.shape[1], n)
     if repeat > 1:
@@ -177,7 +188,7 @@ def ulysses_attention(
         sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
         parts = [sdpa(view, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **kwargs)[0] for a, b in documents]
         return _to_tokens(torch.cat(parts, dim=1), n, group), None
-    inner = eager_attention_forward if shard.kernel == "eager" else ALL_ATTENTION_FUNCTIONS[shard.kernel]
+    inner = _eager(module) if shard.kernel == "eager" else ALL_ATTENTION_FUNCTIONS[shard.kernel]
     out, _ = inner(view, q, k, v, shard.mask(module, query.dtype, query.device), **kwargs)
     return _to_tokens(out, n, group), None
 

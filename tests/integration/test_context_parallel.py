@@ -118,6 +118,7 @@ def _rank(rank: int, world: int, port: int, family: str, kernel: str, fused: boo
         ("mistral", 4, "sdpa", False, 1),
         ("mistral4", 2, "sdpa", True, 1),  # MLA: q/k head 16, v head 16 from a 16-rank latent
         ("mistral4", 4, "sdpa", True, 2),
+        ("mistral4", 2, "eager", True, 1),  # Mistral4's own eager attention, with the whole row's mask
     ],
 )
 def test_context_parallel_equals_one_rank(tmp_path, family: str, ranks: int, kernel: str, fused: bool, rows: int):
