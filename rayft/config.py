@@ -715,6 +715,9 @@ class ParallelConfig(Section):
     # Expert parallelism: the routed experts of every MoE layer split over groups of k workers, each holding E/k
     # experts whole (frozen, never gathered); tokens travel to their experts by all-to-all. 1 = FSDP only.
     expert_parallel: Count | Annotated[str, Strict()] = 1  # `auto` or k (a number is no word: 2.5 is refused)
+    # Context parallelism: each packed row split over N workers, attention exchanged over heads (Ulysses,
+    # `rayft.parallel.context`); the data is split over num_workers / N data-parallel ranks. 1 = off.
+    context_parallel: Count = 1
 
     def expert_groups(self) -> int:
         """k as an integer (the rules have refused anything else; preflight has resolved `auto`)."""
@@ -885,7 +888,14 @@ class Config(Section):
 
     def broken(self) -> list[Broken | None]:
         """The rules that relate one section to another (a section's own are its `broken`)."""
-        rules = (self._lora_broken, self._dpo_broken, self._layout_broken, self._expert_broken, self._elastic_broken)
+        rules = (
+            self._lora_broken,
+            self._dpo_broken,
+            self._layout_broken,
+            self._expert_broken,
+            self._elastic_broken,
+            self._context_broken,
+        )
         return [found for rule in rules for found in rule()]
 
     def _lora_broken(self) -> list[Broken | None]:
@@ -1013,6 +1023,49 @@ class Config(Section):
                 "parallel.expert_parallel",
             )
             if f.cpu_offload
+            else None,
+        ]
+
+    def _context_broken(self) -> list[Broken | None]:
+        """What context parallelism needs, and what it is not yet combined with (the heads' count is checked where
+        the model's config is read, in preflight: `rayft.parallel.context.check_heads`)."""
+        n, workers = self.parallel.context_parallel, self.ray.num_workers
+        if n == 1:
+            return []
+        key = "parallel.context_parallel"
+        attention = self.model.attn_implementation
+        not_yet = [
+            ("parallel.expert_parallel", self.parallel.expert_parallel != 1),
+            ("train.objective: dpo", self.train.objective == "dpo"),
+            ("ray.min_workers (elastic)", self.ray.elastic),
+            ("fsdp.shard_size", self.fsdp.shard_size is not None),
+        ]
+        combined = [name for name, on in not_yet if on]
+        return [
+            broken(
+                f"{key} {n} must divide ray.num_workers {workers}; valid: "
+                f"{[d for d in range(1, workers + 1) if workers % d == 0]}",
+                key,
+                "ray.num_workers",
+            )
+            if workers % n
+            else None,
+            broken(f"{key} > 1 splits packed rows; set data.packing: true", key, "data.packing")
+            if not self.data.packing
+            else None,
+            broken(
+                f"{key} > 1 runs sdpa or eager attention on the whole sequence; model.attn_implementation is "
+                f"{attention}: set sdpa, eager or null",
+                key,
+                "model.attn_implementation",
+            )
+            if attention not in (None, "sdpa", "eager")
+            else None,
+            broken(
+                f"{key} > 1 is not yet combined with {', '.join(combined)}; set {key}: 1 or leave those out",
+                key,
+            )
+            if combined
             else None,
         ]
 

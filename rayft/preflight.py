@@ -80,6 +80,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         tracker_warnings = check_tracker_access(cfg)
     with timed("preflight_model"):
         from rayft.model.build import check_quantised_storage, weightless_lora_model
+        from rayft.parallel.context import check_heads
         from rayft.parallel.expert import check_expert_parallel
 
         model, targets = weightless_lora_model(cfg)
@@ -91,6 +92,7 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
 
             cfg.parallel.expert_parallel = planned_expert_parallel(cfg, counts, held_as(cfg.model))
         check_expert_parallel(cfg, model.config)
+        check_heads(model.config, cfg.parallel.context_parallel)
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
         check_vocab(tokenizer.vocab_size, model, tokenizer_path(cfg.model))

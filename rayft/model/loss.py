@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 Batch = dict[str, torch.Tensor]  # a collated micro-batch: input_ids, labels, attention or position ids
 IGNORE_INDEX = -100
 # Batch columns that are no input of the model: the targets, and the precomputed DPO reference a pair batch carries.
-NOT_MODEL_INPUTS = ("labels", "reference_logps", "reference_missing")
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "reference_logps", "reference_missing")
 ROW_MULTIPLE = 64
 # Config fields that change the logits after the LM head's matmul, or add a loss term the fused path leaves out.
 _LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -251,6 +251,12 @@ def sequence_logprobs(
     return sums, scored.reshape(labels.shape).sum(-1)
 
 
+def next_token_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Each position's target: the next label (-100 after the last), or `shift_labels` where the caller shifted
+    them already (as transformers' loss takes them)."""
+    return shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -259,6 +265,7 @@ def linear_cross_entropy(
     workspace: Workspace | None = None,
     drop_unscored: bool | None = None,
     lora: LoraHead | None = None,
+    shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' causal-LM loss for `hidden @ weight.T` (labels shifted by one, the mean over labels != -100,
     or their sum / `num_items_in_batch`), computed in `weight`'s dtype. The weight must be frozen: its gradient is
@@ -266,8 +273,9 @@ def linear_cross_entropy(
 
     `drop_unscored` picks one of two ways to leave out unscored rows (padding, prompts): True drops them before the
     head (the CPU way: less work, but their count must reach the host), False masks them inside the chunks (the GPU
-    way: no host sync). None picks by device. Both give the same loss on any device, so either runs on CPU tests."""
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    way: no host sync). None picks by device. Both give the same loss on any device, so either runs on CPU tests.
+    `shift_labels`: the targets already shifted (a context-parallel shard's, taken on the whole row), used as given."""
+    targets = next_token_targets(labels, shift_labels).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     scored_first = hidden.device.type == "cpu" if drop_unscored is None else drop_unscored
     if scored_first:  # dropping unscored rows needs their count on the host: free on CPU, a sync on GPU
@@ -369,6 +377,7 @@ class CausalLMLoss:
         output = lm_head(model)
         weight = self.head(cast(nn.Linear, getattr(output, "base_layer", output)).weight)
         lora = lora_head(output)
+        shifted = batch.get("shift_labels")  # a context-parallel shard's targets, taken on the whole row
         return linear_cross_entropy(
-            hidden, weight, batch["labels"], num_items, self.workspace, self.drop_unscored, lora
+            hidden, weight, batch["labels"], num_items, self.workspace, self.drop_unscored, lora, shifted
         )

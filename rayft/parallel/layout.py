@@ -28,12 +28,14 @@ log = logging.getLogger("rayft")
 @dataclass
 class ParallelDims:
     """World, nodes and the groups of one run. `shard`: ranks an FSDP shard group spans (the world: FSDP over every
-    rank, no mesh); `experts`: k, the workers that share each MoE layer's experts (1: none)."""
+    rank, no mesh); `experts`: k, the workers that share each MoE layer's experts (1: none); `context`: N, the
+    workers each sequence is split over (1: none)."""
 
     topology: Topology
     shard: int
     experts: int
     device_type: str
+    context: int = 1
 
     @property
     def world(self) -> int:
@@ -67,6 +69,18 @@ class ParallelDims:
                 mine = group
         return cast(dist.ProcessGroup, mine)  # every rank is in one of the groups
 
+    def own_context_group(self) -> tuple[dist.ProcessGroup, int]:
+        """This worker's context-parallel group (N consecutive node-ordered ranks: within a node whenever N divides
+        its workers, so the per-layer all-to-alls stay on its links) and the group's index, its data-parallel rank:
+        the ranks of a group read the same rows. Every worker creates all of them, in order."""
+        mine: tuple[dist.ProcessGroup, int] | None = None
+        for index, ranks in enumerate(self.topology.groups(self.context).tolist()):
+            group = dist.new_group(ranks)
+            TALLY.learn(group, ranks, self.topology)
+            if dist.get_rank() in ranks:
+                mine = (group, index)
+        return cast("tuple[dist.ProcessGroup, int]", mine)  # every rank is in one of the groups
+
     def _mesh(self, size: int, names: tuple[str, str]) -> DeviceMesh:
         """Rows of `size` consecutive node-ordered ranks; each dimension's group told to the tally."""
         mesh = DeviceMesh(self.device_type, self.topology.groups(size), mesh_dim_names=names)
@@ -84,4 +98,4 @@ def parallel_dims(cfg: Config, device_type: str, placed: Topology | None = None)
     TALLY.learn(cast(dist.ProcessGroup, dist.group.WORLD), list(range(world)), placed)  # set: `gather` ran on it
     k = cfg.parallel.expert_groups()
     shard = cfg.ray.workers_per_node if k > 1 else cfg.fsdp.shard_group(world)
-    return ParallelDims(placed, shard, k, device_type)
+    return ParallelDims(placed, shard, k, device_type, cfg.parallel.context_parallel)

@@ -35,6 +35,7 @@ from rayft.model.lora import apply_lora
 from rayft.model.nf4 import to_nf4_
 from rayft.model.weights import buffers_kept, load_sharded_
 from rayft.parallel.alltoall import checkpoint_context
+from rayft.parallel.context import enable_context_parallel
 from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
 from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.torch_compat import allow_integer_parameters, check_torch
@@ -66,6 +67,8 @@ def build_model(
         (log.warning if attention.loud else log.info)("attention: %s", attention.line())
         base = empty_model(model_cfg) if sharded else load_base_model(model_cfg)
     model = base
+    if dims.context > 1:  # before activation checkpointing and LoRA wrap the attention modules
+        enable_context_parallel(model, dims)
     # k > 1: the layout's meshes and groups; k = 1: FSDP over every expert, as without the setting.
     # `split_experts_` cuts the model to this worker's experts once LoRA is on.
     ep = expert_parallel(dims, model.config) if dims.experts > 1 else None

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from rayft.model.build import cpu_bf16, decoder_layers, forward_context
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
 from rayft.parallel import topology
+from rayft.parallel.context import context_parallel_of
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
 from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.parallelize import build_model
@@ -81,7 +82,10 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     runtime = RayRuntime()
     cfg, rank, device = job.config, runtime.rank, runtime.device
     _setup_logging(rank)
-    model = build_model(cfg, device.type == "cuda", device, _layout(cfg, device))
+    # Each worker scores its own split of the records whole: no context parallelism (not yet: its groups would
+    # have to read the same rows, as training's do).
+    layout = replace(_layout(cfg, device), context=1)
+    model = build_model(cfg, device.type == "cuda", device, layout)
     objective = build_objective(cfg, model, device)
     collate = objective.collate(load_tokenizer(cfg.model).pad_token_id)
     shard = runtime.shard("validation")
@@ -120,12 +124,18 @@ class Trainer:
         self.world_size = dist.get_world_size()  # an elastic run's group: any size in ray.num_workers' range
         # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
         self.train_shard = runtime.shard("train")
-        self.val_shard = self._validation_shard()
+        val_source = runtime.shard("validation") if self.plan.has_validation else None
         self.state, self.autocast, self.window, self.tokenizer = self._build()
+        self.context = context_parallel_of(self.state.model)
+        # Where this rank reads: the ranks of a context-parallel group read the same rows.
+        self.data_place = (
+            (self.context.data_rank, self.context.data_ranks) if self.context else (self.rank, self.world_size)
+        )
+        self.val_shard = self._validation_shard(val_source)
         self.objective: Objective = build_objective(self.cfg, self.state.model, self.device)
         run = RunDir(self.cfg.run_uri)
         ray_cfg = self.cfg.ray
-        accum = self.plan.accumulation(self.world_size, self.cfg.train.gradient_accumulation_steps)
+        accum = self.plan.accumulation(self.data_place[1], self.cfg.train.gradient_accumulation_steps)
         self.progress_log = None
         self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime)
         try:  # from here on the run holds files open: a set-up that fails closes them
@@ -145,7 +155,8 @@ class Trainer:
                     self.checkpoints.resumed_metrics,
                 )
             self.ledger = self._ledger(run, resumed)
-            self.collate = self.objective.collate(self.tokenizer.pad_token_id)
+            collate = self.objective.collate(self.tokenizer.pad_token_id)
+            self.collate = self.context.collate(collate) if self.context else collate
             self.cadence = Cadence(self.cfg.train, self.cfg.ray, self.plan)
             self.waited = DataWait()
             self.kept_layers = [] if self.cfg.fsdp.reshards() else decoder_layers(self.state.model)
@@ -165,15 +176,12 @@ class Trainer:
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(failed=kind is not None)
 
-    def _validation_shard(self) -> Shard | None:
-        """What this rank evaluates: its split of the validation records, or in an elastic run its part of the
-        batches every size scores."""
-        if not self.plan.has_validation:
-            return None
-        shard = self.runtime.shard("validation")
-        if self.plan.eval_batches is None:
+    def _validation_shard(self, shard: Shard | None) -> Shard | None:
+        """What this rank evaluates: its split of the validation records, or in a run read in global order its
+        part of the batches every size scores."""
+        if shard is None or self.plan.eval_batches is None:
             return shard
-        return GlobalPart(shard, self.plan.eval_batches, self.rank, self.world_size)
+        return GlobalPart(shard, self.plan.eval_batches, *self.data_place)
 
     def _build(self) -> tuple[TrainState, Autocast, LossWindow, PreTrainedTokenizerBase]:
         """The model, optimizer and window (`_build_state`), the tokenizer loading beside them."""
@@ -212,7 +220,7 @@ class Trainer:
             self.train_collate,
             self.waited,
             self.device,
-            (self.rank, self.world_size),
+            self.data_place,
         )
         for group in groups:
             stepped = time.time()
@@ -369,7 +377,7 @@ class Trainer:
 
 def _log_group_size(cfg: Config, plan: StepPlan, world_size: int, accum: int) -> None:
     """An elastic run's group size, each time the group starts: what the run trains on now."""
-    if not plan.global_order:
+    if not cfg.ray.elastic:
         return
     r, per_device = cfg.ray, cfg.train.per_device_train_batch_size
     rows = (plan.global_micro_per_step or 0) * per_device

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rayft.config import Config
-from rayft.model.loss import Batch, CausalLMLoss
+from rayft.model.loss import IGNORE_INDEX, Batch, CausalLMLoss, next_token_targets
 from rayft.parallel.expert import expert_parallel_of
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
@@ -146,8 +146,9 @@ def mean_eval_loss(
     totals = torch.zeros(2, dtype=torch.float64, device=device)
 
     def score(batch: Batch) -> None:
-        predicted = targets(batch)
-        totals.add_(torch.stack([loss(model, batch).double() * predicted, predicted.double()]))
+        # the sum over the batch's targets (a divisor of one), as a context-parallel shard may have none
+        summed = loss(model, batch, torch.ones((), device=device))
+        totals.add_(torch.stack([summed.double(), targets(batch).double()]))
 
     eval_pass(model, shard, batch_size, collate, device, autocast, score)
     dist.all_reduce(totals)
@@ -156,7 +157,7 @@ def mean_eval_loss(
 
 def targets(batch: Batch) -> torch.Tensor:
     """Tokens a batch is scored on: labels other than -100 after the one-position shift."""
-    return (batch["labels"][..., 1:] != -100).sum()
+    return (next_token_targets(batch["labels"], batch.get("shift_labels")) != IGNORE_INDEX).sum()
 
 
 def step_targets(group: list[Batch], world_size: int) -> torch.Tensor:

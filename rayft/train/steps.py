@@ -56,7 +56,7 @@ class StepPlan:
 
 def plan_steps(cfg: Config, train_rows: int, validation_rows: int, world_size: int) -> StepPlan:
     t = cfg.train
-    if cfg.ray.elastic:
+    if cfg.ray.elastic or cfg.parallel.context_parallel > 1:  # context parallel: each group reads the same rows
         return _global_plan(cfg, train_rows, validation_rows, world_size)
     rows_per_worker = train_rows // world_size  # streaming_split(equal=True) drops the remainder
     if rows_per_worker == 0:
@@ -70,13 +70,14 @@ def plan_steps(cfg: Config, train_rows: int, validation_rows: int, world_size: i
 
 
 def _global_plan(cfg: Config, train_rows: int, validation_rows: int, world_size: int) -> StepPlan:
-    """An elastic run's plan: whole global batches only, so every step splits evenly at every size (the rows after
-    an epoch's last whole batch are left out of that epoch); evaluation on the validation batches that split evenly
-    at every size, so its loss too is the same whatever the size."""
+    """An elastic or context-parallel run's plan: whole global batches only, so every step splits evenly at every
+    size (the rows after an epoch's last whole batch are left out of that epoch); evaluation on the validation
+    batches that split evenly at every size, so its loss too is the same whatever the size. A context-parallel
+    run's global batch counts its data-parallel ranks (the groups), each reading the same rows."""
     t = cfg.train
-    every_size = math.lcm(*cfg.ray.sizes())
+    every_size = math.lcm(*cfg.ray.sizes()) // cfg.parallel.context_parallel  # data-parallel ranks
     eval_batches = validation_rows // t.per_device_eval_batch_size // every_size * every_size
-    global_micro = t.gradient_accumulation_steps * world_size
+    global_micro = t.gradient_accumulation_steps * world_size // cfg.parallel.context_parallel  # data-parallel ranks
     steps_per_epoch = train_rows // (global_micro * t.per_device_train_batch_size)
     if steps_per_epoch == 0:
         raise ConfigError(

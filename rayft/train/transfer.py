@@ -21,5 +21,9 @@ def pins(device: torch.device, tensor: torch.Tensor) -> bool:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of `batch` on `device`, copied from pinned memory when that lets the copy run asynchronously."""
-    return {k: (v.pin_memory() if pins(device, v) else v).to(device, non_blocking=True) for k, v in batch.items()}
+    """Every tensor of `batch` on `device`, copied from pinned memory when that lets the copy run asynchronously;
+    what is no tensor (a context-parallel shard's `SequenceShard`) as it is."""
+    return {
+        k: (v.pin_memory() if pins(device, v) else v).to(device, non_blocking=True) if torch.is_tensor(v) else v
+        for k, v in batch.items()
+    }

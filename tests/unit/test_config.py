@@ -109,6 +109,41 @@ def test_round_trips_through_a_plain_dict():
             {"ray": {"num_workers": 12, "workers_per_node": 4}, "parallel": {"expert_parallel": 6}},
             ["parallel.expert_parallel 6", "ray.workers_per_node 4", "valid: [1, 2, 4, 12]"],
         ),
+        (
+            {"ray": {"num_workers": 6}, "parallel": {"context_parallel": 4}, "data": {"packing": True}},
+            ["parallel.context_parallel 4 must divide ray.num_workers 6", "valid: [1, 2, 3, 6]"],
+        ),
+        ({"parallel": {"context_parallel": 0}}, ["parallel.context_parallel must be >= 1"]),
+        ({"parallel": {"context_parallel": 2}}, ["parallel.context_parallel > 1 splits packed rows", "data.packing"]),
+        (
+            {
+                "parallel": {"context_parallel": 2},
+                "data": {"packing": True},
+                "model": {"attn_implementation": "flex_attention"},
+            },
+            ["model.attn_implementation is flex_attention", "set sdpa, eager or null"],
+        ),
+        (
+            {
+                "ray": {"num_workers": 4},
+                "parallel": {"context_parallel": 2, "expert_parallel": 2},
+                "data": {"packing": True},
+                "fsdp": {"shard_size": 2},
+            },
+            ["parallel.context_parallel > 1 is not yet combined with parallel.expert_parallel, fsdp.shard_size"],
+        ),
+        (
+            {"parallel": {"context_parallel": 2}, "train": {"objective": "dpo"}},
+            ["parallel.context_parallel > 1 is not yet combined with train.objective: dpo"],
+        ),
+        (
+            {
+                "ray": {"num_workers": 4, "min_workers": 2},
+                "parallel": {"context_parallel": 2},
+                "data": {"packing": True},
+            },
+            ["not yet combined with ray.min_workers (elastic)"],
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw, needles):

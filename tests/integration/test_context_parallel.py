@@ -1,0 +1,226 @@
+"""Context parallelism (Ulysses, `rayft.parallel.context`) on gloo ranks: one packed micro-batch of several documents
+with a completion-only mask, split over N ranks, gives the loss and the LoRA gradients of the whole micro-batch on
+one rank (fp32, 1e-5 relative), for a dense GQA family and the tiny Mistral-Small-4 (MLA).
+
+The reference is transformers' own path on the whole rows: the model's SDPA attention with its packed-sequence mask
+from `position_ids`, and the model's own loss from its logits (`labels`), with no rayft code in it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Fixtures, free_port, tiny_config
+from fixtures.families import FAMILIES, TINY
+from fixtures.hub_layout import TINY_MISTRAL4
+from fixtures.local_run import LocalRun, train_locally
+from fixtures.ranks import spawn_ranks
+from safetensors.torch import load_file
+
+DOCS = [(3, 6), (2, 5), (4, 4), (0, 1)]  # (prompt, completion) tokens of the packed documents of a row: 25 tokens
+# Gradient norms and trained adapters after a few steps: the same sums over the tokens in another order (per shard,
+# then over the ranks) in fp32, near a uniform softmax over 131k logits (as test_local_trainer's REORDERED).
+REORDERED = 1e-4
+LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral4": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+def _model(family: str) -> torch.nn.Module:
+    """A random tiny model (seeded: every rank builds the same one) with random LoRA factors (B ≠ 0, so that both
+    factors have gradients)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, Mistral4Config, Mistral4ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "mistral4":  # the text model of Mistral-Small-4 (the vision tower never sees a long row)
+        config = Mistral4Config(**{**TINY_MISTRAL4, "vocab_size": 256}, attn_implementation="sdpa")
+        model = Mistral4ForCausalLM(config).float()
+    else:
+        config = AutoConfig.for_model(family, vocab_size=256, **TINY, **FAMILIES[family])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[family], init_lora_weights=False)
+    return get_peft_model(model, lora)
+
+
+def _batch(rows: int) -> dict[str, torch.Tensor]:
+    """Packed rows: documents back to back, position ids restarting at each, prompts unscored; 25 tokens, so
+    that the rows are padded to a multiple of N."""
+    gen = torch.Generator().manual_seed(1)
+    ids, labels, positions = [], [], []
+    for _ in range(rows):
+        row_ids, row_labels, row_pos = [], [], []
+        for prompt, completion in DOCS:
+            tokens = torch.randint(3, 256, (prompt + completion,), generator=gen)
+            row_ids.append(tokens)
+            row_labels.append(torch.cat([torch.full((prompt,), -100), tokens[prompt:]]))
+            row_pos.append(torch.arange(prompt + completion))
+        ids.append(torch.cat(row_ids))
+        labels.append(torch.cat(row_labels))
+        positions.append(torch.cat(row_pos))
+    return {"input_ids": torch.stack(ids), "labels": torch.stack(labels), "position_ids": torch.stack(positions)}
+
+
+def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rank(rank: int, world: int, port: int, family: str, kernel: str, fused: bool, rows: int, result: str) -> None:
+    import torch.distributed as dist
+
+    from rayft.model.loss import CausalLMLoss
+    from rayft.parallel.context import NAME, register, shard_batch
+    from rayft.train.step import targets
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, batch = _model(family), _batch(rows)
+        reference = model(**batch, use_cache=False).loss  # transformers alone, on the whole rows
+        reference.backward()
+        expected = _lora_grads(model)
+        model.zero_grad(set_to_none=True)
+
+        register()
+        model.set_attn_implementation(NAME)
+        shard = shard_batch(batch, dist.group.WORLD, kernel)
+        count = targets(shard).double()
+        dist.all_reduce(count)  # the whole micro-batch's target count
+        loss = CausalLMLoss(fused)(model, shard, count)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # the group's sum: the gradient of the whole micro-batch's loss
+        got = _lora_grads(model)
+        if rank == 0:
+            worst = max(((got[n] - g).norm() / g.norm()).item() for n, g in expected.items())
+            whole = torch.cat([g.flatten() for g in expected.values()])
+            gap = torch.cat([(got[n] - g).flatten() for n, g in expected.items()]).norm() / whole.norm()
+            out = {"loss": (total.item(), reference.item()), "worst": worst, "all": gap.item(), "n": len(got)}
+            torch.save(out, result)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("family", "ranks", "kernel", "fused", "rows"),
+    [
+        ("llama", 2, "sdpa", True, 1),  # 2 kv heads split over 2 ranks; SDPA per document
+        ("llama", 4, "sdpa", True, 2),  # 2 kv heads repeated to 4; two rows: the whole rows' mask
+        ("llama", 2, "eager", False, 1),  # the eager kernel (with the mask), the model's own loss from logits
+        ("mistral", 4, "sdpa", False, 1),
+        ("mistral4", 2, "sdpa", True, 1),  # MLA: q/k head 16, v head 16 from a 16-rank latent
+        ("mistral4", 4, "sdpa", True, 2),
+        ("mistral4", 2, "eager", True, 1),  # Mistral4's own eager attention, with the whole row's mask
+    ],
+)
+def test_context_parallel_equals_one_rank(tmp_path, family: str, ranks: int, kernel: str, fused: bool, rows: int):
+    result = str(tmp_path / "result.pt")
+    spawn_ranks(_rank, args=(ranks, free_port(), family, kernel, fused, rows, result), nprocs=ranks)
+    out = torch.load(result)
+    got, reference = out["loss"]
+    print(
+        f"{family} N={ranks} rows={rows}: loss {got!r} vs {reference!r}; LoRA gradients {out['all']:.3g} relative "
+        f"(all of them), worst tensor {out['worst']:.3g}"
+    )
+    assert out["n"] > 0
+    assert got == pytest.approx(reference, rel=1e-5)
+    assert out["all"] < 1e-5, out
+    # One tensor alone, of the smallest gradients: SDPA per document (its CPU flash kernel) against the reference's
+    # masked kernel sums in another order.
+    assert out["worst"] < 1e-4, out
+
+
+def _run_config(fixtures: Fixtures, out: Path, workers: int, n: int, model: Path | None = None) -> dict:
+    """A few steps of the tiny job, every step logged and evaluated, on `workers` workers split `n` ways."""
+    cfg = tiny_config(
+        fixtures, out, max_steps=3, logging_steps=1, eval_steps=1, save_steps=3, per_device_train_batch_size=2
+    )
+    cfg["data"]["max_eval_samples"] = 16  # 2 batches: one for each data-parallel rank of the 4-worker run
+    cfg["ray"]["num_workers"] = workers
+    cfg["parallel"] = {"context_parallel": n}
+    if model is not None:
+        cfg["model"]["model_name_or_path"] = str(model)
+    return cfg
+
+
+def _assert_same_run(got: LocalRun, want: LocalRun) -> None:
+    mine, theirs = got.metrics(), want.metrics()
+    assert len(mine) == len(theirs) and sum("eval_loss" in r for r in theirs) == 3
+    for a, b in zip(mine, theirs, strict=True):
+        compared = [key for key in ("loss", "eval_loss", "grad_norm") if key in b]
+        assert compared and all(key in a for key in compared), (a, b)
+        for key in compared:
+            print(f"step {a['step']} {key}: {a[key]!r} vs {b[key]!r}")
+            assert a[key] == pytest.approx(b[key], rel=1e-5 if "loss" in key else REORDERED), (a["step"], key)
+    adapters = [load_file(run.out / "final" / "adapter_model.safetensors") for run in (got, want)]
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    gap = max(((adapters[0][k] - t).norm() / t.norm()).item() for k, t in adapters[1].items())
+    print(f"adapter gap {gap:.3g} (relative, worst tensor)")
+    assert gap < REORDERED
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_context_parallel_run_trains_as_one_rank(fixtures: Fixtures, tmp_path: Path, n: int) -> None:
+    """The Trainer under FSDP2 on N gloo ranks, one sequence split over all of them, against one rank: the same
+    losses, evaluation losses, gradient norms and final adapter."""
+    one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1), 1)
+    split = train_locally(_run_config(fixtures, tmp_path / "split", n, n), n)
+    assert "attention" in split.text()
+    _assert_same_run(split, one)
+
+
+def test_a_context_parallel_run_keeps_data_parallel_groups(fixtures: Fixtures, tmp_path: Path) -> None:
+    """4 workers as 2 data-parallel groups of 2: each group reads its own micro-batches of the global stream, the
+    pair within a group the same ones, so the run trains as 2 workers reading that stream without context
+    parallelism (an elastic run's global order: ray.min_workers)."""
+    raw = _run_config(fixtures, tmp_path / "dp", 2, 1)
+    raw["ray"]["min_workers"] = 1
+    dp = train_locally(raw, 2)
+    both = train_locally(_run_config(fixtures, tmp_path / "both", 4, 2), 4)
+    _assert_same_run(both, dp)
+
+
+def test_mistral_small_4_trains_context_parallel(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path) -> None:
+    """The tiny Mistral-Small-4 from its hub layout (MLA attention, FP8 storage, routed experts) split 2 ways."""
+    one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1, mistral4_hub), 1)
+    split = train_locally(_run_config(fixtures, tmp_path / "split", 2, 2, mistral4_hub), 2)
+    _assert_same_run(split, one)
+
+
+def test_a_context_parallel_run_stopped_after_a_checkpoint_resumes_to_the_same_losses(
+    fixtures: Fixtures, tmp_path: Path
+) -> None:
+    """Checkpoints keep their meaning: a 2-way run stopped dead while saving step 3's checkpoint and continued from
+    step 2's ends where the one-rank run ends (the data position is the global stream's, the same at any split)."""
+    raw = _run_config(fixtures, tmp_path / "split", 2, 2)
+    raw["train"]["save_steps"] = 1
+    stopped = train_locally(raw, 2, crash_saving=3)
+    assert [r["step"] for r in stopped.metrics() if "loss" in r] == [1, 2]
+    assert not stopped.checkpoint(3).exists()
+    resumed = train_locally(raw, 2, resume=stopped.checkpoint(2))
+    assert resumed.resumes()[-1] == 2
+    one = train_locally(_run_config(fixtures, tmp_path / "one", 1, 1), 1)
+    _assert_same_run(resumed, one)
+
+
+def test_preflight_refuses_n_that_does_not_split_the_heads(fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path):
+    """Before any worker starts (as `rayft validate` and the job's preflight run it): the tiny models' 4 heads do
+    not split 3 ways; 2 ways they do."""
+    from rayft.config import Config, ConfigError
+    from rayft.model.build import text_config
+    from rayft.parallel.context import check_heads
+
+    for model in (fixtures.model, mistral4_hub):
+        with pytest.raises(ConfigError, match=r"parallel.context_parallel 3 must divide the model's 4 attention"):
+            check_heads(text_config(str(model)), 3)
+        check_heads(text_config(str(model)), 2)
+    raw = _run_config(fixtures, tmp_path, 3, 3)
+    assert Config.from_dict(raw).parallel.context_parallel == 3  # the config alone cannot know the heads
