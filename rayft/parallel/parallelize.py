@@ -76,13 +76,7 @@ def build_model(
     check_quantised_storage(cfg, model, fp8)
     # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
     quantize_frozen_base_(cfg, model, fp8, device or torch.device("cuda" if on_gpu else "cpu"))
-    every = cfg.checkpoint_every()
-    if every is not None:
-        # HF's per-layer checkpointing keeps module names intact, so adapter keys stay PEFT-standard; every n-th
-        # layer (selective) or all of them. With expert parallelism the recompute reuses the saved all-to-all outputs
-        # instead of exchanging again.
-        kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+    enable_recompute(cfg, model, ep)
     model = apply_lora(model, cfg.lora)
     if fp8 or cfg.model.frozen_dtype == "nf4":
         adopt_lora_(model)
@@ -108,6 +102,18 @@ def build_model(
             model.to_empty(device=materialization_device(cfg.fsdp, device))
         load_sharded_(model, Path(cfg.model.model_name_or_path))
     return model
+
+
+def enable_recompute(cfg: Config, model: PreTrainedModel, ep: ExpertParallel | None) -> None:
+    """Activation checkpointing as the config resolves it (`Config.checkpoint_every`): every n-th decoder layer
+    (selective) or all of them, or none. HF's per-layer checkpointing keeps module names intact, so adapter keys stay
+    PEFT-standard. With expert parallelism the recompute reuses the saved all-to-all outputs instead of exchanging
+    again."""
+    every = cfg.checkpoint_every()
+    if every is None:
+        return
+    kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
 
 
 def quantize_frozen_base_(cfg: Config, model: PreTrainedModel, fp8: bool, device: torch.device) -> None:
