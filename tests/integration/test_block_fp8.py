@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.fp8_bytes import decode_e4m3, raw_tensor_bytes
 from fixtures.moe_families import make_block_fp8, make_hub_moe
-from fixtures.ranks import spawn_ranks
+from fixtures.ranks import spawn_ranks, whole
 
 from rayft.config import Config
 from rayft.model.fp8 import Fp8Experts, Fp8Linear, dequantize_rows, scales
@@ -86,8 +86,8 @@ def _check(cfg: Config, block: tuple[int, int], rank: int) -> list[str]:
         if not isinstance(module, (Fp8Linear, Fp8Experts)) or ".lora_" in name:
             continue
         for weight in ("weight",) if isinstance(module, Fp8Linear) else EXPERT_PARTS:
-            data = getattr(module, weight).full_tensor()  # collective
-            scale = getattr(module, f"{weight}_scale").full_tensor()
+            data = whole(getattr(module, weight))  # collective
+            scale = whole(getattr(module, f"{weight}_scale"))
             width = module.block if isinstance(module, Fp8Linear) else module.blocks[weight]
             if width != (block[1] if data.shape[-1] > block[1] else None):
                 problems.append(f"{name}.{weight} keeps column blocks of {width}")
@@ -98,7 +98,7 @@ def _check(cfg: Config, block: tuple[int, int], rank: int) -> list[str]:
                 if not torch.equal(got, reference[base]):
                     problems.append(f"{base}: dequantised FP8 storage differs from the file's values")
     for name, param in model.named_parameters():
-        full = param.full_tensor()  # collective
+        full = whole(param)  # collective
         base = model_param_name(name)
         if rank == 0 and not fp8_storage and ".lora_" not in name:
             covered.add(base)

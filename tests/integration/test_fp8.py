@@ -20,7 +20,7 @@ from conftest import Fixtures, free_port, tiny_config
 from fixtures.devices import DEVICES
 from fixtures.hub_layout import TINY_MISTRAL4
 from fixtures.moe_families import tiny_moe_config
-from fixtures.ranks import spawn_ranks
+from fixtures.ranks import spawn_ranks, whole
 from fixtures.work import WorkCounter
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -352,9 +352,9 @@ def _assert_hub_bytes_loaded_as_they_are(model: nn.Module, model_dir: str, rank:
     storage = [(n, p) for n, p in model.named_parameters() if p.dtype == torch.uint8]
     assert len(storage) == 2 * (8 + 2)  # per layer: 8 linears, gate_up and down of the experts
     for name, param in storage:
-        full = param.full_tensor().cpu()  # collective: every rank; compared on the host, where the files are read
+        full = whole(param).cpu()  # collective: every rank; compared on the host, where the files are read
         scale_name = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else f"{name}_scale"
-        scale = dict(model.named_parameters())[scale_name].full_tensor().cpu().view(torch.float32)
+        scale = whole(dict(model.named_parameters())[scale_name]).cpu().view(torch.float32)
         if rank:
             continue
         key = "language_model." + model_param_name(name)

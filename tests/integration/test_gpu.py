@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.devices import DEVICES, LoadMemory, synchronize
+from fixtures.ranks import whole
 
 from rayft.config import Config
 from rayft.model.fp8 import STORAGE, fp8_scale_params
@@ -113,9 +114,9 @@ def _dense_weights(model) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if id(p) in scale_ids:
             continue
-        full = p.full_tensor().detach().cpu()
+        full = whole(p).detach().cpu()
         if p.dtype == STORAGE:
-            scale = scale_of[name].full_tensor().detach().cpu().view(torch.float32)
+            scale = whole(scale_of[name]).detach().cpu().view(torch.float32)
             full = full.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
         out[name] = full.float()
     return out
@@ -234,7 +235,7 @@ def test_sharded_loading_onto_the_device_equals_the_files(
         if ".lora_" in name:
             continue
         key = model_param_name(name)
-        full = param.full_tensor()
+        full = whole(param)
         assert torch.equal(full.cpu(), expected[key].to(full.dtype)), (kind, name)
         seen.add(key)
     assert seen == {k for k in expected if not k.endswith("rotary_emb.inv_freq")}, kind

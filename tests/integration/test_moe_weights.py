@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
 from fixtures.moe_families import MOE_FAMILIES, make_hub_moe
-from fixtures.ranks import spawn_ranks
+from fixtures.ranks import spawn_ranks, whole
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -89,7 +89,7 @@ def _check_family(cfg: Config, rank: int) -> list[str]:
     expected = dict(reference.state_dict())
     loaded, experts = set(), 0
     for name, param in model.named_parameters():
-        full = param.full_tensor()  # collective
+        full = whole(param)  # collective
         if ".lora_" in name:
             continue
         base = model_param_name(name)
@@ -129,14 +129,14 @@ def _check_fp8_storage(cfg: Config, rank: int) -> list[str]:
     expected = AutoModelForCausalLM.from_pretrained(cfg.model.model_name_or_path, dtype=torch.float32).state_dict()
     named = dict(model.named_parameters())
     for name, param in named.items():
-        full = param.full_tensor()  # collective
+        full = whole(param)  # collective
         if ".lora_" in name or name.endswith("_scale"):
             continue
         base = model_param_name(name)
         if param.dtype == torch.uint8:
             fp8 += 1
             scale_name = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else f"{name}_scale"
-            scale = named[scale_name].full_tensor().view(torch.float32)  # collective
+            scale = whole(named[scale_name]).view(torch.float32)  # collective
             full = full.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
             want = _quantised_by_hand(expected[base])
         else:

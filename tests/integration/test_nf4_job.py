@@ -20,7 +20,7 @@ from fixtures.devices import LoadMemory
 from fixtures.hub_layout import make_tiny_mistral_small4
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import COMMON, MOE_FAMILIES, _random_model, make_block_fp8, make_hub_moe
-from fixtures.ranks import spawn_ranks
+from fixtures.ranks import spawn_ranks, whole
 from fixtures.torchao_nf4 import to_nf4
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
@@ -84,7 +84,7 @@ def _sharded_load_rank(rank: int, world: int, port: int, raw: dict, out: str) ->
             if isinstance(module, (Nf4Linear, Nf4Experts)):
                 key = name.removeprefix("base_model.model.").replace(".base_layer", "")
                 for weight in ("weight",) if isinstance(module, Nf4Linear) else ("gate_up_proj", "down_proj"):
-                    full = [p.full_tensor() for p in storage_of(module, weight)]
+                    full = [whole(p) for p in storage_of(module, weight)]
                     stored[f"{key}.{weight}"] = dict(zip(("codes", "scalers", "factors", "mean"), full, strict=True))
         if rank == 0:
             torch.save(stored, out)
