@@ -286,15 +286,16 @@ def test_in_a_pod_the_watcher_reaches_the_api_server_over_https_with_the_service
 @pytest.mark.parametrize(
     "states",
     [
-        [rayjob("Running", 5000)],  # already started: read once, left alone
-        [rayjob("Initializing", 10), rayjob("Initializing", 20), rayjob("Running", 5000)],
+        [("Running", 5000)],  # already started: read once, left alone
+        [("Initializing", 10), ("Initializing", 20), ("Running", 5000)],
         # queued by Kueue with the startTime of its first attempt, then admitted: the deadline counts afresh
-        [rayjob("Suspended", 5000, suspend=True), rayjob("", 5000), rayjob("Initializing", 5), rayjob("Running", 9)],
+        [("Suspended", 5000, True), ("", 5000), ("Initializing", 5), ("Running", 9)],
     ],
     ids=["running", "starts-in-time", "queued-then-admitted"],
 )
 def test_the_watcher_never_patches_a_job_that_started_or_waits_in_a_queue(tmp_path, states):
-    with FakeApi(states) as api:
+    # The RayJobs are made as the test runs: their start times count back from now, not from collection.
+    with FakeApi([rayjob(*state) for state in states]) as api:
         done = run_watcher(api, tmp_path)
     assert done.returncode == 0, done.stderr
     assert api.patches() == [] and "Running" in done.stdout.splitlines()[-1]
