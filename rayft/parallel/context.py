@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rayft.config import ConfigError
+from rayft.model.loss import IGNORE_INDEX, next_token_targets
 from rayft.parallel.alltoall import exchange
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 NAME = "rayft_ulysses"  # the attention implementation a context-parallel model is set to
 KERNELS = ("sdpa", "eager")  # inner kernels this has been checked with
 SHARDED = ("input_ids", "labels", "position_ids")  # per-token columns of a micro-batch that each rank slices
-IGNORE_INDEX = -100
 
 
 @dataclass(eq=False)
@@ -113,7 +113,7 @@ def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, kernel
     batch = _padded(batch, n)
     length = batch["input_ids"].shape[-1]
     part = slice(rank * length // n, (rank + 1) * length // n)
-    shifted = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
+    shifted = next_token_targets(batch["labels"])
     out: dict[str, Any] = {k: v[..., part].contiguous() if k in SHARDED else v for k, v in batch.items()}
     out["shift_labels"] = shifted[..., part].contiguous()
     out["context_parallel"] = SequenceShard(group, batch["position_ids"], kernel)
