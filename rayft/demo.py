@@ -51,16 +51,19 @@ def make_tokenizer(directory: Path) -> None:
 
 
 def make_tiny_mistral(directory: Path, seed: int = 0, **overrides: int) -> Path:
-    """Random-init dense Mistral (~17M params, almost all in the 131k-row embeddings) + tokenizer."""
+    """Random-init dense Mistral (~17M params, almost all in the 131k-row embeddings) + tokenizer: tekken, unless
+    the directory holds a tokenizer already; the embeddings have a row for each of its ids."""
     import torch
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
     from transformers.utils import logging as hf_logging
 
     if (directory / "config.json").exists():
         return directory
-    make_tokenizer(directory)
+    if not (directory / "tokenizer.json").exists():
+        make_tokenizer(directory)
+    vocab_size = len(AutoTokenizer.from_pretrained(str(directory)))
     torch.manual_seed(seed)
-    model = MistralForCausalLM(MistralConfig(vocab_size=131072, **{**TINY_MISTRAL, **overrides}))
+    model = MistralForCausalLM(MistralConfig(vocab_size=vocab_size, **{**TINY_MISTRAL, **overrides}))
     shown = hf_logging.is_progress_bar_enabled()
     # a one-shard progress bar is the demo log's first line otherwise (transformers leaves these two unannotated)
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

@@ -88,14 +88,20 @@ def _fixture_key(*sources: Path, packages: tuple[str, ...] = ()) -> str:
 
 @pytest.fixture(scope="session")
 def fixtures() -> Fixtures:
-    """The demo's tiny Mistral and wikitext files, built once per machine (tests/fixtures/cache.py): read-only."""
+    """The demo's tiny Mistral and wikitext files, built once per machine (tests/fixtures/cache.py): read-only. Its
+    tokenizer is tekken cut to 2,048 ids (tests/fixtures/small_vocab.py); the demo's own keeps all of tekken."""
+    from fixtures import small_vocab
     from fixtures.cache import cached_dir
 
-    root = cached_dir("demo-fixtures", _fixture_key(), _build_demo_fixtures)
+    root = cached_dir("demo-fixtures", _fixture_key(Path(small_vocab.__file__)), _build_demo_fixtures)
     return Fixtures(model=root / "tiny-mistral", dataset=root / "wikitext")
 
 
 def _build_demo_fixtures(root: Path) -> None:
+    from fixtures.small_vocab import cut_bpe_vocabulary
+
+    demo.make_tokenizer(root / "tiny-mistral")
+    cut_bpe_vocabulary(root / "tiny-mistral")
     demo.make_tiny_mistral(root / "tiny-mistral")
     demo.make_wikitext(root / "wikitext")
 

@@ -47,7 +47,7 @@ def assert_adapter_saved(out: Path, logs: str) -> None:
 
 def test_tekken_chat_job_uses_every_record_and_saves_the_adapter(fixtures: Fixtures, tmp_path):
     """Every record was once skipped (`chat_template`) and the job stopped after the cluster started."""
-    model = tekken_model(fixtures, tmp_path / "tekken")
+    model = tekken_model(tmp_path / "tekken")
     cfg = chat_config(fixtures, model, tmp_path)
     run = train_locally(cfg, 2)
     logs = run.text()

@@ -15,7 +15,7 @@ from rayft.config import ModelConfig
 from rayft.model.build import empty_model
 from rayft.model.weights import buffers_kept, load_sharded_
 
-PROBE = torch.tensor([[1, 1784, 3937, 1278, 8312, 1321, 1261, 2]])
+PROBE = torch.tensor([[1, 1784, 1937, 1278, 1812, 1321, 1261, 2]])
 
 
 def _dequantised_model(base, dtype="float32"):

@@ -265,7 +265,7 @@ def _assert_adapter_matches_training_state(model_dir: Path, final: Path, dcp_dir
         assert adapter[peft_key].shape == tensor.shape, key
 
     exported = PeftModel.from_pretrained(_base(model_dir), str(final))
-    probe = torch.tensor([[1, 1784, 3937, 1278, 8312, 1321, 1261, 2], [1, 1278, 8321, 7932, 1044, 2, 11, 11]])
+    probe = torch.tensor([[1, 1784, 1937, 1278, 1812, 1321, 1261, 2], [1, 1278, 1821, 1932, 1044, 2, 11, 11]])
     mask = (probe != 11).long()
     with torch.no_grad():
         want = reference.eval()(input_ids=probe, attention_mask=mask).logits

@@ -21,6 +21,7 @@ from fixtures.local_run import LocalRun, train_locally
 from fixtures.moe_families import make_tiny_moe
 from fixtures.preference import write_preference_data
 from fixtures.preflight import assert_refused
+from fixtures.small_vocab import FIXTURE_VOCAB
 from fixtures.trackers import wandb_records
 from safetensors.torch import load_file
 from test_chat_job import TRAIN, assert_adapter_saved, chat_config
@@ -33,7 +34,7 @@ from rayft.train.spool import SPOOL_ROOT
 EXACT = ("loss", "eval_loss", "learning_rate", "grad_norm")  # what depends only on what was trained
 TOLERANCE = 1e-6  # exact resume: the same sums in the same order
 REORDERED = 1e-4  # the same sums in another order, fp32 (as test_fp8_job's EP against FSDP)
-TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
+TOKENIZER_IDS = FIXTURE_VOCAB  # the fixture tokenizer's: the embedding must have a row for each
 OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 

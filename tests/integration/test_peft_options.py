@@ -28,7 +28,7 @@ OPTIONS = {
     "rslora": {"use_rslora": True, "r": 4},
     "modules_to_save": {"modules_to_save": ["lm_head", "embed_tokens"], "target_modules": ["q_proj", "v_proj"]},
 }
-IDS = torch.tensor([[1, 1784, 3937, 1278, 8312, 2], [1, 8312, 1321, 1278, 3937, 2]])
+IDS = torch.tensor([[1, 1784, 1937, 1278, 1812, 2], [1, 1812, 1321, 1278, 1937, 2]])
 
 
 def _raw(fixtures: Fixtures, tmp_path: Path, option: str) -> dict:

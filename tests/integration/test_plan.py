@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO, Fixtures
+from fixtures.small_vocab import FIXTURE_VOCAB
 
 from rayft import cli
 from rayft.config import Config
@@ -165,18 +166,23 @@ def test_plan_layouts_of_an_nf4_base_beside_fp8():
 
 
 def test_plan_rows_follow_the_config(fixtures: Fixtures):
-    raw = {"model": {"model_name_or_path": str(fixtures.model), "torch_dtype": "float32"}, "data": {"max_length": 512}}
-    cfg = Config.from_dict(raw)
+    tokens = 16_384  # more than one chunk of the fused loss holds
+    raw = {"model": {"model_name_or_path": str(fixtures.model), "torch_dtype": "float32"}}
+    cfg = Config.from_dict({**raw, "data": {"max_length": tokens}})
     s = meta_structure(cfg)
-    assert s.layers == 2 and s.vocab == 131072 and s.lora > 0
+    assert s.layers == 2 and s.vocab == FIXTURE_VOCAB and s.lora > 0
     without = dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)
     cfg.fsdp.activation_checkpointing = True
     with_ac = dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)
     assert with_ac["activations (AC on)"] < without["activations (AC off)"]
-    # fp32 logits + fp32 log-softmax + fp32 gradient: one 128-token chunk with the fused loss, else every token
-    assert without["logits + loss"] * 2**30 == 128 * 131072 * 12
+    # fp32 logits + fp32 log-softmax + fp32 gradient: with the fused loss one chunk of 64 MiB of fp32 logits (a
+    # multiple of 128 rows) on CPU, else every token
+    chunk = 64 * 2**20 // (4 * FIXTURE_VOCAB)
+    assert chunk % 128 == 0 and chunk < tokens
+    assert without["logits + loss"] * 2**30 == chunk * FIXTURE_VOCAB * 12
     cfg.train.fused_loss = False
-    assert dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)["logits + loss"] * 2**30 == 512 * 131072 * 12
+    unfused = dict(plan_memory(cfg, s, world_size=2, on_gpu=False).rows)
+    assert unfused["logits + loss"] * 2**30 == tokens * FIXTURE_VOCAB * 12
     assert "CUDA/NCCL/allocator overhead" not in without
 
 

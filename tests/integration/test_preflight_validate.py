@@ -28,6 +28,7 @@ from fixtures.preflight import (
     truncate,
     variant,
 )
+from fixtures.small_vocab import FIXTURE_VOCAB
 
 # --- model files: cases build a damaged copy of a real checkpoint and return its directory -----------------------
 
@@ -83,11 +84,14 @@ MODEL_CASES = {
         r"does not fit the model \(4 tensors\): 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
         r"\[32, 64\] in the checkpoint, the model's '.*k_proj\.weight' has \[16, 64\]",
     ),
-    "vocab_size +512": (_vocab, r"'model\.embed_tokens\.weight' has shape \[131072, 64\] .* has \[131584, 64\]"),
+    "vocab_size +512": (
+        _vocab,
+        rf"'model\.embed_tokens\.weight' has shape \[{FIXTURE_VOCAB}, 64\] .* has \[{FIXTURE_VOCAB + 512}, 64\]",
+    ),
     "hub hidden_size mismatch": (
         _hub_hidden,
         r"'language_model\.model\.embed_tokens\.weight' has shape "
-        r"\[131072, 64\] in the checkpoint, .* has \[131072, 96\]",
+        rf"\[{FIXTURE_VOCAB}, 64\] in the checkpoint, .* has \[{FIXTURE_VOCAB}, 96\]",
     ),
     "truncated shard": (_truncated_shard, r"model-00002-of-00002\.safetensors is truncated: its header declares"),
     "index names a missing shard": (_missing_shard, r"index\.json names shard model-00002-of-00002\.safetensors"),
@@ -101,7 +105,10 @@ MODEL_CASES = {
         r"puts tensor 'language_model\.model\.extra\.weight' in model-00001",
     ),
     "garbage safetensors header": (_garbage_header, r"model\.safetensors has a corrupt safetensors header"),
-    "tokenizer larger than the embedding": (small_embedding, r"has 131,072 tokens, the model's embedding 1,000 rows"),
+    "tokenizer larger than the embedding": (
+        small_embedding,
+        rf"has {FIXTURE_VOCAB:,} tokens, the model's embedding 1,000 rows",
+    ),
 }
 
 
@@ -128,7 +135,7 @@ def test_tied_lm_head_missing_from_the_checkpoint_is_fine(fixtures, base, tmp_pa
     assert result.rc == 0, result.err
 
 
-TOKENIZER_IDS = 131072  # the fixture tokenizer's: the embedding must have a row for each
+TOKENIZER_IDS = FIXTURE_VOCAB  # the fixture tokenizer's: the embedding must have a row for each
 
 
 @pytest.mark.parametrize("model_type", sorted(UNKNOWN_MOE))
@@ -393,7 +400,7 @@ def test_chat_records_the_tokenizer_cannot_train_are_refused_with_the_record(
     """On main `validate` said "config ok" to all of these: SmolLM2's template renders any role (a `narrator` was
     trained on), and the job found out about the rest only after the cluster started."""
 
-    model = tekken_model(fixtures, tmp_path / "tekken") if tokenizer == "tekken" else request.getfixturevalue(tokenizer)
+    model = tekken_model(tmp_path / "tekken") if tokenizer == "tekken" else request.getfixturevalue(tokenizer)
     narrator = [CONVERSATION[1], {"role": "narrator", "content": "They wait."}, CONVERSATION[2]]
     cases = {
         "narrator": (

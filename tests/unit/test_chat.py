@@ -24,7 +24,7 @@ from rayft.data.tokenizer import load_tokenizer, tokenizer_facts
 
 @pytest.fixture(scope="module")
 def tekken(fixtures: Fixtures, tmp_path_factory) -> Path:
-    return tekken_model(fixtures, tmp_path_factory.mktemp("tekken") / "model")
+    return tekken_model(tmp_path_factory.mktemp("tekken") / "model")
 
 
 def tokenize(model: Path, fmt, max_length: int = 256) -> Tokenize:

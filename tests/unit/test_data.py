@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import Fixtures
+from fixtures.chat import demo_model
 
 from rayft.config import Config, ConfigError, DataConfig, ModelConfig
 from rayft.data.pipeline import IGNORE_INDEX, PackedCollate, PadCollate, Tokenize, finish, pack
@@ -26,7 +28,11 @@ CHAT_TEMPLATE = (
 
 
 def tokenize(fx: Fixtures, fmt: RecordFormat, max_length: int = 64, packing=False, overlong="truncate", **model):
-    model_cfg = ModelConfig(model_name_or_path=str(fx.model), **model)
+    return tokenize_with(fx.model, fmt, max_length, packing, overlong, **model)
+
+
+def tokenize_with(model_dir: Path, fmt: RecordFormat, max_length=64, packing=False, overlong="truncate", **model):
+    model_cfg = ModelConfig(model_name_or_path=str(model_dir), **model)
     facts = dataclasses.asdict(tokenizer_facts(model_cfg))
     return Tokenize(
         dataclasses.asdict(model_cfg), facts, dataclasses.asdict(fmt), "parquet", max_length, packing, overlong
@@ -174,7 +180,7 @@ def test_rust_fast_path_encodes_exactly_like_transformers(fixtures: Fixtures):
     assert fast(table).equals(slow(table)) and fast._chat_tokenizer is None and slow._chat_tokenizer is not None
 
 
-def test_completion_only_labels_on_a_hand_checked_tekken_example(fixtures: Fixtures):
+def test_completion_only_labels_on_a_hand_checked_tekken_example():
     """Real tekken ids, checked token by token: <s> Question : ĠWhat Ġis Ġthe Ġcapital Ġof ĠFrance ?Ċ Answer :
     | ĠParis </s> — loss on the last two only."""
     fmt = record_format(
@@ -183,7 +189,9 @@ def test_completion_only_labels_on_a_hand_checked_tekken_example(fixtures: Fixtu
         "x",
     )
     assert fmt.completion_only
-    out = tokenize(fixtures, fmt)(pa.table({"question": ["What is the capital of France?"], "answer": [" Paris"]}))
+    out = tokenize_with(demo_model(), fmt)(
+        pa.table({"question": ["What is the capital of France?"], "answer": [" Paris"]})
+    )
     row = out.to_pylist()[0]
     prompt = [1, 25229, 1058, 5675, 1395, 1278, 8961, 1307, 5498, 9551, 31106, 1058]
     assert row["input_ids"] == [*prompt, 6993, 2]
@@ -269,7 +277,7 @@ def test_packed_documents_do_not_attend_to_each_other(fixtures: Fixtures):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(fixtures.model), dtype=torch.float32, attn_implementation="sdpa")
-    first, second = torch.tensor([1, 1784, 3937, 1278, 2]), torch.tensor([1, 1278, 8321, 7932, 1044, 2])
+    first, second = torch.tensor([1, 1784, 1937, 1278, 2]), torch.tensor([1, 1278, 1821, 1932, 1044, 2])
     packed = PackedCollate()(
         {"input_ids": [np.concatenate([first, second])], "position_ids": [np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5])]}
     )

@@ -31,7 +31,7 @@ def test_sharded_lora_model_trains_only_the_adapter(fixtures: Fixtures, tmp_path
     assert all(hasattr(layer, "unshard") for layer in decoder_layers(model))  # each layer is an FSDP unit
     assert model.get_base_model().is_activation_checkpointing is checkpointing
     frozen = {n: p.full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2]])
+    ids = torch.tensor([[1, 1784, 1937, 1278, 1812, 2]])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for _ in range(3):
@@ -64,7 +64,7 @@ def test_fused_loss_matches_the_full_logits_loss_and_gradients(
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05)
-    seqs = [torch.tensor([1, 1784, 3937, 1278, 2]), torch.tensor([1, 8312, 1321, 2])]
+    seqs = [torch.tensor([1, 1784, 1937, 1278, 2]), torch.tensor([1, 1812, 1321, 2])]
     if batching == "packed":
         batch = PackedCollate()({"input_ids": seqs, "position_ids": [torch.arange(5), torch.arange(4)]})
     else:
@@ -118,7 +118,7 @@ def test_fused_loss_is_skipped_where_it_would_be_wrong(fixtures: Fixtures, tmp_p
     raw["train"]["fused_loss"] = False
     model = build_model(Config.from_dict(raw), on_gpu=False)
     assert fused_loss(model, Config.from_dict(raw)) == "train.fused_loss is false"
-    ids = torch.tensor([[1, 1784, 3937, 2]])
+    ids = torch.tensor([[1, 1784, 1937, 2]])
     sft = build_objective(Config.from_dict(raw), model, torch.device("cpu"))
     loss = sft.causal_lm_loss(model, {"input_ids": ids, "labels": ids})
     assert sft.causal_lm_loss.workspace.kept == ()  # no chunk ran: transformers' loss over the full logits
@@ -187,7 +187,7 @@ def test_cpu_offload_materialises_the_shards_on_the_host(fixtures: Fixtures, tmp
     cfg = Config.from_dict(raw)
     model = build_model(cfg, on_gpu=False, device=torch.device("cuda", 0))
     assert {p.device.type for p in model.parameters()} == {"cpu"}
-    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2]])
+    ids = torch.tensor([[1, 1784, 1937, 1278, 1812, 2]])
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters() if p.requires_grad)
@@ -223,7 +223,7 @@ def test_lora_master_weights_and_adamw_state_stay_fp32_over_a_low_precision_base
                 p.normal_(std=0.05)
     before = {n: p.full_tensor().clone() for n, p in trainable.items()}
     optimizer = build_optimizer(model, cfg.train, on_gpu=False)
-    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2, 977, 41]])
+    ids = torch.tensor([[1, 1784, 1937, 1278, 1812, 2, 977, 41]])
     model(input_ids=ids, labels=ids).loss.backward()
     grads = {n: p.grad.full_tensor().clone() for n, p in trainable.items()}
     optimizer.step()
@@ -240,7 +240,7 @@ def test_selective_and_full_recompute_give_the_gradients_of_no_recompute(fixture
     """`fsdp.activation_checkpointing`: selective (every 2nd of the 2 layers: layer 0 recomputed, layer 1 keeping
     its activations) and full recompute change what is kept, not what is computed: the LoRA gradients of one
     step are those of the run without recompute."""
-    ids = torch.tensor([[1, 1784, 3937, 1278, 8312, 2, 1784, 3937]])
+    ids = torch.tensor([[1, 1784, 1937, 1278, 1812, 2, 1784, 1937]])
     grads, recomputed = {}, {}
     for setting in ("none", "selective", "full"):
         raw = tiny_config(fixtures, tmp_path)
