@@ -32,9 +32,9 @@ of the embeddings need no input gradient, which the count ignores (an upper boun
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
 (received per GPU, comm.py). FSDP's gathers and gradient reductions run on their own streams, prefetched a layer
 ahead, so they overlap compute; the all-to-alls of expert parallelism (the experts wait for their tokens) and of
-context parallelism (attention waits for its heads) cannot, and add to it. Predicted step = max(compute + FP8 dequantisation, overlappable comm) + all-to-all; the serial
-figure (nothing overlapped) is the upper bound. A layout is communication-bound when its communication alone takes
-longer than its compute and dequantisation.
+context parallelism (attention waits for its heads) cannot, and add to it. Predicted step = max(compute + FP8
+dequantisation, overlappable comm) + all-to-all; the serial figure (nothing overlapped) is the upper bound. A
+layout is communication-bound when its communication alone takes longer than its compute and dequantisation.
 """
 
 from __future__ import annotations

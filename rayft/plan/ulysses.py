@@ -32,7 +32,7 @@ def kv_repeat(s: Structure, n: int) -> int:
     return n // math.gcd(s.kv_heads, n) if s.kv_heads and n > 1 else 1
 
 
-def exchanged(s: Structure, tokens: int, c: int, n: int) -> tuple[float, float, float, float]:
+def exchanged(s: Structure, tokens: int, c: int, n: int) -> tuple[int, int, int, int]:
     """Bytes of q, k, v and attention's output as a rank of tokens `tokens` (its share of the row) sends them to
     the all-to-all, k and v repeated as the exchange takes them."""
     kv = s.kv_heads * kv_repeat(s, n)
@@ -44,7 +44,7 @@ def exchanged(s: Structure, tokens: int, c: int, n: int) -> tuple[float, float, 
     )
 
 
-def repeated_kv_bytes(s: Structure, tokens: int, c: int, n: int) -> float:
+def repeated_kv_bytes(s: Structure, tokens: int, c: int, n: int) -> int:
     """What one layer keeps of k and v beyond its share when they are repeated: (repeat − 1) copies, which the
     kernel saves for backward in the heads layout."""
     return (kv_repeat(s, n) - 1) * tokens * s.kv_heads * (s.qk_head_dim + s.v_head_dim) * c
