@@ -7,6 +7,11 @@ the activation memory the backward holds, the part context parallelism divides. 
 trains without context parallelism (transformers' SDPA with the whole row's dense s × s document mask, which the
 CPU kernel keeps as fp32 in every layer) and through the per-document SDPA the split ranks run, which has none.
 
+Predicted: `rayft plan`'s activations row for the same model and row on CPU (fp32, no recompute) at each N of the
+per-document path (`rayft.plan.memory.activation_bytes`), beside the largest rank's measured bytes and their ratio;
+`within_10_percent` says whether the prediction holds at N = 4. The dense mask of N = 1 as rayft trains without the
+setting is not predicted: the plan is a GPU run's, whose varlen kernel takes no mask.
+
     python bench/context_parallel_memory.py [--size small|default] [--out bench/results/context_parallel_cpu.json]
 """
 
@@ -95,6 +100,42 @@ def _rank(rank: int, world: int, port: int, shape: dict, out: str, ulysses: bool
         dist.destroy_process_group()
 
 
+def _predicted(shape: dict, n: int) -> int:
+    """`rayft plan`'s activation bytes of a rank for the bench's model and row split over `n` ranks, on CPU."""
+    from rayft.config import Config
+    from rayft.plan import structure
+    from rayft.plan.memory import activation_bytes
+
+    model = _model(shape)
+    raw = {
+        "model": {"model_name_or_path": "tiny-llama", "torch_dtype": "float32", "attn_implementation": "sdpa"},
+        "lora": {
+            "r": 8,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        },
+        "data": {"max_length": shape["tokens"], "packing": True},
+        "fsdp": {"activation_checkpointing": False},
+        "parallel": {"context_parallel": n},
+        "ray": {"use_gpu": False, "num_workers": n},
+    }
+    return int(activation_bytes(Config.from_dict(raw), structure(model, model.config), on_gpu=False))
+
+
+def _compare(cases: dict, shape: dict) -> dict:
+    """Predicted against measured (the largest rank) for every per-document case."""
+    out = {}
+    for name, n in (("1 per-document", 1), ("2", 2), ("4", 4)):
+        measured = max(cases[f"context_parallel={name}"]["saved_activation_bytes_per_rank"])
+        predicted = _predicted(shape, n)
+        out[f"context_parallel={name}"] = {
+            "predicted_bytes": predicted,
+            "measured_bytes": measured,
+            "predicted_over_measured": round(predicted / measured, 4),
+        }
+    out["within_10_percent"] = abs(out["context_parallel=4"]["predicted_over_measured"] - 1) <= 0.10
+    return out
+
+
 def run(size: str) -> dict:
     shape = SIZES[size]
     tokens = shape["tokens"]
@@ -114,6 +155,7 @@ def run(size: str) -> dict:
         one = max(cases[f"context_parallel={base}"]["saved_activation_bytes_per_rank"])
         for case in cases.values():
             case[f"ratio_to_{base.replace(' ', '_')}"] = round(max(case["saved_activation_bytes_per_rank"]) / one, 4)
+    report["plan"] = _compare(cases, shape)
     return report
 
 
