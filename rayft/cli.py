@@ -145,6 +145,24 @@ def _job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], commo
             )
 
 
+def _plan_context_arguments(p: argparse.ArgumentParser) -> None:
+    """`rayft plan`'s sequence lengths and context-parallel degree."""
+    p.add_argument(
+        "--max-length",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        help="tokens per sequence (data.max_length), one or more: each planned in turn",
+    )
+    p.add_argument(
+        "--context-parallel",
+        metavar="N|auto",
+        type=_context_parallel,
+        help="split each packed row over N GPUs (parallel.context_parallel; default: the config's); auto: for each "
+        "--max-length, the fewest GPUs and the N that fit, searched over the model's divisors of its heads",
+    )
+
+
 def _context_parallel(value: str) -> str:
     """`--context-parallel`: a positive integer or `auto`."""
     if value == "auto" or (value.isdigit() and int(value) >= 1):
@@ -197,20 +215,7 @@ def _plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], commo
         help="what the shared volume reads and writes in aggregate, in gigaBYTES per second, for the cost of a "
         "preemption (default 2)",
     )
-    p.add_argument(
-        "--max-length",
-        type=int,
-        nargs="+",
-        metavar="TOKENS",
-        help="tokens per sequence (data.max_length), one or more: each planned in turn",
-    )
-    p.add_argument(
-        "--context-parallel",
-        metavar="N|auto",
-        type=_context_parallel,
-        help="split each packed row over N GPUs (parallel.context_parallel; default: the config's); auto: for each "
-        "--max-length, the fewest GPUs and the N that fit, searched over the model's divisors of its heads",
-    )
+    _plan_context_arguments(p)
     p.add_argument(
         "--no-layouts",
         dest="layouts",

@@ -5,7 +5,8 @@ For every context-parallel degree N the model allows (a divisor of its query hea
 fewest GPUs on which the run fits: GPUs within one node first (1 up to a node's), then whole nodes, N dividing the
 count; FSDP over all of them, the only layout context parallelism is combined with, each with the activation
 checkpointing `auto` chooses there. The answer is the fewest GPUs any N fits on, and among the degrees that fit
-there the fastest predicted step (ties: the smaller N, which exchanges less).
+there the most tokens a second (not the shortest step: at N = 1 a step trains N times the rows of one at N; ties:
+the smaller N, which exchanges less).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def fewest_gpus(
 
 
 def choose(fits: list[ContextFit]) -> ContextFit | None:
-    """The fewest GPUs, then the fastest step there, then the smaller degree."""
-    return min(fits, key=lambda f: (f.cluster.world, round(f.plan.time.predicted_s, 6), f.context), default=None)
+    """The fewest GPUs, then the most tokens a second there, then the smaller degree."""
+    return min(fits, key=lambda f: (f.cluster.world, -round(f.plan.tokens_per_s, 6), f.context), default=None)
 
 
 def format_fits(cfg: Config, s: Structure, hw: Hardware, fits: list[ContextFit], gpus_per_node: int) -> str:

@@ -142,11 +142,7 @@ def plan_memory(
         ]
     rows = [*weights, _activations(s, tokens, c, recompute, degree(cfg))]
     rows.append(("logits + loss", logit_rows * s.vocab * (c + 8)))
-    if expert_parallel > 1:
-        rows += _all_to_all(s, tokens, c, recompute)
-    if degree(cfg) > 1:
-        q, k, _, _ = exchanged(s, tokens, c, degree(cfg))
-        rows.append(("context-parallel all-to-all buffers (send + receive)", 2 * max(q, k)))
+    rows += _all_to_all(s, tokens, c, recompute) if expert_parallel > 1 else _context_buffers(s, tokens, c, degree(cfg))
     if s.expert_lora and held == "dtype":
         rows.append(_expert_lora_merged(s, c, recompute, expert_parallel))
     if held == "fp8" and fp8_compute:
@@ -198,6 +194,15 @@ def _activations(s: Structure, tokens: int, c: int, recompute: Recompute, n: int
     held = k * tokens * s.hidden * c + (s.layers - k) * layer_working_set + (layer_working_set if k else 0)
     label = {"none": "AC off", "full": "AC on"}.get(recompute.mode, f"AC on {k} of {s.layers} layers")
     return f"activations ({label}{f', 1/{n} of the row' if n > 1 else ''})", held
+
+
+def _context_buffers(s: Structure, tokens: int, c: int, n: int) -> list[tuple[str, float]]:
+    """Context parallelism's exchange in flight: the chunks of the largest tensor sent (q or the repeated k) and
+    those received; nothing without it."""
+    if n == 1:
+        return []
+    q, k, _, _ = exchanged(s, tokens, c, n)
+    return [("context-parallel all-to-all buffers (send + receive)", 2 * max(q, k))]
 
 
 def _recomputed_moe_layers(s: Structure, recompute: Recompute) -> int:
