@@ -5,8 +5,8 @@ For every context-parallel degree N the model allows (a divisor of its query hea
 fewest GPUs on which the run fits: GPUs within one node first (1 up to a node's), then whole nodes, N dividing the
 count; FSDP over all of them, the only layout context parallelism is combined with, each with the activation
 checkpointing `auto` chooses there. The answer is the fewest GPUs any N fits on, and among the degrees that fit
-there the most tokens a second (not the shortest step: at N = 1 a step trains N times the rows of one at N; ties:
-the smaller N, which exchanges less).
+there the most tokens a second (not the shortest step: a step on W GPUs trains W/N rows, so a larger N shortens it
+by training fewer; ties: the smaller N, which exchanges less).
 """
 
 from __future__ import annotations
