@@ -29,7 +29,7 @@ if typing.TYPE_CHECKING:
     from rayft.model.frozen import Held
     from rayft.plan.comm import Cluster
     from rayft.plan.memory import MemoryPlan
-    from rayft.plan.steptime import LayoutPlan
+    from rayft.plan.steptime import Hardware, LayoutPlan
     from rayft.plan.structure import Structure
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -145,6 +145,31 @@ def _job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], commo
             )
 
 
+def _plan_context_arguments(p: argparse.ArgumentParser) -> None:
+    """`rayft plan`'s sequence lengths and context-parallel degree."""
+    p.add_argument(
+        "--max-length",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        help="tokens per sequence (data.max_length), one or more: each planned in turn",
+    )
+    p.add_argument(
+        "--context-parallel",
+        metavar="N|auto",
+        type=_context_parallel,
+        help="split each packed row over N GPUs (parallel.context_parallel; default: the config's); auto: for each "
+        "--max-length, the fewest GPUs and the N that fit, searched over the model's divisors of its heads",
+    )
+
+
+def _context_parallel(value: str) -> str:
+    """`--context-parallel`: a positive integer or `auto`."""
+    if value == "auto" or (value.isdigit() and int(value) >= 1):
+        return value
+    raise argparse.ArgumentTypeError(f"a positive integer or auto, got {value!r}")
+
+
 def _plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     about = (
         "per-GPU memory plan of the run for one or more cluster sizes, and each layout's bytes moved and step "
@@ -190,6 +215,7 @@ def _plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], commo
         help="what the shared volume reads and writes in aggregate, in gigaBYTES per second, for the cost of a "
         "preemption (default 2)",
     )
+    _plan_context_arguments(p)
     p.add_argument(
         "--no-layouts",
         dest="layouts",
@@ -336,22 +362,52 @@ def _load(args: argparse.Namespace) -> Config:
 
 def _plan(args: argparse.Namespace) -> int:
     from rayft.model.build import checkpoint_held, held_as
-    from rayft.plan import format_plans, meta_structure, plan_memory
-    from rayft.plan.comm import Cluster
-    from rayft.plan.memory import choose_recompute
-    from rayft.plan.report import format_layouts, format_recompute
-    from rayft.plan.steptime import Hardware, fastest_fitting, plan_layouts
+    from rayft.plan.long_context import fewest_gpus, format_fits, with_context
+    from rayft.plan.steptime import Hardware
 
     cfg = load_config(args.config, args.override)
     if args.num_nodes is None:
         args.num_nodes = [cfg.ray.nodes]
     if args.gpus_per_node is None:
         args.gpus_per_node = cfg.ray.workers_per_node
-    for flag, values in (("--num-nodes", args.num_nodes), ("--gpus-per-node", [args.gpus_per_node])):
+    for flag, values in (
+        ("--num-nodes", args.num_nodes),
+        ("--gpus-per-node", [args.gpus_per_node]),
+        ("--max-length", args.max_length or [1]),
+    ):
         if any(n < 1 for n in values):
             raise ConfigError(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
+    s = _plan_structure(cfg, args.preset)
+    # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8. The checkpoint's config is read
+    # once, for both.
+    filed = checkpoint_held(cfg.model, True if args.preset else None)
+    held = held_as(cfg.model, checkpoint_fp8=filed == "fp8")
+    given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
+    hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
+    if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
+        print(
+            f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
+            f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)"
+        )
+    auto = args.context_parallel == "auto"
+    context = cfg.parallel.context_parallel if auto or args.context_parallel is None else int(args.context_parallel)
+    _check_context(context, s, [n * args.gpus_per_node for n in args.num_nodes], auto)
+    for i, length in enumerate(args.max_length or [cfg.data.max_length]):
+        run = with_context(cfg, context, length)
+        print("" if i == 0 else "\n", end="")
+        if auto:
+            print(format_fits(run, s, hw, fewest_gpus(run, s, hw, held, args.gpus_per_node), args.gpus_per_node))
+        else:
+            _plan_tables(run, s, args, hw, (held, filed))
+    return EXIT_OK
+
+
+def _plan_structure(cfg: Config, preset: str | None) -> Structure:
+    """The model's structure on the meta device: the preset's config, or the model directory's."""
+    from rayft.plan import meta_structure
+
     config = None
-    if args.preset == "mistral-small-4":
+    if preset == "mistral-small-4":
         from transformers import Mistral4Config
 
         config = Mistral4Config()  # transformers' defaults are Mistral-Small-4-119B-2603's text model
@@ -360,14 +416,36 @@ def _plan(args: argparse.Namespace) -> int:
             f"model.model_name_or_path: no config.json in {cfg.model.model_name_or_path}; "
             "point it at the model or use --preset mistral-small-4"
         )
-    s = meta_structure(cfg, config)
-    # The preset stands for the hub checkpoint, which is FP8: `auto` keeps it FP8. The checkpoint's config is read
-    # once, for both.
-    filed = checkpoint_held(cfg.model, True if args.preset else None)
-    held = held_as(cfg.model, checkpoint_fp8=filed == "fp8")
+    return meta_structure(cfg, config)
 
-    given = {"mfu": args.mfu, "inter_gbits": args.interconnect_gbps, "intra_gbytes": args.intra_node_gbps}
-    hw = Hardware(args.gpu, **{k: v for k, v in given.items() if v is not None})
+
+def _check_context(context: int, s: Structure, worlds: list[int], auto: bool) -> None:
+    """ConfigError for a context-parallel degree the model's heads or a cluster size cannot take (`auto` searches
+    its own sizes)."""
+    if context > 1 and s.heads % context:
+        valid = [d for d in range(1, s.heads + 1) if s.heads % d == 0]
+        raise ConfigError(
+            f"--context-parallel {context} must divide the model's {s.heads} attention heads; valid: {valid}"
+        )
+    uneven = [w for w in worlds if w % context]
+    if context > 1 and uneven and not auto:
+        raise ConfigError(
+            f"--context-parallel {context} must divide the workers of every cluster size; "
+            f"{' '.join(map(str, uneven))} GPU(s) do not split into groups of {context}"
+        )
+
+
+def _plan_tables(cfg: Config, s: Structure, args: argparse.Namespace, hw: Hardware, storage: tuple[Held, Held]) -> None:
+    """The memory table for every cluster size, then each size's layouts, activation checkpointing and what a
+    preemption costs."""
+    from rayft.plan import format_plans, plan_memory
+    from rayft.plan.comm import Cluster
+    from rayft.plan.memory import choose_recompute
+    from rayft.plan.report import format_layouts, format_recompute
+    from rayft.plan.steptime import fastest_fitting, plan_layouts
+    from rayft.plan.ulysses import degree
+
+    held, filed = storage
 
     def plans(held: Held) -> list[MemoryPlan]:
         """FSDP over each cluster size, with the recompute `fsdp.activation_checkpointing` asks or chooses there."""
@@ -376,14 +454,10 @@ def _plan(args: argparse.Namespace) -> int:
         chosen = [choose_recompute(cfg, s, w, True, args.gpu, held, fp8_compute=fp8) for w in worlds]
         return [plan_memory(cfg, s, w, True, args.gpu, held, 1, r, fp8) for w, r in zip(worlds, chosen, strict=True)]
 
-    if cfg.ray.use_gpu is False:  # the plan is a GPU cluster's; say so rather than judge a CPU run by it
-        print(
-            f"rayft plan: the config trains on CPU workers (ray.use_gpu: false); below is the same run on "
-            f"{args.gpu} GPUs, for a GPU cluster (`rayft validate` gives the CPU workers' host memory)"
-        )
     beside = _storage_beside(held, bool(s.fp8))
     batch = (cfg.train.per_device_train_batch_size, cfg.data.max_length)
-    print(format_plans(plans(held), s, batch[0] * batch[1], plans(beside) if beside else None, batch))
+    tokens = -(-batch[0] * batch[1] // degree(cfg))
+    print(format_plans(plans(held), s, tokens, plans(beside) if beside else None, batch, degree(cfg)))
     if args.layouts:
         for nodes in args.num_nodes:
             cluster = Cluster(nodes, args.gpus_per_node)
@@ -391,7 +465,6 @@ def _plan(args: argparse.Namespace) -> int:
             print("\n" + format_layouts(cfg, s, cluster, hw, layouts))
             print(format_recompute(cfg, s, fastest_fitting(layouts) or layouts[0], cluster, hw))
             print(_preemption_lines(cfg, s, cluster, layouts, args.storage_gbps, (args.gpu, held, filed)))
-    return EXIT_OK
 
 
 def _storage_beside(held: Held, fp8_holds_any: bool) -> Held | None:

@@ -30,6 +30,11 @@ Layouts:
               included (its recompute reuses the saved exchanges); uniform routing. The rest (attention, shared
               expert, norms, router, embeddings, head) is HSDP within a node: S = GPUs per node, R = nodes (held
               whole with one GPU a node).
+  CP N        context parallelism (rayft.parallel.context, with FSDP over all W): N consecutive workers split each
+              packed row, s = a rank's 1/N of it. Per attention layer per micro-batch a rank sends q, k and v to
+              heads and the output back, forward and backward, and the forward's again in every recomputed layer
+              (2·L + K sets of four, K = layers recomputed): X = s·(H·d_qk + H_kv·repeat·(d_qk + d_v) + H·d_v)·c
+              bytes a set, X·(N−1)/N received (`rayft.plan.ulysses`).
 Plus one 8-byte all-reduce per step (the step's target-token count). Scalar reductions inside gradient clipping
 are neither counted here nor tallied.
 
@@ -46,7 +51,9 @@ from rayft.config import Config, expert_groups_follow_nodes
 from rayft.model.frozen import Held
 from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
 from rayft.plan.memory import compute_bytes, tokens_per_micro_batch
+from rayft.plan.recompute import Recompute
 from rayft.plan.structure import Structure
+from rayft.plan.ulysses import degree, exchanged, exchanges_per_micro_batch
 
 MICRO_BATCH, STEP = "micro-batch", "step"
 TARGET_COUNT_BYTES = 8  # the float64 all-reduce of the step's target tokens (rayft.train.step.step_targets)
@@ -129,9 +136,18 @@ def layouts(cluster: Cluster, s: Structure) -> list[Layout]:
     return out
 
 
-def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gpu: bool, held: Held) -> CommPlan:
+def plan_comm(
+    cfg: Config,
+    s: Structure,
+    layout: Layout,
+    cluster: Cluster,
+    on_gpu: bool,
+    held: Held,
+    recompute: Recompute | None = None,
+) -> CommPlan:
     """The collectives of one optimizer step of `layout` on `cluster`, with their bytes per GPU, the frozen base
-    `held` as the job holds it (NF4 never with expert parallelism: the config refuses it)."""
+    `held` as the job holds it (NF4 never with expert parallelism: the config refuses it); `recompute` (default:
+    the config's as it stands) says how often context parallelism exchanges again."""
     plan = CommPlan(layout, cfg.train.gradient_accumulation_steps)
     c, r = compute_bytes(cfg, on_gpu), _reduce_bytes(cfg)
     k, w = layout.expert_parallel, cluster.world
@@ -147,6 +163,9 @@ def plan_comm(cfg: Config, s: Structure, layout: Layout, cluster: Cluster, on_gp
             "LoRA gradients, routed experts", expert_lora * r / k, dp, cluster.nodes_spanned(dp, stride=k)
         )
         plan.transfers.append(_all_to_all(cfg, s, k, cluster.nodes_spanned(k), c))
+    if degree(cfg) > 1:
+        recomputed = (recompute or Recompute.of(cfg, s.layers)).checkpointed
+        plan.transfers.append(_context_all_to_all(cfg, s, cluster, c, recomputed))
     plan.transfers += _all_reduce("step's target-token count", TARGET_COUNT_BYTES, w, cluster.nodes_spanned(w))
     plan.transfers = [t for t in plan.transfers if t.received > 0]
     return plan
@@ -222,3 +241,14 @@ def _all_to_all(cfg: Config, s: Structure, k: int, nodes: int, c: int) -> Transf
     sent = s.moe_layers * passes * tokens_per_micro_batch(cfg) * s.top_k * s.hidden * c
     what = f"tokens to experts and back, {passes} passes x {s.moe_layers} MoE layers"
     return Transfer("all_to_all", what, MICRO_BATCH, sent * (k - 1) / k, sent * (nodes - 1) / nodes)
+
+
+def _context_all_to_all(cfg: Config, s: Structure, cluster: Cluster, c: int, recomputed: int) -> Transfer:
+    """Context parallelism's q, k, v to heads and output back in every attention layer: forward, backward and the
+    recompute's forward (`rayft.plan.ulysses`), in groups of N consecutive workers."""
+    n = degree(cfg)
+    sets = exchanges_per_micro_batch(s.layers, recomputed)
+    sent = sets * sum(exchanged(s, tokens_per_micro_batch(cfg), c, n))
+    what = f"q, k, v to heads and output back, {sets} x 4 (CP {n}, {s.layers} layers, {recomputed} recomputed)"
+    nodes = cluster.nodes_spanned(n)
+    return Transfer("all_to_all", what, MICRO_BATCH, sent * (n - 1) / n, sent * (nodes - 1) / nodes)

@@ -36,6 +36,10 @@ only its other parameters.
 Expert LoRA on a base not quantised (PEFT's `W + BA` of every local expert, `rayft.model.fp8` applies it as
 activations for FP8 and NF4): each MoE layer not recomputed keeps its experts' W + BA for backward,
 max(L_moe − K_moe, 1) · P_experts_layer / k · c.
+Context parallelism over N ranks (`rayft.plan.ulysses`): s is a rank's 1/N of the packed row, so every activation
+above is its share (attention's heads layout too: s·(H/N)·d bytes = (s/N)·H·d); a layer's working set adds the
+copies of k and v repeated where their heads do not divide N, (repeat − 1) · s · H_kv · (d_qk + d_v) · c; + one
+exchange's buffers 2 · s · max(H · d_qk, H_kv · repeat · d_qk) · c (the chunks sent and received).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from rayft.model.nf4_format import DEQUANT_ROWS_BLOCK
 from rayft.model.nf4_format import storage_bytes as nf4_storage_bytes
 from rayft.plan.recompute import Recompute, choose
 from rayft.plan.structure import Structure
+from rayft.plan.ulysses import degree, exchanged, repeated_kv_bytes
 
 GIB = 2**30
 GPU_GIB = {name: gpu.memory_gib for name, gpu in GPUS.items()}  # usable memory the device reports
@@ -96,8 +101,9 @@ def base_bytes(cfg: Config, s: Structure, held: Held) -> float:
 
 
 def tokens_per_micro_batch(cfg: Config) -> int:
-    """s: tokens each GPU runs per micro-batch (padded rows: max_length each)."""
-    return cfg.data.max_length * cfg.train.per_device_train_batch_size
+    """s: tokens each GPU runs per micro-batch (padded rows: max_length each); with context parallelism its 1/N of
+    them, the row padded to a multiple of N first (`rayft.parallel.context`)."""
+    return -(-cfg.data.max_length * cfg.train.per_device_train_batch_size // degree(cfg))
 
 
 def plan_memory(
@@ -134,9 +140,9 @@ def plan_memory(
             ("gathered root (embeddings, head)", s.root * c),
             (f"LoRA params+grads+AdamW (/{shards})", s.lora * 16 / shards),
         ]
-    rows = [*weights, _activations(s, tokens, c, recompute), ("logits + loss", logit_rows * s.vocab * (c + 8))]
-    if expert_parallel > 1:
-        rows += _all_to_all(s, tokens, c, recompute)
+    rows = [*weights, _activations(s, tokens, c, recompute, degree(cfg))]
+    rows.append(("logits + loss", logit_rows * s.vocab * (c + 8)))
+    rows += _all_to_all(s, tokens, c, recompute) if expert_parallel > 1 else _context_buffers(s, tokens, c, degree(cfg))
     if s.expert_lora and held == "dtype":
         rows.append(_expert_lora_merged(s, c, recompute, expert_parallel))
     if held == "fp8" and fp8_compute:
@@ -172,14 +178,31 @@ def _gathered_layer(s: Structure, c: int, held: Held, storage_gathered: bool = T
     return s.largest_layer * c
 
 
-def _activations(s: Structure, tokens: int, c: int, recompute: Recompute) -> tuple[str, float]:
+def activation_bytes(cfg: Config, s: Structure, on_gpu: bool, recompute: Recompute | None = None) -> float:
+    """What a GPU keeps for backward (the activations row): its tokens' share of the row under context
+    parallelism, with the repeated k and v that N does not divide."""
+    recompute = recompute or Recompute.of(cfg, s.layers)
+    return _activations(s, tokens_per_micro_batch(cfg), compute_bytes(cfg, on_gpu), recompute, degree(cfg))[1]
+
+
+def _activations(s: Structure, tokens: int, c: int, recompute: Recompute, n: int = 1) -> tuple[str, float]:
     """The recomputed layers keep their input, the others their working set, plus one working set while a
-    recomputed layer runs again."""
+    recomputed layer runs again; `tokens` is the rank's share of the row (context parallelism over `n`)."""
     layer_working_set = tokens * s.hidden * 17 * c + tokens * s.top_k * s.moe_intermediate * 3 * c
+    layer_working_set += repeated_kv_bytes(s, tokens, c, n)
     k = recompute.checkpointed
     held = k * tokens * s.hidden * c + (s.layers - k) * layer_working_set + (layer_working_set if k else 0)
     label = {"none": "AC off", "full": "AC on"}.get(recompute.mode, f"AC on {k} of {s.layers} layers")
-    return f"activations ({label})", held
+    return f"activations ({label}{f', 1/{n} of the row' if n > 1 else ''})", held
+
+
+def _context_buffers(s: Structure, tokens: int, c: int, n: int) -> list[tuple[str, float]]:
+    """Context parallelism's exchange in flight: the chunks of the largest tensor sent (q or the repeated k) and
+    those received; nothing without it."""
+    if n == 1:
+        return []
+    q, k, _, _ = exchanged(s, tokens, c, n)
+    return [("context-parallel all-to-all buffers (send + receive)", 2 * max(q, k))]
 
 
 def _recomputed_moe_layers(s: Structure, recompute: Recompute) -> int:
@@ -240,12 +263,14 @@ def format_plans(
     tokens: int,
     other: list[MemoryPlan] | None = None,
     batch: tuple[int, int] | None = None,
+    context: int = 1,
 ) -> str:
     """The table of `plans`; with `other` (the same runs with the frozen base stored the other way: FP8 / bf16),
-    a line of its totals next to them."""
+    a line of its totals next to them; `context`: the GPUs each row is split over."""
     head = f"{s.architecture}: {s.total / 1e9:.2f}B params, LoRA {s.lora / 1e6:.1f}M trainable, {tokens} tokens/GPU"
     if batch is not None:
-        head += f" ({batch[0]} x {batch[1]}: per_device_train_batch_size x max_length)"
+        split = f", split over {context} GPUs: parallel.context_parallel" if context > 1 else ""
+        head += f" ({batch[0]} x {batch[1]}: per_device_train_batch_size x max_length{split})"
     head += f", frozen base stored in {plans[0].frozen}"
     names = [name for name, _ in plans[0].rows]
     width = max(len(name) for name in names) + 2

@@ -8,6 +8,7 @@ from rayft.plan.memory import tokens_per_micro_batch
 from rayft.plan.recompute import Recompute
 from rayft.plan.steptime import Hardware, LayoutPlan, fastest_fitting, layout_plan, model_flops_per_token
 from rayft.plan.structure import Structure
+from rayft.plan.ulysses import degree
 
 GB = 1e9
 KINDS = (("all_gather", "gather"), ("reduce_scatter", "r-scatter"), ("all_reduce", "all-red"), ("all_to_all", "a2a"))
@@ -22,7 +23,8 @@ def format_layouts(cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, pl
         f"{hw.peak / 1e12:.0f} TFLOP/s bf16{_fp8_peak(hw)} at {hw.mfu:.0%} MFU, network {hw.inter_gbits:g} Gb/s "
         f"({hw.inter_bytes_per_s / GB:g} GB/s) and NVLink {hw.intra_gbytes:g} GB/s "
         f"({hw.intra_bytes_per_s / GB:g} GB/s received) per GPU",
-        f"{tokens} tokens/GPU per micro-batch, {m} per step, {model_flops_per_token(cfg, s) / 1e9:.1f} GFLOP/token "
+        f"{tokens} tokens/GPU per micro-batch{_split(cfg)}, {m} per step, "
+        f"{model_flops_per_token(cfg, s) / 1e9:.1f} GFLOP/token "
         "(before recompute); GB received per GPU per step (network: the part over the inter-node links); seconds "
         "per step; AC: the layers recomputed (fsdp.activation_checkpointing); tok/s: all GPUs; MFU as the run "
         "reports it (bf16 peak)",
@@ -62,6 +64,12 @@ def _cells(plan: LayoutPlan, cluster: Cluster, best: bool) -> list[str]:
         f"{plan.tokens_per_s:,.0f}",
         f"{plan.mfu:.0%}",
     ]
+
+
+def _split(cfg: Config) -> str:
+    """How the tokens of a GPU come about under context parallelism; nothing without it."""
+    n = degree(cfg)
+    return f" (1/{n} of each row: parallel.context_parallel {n}, all-to-alls in a2a)" if n > 1 else ""
 
 
 def _fp8_peak(hw: Hardware) -> str:

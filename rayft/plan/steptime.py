@@ -13,6 +13,10 @@ base multiplied on its stored bytes (`model.fp8_compute`: `torch._scaled_mm` / `
 (forward, input gradient, recompute: (4 + 2f) · N_fp8_active) run at the dense FP8 peak instead, LoRA and the rest
 at bf16's.
 
+With context parallelism over n ranks (`parallel.context_parallel`) a rank's tokens are its 1/n of the packed
+row, through every matmul, and it runs H/n heads of attention over the whole row: the row's attention FLOPs / n,
+which is A((s + 1) / 2) per token of its share with s the whole row's length.
+
 Predicted throughput = W · m · s / predicted step; predicted MFU as the run reports it (`rayft.model.flops`): model
 FLOPs per token (4·N_active + 6·N_lora + 3·A, no recompute) · tokens/s per GPU / the bf16 peak.
 
@@ -27,10 +31,10 @@ of the embeddings need no input gradient, which the count ignores (an upper boun
 
 Communication time = bytes over the network / inter-node bandwidth + bytes over NVLink / intra-node bandwidth
 (received per GPU, comm.py). FSDP's gathers and gradient reductions run on their own streams, prefetched a layer
-ahead, so they overlap compute; the all-to-all of expert parallelism cannot (the experts wait for their tokens)
-and adds to it. Predicted step = max(compute + FP8 dequantisation, overlappable comm) + all-to-all; the serial
-figure (nothing overlapped) is the upper bound. A layout is communication-bound when its communication alone takes
-longer than its compute and dequantisation.
+ahead, so they overlap compute; the all-to-alls of expert parallelism (the experts wait for their tokens) and of
+context parallelism (attention waits for its heads) cannot, and add to it. Predicted step = max(compute + FP8
+dequantisation, overlappable comm) + all-to-all; the serial figure (nothing overlapped) is the upper bound. A
+layout is communication-bound when its communication alone takes longer than its compute and dequantisation.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from rayft.plan.memory import (
 )
 from rayft.plan.recompute import Recompute
 from rayft.plan.structure import Structure
+from rayft.plan.ulysses import degree
 
 log = logging.getLogger(__name__)
 DEFAULT_MFU = 0.4
@@ -251,9 +256,13 @@ def plan_layouts(
     cfg: Config, s: Structure, cluster: Cluster, hw: Hardware, held: Held, candidates: list[Layout] | None = None
 ) -> list[LayoutPlan]:
     """Memory, bytes moved and step time of every layout on `cluster` (GPU, the frozen base `held` so); an NF4
-    base's layouts are those without expert parallelism, which it does not take."""
+    base's layouts are those without expert parallelism, which it does not take; with context parallelism only FSDP
+    over every worker (what the config combines it with), and none where N does not divide the workers."""
     if candidates is None:
         candidates = [lo for lo in layouts(cluster, s) if held != "nf4" or lo.expert_parallel == 1]
+        if degree(cfg) > 1:
+            fsdp = Layout(shard=cluster.world)
+            candidates = [fsdp] if cluster.world % degree(cfg) == 0 else []
     return [layout_plan(cfg, s, layout, cluster, hw, held) for layout in candidates]
 
 
@@ -273,7 +282,7 @@ def layout_plan(
     k, fp8 = layout.expert_parallel, hw.multiplies_fp8(cfg, held)
     recompute = recompute or choose_recompute(sharded, s, cluster.world, True, hw.gpu, held, k, fp8)
     memory = plan_memory(sharded, s, cluster.world, True, hw.gpu, held, k, recompute, fp8)
-    comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held)
+    comm = plan_comm(cfg, s, layout, cluster, on_gpu=True, held=held, recompute=recompute)
     time = step_time(cfg, s, comm, hw, held, recompute)
     tokens = cluster.world * cfg.train.gradient_accumulation_steps * tokens_per_micro_batch(cfg)
     return LayoutPlan(layout, held, memory, comm, time, recompute, tokens, model_flops_per_token(cfg, s), hw.peak)

@@ -53,6 +53,10 @@ class Structure:
     moe_layers: int = 0  # decoder layers with routed experts
     active_base: int = 0  # frozen matrix weights a token is multiplied by (routed experts: top_k / E of theirs)
     attention_per_position: float = 0.0  # forward attention FLOPs per token per position of context (A(s) / s)
+    heads: int = 0  # query heads of an attention layer
+    kv_heads: int = 0  # key and value heads as attention receives them (MLA: one per query head)
+    qk_head_dim: int = 0  # width of a query and key head
+    v_head_dim: int = 0  # width of a value head (and of a head of attention's output)
 
     @property
     def layers_frozen(self) -> int:
@@ -114,7 +118,30 @@ def structure(model: PeftModel, config: Any) -> Structure:
         moe_layers=sum(1 for ps in experts_per_layer if ps),
         active_base=flops.base_params,
         attention_per_position=flops.attention,
+        **attention_heads(config),
     )
+
+
+def attention_heads(config: Any) -> dict[str, int]:
+    """Heads and head widths as the attention function receives q, k and v (what context parallelism exchanges):
+    MLA (a `kv_lora_rank`) expands its latent into one key and value head per query head, of its own q/k and v
+    widths; GQA keeps `num_key_value_heads`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads: int = text.num_attention_heads
+    head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // heads
+    mla = getattr(text, "kv_lora_rank", None) is not None
+    qk: int = (
+        getattr(text, "qk_head_dim", None)
+        or (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0)
+        or head_dim
+    )
+    kv_heads: int = heads if mla else (getattr(text, "num_key_value_heads", None) or heads)
+    return {
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "qk_head_dim": qk,
+        "v_head_dim": getattr(text, "v_head_dim", None) or head_dim,
+    }
 
 
 def _rows(p: nn.Parameter) -> int:

@@ -53,6 +53,22 @@ def test_plan_accuracy_benchmark_runs_both_cases(tmp_path):
     assert all(c["measured_peak_mib"] > 0 and c["estimate_mib"] > 0 for c in cases.values())
 
 
+def test_context_parallel_benchmark_predicts_a_ranks_activations_at_four_within_10_percent(tmp_path):
+    out = tmp_path / "context_parallel.json"
+    _small_bench("context_parallel_memory", out)
+    report = json.loads(out.read_text())
+    measured = max(report["cases"]["context_parallel=4"]["saved_activation_bytes_per_rank"])
+    four = report["plan"]["context_parallel=4"]
+    assert four["measured_bytes"] == measured > 0
+    assert abs(four["predicted_bytes"] / measured - 1) <= 0.10, four
+    assert report["plan"]["within_10_percent"] is True
+    # the exchanges: what the planner counts is what the ranks' all-to-alls received, byte for byte
+    for n in (2, 4):
+        case, plan = report["cases"][f"context_parallel={n}"], report["plan"][f"context_parallel={n}"]
+        assert set(case["all_to_all_received_bytes_per_rank"]) == {plan["all_to_all_predicted_bytes"]}
+        assert plan["all_to_all_predicted_bytes"] > 0
+
+
 def test_fp8_quantise_benchmark_times_both_ways_on_the_same_bytes(tmp_path):
     out = tmp_path / "fp8_quantise.json"
     _small_bench("fp8_quantise", out)

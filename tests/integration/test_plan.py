@@ -638,3 +638,29 @@ def test_a_one_rank_shard_group_gathers_no_fp8_storage_and_fp8_matmuls_hold_a_tr
     assert math.isclose(gathered, 2 * ((5_000 - 3_500) * 2 + 3_500 + 4 * 250))  # FSDP over 2 gathers the bytes
     assert "FP8 weight dequantised for its matmul" in rows
     assert pass_bytes_per_weight(cfg, on_bytes=True) == 3 < pass_bytes_per_weight(cfg, on_bytes=False) == 5
+
+
+def test_plan_answers_how_many_gpus_a_sequence_length_needs_and_over_how_many_to_split_it(capsys):
+    """`rayft plan --context-parallel auto`: for each --max-length, the fewest GPUs that fit and the degree there."""
+    capsys.readouterr()
+    argv = ["plan", "--preset", "mistral-small-4", "--max-length", "262144", "--context-parallel", "auto"]
+    argv += ["--gpus-per-node", "8", "--override", "train.gradient_accumulation_steps=1"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\s+\*?(\d+)\s+(\d+)\s+\d+ x \d+\s+([\d.]+)\s", out, re.M)
+    assert [int(n) for n, _, _ in rows] == [1, 2, 4, 8, 16, 32]  # the divisors of Mistral-Small-4's 32 heads
+    answer = re.search(
+        r"^\* 262,144 tokens a row: parallel.context_parallel (\d+) on (\d+) h200 .*?([\d.]+) GiB/GPU", out, re.M
+    )
+    assert answer, out
+    # the answer is the fewest GPUs of any degree, and fits an H200
+    assert int(answer[2]) == min(int(gpus) for _, gpus, _ in rows) and float(answer[3]) <= 139.8
+    # its activations with every layer recomputed, from Mistral-Small-4's shapes: 131,072 tokens a GPU at N = 2;
+    # 36 layers keep their input (hidden 4,096, bf16), one layer runs again: 17 x hidden x 2 B a token, and each
+    # token's 4 routed experts' gate, up and activation (2,048 wide, 2 B)
+    tokens = 262_144 // int(answer[1])
+    held = 36 * tokens * 4_096 * 2 + tokens * 4_096 * 17 * 2 + tokens * 4 * 2_048 * 3 * 2
+    assert f"activations {held / 2**30:.2f}" in out
+    # a degree the heads do not take is refused, naming those they do
+    assert cli.main(["plan", "--preset", "mistral-small-4", "--context-parallel", "3", "--no-layouts"]) == 2
+    assert "valid: [1, 2, 4, 8, 16, 32]" in capsys.readouterr().err
