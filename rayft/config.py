@@ -1028,14 +1028,14 @@ class Config(Section):
 
     def _context_broken(self) -> list[Broken | None]:
         """What context parallelism needs, and what it is not yet combined with (the heads' count is checked where
-        the model's config is read, in preflight: `rayft.parallel.context.check_heads`)."""
+        the model's config is read, in preflight: `rayft.parallel.context.check_heads`). Expert parallelism combines:
+        the experts act per token, so their all-to-all takes whatever tokens a rank holds (`rayft.parallel.expert`)."""
         n, workers = self.parallel.context_parallel, self.ray.num_workers
         if n == 1:
             return []
         key = "parallel.context_parallel"
         attention = self.model.attn_implementation
         not_yet = [
-            ("parallel.expert_parallel", self.parallel.expert_parallel != 1),
             ("train.objective: dpo", self.train.objective == "dpo"),
             ("ray.min_workers (elastic)", self.ray.elastic),
             ("fsdp.shard_size", self.fsdp.shard_size is not None),

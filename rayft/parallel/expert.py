@@ -23,6 +23,12 @@ The expert LoRA's gradients arrive through the all-to-all's backward already sum
 `clip_gradients_` averages them as FSDP averages the rest (sum over `dp`, divide by W) and takes the global norm.
 Checkpoints and the published adapter hold the expert LoRA in PEFT's own layout and shape (as with k = 1), so a
 run resumes with another k and the adapter file is the same either way.
+
+With context parallelism (`rayft.parallel.context`) a rank holds a contiguous slice of each row; the experts act per
+token, so the all-to-all sends that slice's tokens as it would whole rows, and no group needs to know the other:
+the ep-groups and the context groups are each consecutive node-ordered ranks (the same ranks when k = N). The sums
+above stay exact: the step's loss divides each rank's token sum by the whole step's count, so summing the expert
+gradients over every rank's tokens (ep-group by the all-to-all, then `dp`) gives the unsplit gradient.
 """
 
 from __future__ import annotations

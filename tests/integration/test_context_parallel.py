@@ -1,6 +1,7 @@
 """Context parallelism (Ulysses, `rayft.parallel.context`) on gloo ranks: one packed micro-batch of several documents
 with a completion-only mask, split over N ranks, gives the loss and the LoRA gradients of the whole micro-batch on
-one rank (fp32, 1e-5 relative), for a dense GQA family and the tiny Mistral-Small-4 (MLA).
+one rank (fp32, 1e-5 relative), for a dense GQA family and the tiny Mistral-Small-4 (MLA), and for the latter also
+with its routed experts split over expert-parallel groups (the layout a config of both asks for).
 
 The reference is transformers' own path on the whole rows: the model's SDPA attention with its packed-sequence mask
 from `position_ids`, and the model's own loss from its logits (`labels`), with no rayft code in it.
@@ -8,8 +9,10 @@ from `position_ids`, and the model's own loss from its logits (`labels`), with n
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,6 +22,10 @@ from fixtures.hub_layout import TINY_MISTRAL4
 from fixtures.local_run import LocalRun, train_locally
 from fixtures.ranks import spawn_ranks
 from safetensors.torch import load_file
+
+if TYPE_CHECKING:
+    from rayft.parallel.expert import ExpertParallel
+    from rayft.parallel.layout import ParallelDims
 
 DOCS = [(3, 6), (2, 5), (4, 4), (0, 1)]  # (prompt, completion) tokens of the packed documents of a row: 25 tokens
 # Gradient norms and trained adapters after a few steps: the same sums over the tokens in another order (per shard,
@@ -31,9 +38,9 @@ LORA_TARGETS = {
 }
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, experts: bool = False) -> torch.nn.Module:
     """A random tiny model (seeded: every rank builds the same one) with random LoRA factors (B ≠ 0, so that both
-    factors have gradients)."""
+    factors have gradients); `experts`: LoRA on the routed experts too."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, Mistral4Config, Mistral4ForCausalLM
 
@@ -44,7 +51,10 @@ def _model(family: str) -> torch.nn.Module:
     else:
         config = AutoConfig.for_model(family, vocab_size=256, **TINY, **FAMILIES[family])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[family], init_lora_weights=False)
+    parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=LORA_TARGETS[family], target_parameters=parameters, init_lora_weights=False
+    )
     return get_peft_model(model, lora)
 
 
@@ -70,67 +80,120 @@ def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rank(rank: int, world: int, port: int, family: str, kernel: str, fused: bool, rows: int, result: str) -> None:
+def _layout(world: int, context: int, experts: int) -> ParallelDims:
+    """The layout a config of `world` workers on one node with both degrees gets, as a worker builds it."""
+    from rayft.config import Config
+    from rayft.demo import demo_config
+    from rayft.parallel.layout import parallel_dims
+    from rayft.parallel.topology import Topology
+
+    raw = demo_config(Path("unread"))
+    raw["ray"]["num_workers"] = world
+    raw["parallel"] = {"context_parallel": context, "expert_parallel": experts}
+    return parallel_dims(Config.from_dict(raw), "cpu", Topology(("node",) * world))
+
+
+def _own_experts(model: torch.nn.Module, dims: ParallelDims) -> ExpertParallel:
+    """This rank's E/k experts of the whole model: `split_experts_` cuts them (to meta tensors, as on the weightless
+    model of a job), then this rank's rows of the whole base and LoRA tensors fill them, as its load would."""
+    from rayft.parallel.expert import expert_parallel, is_expert_lora, split_experts_
+
+    ep = expert_parallel(dims, model.config)
+    whole = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
+    split_experts_(model, ep)
+    for name, param in list(model.named_parameters()):
+        if name in whole and param.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            full = whole[name]
+            local = ep.local_part(name, full) if is_expert_lora(name) else full[ep.first : ep.first + ep.local]
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(local, requires_grad=param.requires_grad))
+    return ep
+
+
+def _reduced_grads(model: torch.nn.Module, ep: ExpertParallel | None, world: int) -> dict[str, torch.Tensor]:
+    """The LoRA gradients as a step sees them: the rest averaged over the ranks (what FSDP does), the experts' by
+    expert parallelism's own reduction, then made whole for the comparison."""
+    import torch.distributed as dist
+
+    from rayft.parallel.expert import is_expert_lora
+
+    for name, p in model.named_parameters():
+        if p.grad is not None and not (ep is not None and is_expert_lora(name)):
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    if ep is not None:
+        ep.clip_gradients_(model, math.inf)
+    grads = _lora_grads(model)
+    return {n: ep.full(n, g) if ep is not None and is_expert_lora(n) else g for n, g in grads.items()}
+
+
+def _rank(rank: int, world: int, port: int, family: str, split: tuple[int, int], case: tuple, result: str) -> None:
     import torch.distributed as dist
 
     from rayft.model.loss import CausalLMLoss
-    from rayft.parallel.context import NAME, register, shard_batch
-    from rayft.train.step import targets
+    from rayft.parallel.context import enable_context_parallel, shard_batch
+    from rayft.train.step import step_targets
 
+    kernel, fused, rows = case
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model, batch = _model(family), _batch(rows)
+        model, batch = _model(family, experts=split[1] > 1), _batch(rows)
         reference = model(**batch, use_cache=False).loss  # transformers alone, on the whole rows
         reference.backward()
         expected = _lora_grads(model)
         model.zero_grad(set_to_none=True)
 
-        register()
-        model.set_attn_implementation(NAME)
-        shard = shard_batch(batch, dist.group.WORLD, kernel)
-        count = targets(shard).double()
-        dist.all_reduce(count)  # the whole micro-batch's target count
-        loss = CausalLMLoss(fused)(model, shard, count)
+        dims = _layout(world, *split)
+        context = enable_context_parallel(model, dims)
+        ep = _own_experts(model, dims) if split[1] > 1 else None
+        share = rows // context.data_ranks  # each context-parallel group its own rows
+        mine = {k: v[context.data_rank * share : (context.data_rank + 1) * share] for k, v in batch.items()}
+        shard = shard_batch(mine, context.group, kernel)
+        loss = CausalLMLoss(fused)(model, shard, step_targets([shard], world))
         loss.backward()
         total = loss.detach().clone()
-        dist.all_reduce(total)
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)  # the group's sum: the gradient of the whole micro-batch's loss
-        got = _lora_grads(model)
+        dist.all_reduce(total)  # each rank's token sum over the mean count per rank: the sum is `world` means
+        got = _reduced_grads(model, ep, world)
         if rank == 0:
             worst = max(((got[n] - g).norm() / g.norm()).item() for n, g in expected.items())
             whole = torch.cat([g.flatten() for g in expected.values()])
             gap = torch.cat([(got[n] - g).flatten() for n, g in expected.items()]).norm() / whole.norm()
-            out = {"loss": (total.item(), reference.item()), "worst": worst, "all": gap.item(), "n": len(got)}
-            torch.save(out, result)
+            experts = sum(".experts." in n for n in got)
+            out = {"loss": (total.item() / world, reference.item()), "worst": worst, "all": gap.item(), "n": len(got)}
+            torch.save({**out, "experts": experts}, result)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
-    ("family", "ranks", "kernel", "fused", "rows"),
-    [
-        ("llama", 2, "sdpa", True, 1),  # 2 kv heads split over 2 ranks; SDPA per document
-        ("llama", 4, "sdpa", True, 2),  # 2 kv heads repeated to 4; two rows: the whole rows' mask
-        ("llama", 2, "eager", False, 1),  # the eager kernel (with the mask), the model's own loss from logits
-        ("mistral", 4, "sdpa", False, 1),
-        ("mistral4", 2, "sdpa", True, 1),  # MLA: q/k head 16, v head 16 from a 16-rank latent
-        ("mistral4", 4, "sdpa", True, 2),
-        ("mistral4", 2, "eager", True, 1),  # Mistral4's own eager attention, with the whole row's mask
+    ("family", "ranks", "context", "experts", "kernel", "fused", "rows"),
+    [  # context: N, the ranks a row is split over; experts: k, the ranks that share the experts
+        ("llama", 2, 2, 1, "sdpa", True, 1),  # 2 kv heads split over 2 ranks; SDPA per document
+        ("llama", 4, 4, 1, "sdpa", True, 2),  # 2 kv heads repeated to 4; two rows: the whole rows' mask
+        ("llama", 2, 2, 1, "eager", False, 1),  # the eager kernel (with the mask), the model's own loss from logits
+        ("mistral", 4, 4, 1, "sdpa", False, 1),
+        ("mistral4", 2, 2, 1, "sdpa", True, 1),  # MLA: q/k head 16, v head 16 from a 16-rank latent
+        ("mistral4", 4, 4, 1, "sdpa", True, 2),
+        ("mistral4", 2, 2, 1, "eager", True, 1),  # Mistral4's own eager attention, with the whole row's mask
+        # 2 groups of 2 (a row each) with the experts (and their LoRA) split over 2: tokens of both rows' halves
+        # travel to their experts, whose gradients are summed over the expert-parallel and data-parallel ranks
+        ("mistral4", 4, 2, 2, "sdpa", True, 2),
     ],
 )
-def test_context_parallel_equals_one_rank(tmp_path, family: str, ranks: int, kernel: str, fused: bool, rows: int):
+def test_context_parallel_equals_one_rank(
+    tmp_path, family: str, ranks: int, context: int, experts: int, kernel: str, fused: bool, rows: int
+):
     result = str(tmp_path / "result.pt")
-    spawn_ranks(_rank, args=(ranks, free_port(), family, kernel, fused, rows, result), nprocs=ranks)
+    split = (context, experts)
+    spawn_ranks(_rank, args=(ranks, free_port(), family, split, (kernel, fused, rows), result), nprocs=ranks)
     out = torch.load(result)
     got, reference = out["loss"]
     print(
-        f"{family} N={ranks} rows={rows}: loss {got!r} vs {reference!r}; LoRA gradients {out['all']:.3g} relative "
-        f"(all of them), worst tensor {out['worst']:.3g}"
+        f"{family} N={split[0]} k={split[1]} rows={rows}: loss {got!r} vs {reference!r}; LoRA gradients "
+        f"{out['all']:.3g} relative (all of them), worst tensor {out['worst']:.3g}"
     )
-    assert out["n"] > 0
+    assert out["n"] > 0 and (out["experts"] > 0) == (split[1] > 1)
     assert got == pytest.approx(reference, rel=1e-5)
     assert out["all"] < 1e-5, out
     # One tensor alone, of the smallest gradients: SDPA per document (its CPU flash kernel) against the reference's

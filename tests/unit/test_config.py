@@ -130,7 +130,7 @@ def test_round_trips_through_a_plain_dict():
                 "data": {"packing": True},
                 "fsdp": {"shard_size": 2},
             },
-            ["parallel.context_parallel > 1 is not yet combined with parallel.expert_parallel, fsdp.shard_size"],
+            ["parallel.context_parallel > 1 is not yet combined with fsdp.shard_size; set"],
         ),
         (
             {"parallel": {"context_parallel": 2}, "train": {"objective": "dpo"}},
