@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, port: int, family: str, kernel: str, fused: boo
 
         register()
         model.set_attn_implementation(NAME)
-        shard = shard_batch(batch, dist.group.WORLD, kernel)
+        shard = shard_batch(batch, dist.group.WORLD, world, kernel)
         count = targets(shard).double()
         dist.all_reduce(count)  # the whole micro-batch's target count
         loss = CausalLMLoss(fused)(model, shard, count)
