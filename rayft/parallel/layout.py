@@ -106,26 +106,23 @@ class ParallelDims:
         return self._once("context_group", lambda: self._own_group(self.context))
 
     def split_experts(self, model_config: Any) -> ExpertParallel:
-        """This worker's expert parallelism for a model of `model_config` (k > 1): the (dp, ep) mesh and its
-        groups; ConfigError when k does not fit the model. Made once; `expert_parallel` reads it after."""
-
-        def make() -> ExpertParallel:
-            experts = routed_experts(self.experts, self.world, model_config)
-            mesh = self.expert_mesh()
-            dp_group = mesh.get_group("dp") if self.world > self.experts else None
-            return ExpertParallel(self.experts, experts, mesh, self.own_expert_group(), dp_group, self.world)
-
-        return self._once("expert_parallel", make)
+        """This worker's expert parallelism for the model being built, of `model_config` (k > 1): the (dp, ep) mesh
+        and its groups; ConfigError when k does not fit the model. Kept for `expert_parallel` (a layout serves the
+        one model built on it)."""
+        experts = routed_experts(self.experts, self.world, model_config)
+        mesh = self.expert_mesh()
+        dp_group = mesh.get_group("dp") if self.world > self.experts else None
+        made = ExpertParallel(self.experts, experts, mesh, self.own_expert_group(), dp_group, self.world)
+        self._made["expert_parallel"] = made
+        return made
 
     def split_sequences(self, model: PreTrainedModel) -> ContextParallel:
-        """`model`'s attention split over this worker's context-parallel group (N > 1), once; `context_parallel`
-        reads it after."""
-
-        def make() -> ContextParallel:
-            group, index = self.own_context_group()
-            return enable_context_parallel(model, self.context, group, (index, self.data_ranks))
-
-        return self._once("context_parallel", make)
+        """The attention of `model`, being built, split over this worker's context-parallel group (N > 1). Kept for
+        `context_parallel` (a layout serves the one model built on it)."""
+        group, index = self.own_context_group()
+        made = enable_context_parallel(model, self.context, group, (index, self.data_ranks))
+        self._made["context_parallel"] = made
+        return made
 
     @property
     def expert_parallel(self) -> ExpertParallel | None:

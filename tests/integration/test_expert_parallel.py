@@ -302,10 +302,10 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
         model(input_ids=ids, labels=ids, num_items_in_batch=step_targets([{"labels": ids}], world)).loss.backward()
         clip_gradients_(model, 1e9, layout)
         ep = layout.expert_parallel
-        # one layout, its meshes cut once: FSDP's and the experts' are the ones the model was built on
+        # one layout, its meshes cut once: FSDP's (k = 2: one per node) and the experts' are the model's
         sharded = next(p for p in model.parameters() if isinstance(p, DTensor))
-        assert sharded.device_mesh is layout.fsdp_mesh() is not None
-        assert ep is None or ep.mesh is layout.expert_mesh()
+        assert layout.fsdp_mesh() is None or sharded.device_mesh is layout.fsdp_mesh()
+        assert ep is None or (ep.mesh is layout.expert_mesh() and sharded.device_mesh is layout.fsdp_mesh())
         grads = {}
         for name, param in model.named_parameters():
             if param.requires_grad:
