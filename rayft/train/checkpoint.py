@@ -90,7 +90,7 @@ def load_checkpoint(
     model: peft.PeftModel,
     optimizer: torch.optim.Optimizer,
     scheduler: LRScheduler,
-    layout: ParallelDims | None,
+    layout: ParallelDims,
 ) -> Progress:
     """Collective: each rank reads the shards it owns back into the sharded model (built on `layout`) and optimizer.
 
@@ -100,7 +100,7 @@ def load_checkpoint(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     document, progress = read_document(directory, rank)
-    ep = layout.expert_parallel if layout is not None else None
+    ep = layout.expert_parallel
     target = _training_state(model, optimizer, scheduler, progress)
     if ep is not None:
         ep.to_checkpoint(target)
