@@ -39,3 +39,25 @@ def test_preflight_and_the_recompute_choice_leave_the_config_as_validated(
     # demo's LoRA targets none)
     assert (decisions.recompute, decisions.recompute_every) == ("none", None)
     assert decisions.settings() == {"parallel.expert_parallel": 2, "fsdp.activation_checkpointing": "none"}
+
+
+def test_the_model_is_built_with_the_decided_recompute_not_the_configs_fallback(
+    fixtures: Fixtures, tmp_path: Path, process_group
+):
+    """`auto` in the config (its fallback for the demo's LoRA: no recompute); the driver's decision is what the
+    workers build: full recomputes both layers, selective every 2nd recomputes layer 0 only."""
+    from rayft.decisions import Decisions
+    from rayft.model.build import decoder_layers
+    from rayft.parallel.parallelize import build_model
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["fsdp"] = {"activation_checkpointing": "auto"}
+    cfg = Config.from_dict(raw)
+    validated = copy.deepcopy(cfg.to_dict())
+    built = {}
+    for mode, every in (("none", None), ("full", None), ("selective", 2)):
+        decisions = Decisions.of(cfg).recomputing(mode, every)
+        model = build_model(cfg, on_gpu=False, decisions=decisions)
+        built[mode] = [layer.gradient_checkpointing for layer in decoder_layers(model)]
+    assert built == {"none": [False, False], "full": [True, True], "selective": [True, False]}
+    assert cfg.to_dict() == validated
