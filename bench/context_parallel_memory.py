@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, port: int, shape: dict, out: str, ulysses: bool
         if ulysses:
             register()
             model.set_attn_implementation(NAME)
-            batch = shard_batch(batch, dist.group.WORLD, "sdpa")
+            batch = shard_batch(batch, dist.group.WORLD, world, "sdpa")
         count = targets(batch).double()
         dist.all_reduce(count)
         loss = CausalLMLoss(fused=True)

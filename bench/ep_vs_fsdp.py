@@ -61,6 +61,7 @@ def _count_all_gathers(module, box: list[int]) -> None:
 def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) -> None:
     from rayft.config import Config
     from rayft.model.build import decoder_layers
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.step import clip_gradients_
@@ -69,7 +70,9 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     try:
-        model = build_model(Config.from_dict(raw), on_gpu=False)
+        cfg = Config.from_dict(raw)
+        layout = parallel_dims(cfg, "cpu")
+        model = build_model(cfg, on_gpu=False, dims=layout)
         gathered = [0]
         for module in [*decoder_layers(model), model]:
             _count_all_gathers(module, gathered)
@@ -82,7 +85,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str) ->
             dist.barrier()
             started = time.perf_counter()
             model(input_ids=ids, labels=ids).loss.backward()
-            clip_gradients_(model, 1.0)
+            clip_gradients_(model, 1.0, layout)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             dist.barrier()

@@ -420,7 +420,7 @@ def measure_model(case: Case, size: dict[str, Any], env: Env, lines: Lines, prog
     torch.manual_seed(0)
     dims = parallel_dims(cfg, device.type, Topology(("local",)))
     model = build_model(cfg, on_gpu, device, dims, base=random_model(cfg.model, config, device))
-    count_fsdp_collectives(model)  # as a run's set-up does: its Python cost is part of every step
+    count_fsdp_collectives(model, dims)  # as a run's set-up does: its Python cost is part of every step
     model.train()
     optimizer = build_optimizer(model, cfg.train, on_gpu)
     scheduler = build_scheduler(optimizer, cfg.train, plan_steps(cfg, size["steps"], 0, 1))
@@ -445,7 +445,7 @@ def measure_model(case: Case, size: dict[str, Any], env: Env, lines: Lines, prog
         tokens = sum(batch["input_ids"].numel() for batch in group)
         keys = sum(int(attended_keys(batch)) for batch in group)
 
-        step = partial(train_step, model, optimizer, scheduler, group, window, loss=objective.loss, world_size=1,
+        step = partial(train_step, model, optimizer, scheduler, group, window, loss=objective.loss, layout=dims,
                        kept_layers=kept, autocast=autocast, max_grad_norm=cfg.train.max_grad_norm)  # fmt: skip
         reset_peaks(device)
         rss_before = rss_gib()

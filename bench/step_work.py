@@ -30,6 +30,7 @@ this checkout. On CPU the times say little; the counts are what a GPU pays.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -87,6 +88,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
         from rayft.parallel.parallelize import build_model
     except ImportError:  # a "before" commit whose rayft built the model in rayft.model.build
         from rayft.model.build import build_model
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.tally import TALLY
     from rayft.train.step import clip_gradients_
 
@@ -94,10 +96,12 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     try:
-        model = build_model(_config(raw), on_gpu=False)
+        cfg = _config(raw)
+        layout = parallel_dims(cfg, "cpu")
+        model = build_model(cfg, on_gpu=False, dims=layout)
         if chunk:
             _dequantise_in_chunks_of(model, chunk)
-        count_fsdp_collectives(model)
+        count_fsdp_collectives(model, *_layout_for(count_fsdp_collectives, layout))
         calls: Counter = Counter()
         _count_calls(calls)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -106,7 +110,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
         def step() -> float:
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            clip_gradients_(model, 1.0)
+            clip_gradients_(model, 1.0, *_layout_for(clip_gradients_, layout))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss.item()
@@ -137,6 +141,12 @@ def _rank(rank: int, world: int, port: int, raw: dict, tokens: int, out: str, ch
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def _layout_for(function, layout) -> tuple:
+    """(layout,) where this checkout's `function` takes the run's layout; () for a "before" commit's, which found
+    the expert parallelism and the replicas in the model."""
+    return (layout,) if "layout" in inspect.signature(function).parameters else ()
 
 
 def _config(raw: dict):

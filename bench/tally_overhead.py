@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
     from rayft.config import Config
     from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.metrics import LossWindow
@@ -74,7 +75,8 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = Config.from_dict(raw)
-    model = build_model(cfg, on_gpu=False)
+    layout = parallel_dims(cfg, "cpu")
+    model = build_model(cfg, on_gpu=False, dims=layout)
     loss = build_objective(cfg, model, torch.device("cpu")).loss  # the loop's
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -87,7 +89,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
     for block in range(2 * blocks + 1):  # the first (plain) block warms up and is dropped
         counted = block % 2 == 1
         if counted:
-            count_fsdp_collectives(model)
+            count_fsdp_collectives(model, layout)
         else:
             for unit in units:
                 unit.set_custom_all_gather(DefaultAllGather())
@@ -95,7 +97,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, blocks: int, out: str) ->
         for _ in range(STEPS_PER_BLOCK):
             dist.barrier()
             started = time.perf_counter()
-            train_step(model, optimizer, scheduler, group, window, loss=loss, world_size=world, kept_layers=[],
+            train_step(model, optimizer, scheduler, group, window, loss=loss, layout=layout, kept_layers=[],
                        autocast=nullcontext, max_grad_norm=1.0)  # fmt: skip
             if block:
                 times["counted" if counted else "plain"].append(time.perf_counter() - started)

@@ -670,7 +670,8 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     where = f"{world} workers" + (f" (the fewest of ray.num_workers [{world}, {r.num_workers}])" if r.elastic else "")
     held = held_as(cfg.model)
     on_gpu = r.use_gpu is not False
-    plan, recompute = _validate_plan(cfg, checked.structure, held, args.gpu if on_gpu else None)
+    k = checked.decisions.expert_parallel
+    plan, recompute = _validate_plan(cfg, checked.structure, held, args.gpu if on_gpu else None, k)
     print(f"  frozen base: {_storage(checked.structure, held, cfg.model.torch_dtype)}")
     print(f"  memory plan: {_memory_verdict(plan, where, on_gpu, args.gpu)} (rayft plan for details)")
     print(f"  {recompute}")
@@ -687,9 +688,10 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _validate_plan(cfg: Config, s: Structure, held: Held, gpu: str | None) -> tuple[MemoryPlan, str]:
-    """The memory plan of the config's layout on its fewest workers and the line of its activation checkpointing:
-    on `gpu` with what `auto` chooses there (and its cost), or, CPU workers (None), what the config says."""
+def _validate_plan(cfg: Config, s: Structure, held: Held, gpu: str | None, k: int) -> tuple[MemoryPlan, str]:
+    """The memory plan of the config's layout (with k, the expert-parallel degree preflight decided) on its fewest
+    workers and the line of its activation checkpointing: on `gpu` with what `auto` chooses there (and its cost),
+    or, CPU workers (None), what the config says."""
     from rayft.plan import plan_memory
     from rayft.plan.recompute import Recompute
     from rayft.plan.report import format_recompute
@@ -700,7 +702,7 @@ def _validate_plan(cfg: Config, s: Structure, held: Held, gpu: str | None) -> tu
         plan = plan_memory(cfg, s, cfg.ray.fewest_workers, False, held=held, recompute=recompute)
         line = f"activation checkpointing {cfg.checkpointing} → {recompute.describe()} (CPU workers: no GPU to fit)"
         return plan, line
-    cluster, layout = config_layout(cfg)
+    cluster, layout = config_layout(cfg, k)
     hw = Hardware(gpu)
     chosen = layout_plan(cfg, s, layout, cluster, hw, held)
     return chosen.memory, format_recompute(cfg, s, chosen, cluster, hw)

@@ -720,9 +720,9 @@ class ParallelConfig(Section):
     context_parallel: Count = 1
 
     def expert_groups(self) -> int:
-        """k as an integer (the rules have refused anything else; preflight has resolved `auto`)."""
+        """k as an integer (the rules have refused anything else; `auto` is preflight's to decide)."""
         if self.expert_parallel == "auto":
-            raise RuntimeError("parallel.expert_parallel: auto is resolved by preflight before it is used")
+            raise RuntimeError("parallel.expert_parallel: auto is decided by preflight (rayft.decisions)")
         return int(self.expert_parallel)
 
     def broken(self) -> list[Broken | None]:
@@ -838,9 +838,10 @@ class Config(Section):
         return "full" if self.train.gradient_checkpointing and asked in ("auto", "none") else asked
 
     def checkpoint_every(self) -> int | None:
-        """Every n-th decoder layer recomputed in backward (1: every layer), None: none. `auto` is resolved on the
-        driver from the memory plan of the job's GPU (`rayft.plan.recompute`); where nothing resolved it (a model
-        built outside a job, a GPU the planner does not know) it keeps what rayft did before it chose: none, or
+        """Every n-th decoder layer recomputed in backward (1: every layer), None: none. `auto` is decided on the
+        driver from the memory plan of the job's GPU (`rayft.plan.recompute`), handed to the workers beside the
+        config (`rayft.decisions`); where nothing decided it (a model built outside a job, a GPU the planner does
+        not know) it keeps what rayft did before it chose: none, or
         every layer with expert LoRA (a bf16 base's experts keep W + BA of every layer for backward)."""
         mode = self.checkpointing
         if mode == "auto":

@@ -20,6 +20,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from rayft import environment, ray_auth, ray_private
 from rayft.config import Config, ConfigError, RayConfig, check_cpu_precision, is_uri
 from rayft.data.pipeline import build_datasets, build_eval_dataset, small_eval_rows, small_rows
+from rayft.decisions import Decisions
 from rayft.logs import LEVEL_ENV, quiet_worker_output
 from rayft.model.files import check_adapter, check_adapter_files, with_adapter_shape
 from rayft.parallel.backend import nccl_env, process_group_backend
@@ -81,7 +82,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         plan = plan_steps(cfg, rows.train_stats.rows, rows.validation_rows, cfg.ray.num_workers) if rows else None
     with profile.stage("ray_start"):
         use_gpu = join_cluster(cfg)
-    _plan_recompute(cfg, checked, use_gpu)
+    decisions = _plan_recompute(cfg, checked, use_gpu)
     with profile.stage("data_plan"):
         datasets = build_datasets(cfg, sources, checked.records, checked.tokenizer, rows)
     plan = plan or plan_steps(cfg, datasets.train_rows, datasets.validation_rows, cfg.ray.num_workers)
@@ -104,6 +105,7 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
         parameter_counts=params,
         profile=profile,
         fit_started=time.time(),
+        decisions=decisions,
     )
     trainer = _trainer(job, splits, best, use_gpu)
     try:
@@ -125,12 +127,16 @@ def train(cfg: Config, profile: Profile | None = None) -> Outcome:
     )
 
 
-def _plan_recompute(cfg: Config, checked: Preflight, use_gpu: bool) -> None:
-    """`fsdp.activation_checkpointing: auto` resolved for the GPU the cluster has, into the config the workers get."""
+def _plan_recompute(cfg: Config, checked: Preflight, use_gpu: bool) -> Decisions:
+    """Preflight's decisions with `fsdp.activation_checkpointing: auto` decided for the GPU the cluster has: what the
+    workers get beside the config."""
     from rayft.model.build import held_as
     from rayft.plan.steptime import planned_recompute
 
-    planned_recompute(cfg, checked.structure, held_as(cfg.model), cluster_gpu(use_gpu))
+    decided = checked.decisions
+    k = decided.expert_parallel
+    chosen = planned_recompute(cfg, checked.structure, held_as(cfg.model), cluster_gpu(use_gpu), k)
+    return decided.recomputing(chosen.mode, chosen.every)
 
 
 def _trainer(job: Job, splits: dict[str, GenDataset], best: tuple[str, str] | None, use_gpu: bool) -> TorchTrainer:
@@ -313,7 +319,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
         cfg.ray.num_workers,
     )
     run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
-    job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base)
+    job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base, checked.decisions)
     trainer = TorchTrainer(
         eval_worker,
         train_loop_config={"job": job},

@@ -22,6 +22,7 @@ from rayft.data.records import RecordFormat
 from rayft.data.sample import SampleReport, check_data, check_samples
 from rayft.data.sources import SplitSource, resolve_splits
 from rayft.data.tokenizer import TokenizerFacts, check_tokenizer, tokenizer_path
+from rayft.decisions import Decisions
 from rayft.hub import resolve_names
 from rayft.limits import check_max_length, local_placement, lora_rank_warning
 from rayft.model.attention import AttentionChoice, attention_choice, check_attention
@@ -53,6 +54,7 @@ class Preflight:
     samples: list[SampleReport]  # what the job's record pipeline made of each split's first records
     attention: AttentionChoice  # the kernel the workers build the model with, and why
     warnings: list[str]  # settings that run but are likely a mistake (validate prints them)
+    decisions: Decisions  # what `auto` became (the expert-parallel degree); the config stays as validated
 
 
 def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
@@ -86,12 +88,8 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
         model, targets = weightless_lora_model(cfg)
         check_quantised_storage(cfg, model)
         counts = structure(model, model.config)  # walked once: the planner's `auto` and the memory plan read it
-        if cfg.parallel.expert_parallel == "auto":
-            from rayft.model.build import held_as
-            from rayft.plan.steptime import planned_expert_parallel
-
-            cfg.parallel.expert_parallel = planned_expert_parallel(cfg, counts, held_as(cfg.model))
-        check_expert_parallel(cfg, model.config)
+        decisions = Decisions.of(cfg, _expert_parallel(cfg, counts))
+        check_expert_parallel(cfg, model.config, decisions.expert_parallel)
         check_heads(model.config, cfg.parallel.context_parallel)
         if any(model_dir.glob("*.safetensors")):
             check_weights_match(model, model_dir)
@@ -106,7 +104,18 @@ def preflight(cfg: Config, profile: Profile | None = None) -> Preflight:
             prefix_matched_hca(cfg.nccl),
         )
         warnings = [*data_warnings, *tracker_warnings, *(w for w in said if w)]
-    return Preflight(train, validation, records, tokenizer, targets, counts, samples, attention, warnings)
+    return Preflight(train, validation, records, tokenizer, targets, counts, samples, attention, warnings, decisions)
+
+
+def _expert_parallel(cfg: Config, counts: Structure) -> int | None:
+    """`parallel.expert_parallel: auto` decided: the planner's fastest layout that fits; None where the config
+    gives k itself."""
+    if cfg.parallel.expert_parallel != "auto":
+        return None
+    from rayft.model.build import held_as
+    from rayft.plan.steptime import planned_expert_parallel
+
+    return planned_expert_parallel(cfg, counts, held_as(cfg.model))
 
 
 def check_continued_run(cfg: Config) -> str | None:

@@ -150,13 +150,16 @@ def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: st
     import torch.distributed as dist
 
     from rayft.config import Config
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.train.checkpoint import save_adapter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = build_model(Config.from_dict(raw), on_gpu=False)
+        cfg = Config.from_dict(raw)
+        layout = parallel_dims(cfg, "cpu")
+        model = build_model(cfg, on_gpu=False, dims=layout)
         expert_lora = {n: p for n, p in model.named_parameters() if ".experts." in n and ".lora_" in n}
         assert len(expert_lora) == 2 * 2 * 2  # A, B x gate_up, down x 2 layers
         torch.manual_seed(rank)
@@ -169,7 +172,7 @@ def _train_expert_lora_rank(rank: int, world: int, port: int, raw: dict, out: st
             optimizer.zero_grad()
         for name, grad in grads.items():
             assert grad.numel() > 0 and grad.abs().sum() > 0, f"rank {rank}: zero gradient on its shard of {name}"
-        save_adapter(model, Path(out))
+        save_adapter(model, Path(out), layout)
     finally:
         dist.destroy_process_group()
 

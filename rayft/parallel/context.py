@@ -44,8 +44,6 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedConfig, PreTrainedModel
 
-    from rayft.parallel.layout import ParallelDims
-
 NAME = "rayft_ulysses"  # the attention implementation a context-parallel model is set to
 KERNELS = ("sdpa", "eager")  # inner kernels this has been checked with
 SHARDED = ("input_ids", "labels", "position_ids")  # per-token columns of a micro-batch that each rank slices
@@ -57,13 +55,10 @@ class SequenceShard:
     comes from them) and the inner kernel; the whole sequence's mask is built once, at the first layer."""
 
     group: dist.ProcessGroup
+    ranks: int  # N: the group's ranks
     position_ids: torch.Tensor  # (b, s): the whole rows'
     kernel: str
     masks: dict[int | str, Any] = field(default_factory=dict)  # built on first use, kept for the other layers
-
-    @property
-    def ranks(self) -> int:
-        return dist.get_world_size(self.group)
 
     def documents(self) -> list[tuple[int, int]] | None:
         """[start, end) of each document of a single packed row (a position id 0 starts one); None for several rows,
@@ -103,20 +98,20 @@ def _padded(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, kernel: str) -> dict[str, Any]:
-    """This rank's contiguous 1/N of every row of a padding-free micro-batch, with `shift_labels` (the next-token
-    targets taken on the whole row, so the target of a shard's last token, the next shard's first label, is not
-    lost) and the `SequenceShard` for attention."""
+def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, n: int, kernel: str) -> dict[str, Any]:
+    """This rank's contiguous 1/N of every row of a padding-free micro-batch (`group`: the N ranks of the
+    sequence), with `shift_labels` (the next-token targets taken on the whole row, so the target of a shard's last
+    token, the next shard's first label, is not lost) and the `SequenceShard` for attention."""
     if "position_ids" not in batch:
         raise ValueError("parallel.context_parallel > 1 needs padding-free rows (position_ids); this batch has none")
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     batch = _padded(batch, n)
     length = batch["input_ids"].shape[-1]
     part = slice(rank * length // n, (rank + 1) * length // n)
     shifted = next_token_targets(batch["labels"])
     out: dict[str, Any] = {k: v[..., part].contiguous() if k in SHARDED else v for k, v in batch.items()}
     out["shift_labels"] = shifted[..., part].contiguous()
-    out["context_parallel"] = SequenceShard(group, batch["position_ids"], kernel)
+    out["context_parallel"] = SequenceShard(group, n, batch["position_ids"], kernel)
     return out
 
 
@@ -195,36 +190,32 @@ def ulysses_attention(
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """A worker's context-parallel setting: its group, the kernel run inside, and its data-parallel place (the
-    group's index among the groups, and their count): every rank of a group reads the same rows."""
+    """A worker's context-parallel setting: its group of N ranks, the kernel run inside, and its data-parallel place
+    (the group's index among the groups, and their count): every rank of a group reads the same rows."""
 
     group: dist.ProcessGroup
+    ranks: int
     kernel: str
     data_rank: int
     data_ranks: int
 
     def collate(self, collate: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """`collate`, then this rank's shard of the micro-batch."""
-        return lambda rows: shard_batch(collate(rows), self.group, self.kernel)
+        return lambda rows: shard_batch(collate(rows), self.group, self.ranks, self.kernel)
 
 
-def enable_context_parallel(model: PreTrainedModel, dims: ParallelDims) -> ContextParallel:
+def enable_context_parallel(
+    model: PreTrainedModel, n: int, group: dist.ProcessGroup, place: tuple[int, int]
+) -> ContextParallel:
     """The model's attention switched to `NAME` around the kernel it was built with (sdpa when that one reads
-    the shard's position ids itself: a flash kernel), kept on the model for `context_parallel_of`."""
-    check_heads(model.config, dims.context)
-    group, index = dims.own_context_group()
+    the shard's position ids itself: a flash kernel), over this worker's `group` of `n` ranks, whose data-parallel
+    `place` is (the group's index, the groups) (`rayft.parallel.layout` holds what this returns)."""
+    check_heads(model.config, n)
     built = model.config._attn_implementation
-    context = ContextParallel(group, built if built in KERNELS else "sdpa", index, dims.world // dims.context)
+    context = ContextParallel(group, n, built if built in KERNELS else "sdpa", *place)
     register()
     model.set_attn_implementation(NAME)
-    cast(Any, model).rayft_context_parallel = context  # a plain attribute: no parameter, no state-dict key
     return context
-
-
-def context_parallel_of(model: torch.nn.Module) -> ContextParallel | None:
-    """The context-parallel setting a model was built with (`enable_context_parallel`); None without."""
-    found = (getattr(m, "rayft_context_parallel", None) for m in model.modules())
-    return next((c for c in found if c is not None), None)
 
 
 def register() -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,6 @@ from rayft.model.fp8 import expert_counts
 from rayft.parallel.alltoall import exchange, exchange_counts
 from rayft.parallel.tally import TALLY
 
-if TYPE_CHECKING:
-    from rayft.parallel.layout import ParallelDims
-
 SUPPORTED_MOE = tuple(MOE_BLOCKS)  # the MoE blocks of `rayft.model.families`: how each is laid out is read there
 
 
@@ -65,6 +62,7 @@ class ExpertParallel:
     mesh: DeviceMesh  # (dp, ep): the expert LoRA's in checkpoints
     group: dist.ProcessGroup  # this worker's ep-group (all-to-all)
     dp_group: dist.ProcessGroup | None  # workers holding the same experts; None when W = k
+    world: int  # W: every worker of the run
 
     @property
     def rank(self) -> int:
@@ -121,7 +119,7 @@ class ExpertParallel:
                 p.grad = torch.zeros_like(p)
         grads = cast(list[torch.Tensor], [p.grad for p in experts])  # each one set above
         if grads:
-            torch._foreach_div_(grads, dist.get_world_size())
+            torch._foreach_div_(grads, self.world)
             if self.dp_group is not None:
                 self._sum_over_dp(grads)
         others = [p.grad for p in model.parameters() if p.requires_grad and id(p) not in ids and p.grad is not None]
@@ -140,7 +138,7 @@ class ExpertParallel:
     def _sum_over_dp(self, grads: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
-        w = dist.get_world_size(self.dp_group)
+        w = self.world // self.k  # the dp group: one worker of each ep-group
         TALLY.add("all_reduce", flat.numel() * flat.element_size() * 2 * (w - 1) // w, self.dp_group)
         # torch leaves Tensor.split unannotated
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):  # type: ignore[no-untyped-call]
@@ -249,10 +247,10 @@ def check_experts(k: int, num_experts: int, world: int) -> None:
     raise ConfigError(f"parallel.expert_parallel {k} does not divide the model's {what}; valid: {valid}")
 
 
-def check_expert_parallel(cfg: Config, config: Any) -> None:
+def check_expert_parallel(cfg: Config, config: Any, k: int | None = None) -> None:
     """`parallel.expert_parallel` k > 1 against the model: routed experts that split into k groups (ConfigError
-    naming the valid k), before any worker starts."""
-    k = cfg.parallel.expert_groups()
+    naming the valid k), before any worker starts. `k`: the degree decided for `auto` (else the config's)."""
+    k = cfg.parallel.expert_groups() if k is None else k
     if k == 1:
         return
     experts = num_routed_experts(config)
@@ -261,22 +259,13 @@ def check_expert_parallel(cfg: Config, config: Any) -> None:
     check_experts(k, experts, cfg.ray.num_workers)
 
 
-def expert_parallel(dims: ParallelDims, config: Any) -> ExpertParallel:
-    """The (dp, ep) mesh and this worker's groups of the layout `dims`; raises ConfigError when its k does not fit
-    the model. Each ep-group lies within one node whenever k divides its workers (`ParallelDims.expert_mesh`)."""
-    k = dims.experts
+def routed_experts(k: int, world: int, config: Any) -> int:
+    """The model's routed experts per MoE layer, checked to split over k of `world` workers (ConfigError)."""
     experts = num_routed_experts(config)
     if not experts:
         raise ConfigError(f"parallel.expert_parallel {k}: the model ({config.model_type}) has no routed experts")
-    check_experts(k, experts, dims.world)
-    mesh = dims.expert_mesh()
-    dp_group = mesh.get_group("dp") if dims.world > k else None
-    return ExpertParallel(k, experts, mesh, dims.own_expert_group(), dp_group)
-
-
-def expert_parallel_of(model: nn.Module) -> ExpertParallel | None:
-    """The expert-parallel layout a model's MoE blocks route through (`split_experts_`); None for FSDP only."""
-    return next((m.ep for m in model.modules() if isinstance(m, ExpertParallelMoE)), None)
+    check_experts(k, experts, world)
+    return experts
 
 
 class ExpertParallelMoE(nn.Module):

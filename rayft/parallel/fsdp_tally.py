@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.tensor import DTensor
 
+from rayft.parallel.layout import ParallelDims
 from rayft.parallel.tally import TALLY
 
 
@@ -64,10 +64,10 @@ class CountedReduceScatter(ReduceScatter):
         return self.inner(output_tensor, input_tensor, group, op, async_op)
 
 
-def count_fsdp_collectives(model: nn.Module) -> int:
-    """Count every FSDP unit's all-gathers and reduce-scatters (and HSDP all-reduces) of `model` into `TALLY`;
-    returns the number of units counted."""
-    replicas = _replica_group(model)
+def count_fsdp_collectives(model: nn.Module, layout: ParallelDims) -> int:
+    """Count every FSDP unit's all-gathers and reduce-scatters (and HSDP all-reduces, over the replicas of
+    `layout`, the layout `model` was sharded on) into `TALLY`; returns the number of units counted."""
+    replicas = layout.replica_group()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_custom_all_gather(CountedAllGather())
@@ -75,15 +75,6 @@ def count_fsdp_collectives(model: nn.Module) -> int:
         if replicas is not None:
             unit.set_all_reduce_hook(_all_reduce_counter(replicas))
     return len(units)
-
-
-def _replica_group(model: nn.Module) -> dist.ProcessGroup | None:
-    """This rank's group of replicas of its shard: the first dimension of a 2-D (replicate, shard) mesh; None
-    without replicas."""
-    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
-    if param is None or param.device_mesh.ndim < 2 or param.device_mesh.size(0) == 1:
-        return None
-    return param.device_mesh.get_group(0)
 
 
 def _all_reduce_counter(group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:

@@ -17,9 +17,9 @@ import peft
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from rayft.config import Config, FsdpConfig
+from rayft.decisions import Decisions
 from rayft.model.build import (
     attention_model_config,
     check_quantised_storage,
@@ -35,8 +35,7 @@ from rayft.model.lora import apply_lora
 from rayft.model.nf4 import to_nf4_
 from rayft.model.weights import buffers_kept, load_sharded_
 from rayft.parallel.alltoall import checkpoint_context
-from rayft.parallel.context import enable_context_parallel
-from rayft.parallel.expert import ExpertParallel, expert_parallel, expert_params, split_experts_
+from rayft.parallel.expert import ExpertParallel, expert_params, split_experts_
 from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.torch_compat import allow_integer_parameters, check_torch
 
@@ -52,15 +51,19 @@ def build_model(
     device: torch.device | None = None,
     dims: ParallelDims | None = None,
     base: PreTrainedModel | None = None,
+    decisions: Decisions | None = None,
 ) -> peft.PeftModel:
     """`sharded`: weightless init → LoRA → fully_shard → each rank reads its own shards from disk.
     `full`: every rank loads the whole model with `from_pretrained` first (reference path, needs RAM for it all).
-    `dims`: the run's layout on its workers, made at set-up; without it, made here from `cfg` (a collective).
+    `dims`: the run's layout on its workers, made at set-up; without it, made here from `cfg` (a collective); it
+    keeps the expert and context parallelism made here. `decisions`: what the driver decided for the config's
+    `auto` settings (the layout's k, the recompute); without them, the config's own.
     `base`: a base model already holding its weights where it trains (`rayft.model.build.random_model`, for timing
     steps without checkpoint files): it goes through the same steps, and nothing is read from disk."""
     check_torch()  # a worker's torch is its node image's, which the driver's validation never saw
     sharded = base is None and cfg.model.load_mode == "sharded"
-    dims = dims or parallel_dims(cfg, "cuda" if on_gpu else "cpu")
+    decisions = decisions or Decisions.of(cfg)
+    dims = dims or parallel_dims(cfg, "cuda" if on_gpu else "cpu", decisions=decisions)
     model: PreTrainedModel | peft.PeftModel  # the base model, then PEFT's around it
     if base is None:
         model_cfg, attention = attention_model_config(cfg, on_gpu)
@@ -68,15 +71,15 @@ def build_model(
         base = empty_model(model_cfg) if sharded else load_base_model(model_cfg)
     model = base
     if dims.context > 1:  # before activation checkpointing and LoRA wrap the attention modules
-        enable_context_parallel(model, dims)
+        dims.split_sequences(model)
     # k > 1: the layout's meshes and groups; k = 1: FSDP over every expert, as without the setting.
     # `split_experts_` cuts the model to this worker's experts once LoRA is on.
-    ep = expert_parallel(dims, model.config) if dims.experts > 1 else None
+    ep = dims.split_experts(model.config) if dims.experts > 1 else None
     fp8 = frozen_fp8(cfg.model)
     check_quantised_storage(cfg, model, fp8)
     # before LoRA and FSDP: PEFT wraps these layers, FSDP shards their bytes
     quantize_frozen_base_(cfg, model, fp8, device or torch.device("cuda" if on_gpu else "cpu"))
-    enable_recompute(cfg, model, ep)
+    enable_recompute(decisions.recompute_every, model, ep)
     model = apply_lora(model, cfg.lora)
     if fp8 or cfg.model.frozen_dtype == "nf4":
         adopt_lora_(model)
@@ -96,7 +99,7 @@ def build_model(
         # The rest: HSDP within each node (`rayft.parallel.expert` says why), whatever k is.
         ignored = set(expert_params(model)) | unsharded_storage(model, cfg.fsdp, dims)
         apply_fsdp(model, cfg.fsdp, mixed_precision(cfg, on_gpu), dims, ignored)
-    log.info("layout: %s", layout_line(model, ep))
+    log.info("layout: %s", layout_line(dims))
     if sharded:
         with buffers_kept(model):
             model.to_empty(device=materialization_device(cfg.fsdp, device))
@@ -104,12 +107,11 @@ def build_model(
     return model
 
 
-def enable_recompute(cfg: Config, model: PreTrainedModel, ep: ExpertParallel | None) -> None:
-    """Activation checkpointing as the config resolves it (`Config.checkpoint_every`): every n-th decoder layer
-    (selective) or all of them, or none. HF's per-layer checkpointing keeps module names intact, so adapter keys stay
+def enable_recompute(every: int | None, model: PreTrainedModel, ep: ExpertParallel | None) -> None:
+    """Activation checkpointing as decided (`Decisions.recompute_every`): every n-th decoder layer (selective) or
+    all of them, or none. HF's per-layer checkpointing keeps module names intact, so adapter keys stay
     PEFT-standard. With expert parallelism the recompute reuses the saved all-to-all outputs instead of exchanging
     again."""
-    every = cfg.checkpoint_every()
     if every is None:
         return
     kwargs = {"use_reentrant": False} if ep is None else {"use_reentrant": False, "context_fn": checkpoint_context}
@@ -144,12 +146,12 @@ def quantize_frozen_base_(cfg: Config, model: PreTrainedModel, fp8: bool, device
         )
 
 
-def layout_line(model: nn.Module, ep: ExpertParallel | None) -> str:
+def layout_line(dims: ParallelDims) -> str:
     """The ranks of every FSDP shard group and expert-parallel group, read from the meshes the model was built on
-    (a shard group: a row along the mesh's last dimension; every rank for FSDP without a mesh)."""
-    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
-    shards = param.device_mesh.mesh.reshape(-1, param.device_mesh.mesh.shape[-1]).tolist() if param is not None else []
-    experts = f", expert-parallel groups {ep.mesh.mesh.tolist()}" if ep is not None else ""
+    (a shard group: a row of the (replicate, shard) mesh; every rank for FSDP without a mesh)."""
+    mesh = dims.fsdp_mesh()
+    shards = mesh.mesh.tolist() if mesh is not None else [list(range(dims.world))]
+    experts = f", expert-parallel groups {dims.expert_mesh().mesh.tolist()}" if dims.experts > 1 else ""
     return f"FSDP shard groups {shards}{experts}"
 
 

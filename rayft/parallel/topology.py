@@ -69,17 +69,17 @@ def this_node() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
 
 
-def gather() -> Topology:
-    """The topology of the default process group: every rank's node, gathered (a collective)."""
-    ids: list[str | None] = [None] * dist.get_world_size()
+def gather(world: int) -> Topology:
+    """The topology of the default process group of `world` ranks: every rank's node, gathered (a collective)."""
+    ids: list[str | None] = [None] * world
     dist.all_gather_object(ids, this_node())
     return Topology(tuple(str(i) for i in ids))
 
 
-def establish(workers_per_node: int) -> Topology:
-    """At a training worker's set-up: the topology, checked against `ray.workers_per_node` when several are asked
-    for (one a node is the default, which other strategies than STRICT_SPREAD may pack together)."""
-    topology = gather()
+def establish(workers_per_node: int, world: int) -> Topology:
+    """At a training worker's set-up: the topology of its `world` ranks, checked against `ray.workers_per_node` when
+    several are asked for (one a node is the default, which other strategies than STRICT_SPREAD may pack together)."""
+    topology = gather(world)
     if workers_per_node > 1:
         topology.check_workers_per_node(workers_per_node)
     if dist.get_rank() == 0:

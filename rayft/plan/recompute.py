@@ -81,10 +81,3 @@ def choose(cfg: Config, layers: int, fits: Callable[[Recompute], bool] | None) -
         return Recompute.of(cfg, layers)
     candidates = options(layers, selective_only=mode == "selective")
     return next((r for r in candidates if fits(r)), candidates[-1])
-
-
-def resolve_(cfg: Config, chosen: Recompute) -> None:
-    """Writes the choice into the config the workers get: `fsdp.activation_checkpointing` as a word and, for
-    selective, its period."""
-    cfg.fsdp.activation_checkpointing = chosen.mode
-    cfg.fsdp.checkpoint_every_n_layers = chosen.every if chosen.mode == "selective" else None

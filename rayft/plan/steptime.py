@@ -324,30 +324,27 @@ def planned_expert_parallel(cfg: Config, s: Structure, held: Held) -> int:
     return k
 
 
-def config_layout(cfg: Config) -> tuple[Cluster, Layout]:
+def config_layout(cfg: Config, k: int) -> tuple[Cluster, Layout]:
     """The cluster and layout the config trains on: `ray.workers_per_node` workers a node, as many nodes as its
-    fewest workers fill (an elastic run's smallest group holds the largest shares), `fsdp.shard_size` and
-    `parallel.expert_parallel` (resolved)."""
+    fewest workers fill (an elastic run's smallest group holds the largest shares), `fsdp.shard_size` and k, the
+    expert-parallel degree (`parallel.expert_parallel` as preflight decided it)."""
     per_node = cfg.ray.workers_per_node
     cluster = Cluster(nodes=max(1, cfg.ray.fewest_workers // per_node), gpus_per_node=per_node)
-    k = cfg.parallel.expert_groups()
     layout = Layout.expert(k, cluster) if k > 1 else Layout(shard=cfg.fsdp.shard_group(cluster.world))
     return cluster, layout
 
 
-def planned_recompute(cfg: Config, s: Structure, held: Held, gpu: str | None) -> Recompute:
-    """`fsdp.activation_checkpointing: auto` (or selective without its period) resolved for the job's `gpu` (None:
-    CPU workers or a GPU the planner does not know: the config's fallback), written into `cfg` for the workers."""
-    from rayft.plan.recompute import resolve_
-
+def planned_recompute(cfg: Config, s: Structure, held: Held, gpu: str | None, k: int) -> Recompute:
+    """`fsdp.activation_checkpointing: auto` (or selective without its period) decided for the job's `gpu` (None:
+    CPU workers or a GPU the planner does not know: the config's fallback) on its layout with k, the expert-parallel
+    degree preflight decided; the caller hands the choice to the workers."""
     asked = cfg.checkpointing
     if gpu is None:
         chosen = Recompute.of(cfg, s.layers)
     else:
-        cluster, layout = config_layout(cfg)
+        cluster, layout = config_layout(cfg, k)
         (plan,) = plan_layouts(cfg, s, cluster, Hardware(gpu), held, [layout])
         chosen = plan.recompute
-    resolve_(cfg, chosen)
     if asked != chosen.mode or asked == "selective":
         where = gpu or "no GPU capacity known"
         log.info("fsdp.activation_checkpointing: %s → %s (%s)", asked, chosen.describe(), where)

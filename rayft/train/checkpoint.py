@@ -31,7 +31,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rayft.model.files import ADAPTER_WEIGHTS
 from rayft.model.lora import adapter_file_keys
-from rayft.parallel.expert import expert_parallel_of, is_expert_lora
+from rayft.parallel.expert import is_expert_lora
+from rayft.parallel.layout import ParallelDims
 from rayft.train import safe_dcp
 from rayft.train.atomic import replace_dir, staging_dir, write_text_atomic
 from rayft.train.checkpoint_dir import (
@@ -65,27 +66,33 @@ def save_checkpoint(
     scheduler: LRScheduler,
     progress: Progress,
     metrics: dict[str, Any],
+    layout: ParallelDims,
     run_id: str | None = None,
 ) -> None:
     """Collective: every rank writes its own shards and document; rank 0 adds the adapter and trainer_state.json
-    (with the id of the run that wrote it: only that run's housekeeping may ever delete the directory)."""
+    (with the id of the run that wrote it: only that run's housekeeping may ever delete the directory). `layout`:
+    the one the model was built on."""
     state = _training_state(model, optimizer, scheduler, progress)
-    if (ep := expert_parallel_of(model)) is not None:
+    if (ep := layout.expert_parallel) is not None:
         ep.to_checkpoint(state)
     tensors, document = safe_dcp.split(state)
     tensors[DOCUMENT] = {f"rank{dist.get_rank()}": safe_dcp.to_tensor(document)}
     # dcp.save is public: torch re-exports it without an __all__, which strict mypy does not count as an export
     dcp.save(tensors, checkpoint_id=str(directory / STATE_DIR))  # type: ignore[attr-defined]
-    save_adapter(model, directory / ADAPTER_DIR)
+    save_adapter(model, directory / ADAPTER_DIR, layout)
     if dist.get_rank() == 0:
         trainer_state = {**asdict(progress), "metrics": metrics, "run_id": run_id}
         write_text_atomic(directory / TRAINER_STATE, json.dumps(trainer_state, indent=2))
 
 
 def load_checkpoint(
-    directory: Path, model: peft.PeftModel, optimizer: torch.optim.Optimizer, scheduler: LRScheduler
+    directory: Path,
+    model: peft.PeftModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    layout: ParallelDims,
 ) -> Progress:
-    """Collective: each rank reads the shards it owns back into the sharded model and optimizer.
+    """Collective: each rank reads the shards it owns back into the sharded model (built on `layout`) and optimizer.
 
     DCP reshards on load, so a checkpoint written by N ranks resumes on M. Each rank gets back its own RNG
     states when the writer had that rank; otherwise it keeps its seeded ones (the run is then no longer
@@ -93,7 +100,7 @@ def load_checkpoint(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     document, progress = read_document(directory, rank)
-    ep = expert_parallel_of(model)
+    ep = layout.expert_parallel
     target = _training_state(model, optimizer, scheduler, progress)
     if ep is not None:
         ep.to_checkpoint(target)
@@ -149,15 +156,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-    """Collective: gather every shard of every LoRA tensor (never the frozen base) and write PEFT format."""
+def save_adapter(
+    model: peft.PeftModel, directory: Path, layout: ParallelDims, tokenizer: PreTrainedTokenizerBase | None = None
+) -> None:
+    """Collective: gather every shard of every LoRA tensor (never the frozen base) of the model built on `layout`
+    and write PEFT format."""
     full = cast(  # the trainable parameters: tensors
         dict[str, torch.Tensor],
         get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         ),
     )
-    if (ep := expert_parallel_of(model)) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
+    if (ep := layout.expert_parallel) is not None:  # each worker's experts' LoRA, made whole in PEFT's layout
         full = ep.gather_adapter(model, full)
     if dist.get_rank() == 0:
         model.save_pretrained(str(directory), state_dict=full, safe_serialization=True, save_embedding_layers=False)
@@ -166,12 +176,14 @@ def save_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTo
     dist.barrier()
 
 
-def publish_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+def publish_adapter(
+    model: peft.PeftModel, directory: Path, layout: ParallelDims, tokenizer: PreTrainedTokenizerBase | None = None
+) -> None:
     """Collective: `save_adapter` into a staging dir beside `directory`, swapped in whole by rank 0, so a crash
     mid-write never leaves a half-new adapter under the final name."""
     staged = staging_dir(directory) if dist.get_rank() == 0 else directory
     try:
-        save_adapter(model, staged, tokenizer)
+        save_adapter(model, staged, layout, tokenizer)
     except BaseException:
         if dist.get_rank() == 0:
             shutil.rmtree(staged, ignore_errors=True)
@@ -181,15 +193,15 @@ def publish_adapter(model: peft.PeftModel, directory: Path, tokenizer: PreTraine
     dist.barrier()
 
 
-def load_adapter_weights(model: peft.PeftModel, directory: Path) -> None:
-    """A saved PEFT adapter into the (sharded) LoRA model built from its config: every rank reads the small file
-    whole and keeps its own shards of it."""
+def load_adapter_weights(model: peft.PeftModel, directory: Path, layout: ParallelDims) -> None:
+    """A saved PEFT adapter into the (sharded) LoRA model built from its config on `layout`: every rank reads the
+    small file whole and keeps its own shards of it."""
     from safetensors.torch import load_file
 
     saved = load_file(str(Path(directory) / ADAPTER_WEIGHTS))
     ours = model.state_dict()
     places = adapter_file_keys(model)
-    ep = expert_parallel_of(model)
+    ep = layout.expert_parallel
     state: dict[str, ValueType] = {}
     for key, tensor in saved.items():
         target = places.get(key)
@@ -224,8 +236,11 @@ class CheckpointManager:
     deletes nothing.
     """
 
-    def __init__(self, run: RunDir, run_id: str | None, run_name: str, upload: str, runtime: Runtime):
+    def __init__(
+        self, run: RunDir, run_id: str | None, run_name: str, upload: str, runtime: Runtime, layout: ParallelDims
+    ):
         self.run, self.run_id, self.upload, self.runtime = run, run_id, upload, runtime
+        self.layout = layout  # the run's, which the model is built on
         self.rank = runtime.rank
         self.spool = checkpoint_spool(run_name, run_id)
         self.stall_s = 0.0  # what saving cost this attempt: seconds training stood still
@@ -239,7 +254,7 @@ class CheckpointManager:
         checkpoint = own or (ray.train.Checkpoint(explicit) if explicit else None)
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
-                progress = load_checkpoint(Path(d), state.model, state.optimizer, state.scheduler)
+                progress = load_checkpoint(Path(d), state.model, state.optimizer, state.scheduler, self.layout)
                 if own is not None and self.rank == 0:
                     self.resumed_metrics = reported_metrics(Path(d))
             log.info(
@@ -271,7 +286,8 @@ class CheckpointManager:
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         try:
-            save_checkpoint(local, state.model, state.optimizer, state.scheduler, state.progress, metrics, self.run_id)
+            s = state
+            save_checkpoint(local, s.model, s.optimizer, s.scheduler, s.progress, metrics, self.layout, self.run_id)
             written = time.perf_counter() - started
             self.runtime.report(metrics, local, name, self.upload)
         except BaseException:  # never handed over: nothing will upload or delete these shards

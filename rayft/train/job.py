@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayft.config import Config
+from rayft.decisions import Decisions
 from rayft.startup import Profile
 from rayft.train.steps import StepPlan
 
@@ -24,6 +25,11 @@ class Job:
     parameter_counts: dict[str, int] = field(default_factory=dict)  # trainable and total, for the log
     profile: Profile = field(default_factory=Profile)  # the driver's start-up stages; the workers add theirs
     fit_started: float | None = None  # wall time of the driver's `fit()`: the workers' start is measured from it
+    decisions: Decisions | None = None  # what the driver decided for `auto` (None: the config decides everything)
+
+    def decided(self) -> Decisions:
+        """The driver's decisions, or where it made none the config's own settings."""
+        return self.decisions or Decisions.of(self.config)
 
 
 @dataclass(frozen=True)
@@ -34,3 +40,8 @@ class EvalJob:
     run_uri: str  # where rank 0 writes the result for the driver
     adapter: Path | None = None  # the trained adapter to score; None scores the base alone
     with_base: bool = False  # score the base model first, then the adapter
+    decisions: Decisions | None = None  # what preflight decided for `auto` (None: the config decides everything)
+
+    def decided(self) -> Decisions:
+        """Preflight's decisions, or where it made none the config's own settings."""
+        return self.decisions or Decisions.of(self.config)

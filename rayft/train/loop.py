@@ -14,18 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import ray.train
 import torch
-import torch.distributed as dist
 
 from rayft.config import Config, RayConfig, TrainConfig
 from rayft.data.tokenizer import load_tokenizer
+from rayft.decisions import Decisions
 from rayft.logs import quiet_worker_rank, verbose
 from rayft.model.build import cpu_bf16, decoder_layers, forward_context
 from rayft.model.flops import flop_model, peak_flops
 from rayft.model.fp8 import fp8_layers
-from rayft.parallel import topology
-from rayft.parallel.context import context_parallel_of
 from rayft.parallel.fsdp_tally import count_fsdp_collectives
-from rayft.parallel.layout import ParallelDims, parallel_dims
+from rayft.parallel.layout import ParallelDims, established
 from rayft.parallel.parallelize import build_model
 from rayft.startup import Profile, process_start_time
 from rayft.train import metrics as measured
@@ -84,8 +82,8 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     _setup_logging(rank)
     # Each worker scores its own split of the records whole: no context parallelism (not yet: its groups would
     # have to read the same rows, as training's do).
-    layout = replace(_layout(cfg, device), context=1)
-    model = build_model(cfg, device.type == "cuda", device, layout)
+    layout = replace(_layout(cfg, job.decided(), device), context=1)
+    model = build_model(cfg, device.type == "cuda", device, layout, decisions=job.decided())
     objective = build_objective(cfg, model, device)
     collate = objective.collate(load_tokenizer(cfg.model).pad_token_id)
     shard = runtime.shard("validation")
@@ -98,7 +96,7 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     base = score() if job.with_base else None
     if job.adapter:
-        load_adapter_weights(model, job.adapter)
+        load_adapter_weights(model, job.adapter, layout)
     result = score()
     if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
         RunDir(job.run_uri).write_file(EVAL_RESULT, json.dumps({**result, "base": base}).encode())
@@ -112,6 +110,7 @@ class Trainer:
 
     progress_log: ProgressLog | None
     checkpoints: CheckpointManager
+    layout: ParallelDims  # built once at set-up: the meshes and groups, and the parallelism the model is built with
     ledger: RecordLedger | None  # train.record_ledger
 
     def __init__(self, job: Job, runtime: Runtime, entered: float):
@@ -121,12 +120,14 @@ class Trainer:
         _setup_logging(self.rank)
         self.profile: Profile | None = _worker_profile(job, entered)
         torch.manual_seed(self.cfg.train.seed)
-        self.world_size = dist.get_world_size()  # an elastic run's group: any size in ray.num_workers' range
+        self.decisions = job.decided()
         # Asked for first: each shard's split coordinator (a new actor process) starts while the model builds.
         self.train_shard = runtime.shard("train")
         val_source = runtime.shard("validation") if self.plan.has_validation else None
-        self.state, self.autocast, self.window, self.tokenizer = self._build()
-        self.context = context_parallel_of(self.state.model)
+        self.layout, self.state, self.autocast, self.window, self.tokenizer = self._build()
+        # An elastic run's group: any size in ray.num_workers' range.
+        self.world_size = self.layout.world
+        self.context = self.layout.context_parallel
         # Where this rank reads: the ranks of a context-parallel group read the same rows.
         self.data_place = (
             (self.context.data_rank, self.context.data_ranks) if self.context else (self.rank, self.world_size)
@@ -137,7 +138,9 @@ class Trainer:
         ray_cfg = self.cfg.ray
         accum = self.plan.accumulation(self.data_place[1], self.cfg.train.gradient_accumulation_steps)
         self.progress_log = None
-        self.checkpoints = CheckpointManager(run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime)
+        self.checkpoints = CheckpointManager(
+            run, job.run_id, ray_cfg.name, ray_cfg.checkpoint_upload, runtime, self.layout
+        )
         try:  # from here on the run holds files open: a set-up that fails closes them
             with self.profile.stage("resume"):
                 resumed = self.checkpoints.restore(job.resume_from, self.state, self.plan, self.world_size, accum)
@@ -153,6 +156,7 @@ class Trainer:
                     job.parameter_counts,
                     gauges,
                     self.checkpoints.resumed_metrics,
+                    self.decisions,
                 )
             self.ledger = self._ledger(run, resumed)
             collate = self.objective.collate(self.tokenizer.pad_token_id)
@@ -183,18 +187,20 @@ class Trainer:
             return shard
         return GlobalPart(shard, self.plan.eval_batches, *self.data_place)
 
-    def _build(self) -> tuple[TrainState, Autocast, LossWindow, PreTrainedTokenizerBase]:
-        """The model, optimizer and window (`_build_state`), the tokenizer loading beside them."""
+    def _build(self) -> tuple[ParallelDims, TrainState, Autocast, LossWindow, PreTrainedTokenizerBase]:
+        """The run's layout, and on it the model, optimizer and window (`_build_state`), the tokenizer loading beside
+        them."""
         import transformers.models.auto.tokenization_auto  # noqa: F401  here: imports racing in two threads can break
 
         assert self.profile is not None  # set up in __init__; done with only after the first step
         with ThreadPoolExecutor(1, thread_name_prefix="rayft-tokenizer") as pool:
             tokenizer_loading = pool.submit(load_tokenizer, self.cfg.model)  # overlaps the model build and load
             with self.profile.stage("model_build_load"):
-                state, autocast, window = _build_state(self.cfg, self.plan, self.device, self.world_size)
+                layout = _layout(self.cfg, self.decisions, self.device)
+                state, autocast, window = _build_state(self.cfg, self.plan, self.device, layout, self.decisions)
             with self.profile.stage("tokenizer"):  # what is left of it once the model is loaded
                 tokenizer = tokenizer_loading.result()
-        return state, autocast, window, tokenizer
+        return layout, state, autocast, window, tokenizer
 
     def _train_collate(self, run: RunDir) -> Collate:
         """The training batches' collate: with a precomputed DPO reference, one carrying its table, scored now."""
@@ -205,7 +211,15 @@ class Trainer:
         with self.profile.stage("reference"):
             keyed = self.objective.collate(pad_id, keys=True)
             table = reference.precompute(
-                self.state.model, self.train_shard, self.cfg, keyed, self.device, self.autocast, run, self.rank
+                self.state.model,
+                self.train_shard,
+                self.cfg,
+                keyed,
+                self.device,
+                self.autocast,
+                run,
+                self.rank,
+                self.world_size,
             )
         return self.objective.collate(pad_id, reference=table)
 
@@ -231,7 +245,7 @@ class Trainer:
                 group.batches,
                 self.window,
                 loss=self.objective.loss,
-                world_size=self.world_size,
+                layout=self.layout,
                 kept_layers=self.kept_layers,
                 autocast=self.autocast,
                 max_grad_norm=t.max_grad_norm,
@@ -330,7 +344,7 @@ class Trainer:
             self.ledger.write()
         final_dir = Path(self.cfg.train.output_dir) / "final"
         self._stop_unless_finite({})
-        publish_adapter(self.state.model, final_dir, self.tokenizer)
+        publish_adapter(self.state.model, final_dir, self.layout, self.tokenizer)
         if self.progress_log is not None:
             log.info("final adapter written to %s", final_dir)
 
@@ -414,13 +428,13 @@ def _first_step_done(profile: Profile, stepped: float, waited: DataWait, progres
 
 
 def _build_state(
-    cfg: Config, plan: StepPlan, device: torch.device, world_size: int
+    cfg: Config, plan: StepPlan, device: torch.device, layout: ParallelDims, decisions: Decisions
 ) -> tuple[TrainState, Autocast, LossWindow]:
-    """The sharded LoRA model, its optimizer and schedule at step 0, the autocast context for CPU bf16, and the
-    logging window that measures it (FLOPs per token, the device's peak)."""
-    on_gpu = device.type == "cuda"
-    model = build_model(cfg, on_gpu, device, _layout(cfg, device))
-    count_fsdp_collectives(model)  # one Python call per collective: always on
+    """The LoRA model sharded on `layout`, its optimizer and schedule at step 0, the autocast context for CPU bf16,
+    and the logging window that measures it (FLOPs per token, the device's peak)."""
+    on_gpu, world_size = device.type == "cuda", layout.world
+    model = build_model(cfg, on_gpu, device, layout, decisions=decisions)
+    count_fsdp_collectives(model, layout)  # one Python call per collective: always on
     model.train()
     optimizer = build_optimizer(model, cfg.train, on_gpu)
     scheduler = build_scheduler(optimizer, cfg.train, plan)
@@ -441,9 +455,11 @@ def _progress_log(
     params: dict[str, Any],
     gauges: Gauges | None,
     resumed_row: dict[str, Any] | None,
+    decisions: Decisions,
 ) -> ProgressLog:
-    """Rank 0's logger, with the run's gauges and its trackers."""
-    trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, _flat(cfg)) if cfg.trackers else None
+    """Rank 0's logger, with the run's gauges and its trackers (which record the settings as decided)."""
+    settings = {**_flat(cfg), **decisions.settings()}
+    trackers = sinks.Trackers(cfg.trackers, cfg.train.output_dir, cfg.ray.name, settings) if cfg.trackers else None
     return ProgressLog(run, plan.total_steps, state.progress.step, resumed, params, gauges, trackers, resumed_row)
 
 
@@ -518,10 +534,10 @@ def _flat(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _layout(cfg: Config, device: torch.device) -> ParallelDims:
+def _layout(cfg: Config, decisions: Decisions, device: torch.device) -> ParallelDims:
     """The run's layout on its workers: where Ray placed each rank (checked against `ray.workers_per_node`, in the
-    job log) and the groups the config cuts from it. Built once, at set-up."""
-    return parallel_dims(cfg, device.type, topology.establish(cfg.ray.workers_per_node))
+    job log) and the groups the config and the driver's `decisions` cut from it. Built once, at set-up."""
+    return established(cfg, device.type, decisions)
 
 
 def _setup_logging(rank: int) -> None:

@@ -109,9 +109,10 @@ def precompute(
     autocast: Autocast,
     run: RunDir,
     rank: int,
+    world: int,
 ) -> ReferenceTable:
-    """The run's table: read from the run directory (rank 0's view, shared), or scored now on every rank and
-    exchanged (then written)."""
+    """The run's table: read from the run directory (rank 0's view, shared), or scored now on every one of the
+    `world` ranks and exchanged (then written)."""
     identity = table_identity(cfg)
     table = agreed_table(run, identity, rank)
     if table is not None:
@@ -122,7 +123,7 @@ def precompute(
     batches = shard.iter_torch_batches(batch_size=cfg.train.per_device_eval_batch_size, collate_fn=collate)
     mine = score_batches(model, batches, device, autocast)
     reshard_all(model)  # no backward follows: free what forward kept gathered for it
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     table = ReferenceTable.merge(gathered, identity)
     if rank == 0:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rayft.config import Config
 from rayft.model.loss import IGNORE_INDEX, Batch, CausalLMLoss, next_token_targets
-from rayft.parallel.expert import expert_parallel_of
+from rayft.parallel.layout import ParallelDims
 from rayft.parallel.parallelize import reshard_all, set_gradient_sync
 from rayft.parallel.tally import TALLY
 from rayft.train.checkpoint_dir import Progress
@@ -74,7 +74,7 @@ def train_step(
     window: LossWindow,
     *,
     loss: StepLoss,
-    world_size: int,
+    layout: ParallelDims,
     kept_layers: list[torch.nn.Module],
     autocast: Autocast,
     max_grad_norm: float,
@@ -82,9 +82,10 @@ def train_step(
 ) -> torch.Tensor:
     """Forward and backward over the step's micro-batches with the objective's `loss`, then clip, step and advance
     the schedule; returns the gradient norm before clipping. Gradients are synchronised on the last micro-batch
-    only; the collectives of the step go to the window. `seeds`: each micro-batch's random draws (an elastic run)."""
+    only; the collectives of the step go to the window. `layout`: the one the model was built on.
+    `seeds`: each micro-batch's random draws (an elastic run)."""
     window.run()  # the window's clock counts from the first step on
-    micro_batch_loss = loss.for_step(group, world_size)
+    micro_batch_loss = loss.for_step(group, layout.world)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         if seeds is not None:
@@ -94,7 +95,7 @@ def train_step(
             value, tokens = micro_batch_loss(model, batch)
         value.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         window.add(value.detach(), last, tokens, attended_keys(batch))
-    grad_norm = clip_gradients_(model, max_grad_norm)
+    grad_norm = clip_gradients_(model, max_grad_norm, layout)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -102,10 +103,11 @@ def train_step(
     return grad_norm
 
 
-def clip_gradients_(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm and return it; with expert parallelism the expert LoRA's gradients are
-    averaged first and its norm summed over the workers holding different experts (`rayft.parallel.expert`)."""
-    ep = expert_parallel_of(model)
+def clip_gradients_(model: torch.nn.Module, max_grad_norm: float, layout: ParallelDims) -> torch.Tensor:
+    """Clip by the global gradient norm and return it; with expert parallelism (the `layout`'s, which the model was
+    built on) the expert LoRA's gradients are averaged first and its norm summed over the workers holding different
+    experts (`rayft.parallel.expert`)."""
+    ep = layout.expert_parallel
     if ep is not None:
         return ep.clip_gradients_(model, max_grad_norm)
     return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)

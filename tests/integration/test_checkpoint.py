@@ -32,6 +32,7 @@ def _setup(rank: int, world: int, port: int, raw: dict):
     import torch.distributed as dist
 
     from rayft.config import Config
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.train.schedule import build_optimizer, build_scheduler
     from rayft.train.steps import StepPlan
@@ -40,10 +41,11 @@ def _setup(rank: int, world: int, port: int, raw: dict):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = Config.from_dict(raw)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, on_gpu=False)
+    layout = parallel_dims(cfg, "cpu")
+    model = build_model(cfg, on_gpu=False, dims=layout)
     optimizer = build_optimizer(model, cfg.train, on_gpu=False)
     scheduler = build_scheduler(optimizer, cfg.train, StepPlan(**{**PLAN, "world_size": world}))
-    return model, optimizer, scheduler
+    return model, optimizer, scheduler, layout
 
 
 def _full_state(model, optimizer) -> dict:
@@ -62,7 +64,7 @@ def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> No
     from rayft.train.checkpoint import save_checkpoint
     from rayft.train.checkpoint_dir import Progress
 
-    model, optimizer, scheduler = _setup(rank, world, port, raw)
+    model, optimizer, scheduler, layout = _setup(rank, world, port, raw)
     try:
         torch.manual_seed(rank)
         random.seed(100 + rank)
@@ -74,7 +76,8 @@ def _train_and_save(rank: int, world: int, port: int, raw: dict, out: str) -> No
             scheduler.step()
             optimizer.zero_grad()
         rng = torch.get_rng_state()
-        save_checkpoint(Path(out), model, optimizer, scheduler, Progress(2, 0, 4, world), {"loss": 1.0}, "run-a")
+        progress = Progress(2, 0, 4, world)
+        save_checkpoint(Path(out), model, optimizer, scheduler, progress, {"loss": 1.0}, layout, "run-a")
         state = _full_state(model, optimizer)
         if rank == 0:  # the next draws of Python's and NumPy's generators: a restored state makes the same ones
             draws = {"python": random.random(), "numpy": float(np.random.rand())}
@@ -90,11 +93,11 @@ def _load(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     from rayft.train.checkpoint import load_checkpoint
     from rayft.train.checkpoint_dir import Progress
 
-    model, optimizer, scheduler = _setup(rank, world, port, raw)
+    model, optimizer, scheduler, layout = _setup(rank, world, port, raw)
     try:
         random.seed(7)  # not the writer's seeds: only a restored state gives the writer's next draws
         np.random.seed(7)
-        progress = load_checkpoint(Path(out), model, optimizer, scheduler)
+        progress = load_checkpoint(Path(out), model, optimizer, scheduler, layout)
         draws = {"python": random.random(), "numpy": float(np.random.rand())}
         torch.save(
             {
@@ -317,7 +320,7 @@ def test_loading_a_checkpoint_never_unpickles_its_contents(tmp_path):
     (metadata_entry / "state" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     for ckpt in (bytes_entry, metadata_entry):
         with pytest.raises(Exception, match=r"older rayft format|has no place in a DCP checkpoint") as refused:
-            load_checkpoint(ckpt, None, None, None)
+            load_checkpoint(ckpt, None, None, None, None)
         assert not marker.exists(), f"loading {ckpt} ran code from it"
         assert str(ckpt) in str(refused.value)
 
@@ -327,6 +330,8 @@ def test_final_adapter_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
+    from rayft.parallel.layout import ParallelDims
+    from rayft.parallel.topology import Topology
     from rayft.train.checkpoint import publish_adapter
 
     class Tiny(torch.nn.Module):
@@ -338,8 +343,9 @@ def test_final_adapter_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = get_peft_model(Tiny(), LoraConfig(r=2, target_modules=["proj"]))
+        layout = ParallelDims(Topology(("local",)), shard=1, experts=1, device_type="cpu")
         final = tmp_path / "final"
-        publish_adapter(model, final)
+        publish_adapter(model, final, layout)
         before = _tree(final)
         assert "adapter_model.safetensors" in before
         saver = type(model).save_pretrained
@@ -350,12 +356,12 @@ def test_final_adapter_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
         monkeypatch.setattr(type(model), "save_pretrained", crash_midway)
         with pytest.raises(OSError, match="disk gone"):
-            publish_adapter(model, final)
+            publish_adapter(model, final, layout)
         assert _tree(final) == before
         monkeypatch.setattr(type(model), "save_pretrained", saver)
         with torch.no_grad():
             model.base_model.model.proj.lora_B.default.weight.fill_(1.0)
-        publish_adapter(model, final)
+        publish_adapter(model, final, layout)
         assert _tree(final)["adapter_model.safetensors"] != before["adapter_model.safetensors"]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["final"], "staging dirs left behind"
     finally:
@@ -372,14 +378,17 @@ def _load_adapter_rank(rank: int, world: int, port: int, raw: dict, adapter_dir:
     from safetensors.torch import load_file
 
     from rayft.config import Config
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.train.checkpoint import load_adapter_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = build_model(Config.from_dict(raw), on_gpu=False)
-        load_adapter_weights(model, Path(adapter_dir))
+        cfg = Config.from_dict(raw)
+        layout = parallel_dims(cfg, "cpu")
+        model = build_model(cfg, on_gpu=False, dims=layout)
+        load_adapter_weights(model, Path(adapter_dir), layout)
         want = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
         got = {n.replace(".default", ""): p.full_tensor() for n, p in model.named_parameters() if ".lora_" in n}
         assert set(got) == set(want), set(got) ^ set(want)

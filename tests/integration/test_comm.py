@@ -62,6 +62,7 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
     from rayft.model.build import decoder_layers
     from rayft.model.flops import FlopModel
     from rayft.parallel.fsdp_tally import count_fsdp_collectives
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.train.metrics import LossWindow
     from rayft.train.objectives import build_objective
@@ -74,8 +75,9 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
         for label, raw in runs.items():
             torch.manual_seed(0)
             cfg = Config.from_dict(raw)
-            model = build_model(cfg, on_gpu=False)
-            count_fsdp_collectives(model)
+            layout = parallel_dims(cfg, "cpu")
+            model = build_model(cfg, on_gpu=False, dims=layout)
+            count_fsdp_collectives(model, layout)
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
             window = LossWindow(torch.device("cpu"), world, FlopModel(0, 0, 0.0), None)
@@ -93,7 +95,7 @@ def _train_rank(rank: int, world: int, port: int, runs: dict, out: str) -> None:
                         group,
                         window,
                         loss=objective.loss,
-                        world_size=world,
+                        layout=layout,
                         kept_layers=kept,
                         autocast=nullcontext,
                         max_grad_norm=1.0,

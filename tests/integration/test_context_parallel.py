@@ -96,9 +96,9 @@ def _layout(world: int, context: int, experts: int) -> ParallelDims:
 def _own_experts(model: torch.nn.Module, dims: ParallelDims) -> ExpertParallel:
     """This rank's E/k experts of the whole model: `split_experts_` cuts them (to meta tensors, as on the weightless
     model of a job), then this rank's rows of the whole base and LoRA tensors fill them, as its load would."""
-    from rayft.parallel.expert import expert_parallel, is_expert_lora, split_experts_
+    from rayft.parallel.expert import is_expert_lora, split_experts_
 
-    ep = expert_parallel(dims, model.config)
+    ep = dims.split_experts(model.config)
     whole = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
     split_experts_(model, ep)
     for name, param in list(model.named_parameters()):
@@ -131,7 +131,7 @@ def _rank(rank: int, world: int, port: int, family: str, split: tuple[int, int],
     import torch.distributed as dist
 
     from rayft.model.loss import CausalLMLoss
-    from rayft.parallel.context import enable_context_parallel, shard_batch
+    from rayft.parallel.context import shard_batch
     from rayft.train.step import step_targets
 
     kernel, fused, rows = case
@@ -145,11 +145,11 @@ def _rank(rank: int, world: int, port: int, family: str, split: tuple[int, int],
         model.zero_grad(set_to_none=True)
 
         dims = _layout(world, *split)
-        context = enable_context_parallel(model, dims)
+        context = dims.split_sequences(model)
         ep = _own_experts(model, dims) if split[1] > 1 else None
         share = rows // context.data_ranks  # each context-parallel group its own rows
         mine = {k: v[context.data_rank * share : (context.data_rank + 1) * share] for k, v in batch.items()}
-        shard = shard_batch(mine, context.group, kernel)
+        shard = shard_batch(mine, context.group, context.ranks, kernel)
         loss = CausalLMLoss(fused)(model, shard, step_targets([shard], world))
         loss.backward()
         total = loss.detach().clone()

@@ -76,6 +76,7 @@ def _record_routing(model, calls: list) -> None:
 
 
 def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | None, save: str | None) -> None:
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.parallel.tally import TALLY
     from rayft.train.checkpoint import load_checkpoint, save_adapter, save_checkpoint
@@ -87,13 +88,14 @@ def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | N
     try:
         torch.manual_seed(42)
         cfg = Config.from_dict(raw)
-        model = build_model(cfg, on_gpu=False)
+        layout = parallel_dims(cfg, "cpu")
+        model = build_model(cfg, on_gpu=False, dims=layout)
         model.train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         first = 0
         if resume:
-            first = load_checkpoint(Path(resume), model, optimizer, scheduler).step
+            first = load_checkpoint(Path(resume), model, optimizer, scheduler, layout).step
         calls: list = []
         _record_routing(model, calls)
         record = {"losses": {}, "grad_norms": {}, "a2a": {}, "routing": {}, "all_reduce": {}}
@@ -104,7 +106,7 @@ def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | N
             per_rank = step_targets([{"labels": ids}], world)
             loss = model(input_ids=ids, labels=ids, num_items_in_batch=per_rank).loss
             loss.backward()
-            norm = clip_gradients_(model, cfg.train.max_grad_norm)
+            norm = clip_gradients_(model, cfg.train.max_grad_norm, layout)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -117,9 +119,10 @@ def _rank(rank: int, world: int, port: int, raw: dict, out: str, resume: str | N
             record["all_reduce"][step] = taken["all_reduce"]
             record["routing"][step] = [(name, idx.tolist()) for name, idx in calls]
             if save and step + 1 == SAVE_AT:
-                save_checkpoint(Path(save), model, optimizer, scheduler, Progress(step=SAVE_AT, world_size=world), {})
+                progress = Progress(step=SAVE_AT, world_size=world)
+                save_checkpoint(Path(save), model, optimizer, scheduler, progress, {}, layout)
         Path(out, f"rank{rank}.json").write_text(json.dumps(record))
-        save_adapter(model, Path(out) / "adapter")
+        save_adapter(model, Path(out) / "adapter", layout)
     finally:
         dist.destroy_process_group()
 
@@ -284,7 +287,7 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
     (FSDP's gathered, the experts' made whole over the ep-group) after the step's averaging."""
     from torch.distributed.tensor import DTensor
 
-    from rayft.parallel.expert import expert_parallel_of
+    from rayft.parallel.layout import parallel_dims
     from rayft.parallel.parallelize import build_model
     from rayft.train.step import clip_gradients_, step_targets
 
@@ -292,11 +295,17 @@ def _gradients_rank(rank: int, world: int, port: int, raw: dict, out: str) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(42)
-        model = build_model(Config.from_dict(raw), on_gpu=False)
+        cfg = Config.from_dict(raw)
+        layout = parallel_dims(cfg, "cpu")
+        model = build_model(cfg, on_gpu=False, dims=layout)
         ids = _batch(0, rank)
         model(input_ids=ids, labels=ids, num_items_in_batch=step_targets([{"labels": ids}], world)).loss.backward()
-        clip_gradients_(model, 1e9)
-        ep = expert_parallel_of(model)
+        clip_gradients_(model, 1e9, layout)
+        ep = layout.expert_parallel
+        # one layout, its meshes cut once: FSDP's (k = 2: one per node) and the experts' are the model's
+        sharded = next(p for p in model.parameters() if isinstance(p, DTensor))
+        assert layout.fsdp_mesh() is None or sharded.device_mesh is layout.fsdp_mesh()
+        assert ep is None or (ep.mesh is layout.expert_mesh() and sharded.device_mesh is layout.fsdp_mesh())
         grads = {}
         for name, param in model.named_parameters():
             if param.requires_grad:

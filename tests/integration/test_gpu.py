@@ -244,7 +244,9 @@ def test_sharded_loading_onto_the_device_equals_the_files(
 def test_checkpoint_save_and_exact_resume_on_the_device(fixtures: Fixtures, tmp_path, device_group):
     """Save after 2 steps, train 2 more; a fresh model (other seed) that loads the checkpoint trains those 2 steps
     to the same losses and adapter: LoRA params, AdamW state, scheduler and the device's RNG (dropout) restored."""
+    from rayft.parallel.layout import ParallelDims
     from rayft.parallel.parallelize import build_model
+    from rayft.parallel.topology import Topology
     from rayft.train.checkpoint import load_checkpoint, save_checkpoint
     from rayft.train.checkpoint_dir import Progress
     from rayft.train.schedule import build_optimizer, build_scheduler
@@ -257,6 +259,7 @@ def test_checkpoint_save_and_exact_resume_on_the_device(fixtures: Fixtures, tmp_
     cfg = Config.from_dict(raw)
     plan = plan_steps(cfg, train_rows=64, validation_rows=0, world_size=1)
     batches = [_batch(device_group, seed=s) for s in range(4)]
+    one_rank = ParallelDims(Topology(("local",)), shard=1, experts=1, device_type=device_group.type)
 
     def trainer(seed: int):
         torch.manual_seed(seed)
@@ -277,12 +280,12 @@ def test_checkpoint_save_and_exact_resume_on_the_device(fixtures: Fixtures, tmp_
 
     model, optimizer, scheduler = trainer(seed=0)
     train(model, optimizer, scheduler, range(2))
-    save_checkpoint(tmp_path / "ckpt", model, optimizer, scheduler, Progress(step=2), {"step": 2})
+    save_checkpoint(tmp_path / "ckpt", model, optimizer, scheduler, Progress(step=2), {"step": 2}, one_rank)
     uninterrupted = train(model, optimizer, scheduler, range(2, 4))
     adapter = {n: p.full_tensor().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
     model, optimizer, scheduler = trainer(seed=1)
-    assert load_checkpoint(tmp_path / "ckpt", model, optimizer, scheduler).step == 2
+    assert load_checkpoint(tmp_path / "ckpt", model, optimizer, scheduler, one_rank).step == 2
     resumed = train(model, optimizer, scheduler, range(2, 4))
     assert resumed == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
     for name, p in model.named_parameters():
@@ -334,7 +337,9 @@ def test_cpu_offload_takes_a_clipped_step_on_the_workers_process_group(device_ty
     the group a worker joins (`cpu:gloo,cuda:nccl` on a GPU, where NCCL alone has no CPU backend) the clipped AdamW
     step runs and changes the adapter; the frozen base stays on the host too."""
     from rayft.parallel.backend import process_group_backend
+    from rayft.parallel.layout import ParallelDims
     from rayft.parallel.parallelize import build_model
+    from rayft.parallel.topology import Topology
     from rayft.train.schedule import build_optimizer
     from rayft.train.step import clip_gradients_
 
@@ -352,7 +357,8 @@ def test_cpu_offload_takes_a_clipped_step_on_the_workers_process_group(device_ty
         _randomise_lora_b(model)
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
         model(**_batch(device)).loss.backward()
-        norm = clip_gradients_(model, 1e-3)  # far below the norm: clipping really scales
+        one_rank = ParallelDims(Topology(("local",)), shard=1, experts=1, device_type=device.type)
+        norm = clip_gradients_(model, 1e-3, one_rank)  # far below the norm: clipping really scales
         optimizer.step()
         assert torch.isfinite(norm) and norm.item() > 1e-3
         changed = [

@@ -19,7 +19,9 @@ from rayft.config import Config, ConfigError, LoraConfig, ModelConfig
 from rayft.model.build import empty_model
 from rayft.model.files import ADAPTER_WEIGHTS
 from rayft.model.lora import resolve_targets
+from rayft.parallel.layout import ParallelDims, parallel_dims
 from rayft.parallel.parallelize import build_model
+from rayft.parallel.topology import Topology
 from rayft.train.checkpoint import save_adapter
 
 OPTIONS = {
@@ -101,7 +103,7 @@ def test_option_trains_and_saves_as_peft_does(option, fixtures: Fixtures, tmp_pa
     ours, reference = _trained_pair(fixtures, tmp_path, option)
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=IDS).logits, reference(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
-    save_adapter(ours, tmp_path / "ours")
+    save_adapter(ours, tmp_path / "ours", ParallelDims(Topology(("local",)), shard=1, experts=1, device_type="cpu"))
     reference.save_pretrained(str(tmp_path / "peft"), save_embedding_layers=False)
     mine, theirs = (load_file(str(tmp_path / d / ADAPTER_WEIGHTS)) for d in ("ours", "peft"))
     assert sorted(mine) == sorted(theirs)
@@ -191,7 +193,7 @@ def _train_and_save_rank(rank: int, world: int, port: int, raw: dict, out: str) 
     from rayft.train.checkpoint import save_checkpoint
     from rayft.train.checkpoint_dir import Progress
 
-    model, optimizer, scheduler = _setup(rank, world, port, raw)
+    model, optimizer, scheduler, layout = _setup(rank, world, port, raw)
     try:
         init = _trainable(model)
         for _ in range(2):
@@ -199,7 +201,8 @@ def _train_and_save_rank(rank: int, world: int, port: int, raw: dict, out: str) 
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        save_checkpoint(Path(out), model, optimizer, scheduler, Progress(2, 0, 4, world), {"loss": 1.0}, "run-a")
+        progress = Progress(2, 0, 4, world)
+        save_checkpoint(Path(out), model, optimizer, scheduler, progress, {"loss": 1.0}, layout, "run-a")
         state = _full_state(model, optimizer)
         with torch.no_grad():
             logits = model(input_ids=IDS).logits
@@ -216,12 +219,14 @@ def _resume_rank(rank: int, world: int, port: int, raw: dict, out: str) -> None:
     from rayft.train.checkpoint import load_adapter_weights, load_checkpoint
     from rayft.train.checkpoint_dir import ADAPTER_DIR
 
-    model, optimizer, scheduler = _setup(rank, world, port, raw)
+    model, optimizer, scheduler, layout = _setup(rank, world, port, raw)
     try:
-        load_checkpoint(Path(out), model, optimizer, scheduler)
+        load_checkpoint(Path(out), model, optimizer, scheduler, layout)
         resumed = _full_state(model, optimizer)
-        fresh = build_model(Config.from_dict(raw), on_gpu=False)
-        load_adapter_weights(fresh, Path(out) / ADAPTER_DIR)
+        cfg = Config.from_dict(raw)
+        fresh_layout = parallel_dims(cfg, "cpu")
+        fresh = build_model(cfg, on_gpu=False, dims=fresh_layout)
+        load_adapter_weights(fresh, Path(out) / ADAPTER_DIR, fresh_layout)
         with torch.no_grad():
             logits = fresh(input_ids=IDS).logits
         torch.save({**resumed, "adapter": _trainable(fresh), "logits": logits}, Path(out) / "loaded.pt")

@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, raw: dict, views: list[str], rank1_file: str, ou
             other = reference.ReferenceTable(KEYS, RANK0_LOGPS, {**identity, "max_length": 1})
             run.write_file(reference.TABLE_FILE, other.to_bytes())
         # No model, no shard: a rank that decided to score would fail on them, and must not.
-        table = reference.precompute(None, None, cfg, None, torch.device("cpu"), None, run, rank)
+        table = reference.precompute(None, None, cfg, None, torch.device("cpu"), None, run, rank, WORLD)
         np.save(Path(out) / f"rank{rank}_keys.npy", table.keys)
         np.save(Path(out) / f"rank{rank}_logps.npy", table.logps)
     finally:

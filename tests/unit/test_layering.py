@@ -34,7 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in
     "schema",  # how a config section is checked
     "kube",  # what Kubernetes and KubeRay accept, and the k8s section checked against it
     "config environment",  # what a user can say, in a file or in the environment
-    "config_import placement hub file_checks logs cache",
+    "config_import placement hub file_checks logs cache decisions",
     "model data limits",
     "parallel plan export",
     "train",

@@ -23,3 +23,15 @@ def test_a_placement_other_than_the_asked_workers_per_node_is_refused():
     INTERLEAVED.check_workers_per_node(3)
     with pytest.raises(ConfigError, match=r"ray.workers_per_node 2: Ray placed \[3, 1\] workers"):
         Topology(("a", "b", "a", "a")).check_workers_per_node(2)
+
+
+def test_the_layout_cuts_each_mesh_and_group_once(process_group):
+    """Asked again, the layout hands back what it made: cutting a mesh or group anew would make new process groups
+    (a collective on every rank) that no collective runs on."""
+    from rayft.parallel.layout import ParallelDims
+
+    layout = ParallelDims(Topology(("local",)), shard=1, experts=1, device_type="cpu")
+    assert layout.expert_mesh() is layout.expert_mesh()
+    assert layout.own_expert_group() is layout.own_expert_group()
+    (group, index), (again, index_again) = layout.own_context_group(), layout.own_context_group()
+    assert group is again and index == index_again == 0

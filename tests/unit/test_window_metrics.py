@@ -20,12 +20,15 @@ from transformers import MistralConfig, MistralForCausalLM
 from rayft.data.pipeline import PackedCollate, PadCollate, pack
 from rayft.model.flops import flop_model
 from rayft.model.loss import CausalLMLoss
+from rayft.parallel.layout import ParallelDims
+from rayft.parallel.topology import Topology
 from rayft.train.metrics import LossWindow, attended_keys
 from rayft.train.step import NextTokenLoss, train_step
 
 PEAK = 1e12  # a stated peak (train.peak_tflops 1): MFU exists on CPU
 MAX_LENGTH = 8
 PLAIN = NextTokenLoss(CausalLMLoss(fused=False))  # transformers' own loss, as the tiny model gives it
+ONE_RANK = ParallelDims(Topology(("local",)), shard=1, experts=1, device_type="cpu")  # fully_shard over the world
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def step(tiny, window: LossWindow, batch: dict[str, torch.Tensor]) -> torch.Tens
         [batch],
         window,
         loss=PLAIN,
-        world_size=1,
+        layout=ONE_RANK,
         kept_layers=[],
         autocast=nullcontext,
         max_grad_norm=1.0,
