@@ -31,6 +31,8 @@ ROWS = 8  # the global batch: every training row in each step, so how rows are s
 NODE_OF_RANK = re.compile(r"topology: .*node of each rank: (\[.*\])")
 GROUPS = re.compile(r"layout: FSDP shard groups (\[.*\]), expert-parallel groups (\[.*\])")
 
+ORDER_GAP = 1e-5  # the adapters of 4 workers against 2 at lr 1e-3: a few 1e-6 apart (the sums' order)
+
 
 def _dataset(root: Path) -> Path:
     """8 short training records, 4 validation ones, each well under max_length: one row each, no packing."""
@@ -58,7 +60,7 @@ def _config(fixtures: Fixtures, hub: Path, data: Path, out: Path, nodes: int, pe
     cfg["data"] = {"dataset_name_or_path": str(data), "max_length": 32, "packing": False, "shuffle_buffer_size": 0}
     # Adam's first steps move a weight by about the learning rate whatever its gradient's size, so a gradient that
     # nearly cancels shows the other summation order of 4 workers against 2 at full size: a small rate keeps that
-    # below the exact-resume tolerance, while a wrong gradient would still move the adapter by ~lr
+    # within ORDER_GAP, while a wrong gradient would still move the adapter by ~lr
     cfg["train"].update(
         learning_rate=1e-3,
         warmup_ratio=0.0,
@@ -137,4 +139,4 @@ def test_two_workers_a_node_keep_expert_groups_and_shards_on_their_node(
         for key in EXACT:
             if key != "eval_loss":  # no evaluation here
                 assert abs(g[key] - w[key]) < 1e-6, f"step {g['step']} {key}: {g[key]} != {w[key]}"
-    assert_same_adapter(run.out / "final", reference.out / "final")
+    assert_same_adapter(run.out / "final", reference.out / "final", ORDER_GAP)
