@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ from conftest import (
     submit_job,
     write_yaml,
 )
-from fixtures.cluster import stop_group, wait_for_dashboard, wait_for_nodes
+from fixtures.cluster import start_node, stop_group, wait_for_dashboard, wait_for_nodes
 from fixtures.devices import DEVICES
 
 pytestmark = [pytest.mark.ray]
@@ -69,34 +68,31 @@ def gpu_cluster(request) -> Head:
     (shim / "python").chmod(0o755)
     env["PATH"] = f"{shim}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = temp_dir.with_name(temp_dir.name + "-head.log")
-    with open(log, "w") as sink:
-        head = subprocess.Popen(
-            [
-                ray_cli(),
-                "start",
-                "--head",
-                "--block",
-                "--node-ip-address",
-                "127.0.0.1",
-                "--port",
-                str(gcs_port),
-                "--dashboard-host",
-                "127.0.0.1",
-                "--dashboard-port",
-                str(dashboard_port),
-                "--temp-dir",
-                str(temp_dir),
-                "--num-gpus",
-                "1" if cuda else "0",
-                "--num-cpus",
-                str(max(4, min(8, os.cpu_count() or 1))),
-                "--disable-usage-stats",
-            ],
-            env=env,
-            start_new_session=True,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
+    head = start_node(
+        [
+            ray_cli(),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(gcs_port),
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dashboard_port),
+            "--temp-dir",
+            str(temp_dir),
+            "--num-gpus",
+            "1" if cuda else "0",
+            "--num-cpus",
+            str(max(4, min(8, os.cpu_count() or 1))),
+            "--disable-usage-stats",
+        ],
+        env,
+        log,
+    )
     try:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         if not wait_for_dashboard(dashboard, head, log):
