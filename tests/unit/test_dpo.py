@@ -71,11 +71,13 @@ def test_preference_records_are_detected_and_need_dpo(fixtures: Fixtures):
 def test_explicit_and_implicit_prompts_give_the_same_pair(fixtures: Fixtures):
     """prompt + completion ids as the tokenizer gives them for the whole text, BOS first, EOS last; the completion
     starts where both sequences leave the prompt, whether the prompt is given or implicit (TRL's common prefix)."""
-    explicit = {"prompt": "Which fruit?", "chosen": " An apple.", "rejected": " A stone."}
-    implicit = {"chosen": "Which fruit? An apple.", "rejected": "Which fruit? A stone."}
+    # completions whose first characters differ: their first tokens differ in any vocabulary, so the implicit
+    # prompt (the common prefix) ends where the explicit one does
+    explicit = {"prompt": "Which fruit?", "chosen": " An apple.", "rejected": " The stone."}
+    implicit = {"chosen": "Which fruit? An apple.", "rejected": "Which fruit? The stone."}
     rows = actor(fixtures)(raw([explicit, implicit])).to_pylist()
     prompt = ids(fixtures, "Which fruit?")
-    chosen, rejected = ids(fixtures, "Which fruit? An apple."), ids(fixtures, "Which fruit? A stone.")
+    chosen, rejected = ids(fixtures, "Which fruit? An apple."), ids(fixtures, "Which fruit? The stone.")
     for row in rows:
         assert row["skip"] == ""
         assert row["chosen_ids"] == [1, *chosen, 2] and row["rejected_ids"] == [1, *rejected, 2]
