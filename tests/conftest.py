@@ -14,6 +14,7 @@ import yaml
 from fixtures import ray_group
 from fixtures.cluster import (  # noqa: F401  the tests import these from conftest
     AGENT_NOT_READY,
+    AUTH_ENV,
     RAY_BIN,
     REPO,
     STATE_TRACKED,
@@ -43,6 +44,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # percent of a core, and a recovery test waited minutes for one actor notification. Every Ray a test starts, and every
 # job it runs, inherits this environment.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Token authentication for every Ray a test starts and every client of one (fixtures/cluster.py, AUTH_ENV). Ray reads
+# the mode once per process, so this process holds one mode for all its clusters: the token one users' clusters have.
+os.environ.update(AUTH_ENV)
 
 SEED_CONFIG = REPO.parent / "shared" / "seeds" / "configs" / "mistral4small_fsdp_2xH200.yaml"
 STEPS = 6  # of the checkpointing reference run

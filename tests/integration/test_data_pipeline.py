@@ -39,7 +39,7 @@ BLOCK = 32  # tokens per packed block: 853 blocks from the fixture, a count that
 def ray_driver(ray_cluster: RayCluster):
     """This process as a driver of the session's two-node cluster (train functions defined here travel by value)."""
     saved = dict(os.environ)
-    os.environ.update(TEST_RAY_ENV, RAY_AUTH_MODE="disabled")
+    os.environ.update(TEST_RAY_ENV)
     ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield

@@ -109,12 +109,7 @@ def fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tm
     """`reference`: the FP8 job uninterrupted; `killed`: the same job expert parallel (k = 2), submitted at the
     same time with the same default `ray.name` into another output dir, whose worker is SIGKILLed after its first
     registered checkpoint (`ray.max_failures` 2: Ray restarts the group, which resumes from the latest checkpoint)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "disabled")  # the state API and job client talk to the test cluster
-        return _run_fp8_jobs(ray_cluster, fixtures, mistral4_hub, tmp_path_factory.mktemp("fp8-jobs"))
-
-
-def _run_fp8_jobs(ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, root: Path) -> dict[str, Run]:
+    root = tmp_path_factory.mktemp("fp8-jobs")
     jobs = {}
     for label in ("reference", "killed"):
         out = root / label

@@ -57,7 +57,7 @@ def gpu_cluster(request) -> Head:
     cuda = request.param == "cuda"
     temp_dir = Path(tempfile.gettempdir()) / f"rayft-gpu-{os.getpid()}"
     gcs_port, dashboard_port = free_port(), free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     # `ray job submit -- python ...` resolves `python` through PATH; a device may have only `python3`
     shim = temp_dir.with_name(temp_dir.name + "-bin")
     shim.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ import math
 import re
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from conftest import (
     tiny_config,
     write_yaml,
 )
+from fixtures.cluster import dashboard_get
 from fixtures.families import make_tiny_family
 from fixtures.local_run import train_locally
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
@@ -141,7 +141,7 @@ def test_run_is_visible_in_job_logs_run_files_prometheus_and_the_dashboard(refer
     for gauge in ("ray_rayft_tokens_per_s", "ray_rayft_loss", "ray_rayft_step"):
         assert re.search(rf'^{gauge}\{{.*run="ray_run".*\}} [\d.e+-]+$', scraped, re.M), scraped[:2000]
 
-    with urllib.request.urlopen(f"{ray_cluster.dashboard}/api/train/v2/runs/v1", timeout=30) as response:
+    with dashboard_get(f"{ray_cluster.dashboard}/api/train/v2/runs/v1", timeout=30) as response:
         runs = json.loads(response.read())["train_runs"]
     assert any(run["name"] == "ray_run" for run in runs), [run["name"] for run in runs]
 

@@ -147,12 +147,11 @@ def test_retention_keeps_the_best_and_latest_and_final_is_the_best(reference_run
 
 
 def test_killed_workers_and_a_killed_job_resume_exactly(
-    ray_cluster: RayCluster, fixtures: Fixtures, reference_run: Run, tmp_path, monkeypatch
+    ray_cluster: RayCluster, fixtures: Fixtures, reference_run: Run, tmp_path
 ):
     """One run that loses a worker after its first checkpoint, then another in the middle of a save (Ray restarts
     the group: max_failures 2), then the whole job; the same command run again finishes it. The result is the
     uninterrupted run's, step for step."""
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     out = tmp_path / "out"
     cfg = checkpointing_config(fixtures, out)
     run, driver = start(ray_cluster, cfg, out)
@@ -258,7 +257,6 @@ def trainer_nodes(
     from ray.cluster_utils import Cluster
     from ray.util import get_node_ip_address
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # The nodes' processes inherit this environment: their state API answers for this cluster (conftest.own_state_api).
     gcs_port = free_port()
     monkeypatch.setenv("RAY_ADDRESS", f"{get_node_ip_address()}:{gcs_port}")

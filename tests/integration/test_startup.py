@@ -132,7 +132,6 @@ def test_a_private_local_rays_processes_never_ask_another_rays_state_api():
     import json
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["RAY_AUTH_MODE"] = "disabled"
     out = subprocess.run([sys.executable, "-c", OTHER_RAY_PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"1": "found", "0": "no answer"}, out.stderr[-3000:]

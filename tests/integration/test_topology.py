@@ -80,7 +80,6 @@ def test_two_workers_a_node_keep_expert_groups_and_shards_on_their_node(
     from ray.cluster_utils import Cluster as RayTestCluster
     from ray.util import get_node_ip_address
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     gcs_port = free_port()
     # The nodes' processes inherit this environment: their state API answers for this cluster (conftest.own_state_api)
     monkeypatch.setenv("RAY_ADDRESS", f"{get_node_ip_address()}:{gcs_port}")
