@@ -29,7 +29,7 @@ from conftest import (
     submit_job,
     write_yaml,
 )
-from fixtures.cluster import start_node, stop_group, wait_for_dashboard, wait_for_nodes
+from fixtures.cluster import head_command, start_node, stop_group, wait_for_dashboard, wait_for_nodes
 from fixtures.devices import DEVICES
 
 pytestmark = [pytest.mark.ray]
@@ -70,20 +70,8 @@ def gpu_cluster(request) -> Head:
     log = temp_dir.with_name(temp_dir.name + "-head.log")
     head = start_node(
         [
-            ray_cli(),
-            "start",
-            "--head",
+            *head_command(ray_cli(), temp_dir, gcs_port, dashboard_port),
             "--block",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(gcs_port),
-            "--dashboard-host",
-            "127.0.0.1",
-            "--dashboard-port",
-            str(dashboard_port),
-            "--temp-dir",
-            str(temp_dir),
             "--num-gpus",
             "1" if cuda else "0",
             "--num-cpus",
