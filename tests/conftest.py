@@ -244,7 +244,7 @@ def checkpointing_config(fx: Fixtures, out: Path, **overrides) -> dict:
     cfg["ray"]["max_failures"] = 2
     for key, value in overrides.items():
         section, name = key.split("__")
-        cfg[section][name] = value
+        cfg.setdefault(section, {})[name] = value  # a section the demo leaves out (parallel) too
     return cfg
 
 
