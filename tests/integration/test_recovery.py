@@ -158,9 +158,7 @@ def test_retention_keeps_the_best_and_latest_and_final_is_the_best(reference_run
 # The reference run is not read here, but asked for: it keeps this test in the `reference` group, on the worker
 # of the shorter queue (tests/fixtures/ray_group.py), where the run already exists.
 @pytest.mark.usefixtures("reference_run")
-def test_killed_workers_and_a_killed_job_resume_exactly(
-    ray_cluster: RayCluster, fixtures: Fixtures, tmp_path
-):
+def test_killed_workers_and_a_killed_job_resume_exactly(ray_cluster: RayCluster, fixtures: Fixtures, tmp_path):
     """One context-parallel run (each packed row split over the 2 workers: one data-parallel rank) that loses a
     worker after its first checkpoint, then another in the middle of a save (Ray restarts the group: max_failures
     2), then the whole job; the same command run again finishes it. The result is the uninterrupted run's, step for
