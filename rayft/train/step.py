@@ -89,7 +89,7 @@ def train_step(
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         if seeds is not None:
-            torch.manual_seed(seeds[i])
+            seed_draws(seeds[i], layout)
         set_gradient_sync(cast("FSDPModule", model), last, kept_layers)  # the model is sharded by fully_shard
         with autocast():
             value, tokens = micro_batch_loss(model, batch)
@@ -101,6 +101,16 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     window.add_moved(TALLY.take())
     return grad_norm
+
+
+def seed_draws(seed: int, layout: ParallelDims) -> None:
+    """Seed this worker's random draws (dropout) for the micro-batch whose seed is `seed`. The N workers of a
+    context-parallel group train one micro-batch, each on its own slice of the rows: seeded alike they would drop
+    the same positions of every slice, so each mixes in its place in the group."""
+    if layout.context > 1:
+        group, _ = layout.own_context_group()
+        seed = int(np.random.SeedSequence([seed, dist.get_rank(group)]).generate_state(1)[0])
+    torch.manual_seed(seed)
 
 
 def clip_gradients_(model: torch.nn.Module, max_grad_norm: float, layout: ParallelDims) -> torch.Tensor:

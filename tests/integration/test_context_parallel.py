@@ -287,3 +287,38 @@ def test_preflight_refuses_n_that_does_not_split_the_heads(fixtures: Fixtures, m
         check_heads(text_config(str(model)), 2)
     raw = _run_config(fixtures, tmp_path, 3, 3)
     assert Config.from_dict(raw).parallel.context_parallel == 3  # the config alone cannot know the heads
+
+
+def _draws_rank(rank: int, world: int, port: int, result: str) -> None:
+    """Each worker's dropout draws for one micro-batch (one seed), with the sequence split over both workers and
+    without: gathered to rank 0."""
+    import torch.distributed as dist
+
+    from rayft.train.step import seed_draws
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        draws = {}
+        for context in (1, world):
+            seed_draws(1234, _layout(world, context, 1))
+            mine = torch.nn.functional.dropout(torch.ones(64), p=0.5)
+            gathered = [torch.empty(64) for _ in range(world)]
+            dist.all_gather(gathered, mine)
+            draws[context] = gathered
+        if rank == 0:
+            torch.save(draws, result)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_workers_of_a_split_sequence_draw_their_own_dropout_masks(tmp_path: Path) -> None:
+    """The workers of a context-parallel group train one micro-batch, each on its own slice of the rows. Seeded
+    alike, they would drop the same positions of every slice: one mask repeated N times over the row. Each draws
+    its own; without the split a micro-batch's draws stay the same on whichever worker trains it (an elastic run's
+    result does not depend on the group's size)."""
+    result = str(tmp_path / "draws.pt")
+    spawn_ranks(_draws_rank, args=(2, free_port(), result), nprocs=2)
+    draws = torch.load(result)
+    assert torch.equal(draws[1][0], draws[1][1])
+    assert not torch.equal(draws[2][0], draws[2][1]), "both slices of the row got one dropout mask"
