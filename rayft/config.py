@@ -154,7 +154,7 @@ class ModelConfig(Section):
                 "torch_dtype",
             )
             if self.frozen_dtype in DTYPES and self.torch_dtype not in ("auto", self.frozen_dtype)
-            else None
+            else None,
         ]
 
 

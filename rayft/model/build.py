@@ -142,7 +142,7 @@ def _from_config(
     expert kernels; its head is tied by the caller (`tie_weights_`), before LoRA and fully_shard: FSDP2 then shards
     the tied embedding/head as one parameter."""
     config.use_cache = model_cfg.use_cache
-    kwargs = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
+    kwargs: dict[str, Any] = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
     text = config.get_text_config()
     if getattr(text, "num_experts_per_tok", None):
         # one grouped GEMM for all experts, not a Python loop; a wrapper's own class has no experts: its text model's

@@ -20,6 +20,7 @@ import torch
 from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 from peft.utils import get_peft_model_state_dict
 from torch import nn
+from transformers import PretrainedConfig
 
 from rayft.config import ConfigError, LoraConfig
 from rayft.model.families import DENSE_TARGETS as DENSE_TARGETS  # re-exported: the sets are named from here too
@@ -65,7 +66,8 @@ def target_names(lora: LoraConfig, model: nn.Module) -> list[str]:
         return sorted(n for n in all_linear(model) if not in_vision(n))
     if list(lora.target_modules) != ["auto"]:
         return list(lora.target_modules)
-    model_type = getattr(model.config.get_text_config(), "model_type", "")  # a vision wrapper: its language model's
+    # a vision wrapper: its language model's type
+    model_type = getattr(cast("PretrainedConfig", model.config).get_text_config(), "model_type", "")
     if model_type not in AUTO_TARGETS:
         raise ConfigError(
             f"lora.target_modules: auto has no target set for model type '{model_type}' ({type(model).__name__}; "

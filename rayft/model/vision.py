@@ -60,6 +60,17 @@ def vision_modules(model: nn.Module) -> list[nn.Module]:
     return [m for part in VISION_PARTS if isinstance(m := getattr(inner, part, None), nn.Module)]
 
 
+def vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The tower's repeated blocks (the wrapper's `_no_split_modules` inside it), which FSDP shards one by one. Not
+    the tower itself: transformers finds the modules whose outputs it records (the tower's hidden states, of which
+    the projector takes one) by their class, which `fully_shard` replaces."""
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [
+        m for part in vision_modules(base) for m in part.modules() if any(c.__name__ in names for c in type(m).__mro__)
+    ]
+
+
 def in_vision(name: str) -> bool:
     """Whether a module or parameter name lies inside the tower or the projector."""
     return any(part in name.split(".") for part in VISION_PARTS)

@@ -1,0 +1,190 @@
+"""The whole Mistral-Small-4 vision-language model (`model.vision: true`): the tiny hub-layout checkpoint (Pixtral
+tower + projector in bf16, the mistral4 language model in FP8) built by rayft, sharded by FSDP2 over gloo ranks,
+against transformers' own `Mistral3ForConditionalGeneration.from_pretrained` of the same weights.
+
+The reference reads a copy of the checkpoint dequantised here by hand (each E4M3 tensor times its static scale, in
+fp32), so FP8 storage is compared with the fp32 model it stands for, as the FP8 tests do; bf16 storage with that
+model loaded in bf16. The image batch comes from transformers' Pixtral image processor and its image tokens are laid
+out here from the config (rows of `[IMG]` per merged patch, `[IMG_BREAK]` after each row, `[IMG_END]` last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import Fixtures, free_port, tiny_config
+from fixtures.ranks import spawn_ranks, whole
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
+
+from rayft.config import Config, ConfigError
+
+SEQ = 20  # tokens a row
+STORAGES = {"bf16": ("bfloat16", "bfloat16"), "fp8": ("float32", "auto")}  # label: (torch_dtype, frozen_dtype)
+
+
+def _dequantised_copy(hub: Path, target: Path) -> Path:
+    """The hub checkpoint in fp32, every FP8 tensor times its scale (0-d per tensor, [E,1,1] per expert), scales
+    dropped, and no quantization_config: what transformers loads as the model the FP8 checkpoint stands for."""
+    target.mkdir()
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(hub.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    out = {}
+    for key, tensor in tensors.items():
+        if key.endswith(("_scale_inv", "activation_scale")):
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale = tensors.get(f"{key}_scale_inv", tensors.get(f"{key.removesuffix('.weight')}.weight_scale_inv"))
+            assert scale is not None, key
+            tensor = tensor.float() * scale.float()
+        out[key] = tensor.float().contiguous()
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hub / "config.json").read_text())
+    config.pop("quantization_config")
+    (target / "config.json").write_text(json.dumps(config))
+    for file in hub.iterdir():
+        if file.name.startswith("tokenizer"):
+            shutil.copy(file, target / file.name)
+    return target
+
+
+def _images() -> list[Image.Image]:
+    """Two small drawings of different shapes (64×32 and 32×64 pixels), so the batch pads one of them."""
+    tall = Image.new("RGB", (32, 64), (250, 250, 240))
+    ImageDraw.Draw(tall).rectangle((4, 10, 27, 50), fill=(200, 30, 60))
+    wide = Image.new("RGB", (64, 32), (10, 20, 30))
+    ImageDraw.Draw(wide).ellipse((8, 4, 56, 28), fill=(40, 180, 90))
+    return [tall, wide]
+
+
+def _image_batch(hub: Path) -> dict[str, torch.Tensor]:
+    """Two rows of text around one image each, labels masked on the image tokens."""
+    from transformers import AutoConfig, AutoTokenizer, PixtralImageProcessorPil
+
+    config, tokenizer = AutoConfig.from_pretrained(hub), AutoTokenizer.from_pretrained(hub)
+    img, img_break, img_end = tokenizer.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    assert img == config.image_token_index
+    patch = config.vision_config.patch_size
+    processed = PixtralImageProcessorPil(patch_size=patch, size={"longest_edge": 64})(_images(), return_tensors="pt")
+    step = patch * config.spatial_merge_size  # pixels per image token, each way
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for height, width in processed["image_sizes"].tolist():
+        tokens = ([img] * (width // step) + [img_break]) * (height // step)
+        tokens[-1] = img_end
+        text = torch.randint(100, 2000, (SEQ - len(tokens),), generator=generator).tolist()
+        rows.append(text[:4] + tokens + text[4:])
+    input_ids = torch.tensor(rows)
+    labels = input_ids.masked_fill(torch.isin(input_ids, torch.tensor([img, img_break, img_end])), -100)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "pixel_values": processed["pixel_values"],
+        "image_sizes": processed["image_sizes"],
+    }
+
+
+def _reference_loss(dequantised: Path, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+    """transformers' own model of the checkpoint, its weights as `dtype` holds them, computed in fp32."""
+    from transformers import Mistral3ForConditionalGeneration
+
+    model, info = Mistral3ForConditionalGeneration.from_pretrained(dequantised, dtype=dtype, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return float(model.float().eval()(**batch).loss)
+
+
+@pytest.fixture(scope="module")
+def vision_case(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict:
+    """The image batch, the dequantised copy and transformers' loss of each storage."""
+    root = tmp_path_factory.mktemp("vision")
+    dequantised = _dequantised_copy(mistral4_hub, root / "dequantised")
+    batch = _image_batch(mistral4_hub)
+    torch.save(batch, root / "batch.pt")
+    want = {label: _reference_loss(dequantised, batch, getattr(torch, dtype)) for label, (dtype, _) in STORAGES.items()}
+    runs = {}
+    for label, (dtype, frozen) in STORAGES.items():
+        raw = tiny_config(fixtures, root / label, bf16=False)
+        raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype=dtype, frozen_dtype=frozen, vision=True)
+        raw["lora"].update(target_modules=["auto"], lora_dropout=0.0)
+        runs[label] = raw
+    return {"root": root, "dequantised": dequantised, "want": want, "runs": runs}
+
+
+def _vision_rank(rank: int, world: int, port: int, runs: dict, root: str, dequantised: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        batch = torch.load(Path(root) / "batch.pt")
+        checkpoint = load_file(Path(dequantised) / "model.safetensors")
+        results = {label: _train_once(Config.from_dict(raw), batch, checkpoint) for label, raw in runs.items()}
+        (Path(root) / f"rank{rank}-of-{world}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_once(cfg: Config, batch: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor]) -> dict:
+    """One loss, backward and AdamW step: the loss, which parameters got gradients, and the tower's and projector's
+    weights against the checkpoint's before and after the step."""
+    from rayft.model.build import fused_loss
+    from rayft.model.loss import CausalLMLoss
+    from rayft.parallel.parallelize import build_model
+
+    model = build_model(cfg, on_gpu=False)
+    frozen = {n: p for n, p in model.named_parameters() if ".vision_tower." in n or ".multi_modal_projector." in n}
+    before = {n: whole(p).detach().clone() for n, p in frozen.items()}
+    loss = CausalLMLoss(fused=fused_loss(model, cfg) is None)(model, batch)
+    loss.backward()
+    grads = {n: float(whole(p.grad).norm()) for n, p in model.named_parameters() if p.grad is not None}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    torch.optim.AdamW(trainable, lr=1e-2).step()
+    hub_name = {n: n.removeprefix("base_model.model.model.") for n in frozen}
+    return {
+        "loss": float(loss),
+        "grads": grads,
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "loaded": all(torch.equal(before[n], checkpoint[hub_name[n]].to(before[n].dtype)) for n in frozen),
+        "unchanged": all(torch.equal(before[n], whole(p).detach()) for n, p in frozen.items()),
+        "frozen_dtypes": sorted({str(p.dtype) for p in frozen.values()}),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_whole_vision_model_trains_like_transformers_own(vision_case: dict, world: int):
+    """rayft's loss of an image batch equals transformers' own Mistral3 forward of the same checkpoint (fp32, 1e-5
+    relative) with the language model in bf16 and in FP8 storage, on one and on two FSDP2 ranks; gradients reach the
+    language model's LoRA factors only, and an optimizer step leaves the tower and projector as loaded."""
+    root = vision_case["root"]
+    args = (world, free_port(), vision_case["runs"], str(root), str(vision_case["dequantised"]))
+    spawn_ranks(_vision_rank, args=args, nprocs=world)
+    ranks = [json.loads((root / f"rank{r}-of-{world}.json").read_text()) for r in range(world)]
+    for label, want in vision_case["want"].items():
+        for got in (r[label] for r in ranks):
+            assert abs(got["loss"] - want) <= 1e-5 * abs(want), (label, got["loss"], want)
+            assert got["trainable"] and all(".language_model." in n and ".lora_" in n for n in got["trainable"])
+            assert set(got["grads"]) <= set(got["trainable"]), set(got["grads"]) - set(got["trainable"])
+            lora_b = [n for n in got["trainable"] if ".lora_B." in n]
+            assert lora_b and all(got["grads"][n] > 0 for n in lora_b), got["grads"]
+            assert got["loaded"] and got["unchanged"], label
+            assert got["frozen_dtypes"] == [f"torch.{STORAGES[label][0]}"], got["frozen_dtypes"]
+
+
+def test_vision_needs_a_vision_checkpoint(fixtures: Fixtures, tmp_path: Path):
+    """`model.vision: true` on a text-only checkpoint is refused, naming the key."""
+    from rayft.model.build import empty_model
+
+    raw = tiny_config(fixtures, tmp_path)
+    raw["model"]["vision"] = True
+    with pytest.raises(ConfigError, match=r"model\.vision: true"):
+        empty_model(Config.from_dict(raw).model)
+    raw["parallel"] = {"context_parallel": 2}
+    raw["data"]["packing"] = True
+    with pytest.raises(ConfigError, match=r"cannot yet be combined with parallel\.context_parallel"):
+        Config.from_dict(raw)
