@@ -19,9 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import Fixtures, free_port, tiny_config
+from fixtures.hub_layout import make_tiny_mistral_small4
 from fixtures.ranks import spawn_ranks, whole
+from fixtures.torchao_nf4 import to_nf4
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
+from test_nf4_job import NF4_MISTRAL4
 
 from rayft.config import Config, ConfigError
 
@@ -101,21 +104,56 @@ def _reference_loss(dequantised: Path, batch: dict[str, torch.Tensor], dtype: to
         return float(model.float().eval()(**batch).loss)
 
 
-@pytest.fixture(scope="module")
-def vision_case(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict:
-    """The image batch, the dequantised copy and transformers' loss of each storage."""
-    root = tmp_path_factory.mktemp("vision")
-    dequantised = _dequantised_copy(mistral4_hub, root / "dequantised")
-    batch = _image_batch(mistral4_hub)
+def _case(fixtures: Fixtures, hub: Path, root: Path, storages: dict[str, tuple[str, str]], reference: Path) -> dict:
+    """The image batch, the runs of each storage (label: torch_dtype, frozen_dtype) and transformers' loss of
+    `reference` (a dequantised copy of `hub`) in each storage's torch_dtype."""
+    batch = _image_batch(hub)
     torch.save(batch, root / "batch.pt")
-    want = {label: _reference_loss(dequantised, batch, getattr(torch, dtype)) for label, (dtype, _) in STORAGES.items()}
-    runs = {}
-    for label, (dtype, frozen) in STORAGES.items():
+    want, runs = {}, {}
+    for label, (dtype, frozen) in storages.items():
+        want[label] = _reference_loss(reference, batch, getattr(torch, dtype))
         raw = tiny_config(fixtures, root / label, bf16=False)
-        raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype=dtype, frozen_dtype=frozen, vision=True)
+        raw["model"].update(model_name_or_path=str(hub), torch_dtype=dtype, frozen_dtype=frozen, vision=True)
         raw["lora"].update(target_modules=["auto"], lora_dropout=0.0)
         runs[label] = raw
-    return {"root": root, "dequantised": dequantised, "want": want, "runs": runs}
+    return {"root": root, "dequantised": root / "dequantised", "want": want, "runs": runs, "storages": storages}
+
+
+@pytest.fixture(scope="module")
+def vision_case(fixtures: Fixtures, mistral4_hub: Path, tmp_path_factory) -> dict:
+    """The hub checkpoint in bf16 and in FP8 storage, against its dequantised copy."""
+    root = tmp_path_factory.mktemp("vision")
+    dequantised = _dequantised_copy(mistral4_hub, root / "dequantised")
+    return _case(fixtures, mistral4_hub, root, STORAGES, dequantised)
+
+
+def _nf4_reference_copy(dequantised: Path, target: Path) -> Path:
+    """The dequantised copy with every matrix NF4 holds replaced by torchao's dequantisation of its NF4 (each routed
+    expert on its own): the decoder's linears but MLA's kv_a_proj_with_mqa, whose rows NF4 cannot block here."""
+    shutil.copytree(dequantised, target)
+    tensors = load_file(target / "model.safetensors")
+    for key, tensor in tensors.items():
+        if not key.startswith("language_model.model.layers."):
+            continue
+        if key.endswith("_proj.weight") and "kv_a_proj_with_mqa" not in key:
+            tensors[key] = to_nf4(tensor).get_original_weight()
+        elif key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[key] = torch.stack([to_nf4(expert).get_original_weight() for expert in tensor])
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def nf4_case(fixtures: Fixtures, tmp_path_factory) -> dict:
+    """A tiny hub checkpoint whose decoder matrices NF4 can block, in NF4 storage, against transformers' model
+    holding torchao's dequantised NF4 weights."""
+    root = tmp_path_factory.mktemp("vision-nf4")
+    hub = make_tiny_mistral_small4(root / "hub", tokenizer_from=fixtures.model, **NF4_MISTRAL4)
+    dequantised = _dequantised_copy(hub, root / "dequantised")
+    reference = _nf4_reference_copy(dequantised, root / "nf4-reference")
+    case = _case(fixtures, hub, root, {"nf4": ("float32", "nf4")}, reference)
+    case["unquantised"] = _reference_loss(dequantised, torch.load(root / "batch.pt"), torch.float32)
+    return case
 
 
 def _vision_rank(rank: int, world: int, port: int, runs: dict, root: str, dequantised: str) -> None:
@@ -134,6 +172,7 @@ def _train_once(cfg: Config, batch: dict[str, torch.Tensor], checkpoint: dict[st
     """One loss, backward and AdamW step: the loss, which parameters got gradients, and the tower's and projector's
     weights against the checkpoint's before and after the step."""
     from rayft.model.build import fused_loss
+    from rayft.model.fp8 import QuantisedExperts, QuantisedLinear
     from rayft.model.loss import CausalLMLoss
     from rayft.parallel.parallelize import build_model
 
@@ -153,6 +192,7 @@ def _train_once(cfg: Config, batch: dict[str, torch.Tensor], checkpoint: dict[st
         "loaded": all(torch.equal(before[n], checkpoint[hub_name[n]].to(before[n].dtype)) for n in frozen),
         "unchanged": all(torch.equal(before[n], whole(p).detach()) for n, p in frozen.items()),
         "frozen_dtypes": sorted({str(p.dtype) for p in frozen.values()}),
+        "quantised": sorted(n for n, m in model.named_modules() if isinstance(m, (QuantisedLinear, QuantisedExperts))),
     }
 
 
@@ -161,11 +201,29 @@ def test_the_whole_vision_model_trains_like_transformers_own(vision_case: dict, 
     """rayft's loss of an image batch equals transformers' own Mistral3 forward of the same checkpoint (fp32, 1e-5
     relative) with the language model in bf16 and in FP8 storage, on one and on two FSDP2 ranks; gradients reach the
     language model's LoRA factors only, and an optimizer step leaves the tower and projector as loaded."""
-    root = vision_case["root"]
-    args = (world, free_port(), vision_case["runs"], str(root), str(vision_case["dequantised"]))
-    spawn_ranks(_vision_rank, args=args, nprocs=world)
+    ranks = _run(vision_case, world)
+    fp8 = ranks[0]["fp8"]["quantised"]
+    assert len(fp8) == 2 * 9, fp8  # a layer: q_a, q_b, kv_a, kv_b, o, the shared gate/up/down, the routed experts
+
+
+def test_nf4_storage_of_the_language_model_computes_torchaos_weights(nf4_case: dict):
+    """With the language model in NF4 (two ranks), the loss is that of transformers' model holding torchao's
+    dequantised NF4 weights; the tower and projector stay in fp32."""
+    want = nf4_case["want"]["nf4"]
+    assert abs(nf4_case["unquantised"] - want) > 100 * 1e-5 * want  # the comparison can tell NF4 apart
+    ranks = _run(nf4_case, world=2)
+    nf4 = ranks[0]["nf4"]["quantised"]
+    assert len(nf4) == 2 * 8, nf4  # as FP8, but MLA's kv_a_proj_with_mqa, which NF4 cannot block at this size
+
+
+def _run(case: dict, world: int) -> list[dict]:
+    """Every run of `case` on `world` gloo ranks, checked against transformers' losses; each rank's results."""
+    root = case["root"]
+    spawn_ranks(
+        _vision_rank, args=(world, free_port(), case["runs"], str(root), str(case["dequantised"])), nprocs=world
+    )
     ranks = [json.loads((root / f"rank{r}-of-{world}.json").read_text()) for r in range(world)]
-    for label, want in vision_case["want"].items():
+    for label, want in case["want"].items():
         for got in (r[label] for r in ranks):
             assert abs(got["loss"] - want) <= 1e-5 * abs(want), (label, got["loss"], want)
             assert got["trainable"] and all(".language_model." in n and ".lora_" in n for n in got["trainable"])
@@ -173,7 +231,9 @@ def test_the_whole_vision_model_trains_like_transformers_own(vision_case: dict, 
             lora_b = [n for n in got["trainable"] if ".lora_B." in n]
             assert lora_b and all(got["grads"][n] > 0 for n in lora_b), got["grads"]
             assert got["loaded"] and got["unchanged"], label
-            assert got["frozen_dtypes"] == [f"torch.{STORAGES[label][0]}"], got["frozen_dtypes"]
+            assert got["frozen_dtypes"] == [f"torch.{case['storages'][label][0]}"], got["frozen_dtypes"]
+            assert all(".language_model.layers." in n for n in got["quantised"]), got["quantised"]
+    return ranks
 
 
 def test_vision_needs_a_vision_checkpoint(fixtures: Fixtures, tmp_path: Path):
