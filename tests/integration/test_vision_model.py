@@ -25,6 +25,7 @@ from fixtures.torchao_nf4 import to_nf4
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from test_nf4_job import NF4_MISTRAL4
+from torch import nn
 
 from rayft.config import Config, ConfigError
 
@@ -248,3 +249,26 @@ def test_vision_needs_a_vision_checkpoint(fixtures: Fixtures, tmp_path: Path):
     raw["data"]["packing"] = True
     with pytest.raises(ConfigError, match=r"cannot yet be combined with parallel\.context_parallel"):
         Config.from_dict(raw)
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["auto"], ["o_proj", "gate_proj"]])
+def test_lora_goes_on_the_language_model_only(mistral4_hub: Path, targets: list[str]):
+    """Whatever the target names, the tower's and projector's linears (which share o_proj, gate_proj, ... with the
+    language model) get no adapter; `all-linear` adapts every linear of the language model."""
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoConfig, Mistral3ForConditionalGeneration
+
+    from rayft.config import LoraConfig
+    from rayft.model.lora import wrap
+
+    config = AutoConfig.from_pretrained(mistral4_hub)
+    del config.quantization_config
+    with torch.device("meta"):
+        model = Mistral3ForConditionalGeneration._from_config(config)
+    linears = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+    text_linears = {n for n in linears if n.startswith("model.language_model.")}
+    wrapped, _ = wrap(model, LoraConfig(target_modules=targets, lora_dropout=0.0))
+    adapted = {n.removeprefix("base_model.model.") for n, m in wrapped.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted and adapted <= text_linears, sorted(adapted - text_linears)
+    if targets == ["all-linear"]:
+        assert adapted == text_linears
