@@ -272,3 +272,25 @@ def test_lora_goes_on_the_language_model_only(mistral4_hub: Path, targets: list[
     assert adapted and adapted <= text_linears, sorted(adapted - text_linears)
     if targets == ["all-linear"]:
         assert adapted == text_linears
+
+
+def test_on_text_records_the_vision_model_trains_as_the_language_model_alone(
+    fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path
+):
+    """The job's own Trainer (data pipeline, steps, checkpoint, final adapter) over the whole model, on the text
+    records the pipeline carries today: the tower never runs, and the losses and gradient norms are those of the
+    language model built alone."""
+    from fixtures.local_run import train_locally
+
+    runs = {}
+    for vision in (True, False):
+        out = tmp_path / f"vision-{vision}"
+        raw = tiny_config(fixtures, out, max_steps=2, save_steps=2, logging_steps=1, eval_strategy="no")
+        raw["model"].update(model_name_or_path=str(mistral4_hub), torch_dtype="float32", vision=vision)
+        raw["data"]["max_length"] = 32
+        raw["ray"]["num_workers"] = 1
+        runs[vision] = train_locally(raw, 1).metrics()
+        assert (out / "final" / "adapter_model.safetensors").exists()
+    for key in ("loss", "grad_norm"):
+        got, want = [m[key] for m in runs[True]], [m[key] for m in runs[False]]
+        assert len(got) == 2 and got == pytest.approx(want, rel=1e-5), (key, got, want)
