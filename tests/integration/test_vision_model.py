@@ -238,7 +238,8 @@ def _run(case: dict, world: int) -> list[dict]:
 
 
 def test_vision_needs_a_vision_checkpoint(fixtures: Fixtures, tmp_path: Path):
-    """`model.vision: true` on a text-only checkpoint is refused, naming the key."""
+    """`model.vision: true` on a text-only checkpoint is refused, naming the key, as are the settings it does not
+    combine with yet."""
     from rayft.model.build import empty_model
 
     raw = tiny_config(fixtures, tmp_path)
@@ -248,6 +249,10 @@ def test_vision_needs_a_vision_checkpoint(fixtures: Fixtures, tmp_path: Path):
     raw["parallel"] = {"context_parallel": 2}
     raw["data"]["packing"] = True
     with pytest.raises(ConfigError, match=r"cannot yet be combined with parallel\.context_parallel"):
+        Config.from_dict(raw)
+    raw["parallel"] = {}
+    raw["model"]["load_mode"] = "full"
+    with pytest.raises(ConfigError, match=r"set model\.load_mode: sharded"):
         Config.from_dict(raw)
 
 
