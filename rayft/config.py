@@ -131,9 +131,21 @@ class ModelConfig(Section):
     # token (LoRA stays in its own dtype): auto = on GPUs that run FP8 matmuls (compute capability 8.9+: H100, H200,
     # B200), off on CPU; false = dequantise each weight to the compute dtype first (bit for bit the checkpoint's).
     fp8_compute: Literal["auto"] | Flag = "auto"
+    # A vision+text checkpoint (Mistral3, llava-style: vision tower + projector + language model): true = build the
+    # whole model, the tower and projector frozen in torch_dtype, LoRA on the language model; false = the language
+    # model only (the tower is never read); auto = false for now (the data pipeline does not carry images yet).
+    vision: Literal["auto"] | Flag = "auto"
 
     def broken(self) -> list[Broken | None]:
         return [
+            broken(
+                "model.vision: true builds the model from the checkpoint's files rank by rank; set model.load_mode: "
+                "sharded",
+                "vision",
+                "load_mode",
+            )
+            if self.vision is True and self.load_mode != "sharded"
+            else None,
             broken(
                 f"model.frozen_dtype {self.frozen_dtype} disagrees with model.torch_dtype {self.torch_dtype}: a "
                 "dequantised base is stored in torch_dtype; set one of them to match (or frozen_dtype: "
@@ -142,7 +154,7 @@ class ModelConfig(Section):
                 "torch_dtype",
             )
             if self.frozen_dtype in DTYPES and self.torch_dtype not in ("auto", self.frozen_dtype)
-            else None
+            else None,
         ]
 
 
@@ -896,6 +908,7 @@ class Config(Section):
             self._expert_broken,
             self._elastic_broken,
             self._context_broken,
+            self._vision_broken,
         )
         return [found for rule in rules for found in rule()]
 
@@ -1025,6 +1038,29 @@ class Config(Section):
             )
             if f.cpu_offload
             else None,
+        ]
+
+    def _vision_broken(self) -> list[Broken | None]:
+        """What the whole vision-language model (`model.vision: true`) is not yet combined with: expert and context
+        parallelism cut the language model alone."""
+        p = self.parallel
+        not_yet = [
+            name
+            for name, on in (
+                (f"parallel.expert_parallel {p.expert_parallel}", p.expert_parallel != 1),
+                (f"parallel.context_parallel {p.context_parallel}", p.context_parallel > 1),
+            )
+            if on
+        ]
+        if self.model.vision is not True or not not_yet:
+            return []
+        return [
+            broken(
+                f"model.vision: true cannot yet be combined with {', '.join(not_yet)}; set model.vision: false (the "
+                "language model alone) or leave them at 1",
+                "model.vision",
+                *(name.split()[0] for name in not_yet),
+            )
         ]
 
     def _context_broken(self) -> list[Broken | None]:

@@ -25,6 +25,7 @@ from rayft.model.families import check_moe_family
 from rayft.model.frozen import Held
 from rayft.model.lora import LoraTargets, modules_to_save, wrap
 from rayft.model.loss import why_not_fused
+from rayft.model.vision import builds_vision, vision_class, vision_config, vision_modules
 from rayft.model.weights import tie_weights_
 
 log = logging.getLogger("rayft")
@@ -112,10 +113,13 @@ def attention_model_config(cfg: Config, on_gpu: bool) -> tuple[ModelConfig, Atte
 
 
 def empty_model(model_cfg: ModelConfig) -> PreTrainedModel:
-    """The architecture with parameters on the meta device (no memory) and real buffers (rotary tables)."""
-    config = text_config(model_cfg.model_name_or_path)
+    """The architecture with parameters on the meta device (no memory) and real buffers (rotary tables): the causal
+    LM, or with `model.vision` the whole vision-language wrapper (`rayft.model.vision`)."""
+    vision = builds_vision(model_cfg)
+    path = model_cfg.model_name_or_path
+    config = vision_config(path) if vision else text_config(path)
     with init_empty_weights(include_buffers=False):
-        model = _from_config(model_cfg, config)
+        model = _from_config(model_cfg, config, vision_class(config) if vision else None)
     # tied outside the context: init_empty_weights makes every parameter registered in it a new one
     tie_weights_(model)
     return model
@@ -131,15 +135,21 @@ def random_model(model_cfg: ModelConfig, config: PretrainedConfig, device: torch
     return model
 
 
-def _from_config(model_cfg: ModelConfig, config: PretrainedConfig) -> PreTrainedModel:
-    """The causal LM of `config` with `model_cfg`'s dtype, attention and expert kernels; its head is tied by the
-    caller (`tie_weights_`), before LoRA and fully_shard: FSDP2 then shards the tied embedding/head as one parameter."""
+def _from_config(
+    model_cfg: ModelConfig, config: PretrainedConfig, cls: type[PreTrainedModel] | None = None
+) -> PreTrainedModel:
+    """The causal LM of `config` (or `cls`'s model: a vision-language wrapper) with `model_cfg`'s dtype, attention and
+    expert kernels; its head is tied by the caller (`tie_weights_`), before LoRA and fully_shard: FSDP2 then shards
+    the tied embedding/head as one parameter."""
     config.use_cache = model_cfg.use_cache
-    kwargs = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
-    if getattr(config, "num_experts_per_tok", None):
-        kwargs["experts_implementation"] = "grouped_mm"  # one grouped GEMM for all experts, not a Python loop
+    kwargs: dict[str, Any] = {"dtype": _dtype(model_cfg, config), "attn_implementation": model_cfg.attn_implementation}
+    text = config.get_text_config()
+    if getattr(text, "num_experts_per_tok", None):
+        # one grouped GEMM for all experts, not a Python loop; a wrapper's own class has no experts: its text model's
+        kwargs["experts_implementation"] = "grouped_mm" if text is config else {"text_config": "grouped_mm"}
+    cls = cls or causal_lm_class(config)
     # transformers leaves _from_config unannotated
-    model: PreTrainedModel = causal_lm_class(config)._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
+    model: PreTrainedModel = cls._from_config(config, **kwargs)  # type: ignore[no-untyped-call]
     return model
 
 
@@ -209,8 +219,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP shards one by one: the classes the model declares as not splittable."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     block_names = set(getattr(base, "_no_split_modules", None) or [])
+    # A vision-language model's tower blocks are no decoder layers: never quantised, never recomputed by count.
+    tower = {id(m) for part in vision_modules(base) for m in part.modules()}
     # MRO, not type(m): fully_shard swaps a module's class for a generated `FSDP<Name>` subclass.
-    layers = [m for m in base.modules() if any(c.__name__ in block_names for c in type(m).__mro__)]
+    layers = [
+        m for m in base.modules() if id(m) not in tower and any(c.__name__ in block_names for c in type(m).__mro__)
+    ]
     if not layers:
         raise RuntimeError(f"{type(base).__name__} declares no decoder layer class (_no_split_modules) to shard")
     return layers

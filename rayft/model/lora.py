@@ -20,12 +20,14 @@ import torch
 from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 from peft.utils import get_peft_model_state_dict
 from torch import nn
+from transformers import PretrainedConfig
 
 from rayft.config import ConfigError, LoraConfig
 from rayft.model.families import DENSE_TARGETS as DENSE_TARGETS  # re-exported: the sets are named from here too
 from rayft.model.families import FAMILIES
 from rayft.model.families import MLA_TARGETS as MLA_TARGETS
 from rayft.model.fp8_format import EXPERT_WEIGHTS
+from rayft.model.vision import EXCLUDED, in_vision, vision_modules
 
 log = logging.getLogger("rayft")
 
@@ -61,10 +63,11 @@ class LoraTargets:
 
 def target_names(lora: LoraConfig, model: nn.Module) -> list[str]:
     if list(lora.target_modules) == [ALL_LINEAR]:
-        return sorted(all_linear(model))
+        return sorted(n for n in all_linear(model) if not in_vision(n))
     if list(lora.target_modules) != ["auto"]:
         return list(lora.target_modules)
-    model_type = getattr(model.config, "model_type", "")
+    # a vision wrapper: its language model's type
+    model_type = getattr(cast("PretrainedConfig", model.config).get_text_config(), "model_type", "")
     if model_type not in AUTO_TARGETS:
         raise ConfigError(
             f"lora.target_modules: auto has no target set for model type '{model_type}' ({type(model).__name__}; "
@@ -94,7 +97,8 @@ def layer_names(model: nn.Module) -> str:
 
 def resolve_targets(model: nn.Module, lora: LoraConfig) -> LoraTargets:
     names = target_names(lora, model)
-    adaptable = [n for n, m in model.named_modules() if isinstance(m, ADAPTABLE)]
+    # a vision-language model's tower and projector take no LoRA (`rayft.model.vision`)
+    adaptable = [n for n, m in model.named_modules() if isinstance(m, ADAPTABLE) and not in_vision(n)]
     hits = {t: [m for m in adaptable if m == t or m.endswith(f".{t}")] for t in names}
     targets = LoraTargets(
         architecture=type(model).__name__,
@@ -223,6 +227,8 @@ def _moved_by_peft(model: nn.Module, config: peft.LoraConfig) -> str | None:
 def wrap(model: nn.Module, lora: LoraConfig) -> tuple[peft.PeftModel, LoraTargets]:
     targets = resolve_targets(model, lora)
     config = peft_config(lora, targets.names, targets.parameters)
+    if vision_modules(model):  # the language model's target names are also the tower's (o_proj, gate_proj, ...)
+        config.exclude_modules = EXCLUDED
     check_peft_keeps_targets(model, config)
     return peft.get_peft_model(model, config), targets
 

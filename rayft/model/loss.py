@@ -350,7 +350,11 @@ def last_hidden_states(model: nn.Module, batch: Batch) -> torch.Tensor:
     position and `output_hidden_states=-1` records the last states only. The root's weights (the LM head's among
     them) stay gathered after the call, for the loss to use: FSDP does not reshard the root after its forward."""
     none = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-    out = model(**model_inputs(batch), logits_to_keep=none, output_hidden_states=-1, use_cache=False)
+    # A vision-language wrapper hands a selection on to its vision tower, which then records that state, not the one
+    # its projector reads (`vision_feature_layer`, whatever it is): there every state is recorded (the tensors
+    # backward keeps anyway).
+    selected = True if getattr(getattr(model, "config", None), "vision_config", None) is not None else -1
+    out = model(**model_inputs(batch), logits_to_keep=none, output_hidden_states=selected, use_cache=False)
     return cast(torch.Tensor, out.hidden_states[-1])
 
 

@@ -35,6 +35,7 @@ from rayft.model.fp8_format import EXPERT_WEIGHTS, weight_block
 from rayft.model.hub_keys import ExpertParts, checkpoint_names, expert_parts
 from rayft.model.nf4 import Nf4Experts, Nf4Linear, block_absmax, double_quantize, encode, quantize, storage_of, store_
 from rayft.model.safetensors_format import SAFETENSORS_DTYPES
+from rayft.model.vision import VISION_PARTS
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -129,16 +130,28 @@ class SafetensorsCheckpoint:
 
 def checkpoint_key(name: str, checkpoint: SafetensorsCheckpoint) -> str:
     """Where a text model's tensor lives in the checkpoint: plain causal LM, llava-style VLM wrapper
-    (`language_model.model.*`, `language_model.lm_head.*`) or transformers-5 wrapper (`model.language_model.*`)."""
+    (`language_model.model.*`, `language_model.lm_head.*`) or transformers-5 wrapper (`model.language_model.*`);
+    and a whole wrapper's tensor (`model.vision: true`, its transformers-5 names) in the llava-style hub layout."""
     for candidate in _wrapper_forms(name):
         if candidate in checkpoint:
             return candidate
     raise CheckpointKeyError(f"'{name}' is not in the checkpoint at {checkpoint.directory}")
 
 
-def _wrapper_forms(name: str) -> tuple[str, str, str]:
-    """A text model's tensor name as a plain causal LM, the llava-style and the transformers-5 VLM wrapper store it."""
-    return name, f"language_model.{name}", f"model.language_model.{name.removeprefix('model.')}"
+def _wrapper_forms(name: str) -> tuple[str, str, str, str]:
+    """A text model's tensor name as a plain causal LM, the llava-style and the transformers-5 VLM wrapper store it;
+    last, a whole wrapper's name (`model.language_model.*`, `model.vision_tower.*`, ...) in the llava-style layout."""
+    return name, f"language_model.{name}", f"model.language_model.{name.removeprefix('model.')}", _llava_form(name)
+
+
+def _llava_form(name: str) -> str:
+    """A transformers-5 wrapper name as the llava-style hub files hold it (the text model's under
+    `language_model.model.`, the tower's and projector's at the top); other names as they are."""
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name.startswith(tuple(f"model.{part}." for part in VISION_PARTS)):
+        return name.removeprefix("model.")
+    return name
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:
@@ -289,7 +302,9 @@ def _buffer_reads(
 
 def _model_type(model: nn.Module) -> str:
     base = cast("PeftModel", model).get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
-    return getattr(getattr(base, "config", None), "model_type", "") or ""
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if config is not None else None  # a vision wrapper: its language model's layout
+    return getattr(text, "model_type", "") or ""
 
 
 def _find_source(

@@ -33,6 +33,7 @@ from rayft.model.fp8_format import weight_block
 from rayft.model.fp8_matmul import fp8_compute_on
 from rayft.model.lora import apply_lora
 from rayft.model.nf4 import to_nf4_
+from rayft.model.vision import vision_blocks
 from rayft.model.weights import buffers_kept, load_sharded_
 from rayft.parallel.alltoall import checkpoint_context
 from rayft.parallel.expert import ExpertParallel, expert_params, split_experts_
@@ -179,9 +180,10 @@ def apply_fsdp(
     dims: ParallelDims,
     ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """Shard every decoder layer as its own FSDP unit, then the root (embeddings, final norm, LM head), over the
-    layout's shard groups (`ParallelDims.fsdp_mesh`). `ignored`: what FSDP leaves alone: under expert parallelism,
-    the experts; on a one-rank shard group, the quantised base's storage (`unsharded_storage`)."""
+    """Shard every decoder layer as its own FSDP unit (and each block of a vision-language model's tower), then the
+    root (embeddings, final norm, LM head), over the layout's shard groups (`ParallelDims.fsdp_mesh`). `ignored`: what
+    FSDP leaves alone: under expert parallelism, the experts; on a one-rank shard group, the quantised base's storage
+    (`unsharded_storage`)."""
     # Pinned host memory (fast copies to the GPU) needs an accelerator; a CPU run has nothing to offload to anyway.
     offload = CPUOffloadPolicy(pin_memory=dims.device_type != "cpu") if fsdp.cpu_offload else OffloadPolicy()
     allow_integer_parameters()  # the FP8 base's bytes, on a torch whose FSDP2 cannot hold them yet
@@ -198,6 +200,8 @@ def apply_fsdp(
             offload_policy=offload,
             ignored_params=ignored,
         )
+    for block in vision_blocks(model):  # a vision-language model's frozen tower, block by block
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, ignored_params=ignored)
     # The root's weights are needed again right at the start of backward: keep them gathered.
     fully_shard(
         model,
