@@ -37,7 +37,10 @@ from rayft.train.steps import StepPlan, plan_steps
 from rayft.workers import eval_worker, train_worker
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from ray.train.base_trainer import GenDataset
+
+    from rayft.data.tokenizer import TokenizerFacts
 
 log = logging.getLogger("rayft")
 
@@ -295,18 +298,43 @@ def _install_best(
     log.info("load_best_model_at_end: %s = step %s (%s %.6g)", final, metrics.get("step"), metric, metrics[metric])
 
 
-def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = False) -> dict[str, Any]:
-    """Perplexity of the base model (adapter None) or base + adapter on one split, on the Ray cluster with the
-    same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets). `with_base`: the
-    base is scored first by the same workers (its metrics under "base"), before the adapter's weights are loaded."""
+@dataclass(frozen=True)
+class EvalSetup:
+    """What the driver settles for `rayft eval` before it joins a cluster: the job every worker runs, the split's
+    rows where it is small enough to tokenize here (else None: the tokenizer actors read it), and the tokenizer."""
+
+    job: EvalJob
+    small: pa.Table | None
+    tokenizer: TokenizerFacts
+
+
+def eval_setup(cfg: Config, adapter: Path | None, split: str, with_base: bool) -> EvalSetup:
+    """The adapter checked against the config and its LoRA shape taken, preflight, and a missing `--split` or a
+    small split too short for the workers answered, all before the cluster is joined."""
     if adapter:
         check_adapter(adapter, cfg)
     cfg = _with_absolute_paths(with_adapter_shape(cfg, adapter) if adapter else cfg)
     checked = preflight(cfg)
-    # a missing --split, and a small split too short for the workers, are answered before the cluster
     small = small_eval_rows(cfg, split, checked.tokenizer)
+    run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
+    job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base, checked.decisions)
+    return EvalSetup(job, small, checked.tokenizer)
+
+
+def eval_result(job: EvalJob, rows: int, split: str) -> dict[str, Any]:
+    """What rank 0 wrote into the eval's run directory (Ray keeps reported metrics only with checkpoints), with
+    the split scored and its row count."""
+    return {**json.loads(RunDir(job.run_uri).read_file(EVAL_RESULT)), "rows": rows, "split": split}
+
+
+def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = False) -> dict[str, Any]:
+    """Perplexity of the base model (adapter None) or base + adapter on one split, on the Ray cluster with the
+    same sharded loading as training. The adapter brings its own LoRA shape (r, alpha, targets). `with_base`: the
+    base is scored first by the same workers (its metrics under "base"), before the adapter's weights are loaded."""
+    setup = eval_setup(cfg, adapter, split, with_base)
+    cfg = setup.job.config
     use_gpu = join_cluster(cfg)
-    dataset, rows = build_eval_dataset(cfg, split, small, checked.tokenizer)
+    dataset, rows = build_eval_dataset(cfg, split, setup.small, setup.tokenizer)
     scored = f" + adapter {adapter}" if adapter else ""
     if with_base:
         scored += " (and the base alone, first)"
@@ -318,11 +346,9 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
         rows,
         cfg.ray.num_workers,
     )
-    run = RunDir(f"{cfg.storage_path.rstrip('/')}/{cfg.ray.name}-eval")
-    job = EvalJob(cfg, run.uri, adapter.resolve() if adapter else None, with_base, checked.decisions)
     trainer = TorchTrainer(
         eval_worker,
-        train_loop_config={"job": job},
+        train_loop_config={"job": setup.job},
         torch_config=torch_config(cfg, use_gpu),
         scaling_config=_scaling(cfg, use_gpu),
         run_config=ray.train.RunConfig(  # type: ignore[call-arg]  # a Ray Train v2 field; mypy reads v1's class
@@ -333,7 +359,7 @@ def evaluate(cfg: Config, adapter: Path | None, split: str, with_base: bool = Fa
         datasets={"validation": dataset},
     )
     trainer.fit()
-    return {**json.loads(run.read_file(EVAL_RESULT)), "rows": rows, "split": split}
+    return eval_result(setup.job, rows, split)
 
 
 def join_cluster(cfg: Config) -> bool:

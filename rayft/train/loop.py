@@ -73,11 +73,15 @@ def run(job: Job, runtime: Runtime, entered: float | None = None) -> Trainer:
 
 
 def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """`rayft eval`: the base model, or base + a trained adapter, scored on one split (token-weighted loss). The
-    model is built with the adapter's LoRA shape at its zero-delta init, which is the base exactly: `with_base`
-    scores it before the adapter's weights are loaded."""
-    job: EvalJob = loop_config["job"]
-    runtime = RayRuntime()
+    """One Ray Train worker's share of `rayft eval` (`run_eval`), its result reported to Ray Train."""
+    ray.train.report(run_eval(loop_config["job"], RayRuntime()))
+
+
+def run_eval(job: EvalJob, runtime: Runtime) -> dict[str, Any]:
+    """`rayft eval` on one worker, whoever launched it (Ray Train, or gloo ranks in the tests): the base model, or
+    base + a trained adapter, scored on one split (token-weighted loss). The model is built with the adapter's LoRA
+    shape at its zero-delta init, which is the base exactly: `with_base` scores it before the adapter's weights are
+    loaded. Rank 0 writes the result into the eval's run directory, where the driver reads it."""
     cfg, rank, device = job.config, runtime.rank, runtime.device
     _setup_logging(rank)
     # Each worker scores its own split of the records whole: no context parallelism (not yet: its groups would
@@ -100,7 +104,7 @@ def eval_loop_per_worker(loop_config: dict[str, Any]) -> None:
     result = score()
     if rank == 0:  # Ray keeps reported metrics only with checkpoints: the driver reads the result from storage
         RunDir(job.run_uri).write_file(EVAL_RESULT, json.dumps({**result, "base": base}).encode())
-    ray.train.report(result)
+    return result
 
 
 class Trainer:

@@ -1,5 +1,5 @@
 """The Ray Data pipeline on the real local cluster: every source kind, packing over a whole epoch, bad records
-counted, and equal batches per rank under a real TorchTrainer with 2 and 3 workers."""
+counted, and equal batches per rank from Ray Train's split of the data for 2 and 3 workers."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import hashlib
 import json
 import os
 import sys
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
+import ray.train
 from conftest import TEST_RAY_ENV, Fixtures, RayCluster, tiny_config
 
 from rayft.config import Config, ConfigError, DataConfig
@@ -29,7 +30,8 @@ from rayft.data.pipeline import (
 from rayft.data.records import decode_line, record_format
 from rayft.data.sources import resolve_splits
 from rayft.data.tokenizer import tokenizer_facts
-from rayft.train.steps import plan_steps
+from rayft.train.step import epoch_batches
+from rayft.train.steps import StepPlan, plan_steps
 
 pytestmark = pytest.mark.ray
 BLOCK = 32  # tokens per packed block: 853 blocks from the fixture, a count that neither 2 nor 3 divides
@@ -163,53 +165,38 @@ def test_max_eval_samples_keeps_the_first_validation_rows(packed, path, monkeypa
         assert limited.train_stats == whole.train_stats
 
 
-def _count_batches(config: dict) -> None:
-    """Each rank walks two epochs exactly as the training loop does, with a collective per batch (as FSDP has):
-    a rank with fewer batches would leave the others waiting forever."""
-    import ray.train
-    import torch
-    import torch.distributed as dist
-
-    from rayft.config import Config
-    from rayft.data.pipeline import collate_fn
-    from rayft.train.step import epoch_batches
-    from rayft.train.steps import StepPlan
-
-    cfg, plan = Config.from_dict(config["config"]), StepPlan(**config["plan"])
-    rank = ray.train.get_context().get_world_rank()
-    shard = ray.train.get_dataset_shard("train")
+def _count_batches(shards: dict, cfg: Config, plan: StepPlan) -> dict:
+    """One rank's two epochs, walked exactly as the training loop walks them (`epoch_batches`), then its validation
+    shard: what it got of each."""
     collate = collate_fn(cfg.data, pad_id=11)
     epochs = []
     for epoch in range(2):
-        firsts, count = [], 0
-        for batch in epoch_batches(shard, cfg, plan, epoch, 0, collate):
-            dist.all_reduce(torch.ones(1))
-            firsts.append(int(batch["input_ids"][0, :8].sum()))
-            count += 1
-        epochs.append({"batches": count, "order": firsts})
-    val = sum(1 for _ in ray.train.get_dataset_shard("validation").iter_batches(batch_size=2))
-    Path(config["out"], f"rank{rank}.json").write_text(json.dumps({"epochs": epochs, "validation": val}))
+        firsts = [
+            int(batch["input_ids"][0, :8].sum())
+            for batch in epoch_batches(shards["train"], cfg, plan, epoch, 0, collate)
+        ]
+        epochs.append({"batches": len(firsts), "order": firsts})
+    return {"epochs": epochs, "validation": sum(1 for _ in shards["validation"].iter_batches(batch_size=2))}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", [2, 3])
-def test_uneven_data_gives_every_rank_the_planned_batches(packed, workers: int, tmp_path):
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+def test_uneven_data_gives_every_rank_the_planned_batches(packed, workers: int):
+    """Ray Data's equal split of a row count that `workers` does not divide, made as Ray Train makes it for its
+    workers (its `DataConfig.configure`: `streaming_split(n, equal=True)` on the cluster), read by `workers` ranks at
+    once (threads here, each holding its shards as a Ray Train worker does): every rank gets the plan's batches in
+    each of two epochs, reshuffled per epoch, and as many validation batches as the others. (A rank with fewer
+    batches would leave the others waiting in a collective forever.) The worker group around the shards is Ray
+    Train's, tested by every job on the test cluster."""
     cfg, ds = packed
     assert ds.train_rows % workers, "the fixture must not divide evenly"
     plan = plan_steps(cfg, ds.train_rows, ds.validation_rows, workers)
-    out = tmp_path / "ranks"
-    out.mkdir()
-    TorchTrainer(
-        _count_batches,
-        train_loop_config={"config": cfg.to_dict(), "plan": plan.__dict__, "out": str(out)},
-        torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=workers, placement_strategy="SPREAD"),
-        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "storage"), name="count"),
-        datasets={"train": ds.train, "validation": ds.validation},
-    ).fit()
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(workers)]
+    configure = ray.train.DataConfig().configure
+    split = configure(
+        {"train": ds.train, "validation": ds.validation}, workers, worker_handles=None, worker_node_ids=None
+    )
+    with ThreadPoolExecutor(workers) as pool:
+        ranks = list(pool.map(lambda shards: _count_batches(shards, cfg, plan), split))
     for r in ranks:
         assert [e["batches"] for e in r["epochs"]] == [plan.micro_batches_per_epoch] * 2
         first, second = (e["order"] for e in r["epochs"])

@@ -1,21 +1,23 @@
 """DPO: the job trains on preference pairs (the job's own driver pipeline and Trainer on 2 gloo ranks without Ray,
 FSDP2 + LoRA, the adapter-free base as reference; `fixtures.local_run`), checkpoints, reports TRL's reward metrics
-and writes a `final/` PEFT loads; `rayft eval` on the held-out pairs, on the two-node test cluster, then ranks chosen
-over rejected. The same job with a precomputed reference, stopped and continued, lands on the live reference's
-adapter (test_local_trainer.py); what Ray adds to a job (placement, restarts, Ray Data's split) is the same for
-every objective and has its tests on the test cluster (test_recovery.py, test_job_e2e.py)."""
+and writes a `final/` PEFT loads; `rayft eval` on the held-out pairs (its driver part and workers on the same gloo
+ranks) then ranks chosen over rejected. The same job with a precomputed reference, stopped and continued, lands on
+the live reference's adapter (test_local_trainer.py); what Ray adds to a job or an eval (placement, restarts, Ray
+Data's split, submission) is the same for every objective and has its tests on the test cluster (test_recovery.py,
+test_job_e2e.py)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Fixtures, RayCluster, tiny_config, write_yaml
-from fixtures.local_run import LocalRun, train_locally
+from conftest import Fixtures, tiny_config, write_yaml
+from fixtures.local_run import LocalRun, eval_locally, train_locally
 from fixtures.preference import write_preference_data
+
+from rayft.cli import eval_summary
+from rayft.config import load_config
 
 STEPS = 6
 METRICS = (
@@ -85,34 +87,18 @@ def test_dpo_job_trains_reports_reward_metrics_and_final_loads(dpo_run: LocalRun
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained: B moved from its zero init
 
 
-@pytest.mark.ray
-def test_rayft_eval_ranks_held_out_pairs_after_training(dpo_run: LocalRun, ray_cluster: RayCluster):
-    """Rewards of base + adapter against the base on the validation pairs (new prompts, same word sets)."""
-    env = {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rayft.cli",
-            "eval",
-            "--config",
-            str(dpo_run.out / "config.yaml"),
-            "--adapter",
-            str(dpo_run.out / "final"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    print(result.stdout)
+def test_rayft_eval_ranks_held_out_pairs_after_training(dpo_run: LocalRun):
+    """Rewards of base + adapter against the base on the validation pairs (new prompts, same word sets): `rayft
+    eval`'s driver part and workers on 2 gloo ranks (`eval_locally`), the config read as the command reads it, the
+    result as it prints it."""
+    scored = eval_locally(load_config(dpo_run.out / "config.yaml"), dpo_run.out / "final")
+    line = eval_summary(scored.result, adapter=True)
+    print(line)
     found = re.search(
         r"on 'validation' \(16 pairs\): DPO loss ([\d.]+), .*rewards/accuracies ([\d.]+), "
         r"rewards/margins (-?[\d.]+)",
-        result.stdout,
+        line,
     )
-    assert found, result.stdout + result.stderr[-3000:]
+    assert found, line + scored.text()[-3000:]
     loss, accuracy, margin = (float(found[i]) for i in (1, 2, 3))
     assert margin > 0 and accuracy > 0.5 and loss < 0.6931

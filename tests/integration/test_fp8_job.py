@@ -7,7 +7,8 @@ evaluating every step, with the default `ray.name` and different output director
 FSDP alone, uninterrupted; the `killed` one runs `parallel.expert_parallel: 2` and loses a worker (SIGKILL by PID
 from Ray's state API) after its first checkpoint: Ray restarts the expert-parallel group, which resumes, and it must
 end where the reference ends (the same sums in another order); a k = 1 run continuing from its checkpoint on gloo
-ranks must too. Every expected value comes from outside the code under test: the uninterrupted run, PEFT on a
+ranks must too, and `rayft eval` of the reference's adapter (its workers on gloo ranks) must score the FP8 base as
+the dequantised one. Every expected value comes from outside the code under test: the uninterrupted run, PEFT on a
 model holding weights decoded from the checkpoint's raw E4M3 bytes with numpy (`test_weights._dequantised_reference`),
 transformers loading the merged export. That a killed FP8 run resumes *exactly* is checked on gloo ranks
 (test_local_trainer.py, Qwen3-MoE stored in FP8), a killed run on Ray exactly in test_recovery.py.
@@ -39,7 +40,7 @@ from conftest import (
     working_dir,
     write_yaml,
 )
-from fixtures.local_run import train_locally
+from fixtures.local_run import eval_locally, train_locally
 from peft import PeftModel
 from safetensors.torch import load_file
 from test_recovery import resumes, wait_until
@@ -47,6 +48,9 @@ from test_weights import _dequantised_reference
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import Mistral4Config, Mistral4ForCausalLM
+
+from rayft.cli import eval_summary
+from rayft.config import load_config
 
 pytestmark = pytest.mark.ray
 
@@ -280,48 +284,29 @@ def test_fp8_adapter_loads_with_peft_on_the_dequantised_base_and_the_merged_expo
     assert (got - want).abs().max().item() < 1e-4
 
 
-def _evals(cluster: RayCluster, runs: list[tuple[Path, tuple[str, ...]]]) -> list[tuple[float, str]]:
-    """`rayft eval --config C ARGS` for each (C, ARGS) at the same time (each config has its own output dir, so
-    its own eval run dir); the loss each printed, and its output."""
-    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "rayft.cli", "eval", "--config", str(config), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        for config, args in runs
-    ]
-    losses = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr[-4000:]
-        found = re.search(r"eval .* on 'validation' \([\d,]+ rows\): loss ([\d.]+), perplexity ([\d.]+)", stdout)
-        assert found, stdout + stderr[-3000:]
-        assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-3)
-        losses.append((float(found[1]), stdout + stderr))
-    return losses
+def _eval(config: Path, *overrides: str, adapter: Path) -> tuple[float, str]:
+    """`rayft eval --config CONFIG --adapter ADAPTER --override ...` on gloo ranks (`eval_locally`: the command's
+    driver part and workers, the config read as the command reads it): the loss its result line prints, and the
+    eval's log."""
+    scored = eval_locally(load_config(config, overrides), adapter)
+    line = eval_summary(scored.result, adapter=True)
+    found = re.search(r"eval .* on 'validation' \([\d,]+ rows\): loss ([\d.]+), perplexity ([\d.]+)", line)
+    assert found, line + scored.text()[-3000:]
+    assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-3)
+    return float(found[1]), scored.text()
 
 
 def test_eval_on_the_fp8_base_scores_as_the_dequantised_fp32_base(
-    fp8_jobs: dict[str, Run], ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path
+    fp8_jobs: dict[str, Run], fixtures: Fixtures, mistral4_hub: Path, tmp_path: Path
 ):
     """`rayft eval --adapter final` with the base kept in FP8 (`auto`) and dequantised at load (`float32`): the
     same loss, and the one training reported for that (best) checkpoint. (The second eval runs from a copy of the
-    job's config with another output dir: each eval has its own run dir.)"""
+    job's config with another output dir: each eval has its own run dir.) `rayft eval` through Ray Train is
+    test_job_e2e.py's."""
     run = fp8_jobs["reference"]
-    adapter = ("--adapter", str(run.out / "final"))
     copy = write_yaml(tmp_path / "config.yaml", _fp8_config(fixtures, mistral4_hub, tmp_path))
-    (fp8, fp8_log), (fp32, fp32_log) = _evals(
-        ray_cluster,
-        [
-            (run.out / "config.yaml", adapter),
-            (copy, (*adapter, "--override", "model.frozen_dtype=float32")),
-        ],
-    )
+    fp8, fp8_log = _eval(run.out / "config.yaml", adapter=run.out / "final")
+    fp32, fp32_log = _eval(copy, "model.frozen_dtype=float32", adapter=run.out / "final")
     assert "stored as FP8 E4M3" in fp8_log and "stored as FP8 E4M3" not in fp32_log, fp8_log[-3000:]
     assert fp8 == pytest.approx(fp32, rel=1e-4)
     best = min(r["eval_loss"] for r in run.metrics() if "eval_loss" in r)

@@ -5,12 +5,14 @@ is refused by `rayft validate` with exit 2, naming it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
 import pytest
-from conftest import Fixtures, run_cli, submit_job, tiny_config, write_yaml
+from conftest import Fixtures, run_cli, tiny_config, write_yaml
 from fixtures import hf_cache
+from fixtures.local_run import train_locally
 from huggingface_hub import scan_cache_dir
 
 from rayft.config import Config
@@ -123,24 +125,20 @@ def test_a_file_whose_blob_is_gone_is_named(fixtures, tmp_path, capsys, monkeypa
     assert result.rc == 2 and f"'{MODEL}' in {snapshot} lacks file(s) model.safetensors" in result.err, result.err
 
 
-@pytest.mark.ray
-def test_a_job_trains_on_a_model_and_dataset_named_by_hub_id_offline(ray_cluster, hf_home: Path, fixtures, tmp_path):
-    """`ray job submit` with HF_HOME and HF_HUB_OFFLINE in the job's environment, as the RayJob's pods have them."""
-    out = tmp_path / "out"
-    config = write_yaml(tmp_path / "hub.yaml", _hub_config(fixtures, out, revision=MODEL_COMMIT))
-    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    job = submit_job(
-        ray_cluster,
-        "--config",
-        str(config),
-        "--override",
-        "train.max_steps=2",
-        "--override",
-        "train.logging_steps=1",
-        env=env,
-    )
-    logs = job.stdout + job.stderr
-    assert job.returncode == 0 and "succeeded" in logs, logs[-6000:]
-    assert str(_snapshot(hf_home, "model", MODEL, MODEL_COMMIT)) in logs  # the workers were handed the snapshot
+def test_a_job_trains_on_a_model_and_dataset_named_by_hub_id_offline(offline: Path, fixtures, tmp_path):
+    """The job's driver part in this process with HF_HOME and HF_HUB_OFFLINE set, its workers on 2 gloo ranks with
+    them in their environment too, as the RayJob's pods have them (`fixtures.local_run`): the hub names become the
+    cached snapshots, which the ranks load and train on. The same names through `ray job submit`, the variables in
+    the job's runtime environment: test_job_e2e.py's seed-YAML job."""
+    cfg = _hub_config(fixtures, tmp_path / "out", revision=MODEL_COMMIT)
+    cfg["train"].update(max_steps=2, logging_steps=1)
+    run = train_locally(cfg, 2, env={"HF_HOME": str(offline), "HF_HUB_OFFLINE": "1"})
+    logs = run.text()
     assert re.search(r"step 2/2 \| epoch [\d.]+ \| loss [\d.]+", logs), logs[-6000:]
-    assert (out / "final" / "adapter_model.safetensors").is_file()
+    final = run.out / "final"
+    assert (final / "adapter_model.safetensors").is_file()
+    model, data = _snapshot(offline, "model", MODEL, MODEL_COMMIT), _snapshot(offline, "dataset", DATASET, DATA_COMMIT)
+    # the ranks were handed the snapshot: the base PEFT names in the adapter is the model rank 0 loaded
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model)
+    settings = json.loads((run.run_dir / "rayft_run.json").read_text())["settings"]  # what the driver trained on
+    assert (settings["model.model_name_or_path"], settings["data.dataset_name_or_path"]) == (str(model), str(data))

@@ -3,6 +3,7 @@ checkpoints, on a two-node local Ray cluster."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -22,13 +23,10 @@ from conftest import (
     RayCluster,
     Run,
     submit_job,
-    tiny_config,
-    write_yaml,
 )
+from fixtures import hf_cache
 from fixtures.cluster import dashboard_get
-from fixtures.families import make_tiny_family
-from fixtures.local_run import train_locally
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
@@ -277,22 +275,32 @@ def _base(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
+SEED_MODEL, SEED_DATASET = "rayft-test/tiny-mistral-small-4", "rayft-test/wikitext"  # hub ids in the seeded cache
+
+
 def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
     ray_cluster: RayCluster, fixtures: Fixtures, mistral4_hub: Path, tmp_path
 ):
     """The seed recipe's YAML, unchanged, on a tiny Mistral-Small-4 in the hub's exact layout (FP8 Mistral3 wrapper →
     sharded per-rank loading), default STRICT_SPREAD placement (one worker per node), unpacked padded batches.
-    Overridden: the paths, LoRA targets `auto` (the seed's dense names miss the MLA projections), and a step cap,
-    per-step logging and a learning rate that make 4 steps (16 micro-batches each) show a trend."""
-    out = tmp_path / "seed-out"
+    Overridden: the model and dataset, named by hub id (and the model's revision) in a pre-seeded Hugging Face cache
+    read offline, HF_HOME and HF_HUB_OFFLINE in the job's environment as a RayJob's pods have them; the output dir,
+    LoRA targets `auto` (the seed's dense names miss the MLA projections), and a step cap, per-step logging and a
+    learning rate that make 4 steps (16 micro-batches each) show a trend."""
+    out, home = tmp_path / "seed-out", tmp_path / "hf-home"
+    commit = hashlib.sha1(b"tiny-mistral-small-4").hexdigest()
+    snapshot = hf_cache.seed(home / "hub", "model", SEED_MODEL, mistral4_hub, commit)
+    hf_cache.seed(home / "hub", "dataset", SEED_DATASET, fixtures.dataset, hashlib.sha1(b"wikitext").hexdigest())
     job = submit_job(
         ray_cluster,
         "--config",
         str(SEED_CONFIG),
         "--override",
-        f"model.model_name_or_path={mistral4_hub}",
+        f"model.model_name_or_path={SEED_MODEL}",
         "--override",
-        f"data.dataset_name_or_path={fixtures.dataset}",
+        f"model.revision={commit}",
+        "--override",
+        f"data.dataset_name_or_path={SEED_DATASET}",
         "--override",
         f"train.output_dir={out}",
         "--override",
@@ -303,8 +311,10 @@ def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
         "train.logging_steps=1",
         "--override",
         "train.learning_rate=1e-2",
+        env={"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"},
     )
     logs = _assert_succeeded(job)
+    assert str(snapshot) in logs  # the hub id became the cached snapshot, which the workers were handed
     assert re.search(r"model Mistral4ForCausalLM \(.*\): [\d,]+ params, LoRA r=\d+ on 16 modules", logs), logs[:4000]
     # model.frozen_dtype auto: the FP8 checkpoint stays FP8 (8 linears + 1 expert stack per layer, 2 layers)
     assert "frozen base: 18 decoder matrices stored as FP8 E4M3" in logs, logs[:4000]
@@ -328,63 +338,3 @@ def test_seed_yaml_fine_tunes_the_hub_layout_mistral_small4(
     }
     assert len(adapter) == 2 * 2 * 8  # A and B x 2 layers x 8 modules, nothing from the vision tower
     assert all(adapter[k].abs().sum() > 0 for k in adapter if ".lora_B." in k)
-
-
-def test_tied_embedding_models_of_three_families_fine_tune_with_sharded_loading(
-    ray_cluster: RayCluster, fixtures: Fixtures, smollm2: Path, tmp_path
-):
-    """What a new user does with a small real model: `ray job submit` with the defaults (`load_mode: sharded`, LoRA
-    targets `auto`) on the real pretrained SmolLM2-135M (Llama), whose head is the tied embedding; the same job for
-    tiny Qwen2 and Gemma3 on gloo ranks without Ray (`fixtures.local_run`: the same worker code, and what Ray adds is
-    the same for every family); then `PeftModel.from_pretrained` of `final/` on `from_pretrained` of each checkpoint."""
-    models = {
-        "llama": smollm2,
-        "qwen2": make_tiny_family("qwen2", tmp_path / "qwen2", tied=True, tokenizer_from=fixtures.model),
-        "gemma3_text": make_tiny_family("gemma3_text", tmp_path / "gemma3", tied=True, tokenizer_from=fixtures.model),
-    }
-    configs = {}
-    for family, model_dir in models.items():
-        out = tmp_path / f"{family}-out"
-        cfg = tiny_config(
-            fixtures,
-            out,
-            max_steps=3,
-            logging_steps=1,
-            eval_strategy="no",
-            save_strategy="no",
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=1,
-        )
-        cfg["model"]["model_name_or_path"] = str(model_dir)
-        cfg["lora"]["target_modules"] = ["auto"]
-        out.mkdir()
-        configs[family] = cfg
-    job = submit_job(ray_cluster, "--config", str(write_yaml(tmp_path / "llama-out" / "config.yaml", configs["llama"])))
-    texts = {"llama": _assert_succeeded(job)}
-    for family in ("qwen2", "gemma3_text"):
-        texts[family] = train_locally(configs[family], 2).text()
-    for family, model_dir in models.items():
-        out = tmp_path / f"{family}-out"
-        logs = texts[family]
-        losses = [loss for _, loss, _ in _progress(logs)]
-        assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (family, logs[-4000:])
-        if family == "llama":  # pretrained weights, head included: far below a random model's ln(49152) = 10.8
-            assert losses[0] < 6.0, losses
-
-        saved = load_file(out / "final" / "adapter_model.safetensors")
-        assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == {
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        }, family
-        assert all(saved[k].abs().sum() > 0 for k in saved if ".lora_B." in k), family  # it trained
-        base = _base(model_dir)
-        assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
-        tuned = PeftModel.from_pretrained(base, str(out / "final"))
-        loaded = get_peft_model_state_dict(tuned)
-        assert set(loaded) == set(saved), family  # every tensor found its place
-        assert all(torch.equal(loaded[k], saved[k].to(loaded[k].dtype)) for k in saved), family
