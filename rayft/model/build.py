@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rayft.config import DORA_ON_FP8, Config, ConfigError, ModelConfig
 from rayft.model.attention import AttentionChoice, attention_choice, with_attention
+from rayft.model.blocks import declared_blocks, unwrapped
 from rayft.model.families import check_moe_family
 from rayft.model.frozen import Held
 from rayft.model.lora import LoraTargets, modules_to_save, wrap
@@ -85,7 +86,7 @@ def check_quantised_storage(cfg: Config, model: nn.Module, fp8: bool | None = No
         return
     if cfg.lora.use_dora:
         raise ConfigError(DORA_ON_FP8)
-    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    base = unwrapped(model)
     in_layers = {id(m) for layer in decoder_layers(base) for m in layer.modules()}
     stored = [p for p in modules_to_save(base, cfg.lora) if id(base.get_submodule(p)) in in_layers]
     if stored:
@@ -217,14 +218,10 @@ def forward_context(cfg: Config, device: torch.device) -> Callable[[], AbstractC
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP shards one by one: the classes the model declares as not splittable."""
-    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    block_names = set(getattr(base, "_no_split_modules", None) or [])
     # A vision-language model's tower blocks are no decoder layers: never quantised, never recomputed by count.
-    tower = {id(m) for part in vision_modules(base) for m in part.modules()}
-    # MRO, not type(m): fully_shard swaps a module's class for a generated `FSDP<Name>` subclass.
-    layers = [
-        m for m in base.modules() if id(m) not in tower and any(c.__name__ in block_names for c in type(m).__mro__)
-    ]
+    tower = {id(m) for part in vision_modules(model) for m in part.modules()}
+    layers = [m for m in declared_blocks(model) if id(m) not in tower]
     if not layers:
-        raise RuntimeError(f"{type(base).__name__} declares no decoder layer class (_no_split_modules) to shard")
+        name = type(unwrapped(model)).__name__
+        raise RuntimeError(f"{name} declares no decoder layer class (_no_split_modules) to shard")
     return layers

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import cast
 
-import peft
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from rayft.config import ConfigError, ModelConfig
+from rayft.model.blocks import declared_blocks, unwrapped
 
 # The wrapper's modules outside the language model, as transformers names them (`model.vision_tower`, ...).
 VISION_PARTS = ("vision_tower", "multi_modal_projector")
@@ -55,8 +55,7 @@ def vision_class(config: PretrainedConfig) -> type[PreTrainedModel]:
 def vision_modules(model: nn.Module) -> list[nn.Module]:
     """The tower and the projector of a (PEFT-wrapped) vision-language model, in the order they run; [] for a text
     model."""
-    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    inner = getattr(base, "model", None)
+    inner = getattr(unwrapped(model), "model", None)
     return [m for part in VISION_PARTS if isinstance(m := getattr(inner, part, None), nn.Module)]
 
 
@@ -64,11 +63,8 @@ def vision_blocks(model: nn.Module) -> list[nn.Module]:
     """The tower's repeated blocks (the wrapper's `_no_split_modules` inside it), which FSDP shards one by one. Not
     the tower itself: transformers finds the modules whose outputs it records (the tower's hidden states, of which
     the projector takes one) by their class, which `fully_shard` replaces."""
-    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    return [
-        m for part in vision_modules(base) for m in part.modules() if any(c.__name__ in names for c in type(m).__mro__)
-    ]
+    tower = {id(m) for part in vision_modules(model) for m in part.modules()}
+    return [m for m in declared_blocks(model) if id(m) in tower]
 
 
 def in_vision(name: str) -> bool:
